@@ -49,6 +49,7 @@ OPS = (
 
 DEVICES = ("cpu", "cuda")
 _loaded: dict[str, object] = {}
+default_seed = 0  # set by dptrain.manual_seed; a backend loaded later starts from it
 
 
 def get(device: str):
@@ -56,7 +57,9 @@ def get(device: str):
     if device not in DEVICES:
         raise ValueError(f"unknown device {device!r}; choose one of {', '.join(DEVICES)}")
     if device not in _loaded:
-        _loaded[device] = importlib.import_module(f"dptrain.backend.{device}")
+        module = importlib.import_module(f"dptrain.backend.{device}")
+        module.manual_seed(default_seed)
+        _loaded[device] = module
     return _loaded[device]
 
 
@@ -82,5 +85,5 @@ def resolve_device(requested: str) -> str:
 
 
 def device_of(array) -> str:
-    """'cpu' for NumPy arrays, 'cuda' for CuPy arrays."""
-    return "cpu" if type(array).__module__.startswith("numpy") else "cuda"
+    """'cuda' for CuPy arrays, 'cpu' for anything else (NumPy arrays, lists, scalars)."""
+    return "cuda" if type(array).__module__.startswith("cupy") else "cpu"

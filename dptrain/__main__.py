@@ -1,0 +1,5 @@
+import sys
+
+from dptrain.cli import main
+
+sys.exit(main())

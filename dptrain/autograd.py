@@ -1,0 +1,211 @@
+"""Reverse-mode automatic differentiation over backend arrays.
+
+A Tensor wraps one raw array (NumPy or CuPy) and remembers the Function that
+made it. ``backward()`` walks the recorded graph once in reverse topological
+order; each Function turns its output gradient into input gradients using the
+backend of its inputs. Gradients that reach a tensor along several paths are
+summed, so a value used twice needs no special case.
+
+Leaves that already hold a ``.grad`` (parameters, whose gradients are views of
+one flat buffer) accumulate into it in place; this keeps the step free of
+per-step allocations whose addresses change, which CUDA-graph capture needs.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+
+from dptrain import backend
+
+_grad_enabled = True
+
+
+class no_grad(contextlib.ContextDecorator):
+    """Context (or decorator) in which no graph is recorded."""
+
+    def __enter__(self):
+        global _grad_enabled
+        self._prev, _grad_enabled = _grad_enabled, False
+
+    def __exit__(self, *exc):
+        global _grad_enabled
+        _grad_enabled = self._prev
+
+
+def is_grad_enabled() -> bool:
+    return _grad_enabled
+
+
+class Function:
+    """One differentiable primitive. Subclasses define forward and backward on raw arrays.
+
+    ``forward(self, *arrays, **params)`` returns the output array; it may keep what
+    backward needs on ``self``. ``backward(self, gy)`` returns one gradient per
+    positional input (None where no gradient is needed). ``self.be`` is the
+    backend of the inputs and ``self.needs_grad[i]`` says whether input i wants one.
+    """
+
+    be = None
+    needs_grad: tuple = ()
+    inputs: tuple = ()
+
+    @classmethod
+    def apply(cls, *tensors: "Tensor", **params) -> "Tensor":
+        fn = cls()
+        fn.be = tensors[0].be
+        out = fn.forward(*(t.data for t in tensors), **params)
+        fn.needs_grad = tuple(t.requires_grad for t in tensors)
+        requires_grad = _grad_enabled and any(fn.needs_grad)
+        result = Tensor(out, requires_grad=requires_grad)
+        if requires_grad:
+            fn.inputs = tensors
+            result._ctx = fn
+        return result
+
+    def forward(self, *arrays, **params):
+        raise NotImplementedError
+
+    def backward(self, gy):
+        raise NotImplementedError
+
+
+def _default_dtype(data):
+    """float32 unless the caller handed us a float64 (or integer) array."""
+    if isinstance(data, (list, tuple, float, int, bool)):
+        arr = np.asarray(data)
+        return np.float32 if arr.dtype.kind == "f" else arr.dtype
+    dtype = np.dtype(data.dtype)
+    return np.float32 if dtype == np.float16 else dtype
+
+
+class Tensor:
+    """An n-dimensional array on one device, with an optional gradient."""
+
+    __slots__ = ("data", "grad", "requires_grad", "_ctx", "_grad_hooks", "__weakref__")
+    __array_priority__ = 100  # so ndarray + Tensor defers to Tensor.__radd__
+
+    def __init__(self, data, requires_grad: bool = False):
+        self.data = data
+        self.grad: Tensor | None = None
+        self.requires_grad = bool(requires_grad)
+        self._ctx: Function | None = None
+        self._grad_hooks: list = []
+
+    # -- basic properties
+    @property
+    def be(self):
+        return backend.get(backend.device_of(self.data))
+
+    @property
+    def device(self) -> str:
+        return backend.device_of(self.data)
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(self.data.shape)
+
+    @property
+    def dtype(self):
+        return np.dtype(self.data.dtype)
+
+    @property
+    def ndim(self) -> int:
+        return self.data.ndim
+
+    @property
+    def size(self) -> int:
+        return int(self.data.size)
+
+    def __len__(self):
+        return self.shape[0]
+
+    def __repr__(self):
+        grad = ", requires_grad=True" if self.requires_grad else ""
+        return f"Tensor(shape={self.shape}, dtype={self.dtype}, device={self.device}{grad})"
+
+    def numpy(self) -> np.ndarray:
+        """A NumPy copy of the data (synchronises with the device)."""
+        return self.be.to_numpy(self.data)
+
+    def item(self) -> float:
+        return self.numpy().item()
+
+    def detach(self) -> "Tensor":
+        return Tensor(self.data, requires_grad=False)
+
+    def to(self, device: str) -> "Tensor":
+        if device == self.device:
+            return self
+        return Tensor(backend.get(device).asarray(self.numpy()), self.requires_grad)
+
+    def register_grad_hook(self, hook):
+        """Call hook(tensor) once this leaf's gradient is complete in a backward pass."""
+        self._grad_hooks.append(hook)
+
+    # -- autodiff
+    def backward(self, grad: "Tensor | None" = None):
+        """Accumulate d(self)/d(leaf) * grad into every leaf's .grad that requires one."""
+        if not self.requires_grad:
+            raise RuntimeError("backward() on a tensor that does not require grad")
+        be = self.be
+        seed = be.full(self.shape, 1.0, self.data.dtype) if grad is None else grad.data
+        grads = {id(self): seed}
+        for node in reversed(_topological_order(self)):
+            g = grads.pop(id(node), None)
+            if g is None:
+                continue
+            fn = node._ctx
+            if fn is None:
+                node._accumulate(g)
+                continue
+            for inp, gi, need in zip(fn.inputs, fn.backward(g), fn.needs_grad):
+                if gi is None or not need:
+                    continue
+                prev = grads.get(id(inp))
+                grads[id(inp)] = gi if prev is None else be.add(prev, gi)
+
+    def _accumulate(self, g):
+        if self.grad is None:
+            self.grad = Tensor(self.be.copy(g))
+        else:
+            self.be.add_(self.grad.data, g)
+        for hook in self._grad_hooks:
+            hook(self)
+
+
+def _topological_order(root: Tensor) -> list:
+    """Tensors reachable from root that require grad, every input before its consumers."""
+    order, seen, stack = [], set(), [(root, False)]
+    while stack:
+        node, expanded = stack.pop()
+        if expanded:
+            order.append(node)
+            continue
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        stack.append((node, True))
+        if node._ctx is not None:
+            for inp in node._ctx.inputs:
+                if inp.requires_grad and id(inp) not in seen:
+                    stack.append((inp, False))
+    return order
+
+
+def as_tensor(value, like: Tensor) -> Tensor:
+    """Wrap a Python scalar or array as a constant on like's device and dtype."""
+    if isinstance(value, Tensor):
+        return value
+    return Tensor(like.be.asarray(np.asarray(value, dtype=like.dtype)))
+
+
+def tensor(data, requires_grad: bool = False, device: str = "cpu", dtype=None) -> Tensor:
+    """A new tensor from an array-like: float32 by default, float64 and integers kept."""
+    if isinstance(data, Tensor):
+        data = data.numpy()
+    if backend.device_of(data) == "cuda":
+        data = backend.get("cuda").to_numpy(data)
+    dtype = np.dtype(dtype) if dtype is not None else _default_dtype(data)
+    be = backend.get(device)
+    return Tensor(be.asarray(np.asarray(data, dtype=dtype)), requires_grad=requires_grad)

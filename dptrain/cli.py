@@ -1,0 +1,152 @@
+"""Command line: ``python -m dptrain [train|bench] ...``; no subcommand means ``train``.
+
+Bad input (an unknown model, a non-positive size, a weights file that does not
+fit) ends in one line naming the value at fault and exit code 2, never a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from dptrain.errors import UsageError
+
+SUBCOMMANDS = ("train", "bench")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports errors in one line (no usage dump) with exit code 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _positive_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _non_negative_int(text):
+    value = _positive_int(text) if text.strip() != "0" else 0
+    return value
+
+
+def _positive_float(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def _non_negative_float(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be non-negative, got {value}")
+    return value
+
+
+def train_parser() -> argparse.ArgumentParser:
+    from dptrain.data import DATASETS
+    from dptrain.nn import MODELS
+    from dptrain.optim import OPTIMIZERS, LRSchedule
+    from dptrain.train import DEVICE_DEFAULTS
+
+    cpu, gpu = DEVICE_DEFAULTS["cpu"], DEVICE_DEFAULTS["cuda"]
+    p = _Parser(
+        prog="python -m dptrain train",
+        description="Train a CNN on one process (GPU when available, else CPU). Rank 0 shows "
+        "progress and writes LOGDIR/metrics.jsonl and LOGDIR/summary.json.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    g = p.add_argument_group("model and data")
+    g.add_argument("--model", default="cnn", choices=sorted(MODELS), help="network to train")
+    g.add_argument("--dataset", default="synthetic", choices=sorted(DATASETS),
+                   help="dataset (synthetic: built-in 48x48 shapes, generated on the fly)")
+    g.add_argument("--train-images", type=_positive_int, default=None,
+                   help=f"training images (default {cpu['train_images']} on CPU, "
+                   f"{gpu['train_images']} on GPU)")
+    g.add_argument("--val-images", type=_positive_int, default=None,
+                   help=f"validation images (default {cpu['val_images']} on CPU, "
+                   f"{gpu['val_images']} on GPU)")
+    g.add_argument("--cache-dir", default=None,
+                   help="where generated datasets are cached (default $DPTRAIN_CACHE or "
+                   "~/.cache/dptrain)")
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--epochs", type=_positive_int, default=None,
+                   help=f"passes over the training set (default {cpu['epochs']} on CPU, "
+                   f"{gpu['epochs']} on GPU)")
+    g.add_argument("--max-steps", type=_positive_int, default=None,
+                   help="stop after this many steps, whatever the epochs")
+    g.add_argument("--batch-size", type=_positive_int, default=64, help="images per step per process")
+    g.add_argument("--optimizer", default="sgd", choices=sorted(OPTIMIZERS))
+    g.add_argument("--lr", type=_positive_float, default=0.05, help="peak learning rate")
+    g.add_argument("--lr-schedule", default="cosine", choices=LRSchedule.KINDS)
+    g.add_argument("--warmup-steps", type=_non_negative_int, default=0)
+    g.add_argument("--momentum", type=_non_negative_float, default=0.9, help="SGD momentum")
+    g.add_argument("--nesterov", action="store_true", help="Nesterov momentum (SGD)")
+    g.add_argument("--weight-decay", type=_non_negative_float, default=5e-4)
+    g.add_argument("--seed", type=int, default=0, help="seeds data order, dataset and init")
+    g = p.add_argument_group("device")
+    g.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="auto: the GPU when CuPy and a GPU are present, else the CPU")
+    g.add_argument("--precision", default="auto", choices=("auto", "tf32", "fp32"),
+                   help="GPU matrix precision (auto: TF32 where the GPU has it)")
+    g = p.add_argument_group("output")
+    g.add_argument("--log-dir", default=None, help="write metrics.jsonl and summary.json here")
+    g.add_argument("--save", default=None, metavar="PATH", help="final weights (.npz)")
+    g.add_argument("--load", default=None, metavar="PATH", help="initial weights (.npz)")
+    g.add_argument("--eval-every", type=_non_negative_int, default=0,
+                   help="validate every N steps (0: at the end of each epoch)")
+    g.add_argument("--log-every", type=_positive_int, default=20, help="log every N steps")
+    g.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="no progress bar")
+    return p
+
+
+def run_train(argv) -> int:
+    from dptrain.train import TrainConfig, train
+
+    args = train_parser().parse_args(argv)
+    train(TrainConfig(**vars(args)))
+    return 0
+
+
+def run_bench(argv) -> int:
+    p = _Parser(prog="python -m dptrain bench", description="Benchmarks.")
+    p.add_argument("suite", choices=("ops", "train"), help="ops: kernels against references; "
+                   "train: training throughput against PyTorch")
+    args, rest = p.parse_known_args(argv)
+    if args.suite == "ops":
+        from dptrain.bench.ops import main
+    else:
+        from dptrain.bench.train import main
+    return main(rest) or 0
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-h", "--help"):
+        print("usage: python -m dptrain [train|bench] [options]\n\n"
+              "  train   train a model (the default when no subcommand is given)\n"
+              "  bench   benchmarks: `bench ops`, `bench train`\n\n"
+              "`python -m dptrain train --help` lists the training options.")
+        return 0
+    command = argv.pop(0) if argv and argv[0] in SUBCOMMANDS else "train"
+    try:
+        return run_train(argv) if command == "train" else run_bench(argv)
+    except UsageError as exc:
+        print(f"dptrain {command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("dptrain: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,224 @@
+"""The functional API (``import dptrain.functional as F``) and the Tensor methods built on it.
+
+Arguments follow PyTorch: NCHW activations, conv weight (C_out, C_in, kH, kW),
+linear weight (out, in), y = x W^T + b.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from dptrain import ops
+from dptrain.autograd import Tensor, as_tensor
+
+
+def _pair(value, name):
+    pair = (value, value) if isinstance(value, (int, np.integer)) else tuple(value)
+    if len(pair) != 2 or not all(isinstance(v, (int, np.integer)) for v in pair):
+        raise ValueError(f"{name} must be an int or a pair of ints, got {value!r}")
+    return int(pair[0]), int(pair[1])
+
+
+def _check_nchw(x: Tensor, op: str):
+    if x.ndim != 4:
+        raise ValueError(f"{op} expects a 4-D NCHW input, got shape {x.shape}")
+
+
+# ----------------------------------------------------------------------------- layers
+
+
+def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
+    if x.shape[-1] != w.shape[1]:
+        raise ValueError(f"linear: input has {x.shape[-1]} features, weight expects {w.shape[1]}")
+    return ops.Linear.apply(x, w) if b is None else ops.Linear.apply(x, w, b)
+
+
+def conv2d(x: Tensor, w: Tensor, b: Tensor | None = None, stride=1, padding=0) -> Tensor:
+    _check_nchw(x, "conv2d")
+    if x.shape[1] != w.shape[1]:
+        raise ValueError(f"conv2d: input has {x.shape[1]} channels, weight expects {w.shape[1]}")
+    stride, padding = _pair(stride, "stride"), _pair(padding, "padding")
+    args = (x, w) if b is None else (x, w, b)
+    return ops.Conv2d.apply(*args, stride=stride, padding=padding)
+
+
+def _pool_args(x, kernel_size, stride, padding, op):
+    _check_nchw(x, op)
+    kernel = _pair(kernel_size, "kernel_size")
+    stride = kernel if stride is None else _pair(stride, "stride")
+    padding = _pair(padding, "padding")
+    if any(p * 2 > k for p, k in zip(padding, kernel)):
+        raise ValueError(f"{op}: padding {padding} must be at most half the kernel {kernel}")
+    return dict(kernel=kernel, stride=stride, padding=padding)
+
+
+def max_pool2d(x: Tensor, kernel_size, stride=None, padding=0) -> Tensor:
+    return ops.MaxPool2d.apply(x, **_pool_args(x, kernel_size, stride, padding, "max_pool2d"))
+
+
+def avg_pool2d(x: Tensor, kernel_size, stride=None, padding=0) -> Tensor:
+    return ops.AvgPool2d.apply(x, **_pool_args(x, kernel_size, stride, padding, "avg_pool2d"))
+
+
+def relu(x: Tensor) -> Tensor:
+    return ops.ReLU.apply(x)
+
+
+def sigmoid(x: Tensor) -> Tensor:
+    return ops.Sigmoid.apply(x)
+
+
+def tanh(x: Tensor) -> Tensor:
+    return ops.Tanh.apply(x)
+
+
+def _on_last_axis(fn, x: Tensor, axis: int) -> Tensor:
+    """Apply a last-axis op along `axis` by moving that axis last and back."""
+    axis = axis % x.ndim
+    if axis == x.ndim - 1:
+        return fn.apply(x)
+    perm = tuple(i for i in range(x.ndim) if i != axis) + (axis,)
+    return transpose(fn.apply(transpose(x, *perm)), *np.argsort(perm))
+
+
+def softmax(x: Tensor, axis: int = -1) -> Tensor:
+    return _on_last_axis(ops.Softmax, x, axis)
+
+
+def log_softmax(x: Tensor, axis: int = -1) -> Tensor:
+    return _on_last_axis(ops.LogSoftmax, x, axis)
+
+
+def cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
+    """Mean over the batch of -log softmax(logits)[label]; labels are integer class ids."""
+    if logits.ndim != 2:
+        raise ValueError(f"cross_entropy expects (N, C) logits, got shape {logits.shape}")
+    if not isinstance(labels, Tensor):
+        labels = Tensor(logits.be.asarray(np.asarray(labels, dtype=np.int64)))
+    if labels.dtype.kind not in "iu" or labels.shape != logits.shape[:1]:
+        raise ValueError(
+            f"cross_entropy expects integer labels of shape {logits.shape[:1]}, "
+            f"got {labels.dtype} {labels.shape}"
+        )
+    return ops.CrossEntropy.apply(logits, labels)
+
+
+def dropout(x: Tensor, p: float = 0.5, training: bool = True) -> Tensor:
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+    if not training or p == 0.0:
+        return x
+    return ops.Dropout.apply(x, p=p)
+
+
+# ----------------------------------------------------------------------------- tensor algebra
+
+
+def add(a, b):
+    return ops.Add.apply(*_both(a, b))
+
+
+def sub(a, b):
+    return ops.Sub.apply(*_both(a, b))
+
+
+def mul(a, b):
+    return ops.Mul.apply(*_both(a, b))
+
+
+def div(a, b):
+    return ops.Div.apply(*_both(a, b))
+
+
+def _both(a, b):
+    like = a if isinstance(a, Tensor) else b
+    return as_tensor(a, like), as_tensor(b, like)
+
+
+def matmul(a: Tensor, b: Tensor) -> Tensor:
+    return ops.MatMul.apply(a, b)
+
+
+def power(x: Tensor, p) -> Tensor:
+    if isinstance(p, Tensor) or not np.isscalar(p):
+        raise TypeError("Tensor ** supports a scalar exponent only")
+    return ops.PowScalar.apply(x, p=float(p))
+
+
+def sum(x: Tensor, axis=None, keepdims: bool = False) -> Tensor:  # noqa: A001
+    return ops.Sum.apply(x, axis=_axis(axis), keepdims=keepdims)
+
+
+def mean(x: Tensor, axis=None, keepdims: bool = False) -> Tensor:
+    return ops.Mean.apply(x, axis=_axis(axis), keepdims=keepdims)
+
+
+def max(x: Tensor, axis=None, keepdims: bool = False) -> Tensor:  # noqa: A001
+    return ops.Max.apply(x, axis=_axis(axis), keepdims=keepdims)
+
+
+def _axis(axis):
+    return tuple(axis) if isinstance(axis, (list, tuple)) else axis
+
+
+def reshape(x: Tensor, *shape) -> Tensor:
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+        shape = tuple(shape[0])
+    return ops.Reshape.apply(x, shape=tuple(int(s) for s in shape))
+
+
+def transpose(x: Tensor, *axes) -> Tensor:
+    if len(axes) == 1 and isinstance(axes[0], (tuple, list)):
+        axes = tuple(axes[0])
+    axes = tuple(int(a) for a in axes) if axes else tuple(reversed(range(x.ndim)))
+    return ops.Transpose.apply(x, axes=axes)
+
+
+def flatten(x: Tensor, start_axis: int = 1) -> Tensor:
+    start_axis %= x.ndim
+    return reshape(x, *x.shape[:start_axis], -1)
+
+
+def getitem(x: Tensor, index) -> Tensor:
+    if isinstance(index, Tensor):
+        index = index.data
+    return ops.GetItem.apply(x, index=index)
+
+
+def concatenate(tensors, axis: int = 0) -> Tensor:
+    tensors = list(tensors)
+    if not tensors:
+        raise ValueError("concatenate needs at least one tensor")
+    return ops.Concatenate.apply(*tensors, axis=axis)
+
+
+# ----------------------------------------------------------------------------- Tensor methods
+
+_METHODS = {
+    "__add__": add,
+    "__radd__": lambda a, b: add(b, a),
+    "__sub__": sub,
+    "__rsub__": lambda a, b: sub(b, a),
+    "__mul__": mul,
+    "__rmul__": lambda a, b: mul(b, a),
+    "__truediv__": div,
+    "__rtruediv__": lambda a, b: div(b, a),
+    "__matmul__": matmul,
+    "__pow__": power,
+    "__neg__": lambda x: ops.Neg.apply(x),
+    "__getitem__": getitem,
+    "sum": sum,
+    "mean": mean,
+    "max": max,
+    "exp": lambda x: ops.Exp.apply(x),
+    "log": lambda x: ops.Log.apply(x),
+    "sqrt": lambda x: ops.Sqrt.apply(x),
+    "relu": relu,
+    "sigmoid": sigmoid,
+    "tanh": tanh,
+    "reshape": reshape,
+    "transpose": transpose,
+    "flatten": flatten,
+    "T": property(lambda x: transpose(x)),
+}
+for _name, _fn in _METHODS.items():
+    setattr(Tensor, _name, _fn)

@@ -1,0 +1,11 @@
+"""Modules, layers and models."""
+from dptrain.nn.layers import (
+    AvgPool2d, Conv2d, Dropout, Flatten, Linear, MaxPool2d, ReLU, Sequential,
+)
+from dptrain.nn.models import MODELS, build_model, cnn, mlp
+from dptrain.nn.module import Module, Parameter
+
+__all__ = [
+    "Module", "Parameter", "Linear", "Conv2d", "MaxPool2d", "AvgPool2d", "ReLU", "Flatten",
+    "Dropout", "Sequential", "MODELS", "build_model", "cnn", "mlp",
+]

@@ -1,0 +1,109 @@
+"""Layers with PyTorch's shapes, names and default initialisation."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from dptrain import functional as F
+from dptrain.nn.module import Module, Parameter
+from dptrain.random import init_rng
+
+
+def _uniform(shape, bound):
+    return init_rng().uniform(-bound, bound, size=shape).astype(np.float32)
+
+
+def _init_weight_and_bias(module, weight_shape, fan_in, bias):
+    # PyTorch's default: kaiming_uniform(a=sqrt(5)) gives a bound of 1/sqrt(fan_in),
+    # and the bias is uniform in the same range.
+    bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
+    module.weight = Parameter(_uniform(weight_shape, bound))
+    module.bias = Parameter(_uniform((weight_shape[0],), bound)) if bias else None
+
+
+class Linear(Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool = True):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        _init_weight_and_bias(self, (out_features, in_features), in_features, bias)
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+
+class Conv2d(Module):
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, bias=True):
+        super().__init__()
+        kh, kw = F._pair(kernel_size, "kernel_size")
+        self.stride, self.padding = stride, padding
+        _init_weight_and_bias(
+            self, (out_channels, in_channels, kh, kw), in_channels * kh * kw, bias
+        )
+
+    def forward(self, x):
+        return F.conv2d(x, self.weight, self.bias, self.stride, self.padding)
+
+
+class MaxPool2d(Module):
+    def __init__(self, kernel_size, stride=None, padding=0):
+        super().__init__()
+        self.args = (kernel_size, stride, padding)
+
+    def forward(self, x):
+        return F.max_pool2d(x, *self.args)
+
+
+class AvgPool2d(Module):
+    def __init__(self, kernel_size, stride=None, padding=0):
+        super().__init__()
+        self.args = (kernel_size, stride, padding)
+
+    def forward(self, x):
+        return F.avg_pool2d(x, *self.args)
+
+
+class ReLU(Module):
+    def forward(self, x):
+        return F.relu(x)
+
+
+class Flatten(Module):
+    def __init__(self, start_axis: int = 1):
+        super().__init__()
+        self.start_axis = start_axis
+
+    def forward(self, x):
+        return F.flatten(x, self.start_axis)
+
+
+class Dropout(Module):
+    def __init__(self, p: float = 0.5):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x):
+        return F.dropout(x, self.p, self.training)
+
+
+class Sequential(Module):
+    """Layers applied in order; named "0", "1", ... as in PyTorch."""
+
+    def __init__(self, *layers):
+        super().__init__()
+        for i, layer in enumerate(layers):
+            setattr(self, str(i), layer)
+
+    def __iter__(self):
+        return iter(self._modules.values())
+
+    def __len__(self):
+        return len(self._modules)
+
+    def __getitem__(self, i):
+        return list(self._modules.values())[i]
+
+    def forward(self, x):
+        for layer in self._modules.values():
+            x = layer(x)
+        return x

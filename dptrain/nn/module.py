@@ -1,0 +1,98 @@
+"""Module and Parameter: the bookkeeping every layer and model shares (PyTorch-style)."""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+
+from dptrain import backend
+from dptrain.autograd import Tensor
+
+
+class Parameter(Tensor):
+    """A tensor that a Module owns and an optimizer updates."""
+
+    def __init__(self, data):
+        super().__init__(data, requires_grad=True)
+
+
+class Module:
+    """Holds parameters and sub-modules as attributes; names follow attribute paths."""
+
+    def __init__(self):
+        object.__setattr__(self, "_params", OrderedDict())
+        object.__setattr__(self, "_modules", OrderedDict())
+        object.__setattr__(self, "training", True)
+
+    def __setattr__(self, name, value):
+        if isinstance(value, Parameter):
+            self._params[name] = value
+        elif isinstance(value, Module):
+            self._modules[name] = value
+        object.__setattr__(self, name, value)
+
+    def forward(self, *args):
+        raise NotImplementedError
+
+    def __call__(self, *args):
+        return self.forward(*args)
+
+    # -- traversal
+    def named_parameters(self, prefix: str = ""):
+        for name, p in self._params.items():
+            yield prefix + name, p
+        for name, m in self._modules.items():
+            yield from m.named_parameters(prefix + name + ".")
+
+    def parameters(self):
+        return [p for _, p in self.named_parameters()]
+
+    def modules(self):
+        yield self
+        for m in self._modules.values():
+            yield from m.modules()
+
+    def num_parameters(self) -> int:
+        return sum(p.size for p in self.parameters())
+
+    # -- mode and device
+    def train(self, mode: bool = True):
+        for m in self.modules():
+            object.__setattr__(m, "training", mode)
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    def to(self, device: str):
+        """Move every parameter's data to `device` (before an optimizer flattens them)."""
+        be = backend.get(device)
+        for p in self.parameters():
+            if p.device != device:
+                p.data = be.asarray(p.numpy())
+        return self
+
+    # -- weights as name -> array
+    def state_dict(self) -> "OrderedDict[str, np.ndarray]":
+        return OrderedDict((name, p.numpy().copy()) for name, p in self.named_parameters())
+
+    def load_state_dict(self, state, source: str = "state_dict"):
+        """Copy arrays into the parameters in place; names and shapes must match exactly."""
+        params = dict(self.named_parameters())
+        missing = sorted(set(params) - set(state))
+        unexpected = sorted(set(state) - set(params))
+        if missing or unexpected:
+            raise ValueError(
+                f"{source}: parameter names do not match the model"
+                + (f"; missing {', '.join(missing)}" if missing else "")
+                + (f"; unexpected {', '.join(unexpected)}" if unexpected else "")
+            )
+        for name, p in params.items():
+            value = np.asarray(state[name])
+            if tuple(value.shape) != p.shape:
+                raise ValueError(
+                    f"{source}: {name} has shape {tuple(value.shape)}, the model expects {p.shape}"
+                )
+        for name, p in params.items():
+            p.be.copy_(p.data, p.be.asarray(np.asarray(state[name], dtype=p.dtype)))
+        return self

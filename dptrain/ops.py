@@ -1,0 +1,337 @@
+"""Differentiable primitives: one Function per op, forward and backward side by side.
+
+Every op works on raw backend arrays through ``self.be`` and never looks at the
+device. Inputs that broadcast get their gradient summed back to their own shape.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from dptrain.autograd import Function
+
+# ----------------------------------------------------------------------------- elementwise
+
+
+class Add(Function):
+    def forward(self, a, b):
+        self.shapes = a.shape, b.shape
+        return self.be.add(a, b)
+
+    def backward(self, gy):
+        sa, sb = self.shapes
+        return self.be.sum_to_shape(gy, sa), self.be.sum_to_shape(gy, sb)
+
+
+class Sub(Function):
+    def forward(self, a, b):
+        self.shapes = a.shape, b.shape
+        return self.be.sub(a, b)
+
+    def backward(self, gy):
+        sa, sb = self.shapes
+        gb = self.be.neg(gy) if self.needs_grad[1] else None
+        return self.be.sum_to_shape(gy, sa), gb if gb is None else self.be.sum_to_shape(gb, sb)
+
+
+class Mul(Function):
+    def forward(self, a, b):
+        self.a, self.b = a, b
+        return self.be.mul(a, b)
+
+    def backward(self, gy):
+        be, a, b = self.be, self.a, self.b
+        ga = be.sum_to_shape(be.mul(gy, b), a.shape) if self.needs_grad[0] else None
+        gb = be.sum_to_shape(be.mul(gy, a), b.shape) if self.needs_grad[1] else None
+        return ga, gb
+
+
+class Div(Function):
+    def forward(self, a, b):
+        self.a, self.b = a, b
+        return self.be.div(a, b)
+
+    def backward(self, gy):
+        be, a, b = self.be, self.a, self.b
+        ga = be.sum_to_shape(be.div(gy, b), a.shape) if self.needs_grad[0] else None
+        gb = None
+        if self.needs_grad[1]:  # d(a/b)/db = -a / b^2
+            gb = be.sum_to_shape(be.neg(be.div(be.mul(gy, a), be.mul(b, b))), b.shape)
+        return ga, gb
+
+
+class Neg(Function):
+    def forward(self, a):
+        return self.be.neg(a)
+
+    def backward(self, gy):
+        return (self.be.neg(gy),)
+
+
+class PowScalar(Function):
+    def forward(self, a, p):
+        self.a, self.p = a, p
+        return self.be.pow_scalar(a, p)
+
+    def backward(self, gy):
+        return (self.be.pow_scalar_backward(self.a, gy, self.p),)
+
+
+class Exp(Function):
+    def forward(self, a):
+        self.y = self.be.exp(a)
+        return self.y
+
+    def backward(self, gy):
+        return (self.be.mul(gy, self.y),)
+
+
+class Log(Function):
+    def forward(self, a):
+        self.a = a
+        return self.be.log(a)
+
+    def backward(self, gy):
+        return (self.be.div(gy, self.a),)
+
+
+class Sqrt(Function):
+    def forward(self, a):
+        self.y = self.be.sqrt(a)
+        return self.y
+
+    def backward(self, gy):  # d sqrt(a) = 1 / (2 sqrt(a))
+        return (self.be.div(self.be.scale(gy, 0.5), self.y),)
+
+
+class ReLU(Function):
+    def forward(self, a):
+        self.y = self.be.relu(a)
+        return self.y
+
+    def backward(self, gy):
+        return (self.be.relu_backward(self.y, gy),)
+
+
+class Sigmoid(Function):
+    def forward(self, a):
+        self.y = self.be.sigmoid(a)
+        return self.y
+
+    def backward(self, gy):
+        return (self.be.sigmoid_backward(self.y, gy),)
+
+
+class Tanh(Function):
+    def forward(self, a):
+        self.y = self.be.tanh(a)
+        return self.y
+
+    def backward(self, gy):
+        return (self.be.tanh_backward(self.y, gy),)
+
+
+# ----------------------------------------------------------------------------- reductions
+
+
+def _kept_shape(shape, axis):
+    """The shape a reduction over `axis` has with keepdims=True."""
+    if axis is None:
+        return (1,) * len(shape)
+    axes = {a % len(shape) for a in np.atleast_1d(axis).tolist()}
+    return tuple(1 if i in axes else n for i, n in enumerate(shape))
+
+
+class Sum(Function):
+    def forward(self, a, axis=None, keepdims=False):
+        self.shape, self.axis = a.shape, axis
+        return self.be.sum(a, axis=axis, keepdims=keepdims)
+
+    def backward(self, gy):
+        gy = gy.reshape(_kept_shape(self.shape, self.axis))
+        return (self.be.broadcast_to(gy, self.shape),)
+
+
+class Mean(Function):
+    def forward(self, a, axis=None, keepdims=False):
+        self.shape, self.axis = a.shape, axis
+        self.count = int(np.prod(a.shape)) // int(np.prod(_kept_shape(a.shape, axis)))
+        return self.be.scale(self.be.sum(a, axis=axis, keepdims=keepdims), 1.0 / self.count)
+
+    def backward(self, gy):
+        gy = self.be.scale(gy, 1.0 / self.count).reshape(_kept_shape(self.shape, self.axis))
+        return (self.be.broadcast_to(gy, self.shape),)
+
+
+class Max(Function):
+    def forward(self, a, axis=None, keepdims=False):
+        self.a, self.axis, self.keepdims = a, axis, keepdims
+        self.y = self.be.max(a, axis=axis, keepdims=keepdims)
+        return self.y
+
+    def backward(self, gy):
+        return (self.be.max_backward(self.a, self.y, gy, self.axis, self.keepdims),)
+
+
+# ----------------------------------------------------------------------------- shape
+
+
+class Reshape(Function):
+    def forward(self, a, shape):
+        self.shape = a.shape
+        return a.reshape(shape)
+
+    def backward(self, gy):
+        return (gy.reshape(self.shape),)
+
+
+class Transpose(Function):
+    def forward(self, a, axes):
+        self.axes = axes
+        return self.be.transpose(a, axes)
+
+    def backward(self, gy):
+        return (self.be.transpose(gy, tuple(np.argsort(self.axes))),)
+
+
+class GetItem(Function):
+    def forward(self, a, index):
+        self.shape, self.index = a.shape, index
+        return self.be.getitem(a, index)
+
+    def backward(self, gy):
+        return (self.be.getitem_backward(gy, self.shape, self.index),)
+
+
+class Concatenate(Function):
+    def forward(self, *arrays, axis=0):
+        self.axis = axis
+        self.sizes = [a.shape[axis] for a in arrays]
+        return self.be.concatenate(arrays, axis)
+
+    def backward(self, gy):
+        grads, start = [], 0
+        axis = self.axis % gy.ndim
+        for size, need in zip(self.sizes, self.needs_grad):
+            index = (slice(None),) * axis + (slice(start, start + size),)
+            grads.append(self.be.getitem(gy, index) if need else None)
+            start += size
+        return tuple(grads)
+
+
+# ----------------------------------------------------------------------------- matrix products
+
+
+class MatMul(Function):
+    def forward(self, a, b):
+        if a.ndim < 2 or b.ndim < 2:
+            raise ValueError(f"matmul needs operands of at least 2 dims, got {a.shape} @ {b.shape}")
+        self.a, self.b = a, b
+        return self.be.matmul(a, b)
+
+    def backward(self, gy):
+        be, a, b = self.be, self.a, self.b
+        ga = be.sum_to_shape(be.matmul(gy, b, trans_b=True), a.shape) if self.needs_grad[0] else None
+        gb = be.sum_to_shape(be.matmul(a, gy, trans_a=True), b.shape) if self.needs_grad[1] else None
+        return ga, gb
+
+
+class Linear(Function):
+    """y = x W^T + b over the last axis of x; W is (out, in) as in PyTorch."""
+
+    def forward(self, x, w, b=None):
+        self.x_shape = x.shape
+        self.x2 = x.reshape(-1, x.shape[-1])
+        self.w = w
+        y = self.be.matmul(self.x2, w, trans_b=True)
+        if b is not None:
+            y = self.be.bias_add(y, b)
+        return y.reshape(x.shape[:-1] + (w.shape[0],))
+
+    def backward(self, gy):
+        be = self.be
+        g2 = gy.reshape(-1, gy.shape[-1])
+        gx = be.matmul(g2, self.w).reshape(self.x_shape) if self.needs_grad[0] else None
+        gw = be.matmul(g2, self.x2, trans_a=True) if self.needs_grad[1] else None
+        gb = be.bias_grad(g2) if len(self.needs_grad) > 2 and self.needs_grad[2] else None
+        return gx, gw, gb
+
+
+# ----------------------------------------------------------------------------- convolution and pooling
+
+
+class Conv2d(Function):
+    def forward(self, x, w, b=None, stride=(1, 1), padding=(0, 0)):
+        self.x, self.w, self.stride, self.padding = x, w, stride, padding
+        return self.be.conv2d_forward(x, w, b, stride, padding)
+
+    def backward(self, gy):
+        be, x, w = self.be, self.x, self.w
+        gx = gw = gb = None
+        if self.needs_grad[0]:
+            gx = be.conv2d_backward_data(gy, w, x.shape, self.stride, self.padding)
+        if self.needs_grad[1]:
+            gw = be.conv2d_backward_weight(x, gy, w.shape, self.stride, self.padding)
+        if len(self.needs_grad) > 2 and self.needs_grad[2]:
+            gb = be.bias_grad(gy)
+        return gx, gw, gb
+
+
+class MaxPool2d(Function):
+    def forward(self, x, kernel, stride, padding):
+        self.x_shape = x.shape
+        y, self.idx = self.be.max_pool2d_forward(x, kernel, stride, padding)
+        return y
+
+    def backward(self, gy):
+        return (self.be.max_pool2d_backward(gy, self.idx, self.x_shape),)
+
+
+class AvgPool2d(Function):
+    def forward(self, x, kernel, stride, padding):
+        self.x_shape, self.args = x.shape, (kernel, stride, padding)
+        return self.be.avg_pool2d_forward(x, kernel, stride, padding)
+
+    def backward(self, gy):
+        return (self.be.avg_pool2d_backward(gy, self.x_shape, *self.args),)
+
+
+# ----------------------------------------------------------------------------- softmax family (last axis)
+
+
+class Softmax(Function):
+    def forward(self, x):
+        self.y = self.be.softmax(x)
+        return self.y
+
+    def backward(self, gy):
+        return (self.be.softmax_backward(self.y, gy),)
+
+
+class LogSoftmax(Function):
+    def forward(self, x):
+        self.y = self.be.log_softmax(x)
+        return self.y
+
+    def backward(self, gy):
+        return (self.be.log_softmax_backward(self.y, gy),)
+
+
+class CrossEntropy(Function):
+    """Mean cross-entropy of (N, C) logits against integer labels (N,)."""
+
+    def forward(self, logits, labels):
+        self.labels = labels
+        loss, self.probs = self.be.cross_entropy_forward(logits, labels)
+        return loss
+
+    def backward(self, gloss):
+        return self.be.cross_entropy_backward(self.probs, self.labels, gloss), None
+
+
+class Dropout(Function):
+    def forward(self, x, p):
+        self.mask = self.be.dropout_mask(x.shape, p, x.dtype)
+        return self.be.mul(x, self.mask)
+
+    def backward(self, gy):
+        return (self.be.mul(gy, self.mask),)

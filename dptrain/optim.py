@@ -1,0 +1,143 @@
+"""Optimizers over flat buffers, and learning-rate schedules.
+
+An optimizer owns a [start, stop) shard of the flat parameter buffer (the whole
+buffer in a single process) and keeps its state only for that shard (ZeRO-1).
+Per-step scalars (learning rate, Adam's bias corrections) go into a small device
+array ``hyper`` before each update, so the update itself reads no host values
+and can be replayed from a captured CUDA graph.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from dptrain.flat import FlatParameters
+
+
+class Optimizer:
+    def __init__(self, params, lr: float, shard: tuple[int, int] | None = None):
+        if lr <= 0:
+            raise ValueError(f"learning rate must be positive, got {lr}")
+        self.flat = params if isinstance(params, FlatParameters) else FlatParameters(params)
+        self.be = self.flat.be
+        self.start, self.stop = shard if shard is not None else (0, self.flat.numel)
+        self.lr = float(lr)
+        self.steps = 0
+        self.hyper = self.be.zeros((4,), self.flat.dtype)
+
+    @property
+    def param_shard(self):
+        return self.flat.data[self.start : self.stop]
+
+    @property
+    def grad_shard(self):
+        return self.flat.grad[self.start : self.stop]
+
+    def _state(self):
+        return self.be.zeros((self.stop - self.start,), self.flat.dtype)
+
+    def zero_grad(self):
+        self.flat.zero_grad()
+
+    def step(self):
+        """Advance one step: write this step's scalars, then update the shard."""
+        self.begin_step()
+        self.update()
+
+    def begin_step(self):
+        """Count the step and write its scalars to the device (host side, outside any graph)."""
+        self.steps += 1
+        self.be.set_scalar_(self.hyper, self.hyper_values())
+
+    def hyper_values(self) -> list[float]:
+        return [self.lr]
+
+    def update(self):
+        raise NotImplementedError
+
+    # -- state for checkpoints: host copies of the shard's buffers
+    def state_arrays(self) -> dict:
+        return {}
+
+    def state_dict(self) -> dict:
+        state = {k: self.be.to_numpy(v) for k, v in self.state_arrays().items()}
+        return {"steps": self.steps, "lr": self.lr, **state}
+
+    def load_state_dict(self, state: dict):
+        self.steps, self.lr = int(state["steps"]), float(state["lr"])
+        for k, v in self.state_arrays().items():
+            self.be.copy_(v, self.be.asarray(np.asarray(state[k], dtype=self.flat.dtype)))
+
+
+class SGD(Optimizer):
+    """SGD with momentum, Nesterov momentum and (coupled) weight decay, as torch.optim.SGD."""
+
+    def __init__(self, params, lr=0.01, momentum=0.0, weight_decay=0.0, nesterov=False,
+                 shard=None):
+        super().__init__(params, lr, shard)
+        if momentum < 0 or weight_decay < 0:
+            raise ValueError("momentum and weight decay must be non-negative")
+        if nesterov and momentum == 0:
+            raise ValueError("nesterov momentum needs momentum > 0")
+        self.momentum, self.weight_decay, self.nesterov = momentum, weight_decay, nesterov
+        self.buf = self._state() if momentum else None
+
+    def update(self):
+        self.be.sgd_step_(self.param_shard, self.grad_shard, self.buf, self.hyper,
+                          self.momentum, self.weight_decay, self.nesterov)
+
+    def state_arrays(self):
+        return {"momentum_buffer": self.buf} if self.buf is not None else {}
+
+
+class AdamW(Optimizer):
+    """Adam with decoupled weight decay, as torch.optim.AdamW."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
+                 shard=None):
+        super().__init__(params, lr, shard)
+        self.beta1, self.beta2 = betas
+        self.eps, self.weight_decay = eps, weight_decay
+        self.m, self.v = self._state(), self._state()
+
+    def hyper_values(self):
+        t = self.steps
+        return [self.lr, 1.0 - self.beta1**t, 1.0 - self.beta2**t]
+
+    def update(self):
+        self.be.adamw_step_(self.param_shard, self.grad_shard, self.m, self.v, self.hyper,
+                            self.beta1, self.beta2, self.eps, self.weight_decay)
+
+    def state_arrays(self):
+        return {"exp_avg": self.m, "exp_avg_sq": self.v}
+
+
+OPTIMIZERS = {"sgd": SGD, "adamw": AdamW}
+
+
+class LRSchedule:
+    """Learning rate at a step: linear warmup, then constant, step decay or cosine decay."""
+
+    KINDS = ("constant", "step", "cosine")
+
+    def __init__(self, base_lr, kind="cosine", total_steps=1, warmup_steps=0, min_lr=0.0,
+                 step_size=None, gamma=0.1):
+        if kind not in self.KINDS:
+            raise ValueError(f"unknown schedule {kind!r}; choose one of {', '.join(self.KINDS)}")
+        self.base_lr, self.kind, self.min_lr, self.gamma = base_lr, kind, min_lr, gamma
+        self.total_steps = max(1, total_steps)
+        self.warmup_steps = max(0, warmup_steps)
+        self.step_size = step_size or max(1, self.total_steps // 3)
+
+    def __call__(self, step: int) -> float:
+        """The rate for 0-based `step`."""
+        if step < self.warmup_steps:
+            return self.base_lr * (step + 1) / self.warmup_steps
+        if self.kind == "constant":
+            return self.base_lr
+        if self.kind == "step":
+            return self.base_lr * self.gamma ** ((step - self.warmup_steps) // self.step_size)
+        span = max(1, self.total_steps - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / span)
+        return self.min_lr + 0.5 * (self.base_lr - self.min_lr) * (1 + math.cos(math.pi * progress))

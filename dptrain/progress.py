@@ -1,0 +1,45 @@
+"""A progress bar for long work: tqdm when installed, a line every few seconds otherwise."""
+from __future__ import annotations
+
+import sys
+import time
+
+
+class Progress:
+    def __init__(self, total: int, enabled: bool = True, desc: str = "train"):
+        self.enabled, self.total, self.last_print = enabled, total, 0.0
+        self.bar = None
+        if enabled:
+            try:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True,
+                                mininterval=1.0, file=sys.stderr)
+            except ImportError:
+                pass
+        self.done = 0
+
+    def update(self, step: int, **stats):
+        if not self.enabled:
+            return
+        text = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                         for k, v in stats.items())
+        if self.bar is not None:
+            self.bar.update(step - self.done)
+            self.bar.set_postfix_str(text, refresh=False)
+        elif time.monotonic() - self.last_print > 5 or step == self.total:
+            print(f"step {step}/{self.total}: {text}", file=sys.stderr, flush=True)
+            self.last_print = time.monotonic()
+        self.done = step
+
+    def note(self, text: str):
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(text, file=sys.stderr)
+        else:
+            print(text, file=sys.stderr, flush=True)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
