@@ -6,6 +6,8 @@ the contract in ``dptrain/backend/__init__.py``.
 """
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
@@ -150,7 +152,7 @@ def relu(a):
 
 
 def relu_backward(y, gy):
-    return np.where(y > 0, gy, gy.dtype.type(0))
+    return gy * (y > 0)
 
 
 def sigmoid(a):
@@ -244,10 +246,46 @@ def _im2col(x, kh, kw, stride, padding):
     return win.transpose(1, 4, 5, 0, 2, 3).reshape(c * kh * kw, n * ho * wo), (ho, wo)
 
 
+class _ColsCache:
+    """The im2col matrix of the last few conv inputs, so backward-weight need not rebuild it.
+
+    Keyed by the input array's identity (checked through a weak reference), so a
+    new array at a recycled address never hits a stale entry.
+    """
+
+    def __init__(self, size=8):
+        self.size, self.entries = size, {}
+
+    def get(self, x, key):
+        entry = self.entries.get((id(x), key))
+        return entry[1] if entry is not None and entry[0]() is x else None
+
+    def put(self, x, key, cols):
+        if len(self.entries) >= self.size:
+            self.entries.pop(next(iter(self.entries)))
+        self.entries[(id(x), key)] = (weakref.ref(x), cols)
+
+
+_cols_cache = _ColsCache()
+
+
+def _cached_im2col(x, kh, kw, stride, padding, reuse):
+    """im2col of x; forward stores it (reuse=False), backward-weight reads it back (reuse=True).
+
+    Like any saved activation, x must not be modified in place between the two.
+    """
+    key = (kh, kw, stride, padding)
+    hit = _cols_cache.get(x, key) if reuse else None
+    if hit is None:
+        hit = _im2col(x, kh, kw, stride, padding)
+        _cols_cache.put(x, key, hit)
+    return hit
+
+
 def conv2d_forward(x, w, b, stride, padding):
     n = x.shape[0]
     cout, _, kh, kw = w.shape
-    cols, (ho, wo) = _im2col(x, kh, kw, stride, padding)
+    cols, (ho, wo) = _cached_im2col(x, kh, kw, stride, padding, reuse=False)
     y = (w.reshape(cout, -1) @ cols).reshape(cout, n, ho, wo)
     if b is not None:
         y += b.reshape(cout, 1, 1, 1)
@@ -276,25 +314,42 @@ def conv2d_backward_data(gy, w, x_shape, stride, padding):
 
 def conv2d_backward_weight(x, gy, w_shape, stride, padding):
     _, _, kh, kw = w_shape
-    cols, _ = _im2col(x, kh, kw, stride, padding)
-    return (_channels_first(gy) @ cols.T).reshape(w_shape)
+    cols, _ = _cached_im2col(x, kh, kw, stride, padding, reuse=True)
+    g = _channels_first(gy)
+    # OpenBLAS is up to 15x slower on a long-K product whose output has fewer rows than
+    # columns, so compute the transposed product in that case.
+    dw = g @ cols.T if g.shape[0] >= cols.shape[0] else (cols @ g.T).T
+    return np.ascontiguousarray(dw).reshape(w_shape)
 
 
 # ----------------------------------------------------------------------------- pooling
+
+
+def _offsets(kh, kw, sh, sw, ho, wo):
+    """Slices that pick, for kernel offset (i, j), that element of every window."""
+    for i in range(kh):
+        for j in range(kw):
+            yield i, j, (slice(i, i + (ho - 1) * sh + 1, sh), slice(j, j + (wo - 1) * sw + 1, sw))
 
 
 def max_pool2d_forward(x, kernel, stride, padding):
     """Returns (y, idx): idx is the flat h*W+w position in x of each window's maximum (int32)."""
     (kh, kw), (sh, sw), (ph, pw) = kernel, stride, padding
     n, c, h, w = x.shape
-    win = _windows(x, kh, kw, stride, padding, pad_value=-np.inf)
-    ho, wo = win.shape[2:4]
-    flat = win.reshape(n, c, ho, wo, kh * kw)
-    arg = flat.argmax(axis=-1)
-    y = np.take_along_axis(flat, arg[..., None], axis=-1)[..., 0]
-    rows = np.arange(ho).reshape(ho, 1) * sh + arg // kw - ph
-    cols = np.arange(wo).reshape(1, wo) * sw + arg % kw - pw
-    return np.ascontiguousarray(y), (rows * w + cols).astype(np.int32)
+    ho, wo = _out_size(h, kh, sh, ph), _out_size(w, kw, sw, pw)
+    xp = np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)), constant_values=-np.inf) if ph or pw else x
+    # The max over the kH*kW window offsets, then the first offset that attains it
+    # (walking the offsets backwards so the earliest match is written last, as argmax picks).
+    views = [(i * kw + j, xp[:, :, rows, cols]) for i, j, (rows, cols) in _offsets(kh, kw, sh, sw, ho, wo)]
+    y = views[0][1].copy()
+    for _, v in views[1:]:
+        np.maximum(y, v, out=y)
+    arg = np.zeros((n, c, ho, wo), dtype=np.int32)
+    for offset, v in reversed(views[1:]):
+        arg[v == y] = offset
+    r = np.arange(ho, dtype=np.int32).reshape(ho, 1) * sh + arg // kw - ph
+    q = np.arange(wo, dtype=np.int32).reshape(1, wo) * sw + arg % kw - pw
+    return y, r * w + q
 
 
 def max_pool2d_backward(gy, idx, x_shape):

@@ -1,0 +1,32 @@
+"""Each backend provides every op the contract lists."""
+import importlib.util
+
+import pytest
+
+from dptrain import backend
+
+
+def test_cpu_backend_implements_every_op():
+    cpu = backend.get("cpu")
+    missing = [name for name in backend.OPS if not callable(getattr(cpu, name, None))]
+    assert not missing
+
+
+@pytest.mark.skipif(importlib.util.find_spec("cupy") is None, reason="CuPy not installed")
+def test_cuda_backend_implements_every_op():
+    import dptrain.backend.cuda as cuda
+
+    missing = [name for name in backend.OPS if not callable(getattr(cuda, name, None))]
+    assert not missing
+
+
+def test_unknown_device_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown device 'tpu'"):
+        backend.get("tpu")
+    with pytest.raises(ValueError, match="unknown device"):
+        backend.resolve_device("tpu")
+
+
+def test_auto_device_falls_back_to_cpu_without_gpu():
+    expected = "cuda" if backend.cuda_available() else "cpu"
+    assert backend.resolve_device("auto") == expected
