@@ -88,6 +88,11 @@ def train_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-steps", type=_positive_int, default=None,
                    help="stop after this many steps, whatever the epochs")
     g.add_argument("--batch-size", type=_positive_int, default=64, help="images per step per process")
+    g.add_argument("--global-batch-size", type=_positive_int, default=None,
+                   help="images per step over all processes (instead of --batch-size)")
+    g.add_argument("--no-drop-last", dest="drop_last", action="store_false",
+                   help="pad the last ragged batch of an epoch with wrapped-around images "
+                   "instead of dropping it")
     g.add_argument("--optimizer", default="sgd", choices=sorted(OPTIMIZERS))
     g.add_argument("--lr", type=_positive_float, default=0.05, help="peak learning rate")
     g.add_argument("--lr-schedule", default="cosine", choices=LRSchedule.KINDS)
@@ -99,6 +104,8 @@ def train_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("device")
     g.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                    help="auto: the GPU when CuPy and a GPU are present, else the CPU")
+    g.add_argument("--bucket-mb", type=_positive_float, default=4.0,
+                   help="gradient bucket size for the reduce-scatter (MB)")
     g.add_argument("--precision", default="auto", choices=("auto", "tf32", "fp32"),
                    help="GPU matrix precision (auto: TF32 where the GPU has it)")
     g = p.add_argument_group("output")
@@ -110,6 +117,9 @@ def train_parser() -> argparse.ArgumentParser:
     g.add_argument("--log-every", type=_positive_int, default=20, help="log every N steps")
     g.add_argument("--no-progress", dest="progress", action="store_false",
                    help="no progress bar")
+    g.add_argument("--verify-replicas", action="store_true",
+                   help="check after every step that all ranks hold identical parameters "
+                   "(slow; for testing)")
     return p
 
 
@@ -117,7 +127,7 @@ def run_train(argv) -> int:
     from dptrain.train import TrainConfig, train
 
     args = train_parser().parse_args(argv)
-    train(TrainConfig(**vars(args)))
+    train(TrainConfig(**vars(args)), echo=lambda text: print(text, flush=True))
     return 0
 
 
@@ -142,6 +152,12 @@ def main(argv=None) -> int:
               "`python -m dptrain train --help` lists the training options.")
         return 0
     command = argv.pop(0) if argv and argv[0] in SUBCOMMANDS else "train"
+    from dptrain.dist import guarded
+
+    return guarded(lambda: _run(command, argv))
+
+
+def _run(command, argv) -> int:
     try:
         return run_train(argv) if command == "train" else run_bench(argv)
     except UsageError as exc:

@@ -1,25 +1,42 @@
 """Flat buffers: every parameter of a model in one contiguous array, every gradient in another.
 
 Each parameter's ``data`` and ``grad`` become views into the two buffers, so the
-optimizer updates all of them with one kernel, zeroing gradients is one fill,
+optimizer updates all of them with a few kernels, zeroing gradients is one fill,
 and the gradient exchange moves a few large contiguous pieces instead of one
-small message per parameter. The buffers are padded so that their length
-divides by ``pad_multiple`` (the world size times an alignment), which lets
-every rank own an equal, aligned shard.
+small message per parameter.
+
+Parameters are laid out in reverse order (the last layer first), grouped into
+buckets of about ``bucket_bytes``: backward produces gradients last layer
+first, so each bucket is complete, and its exchange can start, while backward
+still works on earlier layers. Every bucket's length divides by the world size
+times an alignment, so each rank owns an equal, aligned slice of each bucket.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from dptrain.autograd import Tensor
 
-ALIGN = 64  # elements: each parameter starts on a 256-byte boundary (float32)
+ALIGN = 64  # elements: each parameter and shard starts on a 256-byte boundary (float32)
 
 
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+@dataclass
+class Bucket:
+    start: int
+    stop: int
+    params: list = field(default_factory=list)
+
+    def shard(self, rank: int, world_size: int) -> tuple[int, int]:
+        size = (self.stop - self.start) // world_size
+        return self.start + rank * size, self.start + (rank + 1) * size
+
+
 class FlatParameters:
-    def __init__(self, params, pad_multiple: int = 1):
+    def __init__(self, params, world_size: int = 1, bucket_bytes: int | None = None):
         params = list(params)
         if not params:
             raise ValueError("no parameters to flatten")
@@ -27,24 +44,36 @@ class FlatParameters:
         for p in params:
             if p.dtype != dtype or p.device != params[0].device:
                 raise ValueError("all parameters must share one dtype and device to be flattened")
-        self.be, self.dtype, self.params = be, dtype, params
-        self.offsets, offset = [], 0
-        for p in params:
-            self.offsets.append(offset)
+        self.be, self.dtype, self.params, self.world_size = be, dtype, params, world_size
+        limit = bucket_bytes // dtype.itemsize if bucket_bytes else None
+        self.buckets, self.offsets, offset = [], {}, 0
+        bucket = Bucket(0, 0)
+        for p in reversed(params):
+            if bucket.params and limit is not None and offset - bucket.start + p.size > limit:
+                bucket = self._close(bucket, offset)
+                offset = bucket.start
+            self.offsets[id(p)] = offset
+            bucket.params.append(p)
             offset = _round_up(offset + p.size, ALIGN)
-        self.numel = _round_up(max(offset, 1), ALIGN * pad_multiple)
+        self._close(bucket, offset)
+        self.numel = self.buckets[-1].stop
         self.data = be.zeros((self.numel,), dtype)
         self.grad = be.zeros((self.numel,), dtype)
-        for p, start in zip(params, self.offsets):
+        for p in params:
+            start = self.offsets[id(p)]
             view = self.data[start : start + p.size]
             be.copy_(view, p.data.reshape(-1))
             p.data = view.reshape(p.shape)
             p.grad = Tensor(self.grad[start : start + p.size].reshape(p.shape))
 
+    def _close(self, bucket: Bucket, offset: int) -> Bucket:
+        bucket.stop = _round_up(max(offset, bucket.start + 1), ALIGN * self.world_size)
+        self.buckets.append(bucket)
+        return Bucket(bucket.stop, bucket.stop)
+
     def zero_grad(self):
         self.be.fill_(self.grad, 0.0)
 
-    def shard(self, rank: int, world_size: int) -> tuple[int, int]:
-        """The [start, stop) range of the flat buffers that `rank` owns."""
-        size = self.numel // world_size
-        return rank * size, (rank + 1) * size
+    def shard_segments(self, rank: int) -> list[tuple[int, int]]:
+        """The [start, stop) ranges of the flat buffers that `rank` owns, one per bucket."""
+        return [b.shard(rank, self.world_size) for b in self.buckets]

@@ -1,7 +1,8 @@
 """Optimizers over flat buffers, and learning-rate schedules.
 
-An optimizer owns a [start, stop) shard of the flat parameter buffer (the whole
-buffer in a single process) and keeps its state only for that shard (ZeRO-1).
+An optimizer owns some [start, stop) segments of the flat parameter buffer (its
+shard of each bucket; the whole buffer in a single process) and keeps state only
+for them (ZeRO-1).
 Per-step scalars (learning rate, Adam's bias corrections) go into a small device
 array ``hyper`` before each update, so the update itself reads no host values
 and can be replayed from a captured CUDA graph.
@@ -16,26 +17,28 @@ from dptrain.flat import FlatParameters
 
 
 class Optimizer:
-    def __init__(self, params, lr: float, shard: tuple[int, int] | None = None):
+    def __init__(self, params, lr: float, segments=None):
         if lr <= 0:
             raise ValueError(f"learning rate must be positive, got {lr}")
         self.flat = params if isinstance(params, FlatParameters) else FlatParameters(params)
         self.be = self.flat.be
-        self.start, self.stop = shard if shard is not None else (0, self.flat.numel)
+        self.segments = list(segments) if segments is not None else [(0, self.flat.numel)]
+        self.numel = sum(stop - start for start, stop in self.segments)
         self.lr = float(lr)
         self.steps = 0
         self.hyper = self.be.zeros((4,), self.flat.dtype)
 
-    @property
-    def param_shard(self):
-        return self.flat.data[self.start : self.stop]
-
-    @property
-    def grad_shard(self):
-        return self.flat.grad[self.start : self.stop]
-
     def _state(self):
-        return self.be.zeros((self.stop - self.start,), self.flat.dtype)
+        return self.be.zeros((self.numel,), self.flat.dtype)
+
+    def _views(self, *states):
+        """Per segment: (param view, grad view, state views...) — one kernel launch each."""
+        offset = 0
+        for start, stop in self.segments:
+            n = stop - start
+            yield (self.flat.data[start:stop], self.flat.grad[start:stop],
+                   *(s[offset : offset + n] if s is not None else None for s in states))
+            offset += n
 
     def zero_grad(self):
         self.flat.zero_grad()
@@ -74,8 +77,8 @@ class SGD(Optimizer):
     """SGD with momentum, Nesterov momentum and (coupled) weight decay, as torch.optim.SGD."""
 
     def __init__(self, params, lr=0.01, momentum=0.0, weight_decay=0.0, nesterov=False,
-                 shard=None):
-        super().__init__(params, lr, shard)
+                 segments=None):
+        super().__init__(params, lr, segments)
         if momentum < 0 or weight_decay < 0:
             raise ValueError("momentum and weight decay must be non-negative")
         if nesterov and momentum == 0:
@@ -84,8 +87,9 @@ class SGD(Optimizer):
         self.buf = self._state() if momentum else None
 
     def update(self):
-        self.be.sgd_step_(self.param_shard, self.grad_shard, self.buf, self.hyper,
-                          self.momentum, self.weight_decay, self.nesterov)
+        for p, g, buf in self._views(self.buf):
+            self.be.sgd_step_(p, g, buf, self.hyper, self.momentum, self.weight_decay,
+                              self.nesterov)
 
     def state_arrays(self):
         return {"momentum_buffer": self.buf} if self.buf is not None else {}
@@ -95,8 +99,8 @@ class AdamW(Optimizer):
     """Adam with decoupled weight decay, as torch.optim.AdamW."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
-                 shard=None):
-        super().__init__(params, lr, shard)
+                 segments=None):
+        super().__init__(params, lr, segments)
         self.beta1, self.beta2 = betas
         self.eps, self.weight_decay = eps, weight_decay
         self.m, self.v = self._state(), self._state()
@@ -106,8 +110,9 @@ class AdamW(Optimizer):
         return [self.lr, 1.0 - self.beta1**t, 1.0 - self.beta2**t]
 
     def update(self):
-        self.be.adamw_step_(self.param_shard, self.grad_shard, self.m, self.v, self.hyper,
-                            self.beta1, self.beta2, self.eps, self.weight_decay)
+        for p, g, m, v in self._views(self.m, self.v):
+            self.be.adamw_step_(p, g, m, v, self.hyper, self.beta1, self.beta2, self.eps,
+                                self.weight_decay)
 
     def state_arrays(self):
         return {"exp_avg": self.m, "exp_avg_sq": self.v}

@@ -7,7 +7,9 @@ around it owns epochs, logging, evaluation and the files a run leaves behind.
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -15,15 +17,17 @@ from pathlib import Path
 import numpy as np
 
 import dptrain.functional as F
-from dptrain import backend
+from dptrain import backend, dist
 from dptrain.autograd import Tensor, no_grad
 from dptrain.checkpoint import load_weights, save_weights
 from dptrain.data import StrideSampler, get_dataset
 from dptrain.errors import UsageError
+from dptrain.flat import FlatParameters
 from dptrain.nn import build_model
 from dptrain.optim import OPTIMIZERS, LRSchedule
 from dptrain.progress import Progress
 from dptrain.random import manual_seed
+from dptrain.reducer import Reducer
 
 
 @dataclass
@@ -34,7 +38,10 @@ class TrainConfig:
     val_images: int | None = None
     epochs: int | None = None
     max_steps: int | None = None
-    batch_size: int = 64
+    batch_size: int = 64  # per process
+    global_batch_size: int | None = None  # alternative to batch_size: split over the ranks
+    drop_last: bool = True
+    bucket_mb: float = 4.0
     lr: float = 0.05
     momentum: float = 0.9
     nesterov: bool = False
@@ -50,6 +57,7 @@ class TrainConfig:
     load: str | None = None
     eval_every: int = 0  # steps; 0 = at the end of every epoch
     log_every: int = 20
+    verify_replicas: bool = False  # debug: check every step that all ranks hold equal parameters
     cache_dir: str | None = None
     progress: bool = True
 
@@ -71,8 +79,8 @@ def defaults_for(cfg: TrainConfig, device: str) -> TrainConfig:
 class TrainStep:
     """One optimisation step on device-resident data, with metrics summed on the device."""
 
-    def __init__(self, model, optimizer, images, labels, mean, std):
-        self.model, self.opt = model, optimizer
+    def __init__(self, model, optimizer, reducer, images, labels, mean, std):
+        self.model, self.opt, self.reducer = model, optimizer, reducer
         self.be = optimizer.be
         self.images, self.labels = images, labels
         self.mean, self.std = mean, std
@@ -86,13 +94,18 @@ class TrainStep:
         self.opt.zero_grad()
         logits = self.model(Tensor(x))
         loss = F.cross_entropy(logits, Tensor(y))
-        loss.backward()
-        self.opt.update()
+        loss.backward()  # buckets start their reduce-scatter as their gradients complete
+        self.reducer.finish_backward()
+        self.opt.update()  # this rank's shard only
+        self.reducer.all_gather()
         be.add_(self.loss_sum, loss.data)
         be.add_(self.correct_sum, be.count_correct(logits.data, y))
 
-    def read_metrics(self) -> tuple[float, float]:
-        """(sum of losses, number correct) since the last read; synchronises with the device."""
+    def read_metrics(self, comm) -> tuple[float, float]:
+        """(sum of losses averaged over ranks, correct on this rank) since the last read.
+
+        Every rank calls this at the same step (it is a collective); it synchronises."""
+        comm.all_reduce(self.loss_sum.reshape(1), "mean")
         loss, correct = float(self.be.to_numpy(self.loss_sum)), float(
             self.be.to_numpy(self.correct_sum))
         self.be.fill_(self.loss_sum, 0.0)
@@ -100,16 +113,20 @@ class TrainStep:
         return loss, correct
 
 
-def evaluate(model, images, labels, mean, std, batch_size=1000) -> dict:
-    """Mean loss and accuracy over a device-resident set; one host read at the end."""
+def evaluate(model, images, labels, mean, std, world=None, batch_size=1000) -> dict:
+    """Mean loss and accuracy over a device-resident set. Each rank takes every N-th image
+    and the sums are all-reduced; one host read at the end."""
     be = backend.get(backend.device_of(images))
+    rank, size = (world.rank, world.size) if world else (0, 1)
+    comm = world.comm if world else dist.LocalComm(be)
     model.eval()
     n = labels.shape[0]
-    loss_sum = be.zeros((), np.float32)
-    correct = be.zeros((), np.float32)
+    mine = np.arange(rank, n, size, dtype=np.int64)
+    sums = be.zeros((2,), np.float32)  # loss * count, correct
+    loss_sum, correct = sums[0:1].reshape(()), sums[1:2].reshape(())
     with no_grad():
-        for start in range(0, n, batch_size):
-            idx = be.asarray(np.arange(start, min(n, start + batch_size), dtype=np.int64))
+        for start in range(0, len(mine), batch_size):
+            idx = be.asarray(mine[start : start + batch_size])
             x = be.gather_normalize(images, idx, mean, std)
             y = be.getitem(labels, idx)
             logits = model(Tensor(x))
@@ -117,10 +134,9 @@ def evaluate(model, images, labels, mean, std, batch_size=1000) -> dict:
             be.add_(loss_sum, be.scale(loss, float(idx.shape[0])))
             be.add_(correct, be.count_correct(logits.data, y))
     model.train()
-    return {
-        "val_loss": float(be.to_numpy(loss_sum)) / n,
-        "val_accuracy": float(be.to_numpy(correct)) / n,
-    }
+    comm.all_reduce(sums, "sum")
+    total_loss, total_correct = be.to_numpy(sums).tolist()
+    return {"val_loss": total_loss / n, "val_accuracy": total_correct / n}
 
 
 class MetricsLog:
@@ -147,54 +163,90 @@ class MetricsLog:
             self.file.close()
 
 
-def build_optimizer(cfg: TrainConfig, params):
+def build_optimizer(cfg: TrainConfig, flat: FlatParameters, segments):
     cls = OPTIMIZERS[cfg.optimizer]
     if cls.__name__ == "SGD":
-        return cls(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
-                   nesterov=cfg.nesterov)
-    return cls(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        return cls(flat, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
+                   nesterov=cfg.nesterov, segments=segments)
+    return cls(flat, lr=cfg.lr, weight_decay=cfg.weight_decay, segments=segments)
 
 
-def train(cfg: TrainConfig, echo=print) -> dict:
-    """Train as `cfg` says; returns the summary (also written to LOGDIR/summary.json)."""
-    try:  # configuration problems become one-line usage errors
+def verify_replicas(flat, world, step):
+    """Raise unless every rank holds bit-identical parameters (a host sync; for testing)."""
+    if world.size == 1:
+        return
+    digest = hashlib.sha256(flat.be.to_numpy(flat.data).tobytes()).hexdigest()
+    digests = world.mpi_comm.allgather(digest)
+    if len(set(digests)) != 1:
+        raise RuntimeError(f"step {step}: parameters differ across ranks: {digests}")
+
+
+def _maybe_fail(rank, step):
+    """Test hook: DPTRAIN_FAULT=RANK:STEP makes that rank raise after that step."""
+    fault = os.environ.get("DPTRAIN_FAULT")
+    if fault and fault == f"{rank}:{step}":
+        raise RuntimeError(f"injected fault on rank {rank} at step {step} (DPTRAIN_FAULT)")
+
+
+def _setup(cfg: TrainConfig):
+    """Device, world, data and model; configuration problems become one-line usage errors."""
+    try:
         device = backend.resolve_device(cfg.device)
-        cfg = defaults_for(cfg, device)
         be = backend.get(device)
+        world = dist.init(device, be)  # selects this rank's GPU before anything is allocated
+        cfg = defaults_for(cfg, device)
+        if cfg.global_batch_size is not None:
+            if cfg.global_batch_size % world.size:
+                raise ValueError(f"--global-batch-size {cfg.global_batch_size} does not divide "
+                                 f"by the {world.size} ranks")
+            cfg.batch_size = cfg.global_batch_size // world.size
         if device == "cuda" and cfg.precision != "auto":
             be.set_precision(cfg.precision)
         manual_seed(cfg.seed)
         train_set = get_dataset(cfg.dataset, "train", cfg.train_images, cfg.seed, cfg.cache_dir)
         val_set = get_dataset(cfg.dataset, "val", cfg.val_images, cfg.seed, cfg.cache_dir)
         model = build_model(cfg.model, train_set.image_shape, train_set.num_classes).to(device)
-        if cfg.batch_size > len(train_set.labels):
-            raise ValueError(f"--batch-size {cfg.batch_size} is larger than the "
-                             f"{len(train_set.labels)} training images")
+        if cfg.batch_size * world.size > len(train_set.labels):
+            raise ValueError(f"--batch-size {cfg.batch_size} x {world.size} ranks is larger than "
+                             f"the {len(train_set.labels)} training images")
     except (ValueError, RuntimeError) as exc:
         raise UsageError(str(exc)) from None
     if cfg.load:
         load_weights(model, cfg.load)
-    opt = build_optimizer(cfg, model.parameters())
+    return cfg, device, be, world, train_set, val_set, model
 
-    sampler = StrideSampler(len(train_set.labels), cfg.batch_size, seed=cfg.seed)
+
+def train(cfg: TrainConfig, echo=print) -> dict:
+    """Train as `cfg` says; returns the summary (rank 0 also writes LOGDIR/summary.json)."""
+    cfg, device, be, world, train_set, val_set, model = _setup(cfg)
+    root = world.is_root
+    flat = FlatParameters(model.parameters(), world.size, int(cfg.bucket_mb * 2**20))
+    opt = build_optimizer(cfg, flat, flat.shard_segments(world.rank))
+    reducer = Reducer(flat, world)
+    reducer.broadcast_parameters()
+
+    sampler = StrideSampler(len(train_set.labels), cfg.batch_size, world.size, world.rank,
+                            seed=cfg.seed, drop_last=cfg.drop_last)
     steps_per_epoch = len(sampler)
     total_steps = steps_per_epoch * cfg.epochs
     if cfg.max_steps is not None:
         total_steps = min(total_steps, cfg.max_steps)
     schedule = LRSchedule(cfg.lr, cfg.lr_schedule, total_steps, cfg.warmup_steps)
+    global_batch = cfg.batch_size * world.size
 
     images, labels = be.asarray(train_set.images), be.asarray(train_set.labels)
     val_images, val_labels = be.asarray(val_set.images), be.asarray(val_set.labels)
     stats = (train_set.mean, train_set.std)
-    step_fn = TrainStep(model, opt, images, labels, *stats)
-    log = MetricsLog(cfg.log_dir)
-    echo(f"dptrain: {cfg.model} on {cfg.dataset} ({len(train_set.labels)} train / "
-         f"{len(val_set.labels)} val images), {device}, batch {cfg.batch_size}, "
-         f"{total_steps} steps over {cfg.epochs} epochs")
+    step_fn = TrainStep(model, opt, reducer, images, labels, *stats)
+    log = MetricsLog(cfg.log_dir if root else None)
+    if root:
+        echo(f"dptrain: {cfg.model} on {cfg.dataset} ({len(train_set.labels)} train / "
+             f"{len(val_set.labels)} val images), {device} x {world.size}, batch "
+             f"{cfg.batch_size} per rank ({global_batch} global), {total_steps} steps")
 
-    progress = Progress(total_steps, enabled=cfg.progress)
+    progress = Progress(total_steps, enabled=cfg.progress and root)
     start = window_start = time.perf_counter()
-    window_steps, step, last_loss, last_eval = 0, 0, float("nan"), {}
+    train_time, window_steps, step, last_loss, last_eval = 0.0, 0, 0, float("nan"), {}
     eval_every = cfg.eval_every or steps_per_epoch
     try:
         for epoch in range(cfg.epochs):
@@ -206,18 +258,22 @@ def train(cfg: TrainConfig, echo=print) -> dict:
                 opt.begin_step()
                 step_fn(be.asarray(batches[local]))
                 step += 1
+                _maybe_fail(world.rank, step)
+                if cfg.verify_replicas:
+                    verify_replicas(flat, world, step)
                 window_steps += 1
                 if step % cfg.log_every == 0 or step == total_steps:
-                    loss_sum, _ = step_fn.read_metrics()
+                    loss_sum, _ = step_fn.read_metrics(world.comm)
                     now = time.perf_counter()
-                    rate = window_steps * cfg.batch_size / (now - window_start)
+                    train_time += now - window_start
+                    rate = window_steps * global_batch / (now - window_start)
                     last_loss = loss_sum / window_steps
                     log.write({"step": step, "epoch": epoch, "loss": last_loss,
                                "lr": opt.lr, "images_per_s": rate})
                     progress.update(step, loss=last_loss, images_per_s=rate)
                     window_start, window_steps = now, 0
                 if step % eval_every == 0 or step == total_steps:
-                    last_eval = evaluate(model, val_images, val_labels, *stats)
+                    last_eval = evaluate(model, val_images, val_labels, *stats, world=world)
                     log.write({"step": step, "epoch": epoch, **last_eval})
                     progress.note(f"step {step}: val_loss {last_eval['val_loss']:.4f} "
                                   f"val_accuracy {last_eval['val_accuracy']:.4f}")
@@ -228,22 +284,26 @@ def train(cfg: TrainConfig, echo=print) -> dict:
         progress.close()
         log.close()
     wall = time.perf_counter() - start
-    if cfg.save:
+    if cfg.save and root:
         save_weights(model, cfg.save)
+    train_rate = step * global_batch / train_time if train_time > 0 else 0.0
     summary = {
         "train_loss": last_loss,
         "val_loss": last_eval.get("val_loss"),
         "val_accuracy": last_eval.get("val_accuracy"),
         "steps": step,
-        "images": step * cfg.batch_size,
-        "world_size": 1,
+        "images": step * global_batch,
+        "world_size": world.size,
+        "global_batch_size": global_batch,
         "device": device,
         "wall_s": wall,
-        "images_per_s": step * cfg.batch_size / wall if wall > 0 else 0.0,
+        "train_s": train_time,
+        "images_per_s": train_rate,
+        "images_per_s_per_rank": train_rate / world.size,
         "config": asdict(cfg),
     }
-    log.summary(summary)
-    echo(f"dptrain: done: {step} steps in {wall:.1f} s ({summary['images_per_s']:.0f} images/s), "
-         f"train_loss {last_loss:.4f}, val_accuracy {summary['val_accuracy']:.4f}")
+    if root:
+        log.summary(summary)
+        echo(f"dptrain: done: {step} steps in {wall:.1f} s ({train_rate:.0f} images/s training), "
+             f"train_loss {last_loss:.4f}, val_accuracy {summary['val_accuracy']:.4f}")
     return summary
-

@@ -64,7 +64,7 @@ def test_train_eval_mode_controls_dropout():
 def test_flat_parameters_are_views_and_aligned():
     model = nn.mlp((1, 3, 3), 2, hidden=(5,))
     params = model.parameters()
-    flat = FlatParameters(params, pad_multiple=3)
+    flat = FlatParameters(params, world_size=3)
     assert flat.numel % (3 * ALIGN) == 0
     params[0].data[0, 0] = 42.0
     assert 42.0 in flat.data
@@ -72,7 +72,20 @@ def test_flat_parameters_are_views_and_aligned():
     assert (params[1].grad.numpy() == 1.0).all()
     flat.zero_grad()
     assert (params[1].grad.numpy() == 0.0).all()
-    assert flat.shard(2, 3) == (2 * flat.numel // 3, flat.numel)
+    assert flat.shard_segments(2) == [(2 * flat.numel // 3, flat.numel)]
+
+
+def test_buckets_are_reverse_ordered_and_divisible():
+    model = nn.cnn((1, 16, 16), 3)
+    flat = FlatParameters(model.parameters(), world_size=3, bucket_bytes=40_000)
+    assert len(flat.buckets) > 2
+    assert flat.buckets[0].params[0] is model.parameters()[-1]  # last layer first
+    covered = [p for b in flat.buckets for p in b.params]
+    assert sorted(map(id, covered)) == sorted(map(id, model.parameters()))
+    for b in flat.buckets:
+        assert (b.stop - b.start) % (3 * ALIGN) == 0
+        for p in b.params:
+            assert b.start <= flat.offsets[id(p)] and flat.offsets[id(p)] + p.size <= b.stop
 
 
 def _quadratic_problem(dtype=np.float64):
@@ -122,9 +135,9 @@ def test_adamw_matches_pytorch_rule():
 
 def test_optimizer_shard_updates_only_its_range():
     p = nn.Parameter(np.ones(300))
-    flat = FlatParameters([p], pad_multiple=2)
+    flat = FlatParameters([p], world_size=2)
     half = flat.numel // 2
-    opt = SGD(flat, lr=0.5, shard=(0, half))
+    opt = SGD(flat, lr=0.5, segments=flat.shard_segments(0))
     flat.grad[:] = 1.0
     opt.step()
     assert (p.numpy()[:half] == 0.5).all() and (p.numpy()[half:] == 1.0).all()

@@ -1,0 +1,224 @@
+"""The world: which rank this process is, how many there are, and how they talk.
+
+Under ``mpirun`` the world comes from mpi4py's COMM_WORLD; the local rank (a
+shared-memory split) picks the GPU. For GPU arrays rank 0 makes an NCCL unique
+id, MPI broadcasts it, and every rank builds an NCCL communicator; after that
+MPI is out of the hot path. For CPU arrays MPI itself carries the collectives.
+Without mpirun (or without mpi4py) the world has one rank and every collective
+is a copy or nothing.
+
+All three communicators have one interface, used by the reducer:
+    reduce_scatter(send, recv)   recv = this rank's 1/N slice of the mean of send over ranks
+    all_gather(send, recv)       recv = the ranks' sends, concatenated in rank order
+    all_reduce(buf, op)          in place, op "sum" or "mean"
+    broadcast(buf, root=0)       in place
+    barrier()
+Buffers are 1-D and contiguous; in-place use (recv inside send at this rank's
+offset, send inside recv at this rank's offset) is allowed, as NCCL allows it.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+import numpy as np
+
+# Environment variables that MPI launchers set in every process they start.
+_LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
+
+
+def launched_by_mpi() -> bool:
+    return any(var in os.environ for var in _LAUNCHER_VARS)
+
+
+class LocalComm:
+    """A world of one: collectives are copies or nothing."""
+
+    name = "local"
+    rank, size = 0, 1
+
+    def __init__(self, be=None):
+        self.be = be
+
+    def reduce_scatter(self, send, recv):
+        if recv is not send:
+            self.be.copy_(recv, send)
+
+    def all_gather(self, send, recv):
+        if recv is not send:
+            self.be.copy_(recv, send)
+
+    def all_reduce(self, buf, op="sum"):
+        pass
+
+    def broadcast(self, buf, root=0):
+        pass
+
+    def barrier(self):
+        pass
+
+
+class MPIComm:
+    """Collectives over MPI on NumPy arrays (the CPU backend)."""
+
+    name = "mpi"
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+
+    def reduce_scatter(self, send, recv):
+        from mpi4py import MPI
+
+        out = np.empty_like(recv)
+        self.comm.Reduce_scatter_block(np.ascontiguousarray(send), out, op=MPI.SUM)
+        out /= out.dtype.type(self.size)
+        recv[...] = out
+
+    def all_gather(self, send, recv):
+        self.comm.Allgather(np.array(send, copy=True), recv)
+
+    def all_reduce(self, buf, op="sum"):
+        from mpi4py import MPI
+
+        self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+        if op == "mean":
+            buf /= buf.dtype.type(self.size)
+
+    def broadcast(self, buf, root=0):
+        self.comm.Bcast(buf, root=root)
+
+    def barrier(self):
+        self.comm.Barrier()
+
+
+class NCCLComm:
+    """Collectives over NCCL on CuPy arrays, on a stream of the caller's choosing."""
+
+    name = "nccl"
+
+    def __init__(self, mpi_comm, rank, size):
+        from cupy.cuda import nccl
+
+        self.nccl, self.rank, self.size = nccl, rank, size
+        uid = nccl.get_unique_id() if rank == 0 else None
+        uid = mpi_comm.bcast(uid, root=0)
+        self.comm = nccl.NcclCommunicator(size, uid, rank)
+        self.mpi_comm = mpi_comm
+
+    def _dtype(self, array):
+        n = self.nccl
+        return {np.dtype(np.float32): n.NCCL_FLOAT32, np.dtype(np.float64): n.NCCL_FLOAT64,
+                np.dtype(np.float16): n.NCCL_FLOAT16}[np.dtype(array.dtype)]
+
+    @staticmethod
+    def _stream(stream):
+        import cupy
+
+        return (stream or cupy.cuda.get_current_stream()).ptr
+
+    def reduce_scatter(self, send, recv, stream=None):
+        avg = getattr(self.nccl, "NCCL_AVG", 4)  # ncclAvg, NCCL >= 2.10
+        self.comm.reduceScatter(send.data.ptr, recv.data.ptr, recv.size, self._dtype(send), avg,
+                                self._stream(stream))
+
+    def all_gather(self, send, recv, stream=None):
+        self.comm.allGather(send.data.ptr, recv.data.ptr, send.size, self._dtype(send),
+                            self._stream(stream))
+
+    def all_reduce(self, buf, op="sum", stream=None):
+        nop = self.nccl.NCCL_SUM if op == "sum" else getattr(self.nccl, "NCCL_AVG", 4)
+        self.comm.allReduce(buf.data.ptr, buf.data.ptr, buf.size, self._dtype(buf), nop,
+                            self._stream(stream))
+
+    def broadcast(self, buf, root=0, stream=None):
+        self.comm.broadcast(buf.data.ptr, buf.data.ptr, buf.size, self._dtype(buf), root,
+                            self._stream(stream))
+
+    def barrier(self):
+        self.mpi_comm.Barrier()
+
+    def abort(self):
+        try:
+            self.comm.abort()
+        except Exception:
+            pass
+
+
+class World:
+    """rank, size, local_rank and the communicator for one device kind."""
+
+    def __init__(self, rank=0, size=1, local_rank=0, local_size=1, comm=None, mpi_comm=None):
+        self.rank, self.size = rank, size
+        self.local_rank, self.local_size = local_rank, local_size
+        self.comm = comm if comm is not None else LocalComm()
+        self.mpi_comm = mpi_comm
+
+    @property
+    def is_root(self) -> bool:
+        return self.rank == 0
+
+    def abort(self, code: int = 1):
+        """End every rank of the job now (never leave mpirun waiting on a dead rank)."""
+        if hasattr(self.comm, "abort"):
+            self.comm.abort()
+        if self.mpi_comm is not None:
+            self.mpi_comm.Abort(code)
+        sys.exit(code)
+
+
+def init(device: str, be) -> World:
+    """Build the world for `device` ("cpu" or "cuda"), selecting this rank's GPU first."""
+    if not launched_by_mpi():
+        return World(comm=LocalComm(be))
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        raise RuntimeError("started by an MPI launcher but mpi4py is not installed "
+                           "(pip install 'dptrain[mpi]')") from None
+    world = MPI.COMM_WORLD
+    rank, size = world.Get_rank(), world.Get_size()
+    node = world.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    local_rank, local_size = node.Get_rank(), node.Get_size()
+    if size == 1:
+        return World(comm=LocalComm(be), mpi_comm=world)
+    if device == "cuda":
+        import cupy
+
+        gpus = cupy.cuda.runtime.getDeviceCount()
+        if local_size > gpus:
+            raise RuntimeError(f"rank {rank}: this host runs {local_size} ranks but has only "
+                               f"{gpus} GPUs; start at most {gpus} ranks per host")
+        cupy.cuda.Device(local_rank).use()
+        comm = NCCLComm(world, rank, size)
+    else:
+        comm = MPIComm(world)
+    return World(rank, size, local_rank, local_size, comm, world)
+
+
+def guarded(fn):
+    """Run fn() and return its exit code. Under mpirun, an exception (or a non-zero exit)
+    on any rank prints its traceback prefixed with the rank and aborts the whole job, so no
+    rank is left waiting in a collective."""
+    if not launched_by_mpi():
+        return fn()
+    try:
+        code, failure = fn(), None
+        if not code:
+            return code
+    except SystemExit as exc:
+        if exc.code in (0, None):
+            raise
+        code = exc.code if isinstance(exc.code, int) else 1
+        failure = None
+    except BaseException as exc:  # noqa: BLE001 - every failure must end the job
+        code, failure = 1, exc
+    from mpi4py import MPI
+
+    rank = MPI.COMM_WORLD.Get_rank()
+    if failure is not None:
+        text = "".join(traceback.format_exception(failure)).rstrip()
+        sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in text.splitlines()))
+        sys.stderr.flush()
+    MPI.COMM_WORLD.Abort(code)
