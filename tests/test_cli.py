@@ -91,7 +91,7 @@ def test_load_wrong_names_and_shapes(tmp_path):
     wrong_names = tmp_path / "names.npz"
     np.savez(wrong_names, foo=np.zeros(3))
     _assert_usage_error(run_cli(*SMALL, "--load", str(wrong_names), cache=tmp_path),
-                        "--load", "missing 0.weight", "unexpected foo")
+                        "--load", "missing 0.bias, 0.weight", "unexpected foo")
     from dptrain import nn
 
     state = nn.cnn((1, 48, 48), 7).state_dict()

@@ -17,7 +17,7 @@ name = "cpu"
 
 
 def asarray(a, dtype=None):
-    return np.ascontiguousarray(np.asarray(a, dtype=dtype))
+    return np.asarray(a, dtype=dtype, order="C")  # (ascontiguousarray would make 0-d 1-d)
 
 
 def to_numpy(a):
@@ -65,7 +65,7 @@ def transpose(a, axes):
 
 
 def getitem(a, index):
-    return np.ascontiguousarray(a[index])
+    return np.asarray(a[index], order="C")
 
 
 def getitem_backward(gy, shape, index):
@@ -91,7 +91,7 @@ def sum_to_shape(g, shape):
     axes = tuple(range(lead)) + tuple(
         lead + i for i, n in enumerate(shape) if n == 1 and g.shape[lead + i] != 1
     )
-    return np.ascontiguousarray(g.sum(axis=axes).reshape(shape))
+    return np.asarray(g.sum(axis=axes).reshape(shape), order="C")
 
 
 # ----------------------------------------------------------------------------- elementwise
@@ -347,6 +347,7 @@ def max_pool2d_forward(x, kernel, stride, padding):
     arg = np.zeros((n, c, ho, wo), dtype=np.int32)
     for offset, v in reversed(views[1:]):
         arg[v == y] = offset
+    arg[views[0][1] == y] = 0
     r = np.arange(ho, dtype=np.int32).reshape(ho, 1) * sh + arg // kw - ph
     q = np.arange(wo, dtype=np.int32).reshape(1, wo) * sw + arg % kw - pw
     return y, r * w + q

@@ -12,6 +12,7 @@ later requests reuse the module. CuPy caches the compiled binary on disk
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import re
 import shutil
@@ -69,6 +70,10 @@ def module(filename: str):
 
     path = kernel_dir() / filename
     source = path.read_text()
+    # CuPy caches compiled code by source text and options only, so fold the local headers'
+    # text into the source: editing a header then recompiles the files that include it.
+    headers = "".join(h.read_text() for h in sorted(kernel_dir().glob("*.cuh")))
+    source += f"\n// headers: {hashlib.sha256(headers.encode()).hexdigest()}\n"
     options = (
         "--std=c++17",
         f"-I{cuda_include_dir()}",

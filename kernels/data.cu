@@ -1,0 +1,87 @@
+// data.cu: device-side batch assembly and randomness. Launchers: dptrain/backend/cuda.py.
+//
+// Conventions
+//  * gather_normalize: out[b] = float(images[idx[b]]) * scale - shift, with scale = 1/(255*std)
+//    and shift = mean/std rounded to float32 on the host, as cpu.py does. The multiply and the
+//    subtract are rounded separately (__fmul_rn / __fsub_rn: no fused multiply-add) so the
+//    result equals NumPy's bit for bit. A row index outside [0, M) yields NaN rows.
+//  * dropout_mask: Philox4x32-10 (Salmon et al., SC'11), keyed by the 64-bit seed; element
+//    group i (4 elements) uses counter (offset + i) as a 64-bit number in words 0-1. The host
+//    advances `offset` by the number of groups after each call, so no two calls share random
+//    numbers. A uniform u in [0, 1) comes from the top 24 bits; keep when u >= p. Outputs are
+//    written with `=`: scale (= 1/(1-p) rounded to T on the host) or 0.
+
+#define GRID_STRIDE(i, n)                                                              \
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < (n);       \
+       i += (long long)gridDim.x * blockDim.x)
+
+template <typename L>
+__global__ void gather_normalize_kernel(float* out, const unsigned char* images, const L* idx,
+                                        int B, long long M, long long chw, float scale,
+                                        float shift) {
+  GRID_STRIDE(i, (long long)B * chw) {
+    const long long b = i / chw;
+    const long long r = i - b * chw;
+    const long long row = (long long)idx[b];
+    out[i] = (row >= 0 && row < M)
+                 ? __fsub_rn(__fmul_rn(float(images[row * chw + r]), scale), shift)
+                 : __int_as_float(0x7fc00000);
+  }
+}
+
+struct Philox4 {
+  unsigned int v[4];
+};
+
+__host__ __device__ __forceinline__ unsigned int mulhilo(unsigned int a, unsigned int b,
+                                                         unsigned int* hi) {
+  const unsigned long long p = (unsigned long long)a * b;
+  *hi = (unsigned int)(p >> 32);
+  return (unsigned int)p;
+}
+
+// Philox4x32 with 10 rounds.
+__host__ __device__ __forceinline__ Philox4 philox4x32_10(Philox4 c, unsigned int k0,
+                                                         unsigned int k1) {
+  for (int round = 0; round < 10; ++round) {
+    if (round > 0) {
+      k0 += 0x9E3779B9u;
+      k1 += 0xBB67AE85u;
+    }
+    unsigned int hi0, hi1;
+    const unsigned int lo0 = mulhilo(0xD2511F53u, c.v[0], &hi0);
+    const unsigned int lo1 = mulhilo(0xCD9E8D57u, c.v[2], &hi1);
+    Philox4 n;
+    n.v[0] = hi1 ^ c.v[1] ^ k0;
+    n.v[1] = lo1;
+    n.v[2] = hi0 ^ c.v[3] ^ k1;
+    n.v[3] = lo0;
+    c = n;
+  }
+  return c;
+}
+
+template <typename T>
+__global__ void dropout_mask_kernel(T* out, long long n, unsigned int key0, unsigned int key1,
+                                    unsigned long long offset, float p, T scale) {
+  const long long groups = (n + 3) / 4;
+  GRID_STRIDE(i, groups) {
+    const unsigned long long ctr = offset + (unsigned long long)i;
+    Philox4 c;
+    c.v[0] = (unsigned int)ctr;
+    c.v[1] = (unsigned int)(ctr >> 32);
+    c.v[2] = 0u;
+    c.v[3] = 0u;
+    const Philox4 r = philox4x32_10(c, key0, key1);
+    for (int j = 0; j < 4; ++j) {
+      const long long e = 4 * i + j;
+      if (e < n) {
+        const float u = float(r.v[j] >> 8) * (1.0f / 16777216.0f);
+        out[e] = u >= p ? scale : T(0);
+      }
+    }
+  }
+}
+
+// instantiate: gather_normalize_kernel<int>; gather_normalize_kernel<long long>
+// instantiate: dropout_mask_kernel<float>; dropout_mask_kernel<double>

@@ -1,0 +1,148 @@
+// elementwise.cu: maps over every element (unary, binary with NumPy broadcasting, activation
+// backward), fill and dtype conversion. Launchers: dptrain/backend/cuda.py.
+//
+// Conventions
+//  * Every kernel writes its output with `=`. The one accumulation, add_ (dst += src), is the
+//    binary Add kernel launched with out == a, so no kernel here uses __restrict__.
+//  * Activation backward kernels take the forward OUTPUT y (relu, sigmoid, tanh) or the input x
+//    (pow) and the output gradient gy, and write the input gradient with `=`.
+//  * Flat kernels: contiguous operands of one shape, long long count, grid-stride loop.
+//    bcast2 kernels: contiguous output; a and b read through a Layout (shape, element strides,
+//    stride 0 along broadcast axes). Layout indices are int: the launcher asserts < 2^31.
+//  * Math runs in the element type T (float or double), as NumPy does for float32 arrays.
+//    Every op functor takes (a, b, s, t): two operands and two host scalars, unused ones ignored.
+//  * fill and convert move data only: results are exact.
+
+#define DP_MAX_DIMS 8
+
+// Shape plus the element strides of two operands (s0 for a / out, s1 for b / in).
+struct Layout {
+  int ndim;
+  int shape[DP_MAX_DIMS];
+  int s0[DP_MAX_DIMS];
+  int s1[DP_MAX_DIMS];
+};
+
+// Offsets in both operands of row-major flat index i. Unrolled so the Layout stays in
+// parameter space (no local-memory copy).
+__device__ __forceinline__ void layout_offsets(int i, const Layout& L, int& o0, int& o1) {
+  o0 = 0;
+  o1 = 0;
+#pragma unroll
+  for (int d = DP_MAX_DIMS - 1; d >= 1; --d) {
+    if (d < L.ndim) {
+      const int n = L.shape[d];
+      const int q = i / n;
+      const int r = i - q * n;
+      o0 += r * L.s0[d];
+      o1 += r * L.s1[d];
+      i = q;
+    }
+  }
+  // Axis 0 needs no division: what is left of i is its index (0 when ndim == 0, where the
+  // zeroed strides make it vanish anyway).
+  o0 += i * L.s0[0];
+  o1 += i * L.s1[0];
+}
+
+// Type-dispatched math (NVRTC has no <cmath> overload set we can rely on).
+__device__ __forceinline__ float dp_exp(float x) { return expf(x); }
+__device__ __forceinline__ double dp_exp(double x) { return exp(x); }
+__device__ __forceinline__ float dp_log(float x) { return logf(x); }
+__device__ __forceinline__ double dp_log(double x) { return log(x); }
+__device__ __forceinline__ float dp_sqrt(float x) { return sqrtf(x); }
+__device__ __forceinline__ double dp_sqrt(double x) { return sqrt(x); }
+__device__ __forceinline__ float dp_tanh(float x) { return tanhf(x); }
+__device__ __forceinline__ double dp_tanh(double x) { return tanh(x); }
+__device__ __forceinline__ float dp_pow(float x, float p) { return powf(x, p); }
+__device__ __forceinline__ double dp_pow(double x, double p) { return pow(x, p); }
+
+// ---------------------------------------------------------------------------- op functors
+struct Add { template <typename T> __device__ T operator()(T a, T b, T, T) const { return a + b; } };
+struct Sub { template <typename T> __device__ T operator()(T a, T b, T, T) const { return a - b; } };
+struct Mul { template <typename T> __device__ T operator()(T a, T b, T, T) const { return a * b; } };
+struct Div { template <typename T> __device__ T operator()(T a, T b, T, T) const { return a / b; } };
+
+struct Neg { template <typename T> __device__ T operator()(T a, T, T, T) const { return -a; } };
+struct Exp { template <typename T> __device__ T operator()(T a, T, T, T) const { return dp_exp(a); } };
+struct Log { template <typename T> __device__ T operator()(T a, T, T, T) const { return dp_log(a); } };
+struct Sqrt { template <typename T> __device__ T operator()(T a, T, T, T) const { return dp_sqrt(a); } };
+struct Tanh { template <typename T> __device__ T operator()(T a, T, T, T) const { return dp_tanh(a); } };
+// s = the scale factor.
+struct Scale { template <typename T> __device__ T operator()(T a, T, T s, T) const { return a * s; } };
+// s = the exponent p.
+struct Pow { template <typename T> __device__ T operator()(T a, T, T s, T) const { return dp_pow(a, s); } };
+// NaN stays NaN, as np.maximum(a, 0) does.
+struct Relu { template <typename T> __device__ T operator()(T a, T, T, T) const { return a < T(0) ? T(0) : a; } };
+// Split by sign so neither branch overflows (same formula as cpu.sigmoid).
+struct Sigmoid {
+  template <typename T> __device__ T operator()(T a, T, T, T) const {
+    const T e = dp_exp(a < T(0) ? a : -a);
+    return a >= T(0) ? T(1) / (T(1) + e) : e / (T(1) + e);
+  }
+};
+
+// Backward: a = y (or x for pow), b = gy.
+struct ReluBack { template <typename T> __device__ T operator()(T y, T gy, T, T) const { return y > T(0) ? gy : T(0); } };
+struct SigmoidBack { template <typename T> __device__ T operator()(T y, T gy, T, T) const { return gy * y * (T(1) - y); } };
+struct TanhBack { template <typename T> __device__ T operator()(T y, T gy, T, T) const { return gy * (T(1) - y * y); } };
+// s = p, t = p - 1 (both rounded on the host, as NumPy does).
+struct PowBack { template <typename T> __device__ T operator()(T x, T gy, T s, T t) const { return gy * s * dp_pow(x, t); } };
+
+// ---------------------------------------------------------------------------- kernels
+template <typename T, typename Op>
+__global__ void map1_kernel(T* out, const T* a, long long n, T s, T t) {
+  const Op op;
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+       i += (long long)gridDim.x * blockDim.x)
+    out[i] = op(a[i], T(0), s, t);
+}
+
+template <typename T, typename Op>
+__global__ void map2_kernel(T* out, const T* a, const T* b, long long n, T s, T t) {
+  const Op op;
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+       i += (long long)gridDim.x * blockDim.x)
+    out[i] = op(a[i], b[i], s, t);
+}
+
+// out (contiguous, n elements) = a op b, a and b read through L (broadcast strides).
+template <typename T, typename Op>
+__global__ void bcast2_kernel(T* out, const T* a, const T* b, int n, Layout L) {
+  const Op op;
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+    int oa, ob;
+    layout_offsets(i, L, oa, ob);
+    out[i] = op(a[oa], b[ob], T(0), T(0));
+  }
+}
+
+// U is an unsigned type of the element's size: one kernel fills every dtype of that size.
+template <typename U>
+__global__ void fill_kernel(U* out, long long n, U bits) {
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+       i += (long long)gridDim.x * blockDim.x)
+    out[i] = bits;
+}
+
+// astype on contiguous arrays: C casts (float -> int truncates toward zero, as NumPy).
+template <typename To, typename Ti>
+__global__ void convert_kernel(To* out, const Ti* in, long long n) {
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+       i += (long long)gridDim.x * blockDim.x)
+    out[i] = static_cast<To>(in[i]);
+}
+
+// instantiate: map1_kernel<float, Neg>; map1_kernel<float, Exp>; map1_kernel<float, Log>; map1_kernel<float, Sqrt>; map1_kernel<float, Tanh>; map1_kernel<float, Scale>; map1_kernel<float, Pow>; map1_kernel<float, Relu>; map1_kernel<float, Sigmoid>
+// instantiate: map1_kernel<double, Neg>; map1_kernel<double, Exp>; map1_kernel<double, Log>; map1_kernel<double, Sqrt>; map1_kernel<double, Tanh>; map1_kernel<double, Scale>; map1_kernel<double, Pow>; map1_kernel<double, Relu>; map1_kernel<double, Sigmoid>
+// instantiate: map2_kernel<float, Add>; map2_kernel<float, Sub>; map2_kernel<float, Mul>; map2_kernel<float, Div>; map2_kernel<float, ReluBack>; map2_kernel<float, SigmoidBack>; map2_kernel<float, TanhBack>; map2_kernel<float, PowBack>
+// instantiate: map2_kernel<double, Add>; map2_kernel<double, Sub>; map2_kernel<double, Mul>; map2_kernel<double, Div>; map2_kernel<double, ReluBack>; map2_kernel<double, SigmoidBack>; map2_kernel<double, TanhBack>; map2_kernel<double, PowBack>
+// instantiate: bcast2_kernel<float, Add>; bcast2_kernel<float, Sub>; bcast2_kernel<float, Mul>; bcast2_kernel<float, Div>
+// instantiate: bcast2_kernel<double, Add>; bcast2_kernel<double, Sub>; bcast2_kernel<double, Mul>; bcast2_kernel<double, Div>
+// instantiate: fill_kernel<unsigned char>; fill_kernel<unsigned short>; fill_kernel<unsigned int>; fill_kernel<unsigned long long>
+// instantiate: convert_kernel<float, double>; convert_kernel<float, int>; convert_kernel<float, long long>; convert_kernel<float, unsigned char>; convert_kernel<float, bool>
+// instantiate: convert_kernel<double, float>; convert_kernel<double, int>; convert_kernel<double, long long>; convert_kernel<double, unsigned char>; convert_kernel<double, bool>
+// instantiate: convert_kernel<int, float>; convert_kernel<int, double>; convert_kernel<int, long long>; convert_kernel<int, unsigned char>; convert_kernel<int, bool>
+// instantiate: convert_kernel<long long, float>; convert_kernel<long long, double>; convert_kernel<long long, int>; convert_kernel<long long, unsigned char>; convert_kernel<long long, bool>
+// instantiate: convert_kernel<unsigned char, float>; convert_kernel<unsigned char, double>; convert_kernel<unsigned char, int>; convert_kernel<unsigned char, long long>
+// instantiate: convert_kernel<bool, float>; convert_kernel<bool, double>; convert_kernel<bool, int>; convert_kernel<bool, long long>

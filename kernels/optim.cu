@@ -1,0 +1,56 @@
+// optim.cu: optimizer updates over flat parameter buffers, in place.
+// Launchers: dptrain/backend/cuda.py.
+//
+// Conventions
+//  * param, grad and state buffers are contiguous, of one length n, updated in place (`_` ops).
+//  * Values that change from step to step live in the device array `hyper` and are read here,
+//    so a captured CUDA graph sees the current ones: sgd hyper = [lr], adamw hyper =
+//    [lr, 1 - beta1**t, 1 - beta2**t]. Constant coefficients arrive as kernel arguments,
+//    rounded to T on the host exactly as cpu.py rounds them (e.g. 1 - beta1 in double, then T).
+//  * Formulas follow cpu.py (PyTorch's SGD and AdamW) operation by operation.
+
+#define GRID_STRIDE(i, n)                                                              \
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < (n);       \
+       i += (long long)gridDim.x * blockDim.x)
+
+__device__ __forceinline__ float dp_sqrt(float x) { return sqrtf(x); }
+__device__ __forceinline__ double dp_sqrt(double x) { return sqrt(x); }
+
+// d = g + wd*p; buf = m*buf + d; d = d + m*buf (nesterov) or buf; p -= lr*d.
+// buf may be null when momentum == 0.
+template <typename T>
+__global__ void sgd_kernel(T* param, const T* grad, T* buf, const T* hyper, long long n,
+                           T momentum, T weight_decay, int nesterov) {
+  const T lr = hyper[0];
+  GRID_STRIDE(i, n) {
+    const T p = param[i];
+    T d = weight_decay != T(0) ? grad[i] + weight_decay * p : grad[i];
+    if (momentum != T(0)) {
+      const T b = buf[i] * momentum + d;
+      buf[i] = b;
+      d = nesterov ? d + momentum * b : b;
+    }
+    param[i] = p - lr * d;
+  }
+}
+
+// p *= 1 - lr*wd; m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*g*g;
+// p -= lr * (m / bc1) / (sqrt(v / bc2) + eps).
+template <typename T>
+__global__ void adamw_kernel(T* param, const T* grad, T* m, T* v, const T* hyper, long long n,
+                             T beta1, T one_minus_beta1, T beta2, T one_minus_beta2, T eps,
+                             T weight_decay) {
+  const T lr = hyper[0], bc1 = hyper[1], bc2 = hyper[2];
+  const T decay = T(1) - lr * weight_decay;
+  GRID_STRIDE(i, n) {
+    const T g = grad[i];
+    const T mi = m[i] * beta1 + one_minus_beta1 * g;
+    const T vi = v[i] * beta2 + one_minus_beta2 * g * g;
+    m[i] = mi;
+    v[i] = vi;
+    const T p = param[i] * decay;
+    param[i] = p - lr * (mi / bc1) / (dp_sqrt(vi / bc2) + eps);
+  }
+}
+
+// instantiate: sgd_kernel<float>; sgd_kernel<double>; adamw_kernel<float>; adamw_kernel<double>

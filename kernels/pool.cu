@@ -1,0 +1,140 @@
+// pool.cu: 2-D max and average pooling over NCHW, forward and backward.
+// Launchers: dptrain/backend/cuda.py.
+//
+// Conventions
+//  * All arrays contiguous NCHW; a "plane" is one (n, c) image of H*W (input) or Ho*Wo (output).
+//  * Window of output (oh, ow): rows oh*sh - ph + [0, kh), cols ow*sw - pw + [0, kw).
+//  * Max pool: padding acts as -inf (never chosen); idx is the flat h*W + w position of the
+//    first maximum in window scan order (rows, then columns), NaN counting as the maximum,
+//    exactly as cpu.py's argmax.
+//  * Avg pool: padding counts in the divisor (kh*kw), PyTorch's default.
+//  * Backward kernels write dx with `=` (they own every element of dx). No atomics:
+//    - max: one warp per plane zeroes the plane's dx, then walks the plane's outputs 32 at a
+//      time; lanes that picked the same input pixel are matched (__match_any_sync) and the
+//      lowest of them adds their gy, summed in lane order. The order depends only on the
+//      shapes and idx, so the result is deterministic, even for overlapping windows, and it
+//      needs no kernel/stride/padding (max_pool2d_backward's contract does not pass them).
+//    - avg: one thread per input pixel gathers from every window that contains it.
+
+#define FULL_MASK 0xffffffffu
+
+struct PoolGeom {
+  int planes, h, w, ho, wo, kh, kw, sh, sw, ph, pw;
+};
+
+template <typename T> __device__ __forceinline__ T neg_inf();
+template <> __device__ __forceinline__ float neg_inf<float>() { return __int_as_float((int)0xff800000u); }
+template <> __device__ __forceinline__ double neg_inf<double>() {
+  return __longlong_as_double((long long)0xfff0000000000000ull);
+}
+
+#define GRID_STRIDE(i, n)                                                              \
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < (n);       \
+       i += (long long)gridDim.x * blockDim.x)
+
+template <typename T>
+__global__ void max_pool_fwd_kernel(T* y, int* idx, const T* x, PoolGeom g) {
+  const int out_plane = g.ho * g.wo;
+  GRID_STRIDE(i, (long long)g.planes * out_plane) {
+    const long long p = i / out_plane;
+    const int r = (int)(i - p * out_plane);
+    const int oh = r / g.wo, ow = r - oh * g.wo;
+    const int h0 = oh * g.sh - g.ph, w0 = ow * g.sw - g.pw;
+    const T* xp = x + p * g.h * g.w;
+    T best = neg_inf<T>();
+    int arg = -1;
+    for (int a = 0; a < g.kh; ++a) {
+      const int hh = h0 + a;
+      if (hh < 0 || hh >= g.h) continue;
+      for (int b = 0; b < g.kw; ++b) {
+        const int ww = w0 + b;
+        if (ww < 0 || ww >= g.w) continue;
+        const T v = xp[hh * g.w + ww];
+        if (arg < 0 || v > best || (v != v && best == best)) { best = v; arg = hh * g.w + ww; }
+      }
+    }
+    y[i] = best;
+    idx[i] = arg;
+  }
+}
+
+// One warp per plane; see the header.
+template <typename T>
+__global__ void max_pool_bwd_kernel(T* dx, const T* gy, const int* idx, PoolGeom g) {
+  const int lane = threadIdx.x & 31;
+  const int in_plane = g.h * g.w, out_plane = g.ho * g.wo;
+  const long long warps = ((long long)gridDim.x * blockDim.x) >> 5;
+  for (long long p = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5; p < g.planes; p += warps) {
+    T* d = dx + p * in_plane;
+    const T* gp = gy + p * out_plane;
+    const int* ip = idx + p * out_plane;
+    for (int e = lane; e < in_plane; e += 32) d[e] = T(0);
+    __syncwarp();
+    for (int first = 0; first < out_plane; first += 32) {
+      const int o = first + lane;
+      const bool active = o < out_plane;
+      // Inactive lanes (and corrupt indices) get a key no other lane has.
+      int key = active ? ip[o] : -1 - lane;
+      if (active && (key < 0 || key >= in_plane)) key = -1 - lane;
+      const T gv = active ? gp[o] : T(0);
+      const unsigned peers = __match_any_sync(FULL_MASK, key);
+      T acc = T(0);
+      for (int src = 0; src < 32; ++src) {  // uniform loop: every lane shuffles
+        const T v = __shfl_sync(FULL_MASK, gv, src);
+        if ((peers >> src) & 1u) acc += v;
+      }
+      if (key >= 0 && lane == __ffs(peers) - 1) d[key] += acc;
+      __syncwarp();  // the next batch may add to the same pixel from another lane
+    }
+  }
+}
+
+template <typename T>
+__global__ void avg_pool_fwd_kernel(T* y, const T* x, PoolGeom g) {
+  const int out_plane = g.ho * g.wo;
+  const T count = T(g.kh * g.kw);
+  GRID_STRIDE(i, (long long)g.planes * out_plane) {
+    const long long p = i / out_plane;
+    const int r = (int)(i - p * out_plane);
+    const int oh = r / g.wo, ow = r - oh * g.wo;
+    const int h0 = oh * g.sh - g.ph, w0 = ow * g.sw - g.pw;
+    const T* xp = x + p * g.h * g.w;
+    T acc = T(0);
+    for (int a = 0; a < g.kh; ++a) {
+      const int hh = h0 + a;
+      if (hh < 0 || hh >= g.h) continue;
+      for (int b = 0; b < g.kw; ++b) {
+        const int ww = w0 + b;
+        if (ww >= 0 && ww < g.w) acc += xp[hh * g.w + ww];
+      }
+    }
+    y[i] = acc / count;
+  }
+}
+
+// First output index whose window [o*s - p, o*s - p + k) reaches position v.
+__device__ __forceinline__ int first_window(int v, int k, int s, int p) {
+  const int num = v + p - k + 1;
+  return num <= 0 ? 0 : (num + s - 1) / s;
+}
+
+template <typename T>
+__global__ void avg_pool_bwd_kernel(T* dx, const T* gy, PoolGeom g) {
+  const int in_plane = g.h * g.w;
+  const T count = T(g.kh * g.kw);
+  GRID_STRIDE(i, (long long)g.planes * in_plane) {
+    const long long p = i / in_plane;
+    const int r = (int)(i - p * in_plane);
+    const int hh = r / g.w, ww = r - hh * g.w;
+    const int oh0 = first_window(hh, g.kh, g.sh, g.ph), oh1 = min(g.ho - 1, (hh + g.ph) / g.sh);
+    const int ow0 = first_window(ww, g.kw, g.sw, g.pw), ow1 = min(g.wo - 1, (ww + g.pw) / g.sw);
+    const T* gp = gy + p * g.ho * g.wo;
+    T acc = T(0);
+    for (int oh = oh0; oh <= oh1; ++oh)
+      for (int ow = ow0; ow <= ow1; ++ow) acc += gp[oh * g.wo + ow];
+    dx[i] = acc / count;  // one division (cpu.py divides each term: same up to rounding)
+  }
+}
+
+// instantiate: max_pool_fwd_kernel<float>; max_pool_fwd_kernel<double>; max_pool_bwd_kernel<float>; max_pool_bwd_kernel<double>
+// instantiate: avg_pool_fwd_kernel<float>; avg_pool_fwd_kernel<double>; avg_pool_bwd_kernel<float>; avg_pool_bwd_kernel<double>

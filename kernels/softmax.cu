@@ -1,0 +1,146 @@
+// softmax.cu: softmax and log_softmax along the last axis, their backward, and cross-entropy
+// (forward: mean loss as a 0-d array plus probs; backward from the 0-d loss gradient).
+// Launchers: dptrain/backend/cuda.py.
+//
+// Conventions
+//  * Inputs are contiguous (R, C) row blocks: R = size / C rows of C elements.
+//  * One warp per row: lanes stride over the row, then an xor-shuffle tree gives every lane the
+//    row's max / sum. Fixed order, no atomics: deterministic.
+//  * Backward kernels take the forward OUTPUT y and gy, and write the input gradient with `=`.
+//  * Formulas follow cpu.py step by step (shift by the row max, then exp / log), in type T.
+//  * Cross-entropy: ce_rows writes probs = exp(logp) and each row's logp[label] (NaN for a
+//    label outside [0, C), so a bad label shows in the loss instead of reading out of bounds);
+//    ce_mean folds those in one block, in double, in a fixed order: loss = -sum / R.
+//  * Labels are int or long long (L).
+
+#define FULL_MASK 0xffffffffu
+
+__device__ __forceinline__ float dp_exp(float x) { return expf(x); }
+__device__ __forceinline__ double dp_exp(double x) { return exp(x); }
+__device__ __forceinline__ float dp_log(float x) { return logf(x); }
+__device__ __forceinline__ double dp_log(double x) { return log(x); }
+template <typename T> __device__ __forceinline__ T neg_inf();
+template <> __device__ __forceinline__ float neg_inf<float>() { return __int_as_float((int)0xff800000u); }
+template <> __device__ __forceinline__ double neg_inf<double>() {
+  return __longlong_as_double((long long)0xfff0000000000000ull);
+}
+template <typename T> __device__ __forceinline__ T quiet_nan();
+template <> __device__ __forceinline__ float quiet_nan<float>() { return __int_as_float(0x7fc00000); }
+template <> __device__ __forceinline__ double quiet_nan<double>() {
+  return __longlong_as_double(0x7ff8000000000000ll);
+}
+
+// NaN-propagating max (np.max semantics).
+template <typename T> __device__ __forceinline__ T nan_max(T a, T b) { return (b > a || b != b) ? b : a; }
+
+template <typename T> __device__ __forceinline__ T warp_all_max(T v) {
+  for (int off = 16; off > 0; off >>= 1) v = nan_max(v, __shfl_xor_sync(FULL_MASK, v, off));
+  return v;
+}
+template <typename T> __device__ __forceinline__ T warp_all_sum(T v) {
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(FULL_MASK, v, off);
+  return v;
+}
+
+// Max and sum of exp(x - max) of one row, known to every lane.
+template <typename T>
+__device__ __forceinline__ void row_stats(const T* x, int C, int lane, T& mx, T& sum) {
+  mx = neg_inf<T>();
+  for (int c = lane; c < C; c += 32) mx = nan_max(mx, x[c]);
+  mx = warp_all_max(mx);
+  sum = T(0);
+  for (int c = lane; c < C; c += 32) sum += dp_exp(x[c] - mx);
+  sum = warp_all_sum(sum);
+}
+
+// The row loop: warp w of the grid takes rows w, w + nwarps, ... (uniform within the warp).
+#define FOR_EACH_ROW(row, R)                                                          \
+  for (int row = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; row < (R);             \
+       row += (gridDim.x * blockDim.x) >> 5)
+
+// y = softmax(x) (LOG = false) or log_softmax(x) (LOG = true).
+template <typename T, bool LOG>
+__global__ void softmax_fwd_kernel(T* y, const T* x, int R, int C) {
+  const int lane = threadIdx.x & 31;
+  FOR_EACH_ROW(row, R) {
+    const T* xr = x + (long long)row * C;
+    T* yr = y + (long long)row * C;
+    T mx, sum;
+    row_stats(xr, C, lane, mx, sum);
+    if (LOG) {
+      const T lse = dp_log(sum);
+      for (int c = lane; c < C; c += 32) yr[c] = (xr[c] - mx) - lse;
+    } else {
+      for (int c = lane; c < C; c += 32) yr[c] = dp_exp(xr[c] - mx) / sum;
+    }
+  }
+}
+
+// softmax: gx = y * (gy - sum(gy * y));  log_softmax: gx = gy - exp(y) * sum(gy).
+template <typename T, bool LOG>
+__global__ void softmax_bwd_kernel(T* gx, const T* y, const T* gy, int R, int C) {
+  const int lane = threadIdx.x & 31;
+  FOR_EACH_ROW(row, R) {
+    const long long o = (long long)row * C;
+    T dot = T(0);
+    for (int c = lane; c < C; c += 32) dot += LOG ? gy[o + c] : gy[o + c] * y[o + c];
+    dot = warp_all_sum(dot);
+    for (int c = lane; c < C; c += 32)
+      gx[o + c] = LOG ? gy[o + c] - dp_exp(y[o + c]) * dot : y[o + c] * (gy[o + c] - dot);
+  }
+}
+
+// probs = exp(log_softmax(logits)); picked[row] = log_softmax(logits)[row, label[row]].
+template <typename T, typename L>
+__global__ void ce_rows_kernel(T* probs, T* picked, const T* logits, const L* labels, int R, int C) {
+  const int lane = threadIdx.x & 31;
+  FOR_EACH_ROW(row, R) {
+    const T* xr = logits + (long long)row * C;
+    T* pr = probs + (long long)row * C;
+    T mx, sum;
+    row_stats(xr, C, lane, mx, sum);
+    const T lse = dp_log(sum);
+    for (int c = lane; c < C; c += 32) pr[c] = dp_exp((xr[c] - mx) - lse);
+    if (lane == 0) {
+      const long long label = (long long)labels[row];
+      picked[row] = (label >= 0 && label < C) ? (xr[label] - mx) - lse : quiet_nan<T>();
+    }
+  }
+}
+
+// loss[0] = -sum(picked) / R. One block of blockDim.x (a multiple of 32) threads.
+template <typename T>
+__global__ void ce_mean_kernel(T* loss, const T* picked, int R) {
+  __shared__ double shared[32];
+  double acc = 0.0;
+  for (int r = threadIdx.x; r < R; r += blockDim.x) acc += double(picked[r]);
+  acc = warp_all_sum(acc);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) shared[warp] = acc;
+  __syncthreads();
+  if (warp == 0) {
+    acc = lane < (int)(blockDim.x >> 5) ? shared[lane] : 0.0;
+    acc = warp_all_sum(acc);
+    if (lane == 0) loss[0] = -T(acc) / T(R);
+  }
+}
+
+// g = (probs - onehot(label)) * (gloss[0] / R), flat over R*C elements.
+template <typename T, typename L>
+__global__ void ce_bwd_kernel(T* g, const T* probs, const L* labels, const T* gloss, int R, int C) {
+  const T factor = gloss[0] / T(R);
+  const long long n = (long long)R * C;
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+       i += (long long)gridDim.x * blockDim.x) {
+    const long long row = i / C;
+    const long long c = i - row * C;
+    const T p = probs[i];
+    g[i] = ((long long)labels[row] == c ? p - T(1) : p) * factor;
+  }
+}
+
+// instantiate: softmax_fwd_kernel<float, false>; softmax_fwd_kernel<float, true>; softmax_fwd_kernel<double, false>; softmax_fwd_kernel<double, true>
+// instantiate: softmax_bwd_kernel<float, false>; softmax_bwd_kernel<float, true>; softmax_bwd_kernel<double, false>; softmax_bwd_kernel<double, true>
+// instantiate: ce_rows_kernel<float, int>; ce_rows_kernel<float, long long>; ce_rows_kernel<double, int>; ce_rows_kernel<double, long long>
+// instantiate: ce_mean_kernel<float>; ce_mean_kernel<double>
+// instantiate: ce_bwd_kernel<float, int>; ce_bwd_kernel<float, long long>; ce_bwd_kernel<double, int>; ce_bwd_kernel<double, long long>

@@ -1,0 +1,83 @@
+// transpose.cu: data movement through strides: transpose, getitem (basic slices) and its
+// backward, broadcast_to, concatenate, non-contiguous copies. Launchers: dptrain/backend/cuda.py.
+//
+// Conventions
+//  * strided_copy writes out[o0] = in[o1] (=) for every row-major index of the Layout; the
+//    launcher points `out` and `in` at the first element of each view (offsets already applied),
+//    with element strides (0 = broadcast, negative = reversed slice). Results are exact.
+//  * The copy works on raw bits: U is an unsigned type of the element's size, so one
+//    instantiation serves float32, int32 and uint32 alike.
+//  * take_rows (getitem with one index array on axis 0, e.g. a batch of labels) gathers whole
+//    rows; like CuPy's indexing it wraps indices modulo the row count instead of raising.
+//  * index_add (getitem_backward with index arrays) is a gather, not a scatter: each output
+//    element sums, in increasing i, the gy[i] whose flat index is its own. No atomics, so the
+//    result is deterministic and repeated indices accumulate as np.add.at does.
+
+#define DP_MAX_DIMS 8
+
+// Shape plus the element strides of two operands (s0 for out, s1 for in).
+struct Layout {
+  int ndim;
+  int shape[DP_MAX_DIMS];
+  int s0[DP_MAX_DIMS];
+  int s1[DP_MAX_DIMS];
+};
+
+__device__ __forceinline__ void layout_offsets(int i, const Layout& L, int& o0, int& o1) {
+  o0 = 0;
+  o1 = 0;
+#pragma unroll
+  for (int d = DP_MAX_DIMS - 1; d >= 1; --d) {
+    if (d < L.ndim) {
+      const int n = L.shape[d];
+      const int q = i / n;
+      const int r = i - q * n;
+      o0 += r * L.s0[d];
+      o1 += r * L.s1[d];
+      i = q;
+    }
+  }
+  // Axis 0 needs no division: what is left of i is its index (0 when ndim == 0, where the
+  // zeroed strides make it vanish anyway).
+  o0 += i * L.s0[0];
+  o1 += i * L.s1[0];
+}
+
+template <typename U>
+__global__ void strided_copy_kernel(U* out, const U* in, int n, Layout L) {
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+    int oo, oi;
+    layout_offsets(i, L, oo, oi);
+    out[oo] = in[oi];
+  }
+}
+
+// out[b, :] = in[idx[b] mod M, :], rows of `row` elements.
+template <typename U, typename L>
+__global__ void take_rows_kernel(U* out, const U* in, const L* idx, int B, long long M, long long row) {
+  const long long n = (long long)B * row;
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+       i += (long long)gridDim.x * blockDim.x) {
+    const long long b = i / row;
+    long long r = (long long)idx[b] % M;
+    if (r < 0) r += M;
+    out[i] = in[r * row + (i - b * row)];
+  }
+}
+
+// gx[j] = sum of gy[i] over i with idx[i] == j (j < n, i < m). O(n*m): getitem_backward with
+// index arrays only, which stays outside the training hot path.
+template <typename T>
+__global__ void index_add_kernel(T* gx, const T* gy, const long long* idx, int m, int n) {
+  for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < n; j += gridDim.x * blockDim.x) {
+    T acc = T(0);
+    for (int i = 0; i < m; ++i)
+      if (idx[i] == j) acc += gy[i];
+    gx[j] = acc;
+  }
+}
+
+// instantiate: strided_copy_kernel<unsigned char>; strided_copy_kernel<unsigned short>; strided_copy_kernel<unsigned int>; strided_copy_kernel<unsigned long long>
+// instantiate: take_rows_kernel<unsigned char, int>; take_rows_kernel<unsigned short, int>; take_rows_kernel<unsigned int, int>; take_rows_kernel<unsigned long long, int>
+// instantiate: take_rows_kernel<unsigned char, long long>; take_rows_kernel<unsigned short, long long>; take_rows_kernel<unsigned int, long long>; take_rows_kernel<unsigned long long, long long>
+// instantiate: index_add_kernel<float>; index_add_kernel<double>
