@@ -93,8 +93,8 @@ def train_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-drop-last", dest="drop_last", action="store_false",
                    help="pad the last ragged batch of an epoch with wrapped-around images "
                    "instead of dropping it")
-    g.add_argument("--optimizer", default="sgd", choices=sorted(OPTIMIZERS))
-    g.add_argument("--lr", type=_positive_float, default=0.05, help="peak learning rate")
+    g.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZERS))
+    g.add_argument("--lr", type=_positive_float, default=2e-3, help="peak learning rate")
     g.add_argument("--lr-schedule", default="cosine", choices=LRSchedule.KINDS)
     g.add_argument("--warmup-steps", type=_non_negative_int, default=0)
     g.add_argument("--momentum", type=_non_negative_float, default=0.9, help="SGD momentum")

@@ -42,11 +42,11 @@ class TrainConfig:
     global_batch_size: int | None = None  # alternative to batch_size: split over the ranks
     drop_last: bool = True
     bucket_mb: float = 4.0
-    lr: float = 0.05
+    lr: float = 2e-3
     momentum: float = 0.9
     nesterov: bool = False
     weight_decay: float = 5e-4
-    optimizer: str = "sgd"
+    optimizer: str = "adamw"
     lr_schedule: str = "cosine"
     warmup_steps: int = 0
     seed: int = 0

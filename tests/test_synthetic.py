@@ -1,0 +1,268 @@
+"""The synthetic shapes dataset: purity, balance, geometry, splits, cache, difficulty."""
+import dataclasses
+import glob
+import math
+import os
+import struct
+import zlib
+
+import numpy as np
+import pytest
+
+from dptrain.data import DATASETS, SyntheticDataset, get_dataset
+from dptrain.data import synthetic as S
+
+
+@pytest.fixture(scope="module")
+def thousand():
+    return S.generate(123, np.arange(1000))
+
+
+def test_shapes_and_dtypes(thousand):
+    images, labels = thousand
+    assert images.shape == (1000, 1, 48, 48) and images.dtype == np.uint8
+    assert labels.shape == (1000,) and labels.dtype == np.int64
+    assert labels.min() == 0 and labels.max() == S.NUM_CLASSES - 1
+    assert images.std() > 10  # not blank
+
+
+def test_subset_equals_slice(thousand):
+    images, labels = thousand
+    # Out of order, repeated, across chunk boundaries (chunks hold 256 images).
+    picks = np.array([900, 5, 17, 255, 256, 5, 999])
+    sub_images, sub_labels = S.generate(123, picks)
+    np.testing.assert_array_equal(sub_images, images[picks])
+    np.testing.assert_array_equal(sub_labels, labels[picks])
+
+
+def test_deterministic_and_seed_dependent(thousand):
+    again, again_labels = S.generate(123, np.arange(1000))
+    np.testing.assert_array_equal(again, thousand[0])
+    np.testing.assert_array_equal(again_labels, thousand[1])
+    other, other_labels = S.generate(124, np.arange(1000))
+    assert (other != thousand[0]).any(axis=(1, 2, 3)).all()  # every image differs
+    assert (other_labels != thousand[1]).any()
+
+
+# Python 3.12 warns on any fork of a threaded process (BLAS or CUDA threads of the test
+# run); the workers call neither, so the warning does not apply to them.
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_parallel_equals_serial(thousand):
+    images, labels = S.generate_parallel(123, np.arange(1000), workers=2, chunk=300)
+    np.testing.assert_array_equal(images, thousand[0])
+    np.testing.assert_array_equal(labels, thousand[1])
+
+
+def test_labels_balanced_and_mixed():
+    labels = S.labels_for(7, np.arange(7 * 500))
+    assert np.bincount(labels, minlength=7).tolist() == [500] * 7
+    assert (labels != np.arange(len(labels)) % 7).mean() > 0.5  # not simply i % 7
+    scattered = S.labels_for(7, np.random.default_rng(0).integers(0, 10**9, 7000))
+    assert np.bincount(scattered, minlength=7).min() > 850
+
+
+def test_bad_indices():
+    with pytest.raises(ValueError):
+        S.generate(0, [-1, 2])
+    with pytest.raises(ValueError):
+        S.generate(0, [[1, 2]])
+    with pytest.raises(ValueError):
+        S.generate(0, [0.5])
+
+
+def _star_area(r_tip):
+    """Shoelace area of a pentagram with tip radius r_tip."""
+    r_in = r_tip * math.cos(2 * math.pi / 5) / math.cos(math.pi / 5)
+    pts = [((r_tip if k % 2 == 0 else r_in) * math.cos(k * math.pi / 5),
+            (r_tip if k % 2 == 0 else r_in) * math.sin(k * math.pi / 5)) for k in range(10)]
+    return 0.5 * abs(sum(x0 * y1 - x1 * y0 for (x0, y0), (x1, y1) in zip(pts, pts[1:] + pts[:1])))
+
+
+def _lens_area(r1, r2, d):
+    """Area shared by two circles of radii r1, r2 whose centres are d apart."""
+    a1 = r1 * r1 * math.acos((d * d + r1 * r1 - r2 * r2) / (2 * d * r1))
+    a2 = r2 * r2 * math.acos((d * d + r2 * r2 - r1 * r1) / (2 * d * r2))
+    return a1 + a2 - 0.5 * math.sqrt((-d + r1 + r2) * (d + r1 - r2) * (d - r1 + r2) * (d + r1 + r2))
+
+
+def test_shape_areas_match_geometry():
+    """With noise, distractors and gradient off, the antialiased ink of each class equals
+    its shape's area, computed independently of the renderer."""
+    R = 12.0
+    spec = S.SyntheticSpec(radius=(R, R), margin=1.1, outline_prob=0.0, background=(0.5, 0.5),
+                           gradient=0.0, contrast=(0.4, 0.4), noise=(0.0, 0.0), distractors=0)
+    r = 0.85 * R
+    expected = {
+        "circle": math.pi * r * r,
+        "square": (1.44 * R) ** 2,
+        "triangle": 3 * math.sqrt(3) / 4 * R * R,
+        "star": _star_area(1.05 * R),
+        "plus": (2 * 1.8 * 0.56 - 0.56 ** 2) * R * R,
+        "crescent": math.pi * r * r - _lens_area(r, 0.8 * r, 0.45 * r),
+        "arrow": (1.15 * 0.28 + 0.75 * 0.5 - 0.10 * 0.28) * R * R,
+    }
+    images, labels = S.generate(5, np.arange(70), spec)
+    x = images[:, 0].astype(np.float64)
+    background = 128.0  # 0.5 * 255, rounded
+    ink = np.abs(x - background).sum(axis=(1, 2)) / 102.0  # full ink: |26 or 230 - 128|
+    for c, name in enumerate(S.CLASSES):
+        got = ink[labels == c]
+        assert len(got) >= 5
+        np.testing.assert_allclose(got, expected[name], rtol=0.02, err_msg=name)
+    # An outlined shape puts ink along its boundary only: far less than the filled area.
+    outlined = dataclasses.replace(spec, outline_prob=1.0, stroke=(2.0, 2.0))
+    o_images, o_labels = S.generate(5, np.arange(70), outlined)
+    o_ink = np.abs(o_images[:, 0].astype(np.float64) - background).sum(axis=(1, 2)) / 102.0
+    circle = o_labels == 0
+    np.testing.assert_allclose(o_ink[circle], 2 * math.pi * r * 2.0, rtol=0.05)
+
+
+def test_spec_key_and_validation():
+    assert S.SyntheticSpec().key() == S.SyntheticSpec(radius=[8, 20]).key()
+    assert S.SyntheticSpec().key() != S.SyntheticSpec(noise=(0.0, 0.1)).key()
+    with pytest.raises(ValueError):
+        S.SyntheticSpec(noise=(0.2, 0.1))
+    with pytest.raises(ValueError):
+        S.SyntheticSpec(distractors=-1)
+
+
+def test_splits_disjoint_and_no_duplicates():
+    train = SyntheticDataset("train", 3000, seed=0, cache=False)
+    val = SyntheticDataset("val", 3000, seed=0, cache=False)
+    rows = lambda d: {img.tobytes() for img in d.images}
+    train_rows, val_rows = rows(train), rows(val)
+    assert len(train_rows) == 3000 and len(val_rows) == 3000
+    assert not train_rows & val_rows
+    assert train.stream_seed != val.stream_seed
+
+
+def test_dataset_attributes_and_subset():
+    data = SyntheticDataset("val", 500, seed=3, cache=False)
+    assert len(data) == 500 and data.num_classes == 7 and data.image_shape == (1, 48, 48)
+    assert data.images.shape == (500, 1, 48, 48) and data.labels.dtype == np.int64
+    pixels = data.images / 255.0
+    assert abs(pixels.mean() - data.mean) < 0.05 and abs(pixels.std() - data.std) < 0.05
+    picks = [499, 0, 250]
+    sub = data.subset(picks)
+    np.testing.assert_array_equal(sub.images, data.images[picks])
+    np.testing.assert_array_equal(sub.labels, data.labels[picks])
+    direct = SyntheticDataset("val", 500, seed=3, indices=picks)
+    np.testing.assert_array_equal(direct.images, sub.images)
+    with pytest.raises(ValueError):
+        SyntheticDataset("val", 500, indices=[500])
+    with pytest.raises(ValueError):
+        SyntheticDataset("test", 10, cache=False)
+    with pytest.raises(ValueError):
+        SyntheticDataset("train", 0, cache=False)
+
+
+def test_cache_round_trip(tmp_path):
+    first = SyntheticDataset("train", 600, seed=1, cache_dir=str(tmp_path))
+    assert not first.from_cache
+    files = sorted(os.listdir(tmp_path))
+    assert len(files) == 2 and all(f.endswith(".npy") for f in files)  # no temporaries left
+    again = SyntheticDataset("train", 600, seed=1, cache_dir=str(tmp_path))
+    assert again.from_cache
+    np.testing.assert_array_equal(again.images, first.images)
+    np.testing.assert_array_equal(again.labels, first.labels)
+    # A bigger cached set serves a smaller request: images depend only on their index.
+    smaller = SyntheticDataset("train", 100, seed=1, cache_dir=str(tmp_path))
+    assert smaller.from_cache
+    np.testing.assert_array_equal(smaller.images, first.images[:100])
+    # Another seed, split or spec is another set.
+    assert not SyntheticDataset("val", 100, seed=1, cache_dir=str(tmp_path)).from_cache
+    assert not SyntheticDataset("train", 100, seed=2, cache_dir=str(tmp_path)).from_cache
+    harder = S.SyntheticSpec(noise=(0.1, 0.2))
+    assert not SyntheticDataset("train", 100, seed=1, cache_dir=str(tmp_path),
+                                spec=harder).from_cache
+
+
+def test_cache_ignores_incomplete_writes(tmp_path):
+    data = SyntheticDataset("train", 50, seed=4, cache_dir=str(tmp_path))
+    images_file = glob.glob(str(tmp_path / "*-images.npy"))[0]
+    os.remove(images_file)  # as if killed between the two renames
+    (tmp_path / ".tmp-abc.npy").write_bytes(b"partial")  # a killed writer's leftover
+    rebuilt = SyntheticDataset("train", 50, seed=4, cache_dir=str(tmp_path))
+    assert not rebuilt.from_cache
+    np.testing.assert_array_equal(rebuilt.images, data.images)
+    with open(images_file, "wb") as f:  # truncated or foreign content is not trusted
+        f.write(b"garbage")
+    assert not SyntheticDataset("train", 50, seed=4, cache_dir=str(tmp_path)).from_cache
+
+
+def test_default_cache_dir_from_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("DPTRAIN_CACHE", str(tmp_path))
+    SyntheticDataset("val", 20, seed=9)
+    assert len(glob.glob(str(tmp_path / "synthetic-*-seed9-val-n20-*.npy"))) == 2
+
+
+def test_registry():
+    assert DATASETS["synthetic"] is SyntheticDataset
+    data = get_dataset("synthetic", "val", 30, seed=0, cache=False)
+    assert isinstance(data, SyntheticDataset) and len(data) == 30
+    with pytest.raises(ValueError, match="unknown dataset 'nope'; choose one of .*synthetic"):
+        get_dataset("nope", "train", 10)
+
+
+def test_png_writer_and_preview(tmp_path):
+    gray = np.arange(35, dtype=np.uint8).reshape(5, 7) * 7
+    path = tmp_path / "g.png"
+    S.write_png(str(path), gray)
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", data[16:24])
+    assert (width, height) == (7, 5)
+    idat_len = struct.unpack(">I", data[33:37])[0]
+    raw = zlib.decompress(data[41:41 + idat_len])
+    rows = np.frombuffer(raw, np.uint8).reshape(5, 8)
+    assert (rows[:, 0] == 0).all()
+    np.testing.assert_array_equal(rows[:, 1:], gray)
+    grid = S.preview(str(tmp_path / "p.png"), per_class=3, scale=1)
+    assert grid.shape == (7 * 50 + 2, 3 * 50 + 2) and (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_not_linearly_separable():
+    """Softmax regression on raw pixels stays far from a CNN's >90%: the set needs
+    spatial features."""
+    train = SyntheticDataset("train", 3000, seed=0, cache=False)
+    val = SyntheticDataset("val", 1000, seed=0, cache=False)
+
+    def features(d):
+        return ((d.images.reshape(len(d), -1) / 255.0 - d.mean) / d.std).astype(np.float32)
+
+    x, y, xv = features(train), train.labels, features(val)
+    w = np.zeros((x.shape[1], 7), np.float32)
+    b = np.zeros(7, np.float32)
+    m, v = np.zeros_like(w), np.zeros_like(w)
+    onehot = np.eye(7, dtype=np.float32)[y]
+    for t in range(1, 151):  # Adam on the full batch: fits the training set well
+        z = x @ w + b
+        p = np.exp(z - z.max(1, keepdims=True))
+        p /= p.sum(1, keepdims=True)
+        g = (p - onehot) / len(x)
+        gw = x.T @ g
+        m = 0.9 * m + 0.1 * gw
+        v = 0.999 * v + 0.001 * gw * gw
+        w -= 0.01 * (m / (1 - 0.9 ** t)) / (np.sqrt(v / (1 - 0.999 ** t)) + 1e-8)
+        b -= 0.1 * g.sum(0)
+    train_acc = ((x @ w + b).argmax(1) == y).mean()
+    val_acc = ((xv @ w + b).argmax(1) == val.labels).mean()
+    assert train_acc > 0.3  # the optimiser did its job: it can memorise
+    assert val_acc < 0.6
+
+
+def test_make_synthetic_cli(tmp_path, capsys):
+    import importlib.util
+    path = os.path.join(os.path.dirname(__file__), os.pardir, "datasets", "make_synthetic.py")
+    spec = importlib.util.spec_from_file_location("make_synthetic", path)
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    png = tmp_path / "shapes.png"
+    args = ["--train", "300", "--val", "70", "--cache-dir", str(tmp_path / "c"),
+            "--workers", "1", "--preview", str(png)]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "train: 300 images generated and cached" in out and png.exists()
+    assert len(os.listdir(tmp_path / "c")) == 4
+    cli.main(args[:-2])
+    assert "loaded from the cache" in capsys.readouterr().out
