@@ -15,9 +15,15 @@ of a bucket is the r-th of its N equal slices.
 """
 from __future__ import annotations
 
+import time
+
 
 class _NoStreams:
-    """CPU: collectives run synchronously where they are issued."""
+    """CPU: collectives run synchronously where they are issued, so all of their time is
+    exposed; it is summed with a host clock."""
+
+    def __init__(self):
+        self.exposed, self.steps = 0.0, 0
 
     def before_comm(self):
         return None
@@ -25,15 +31,36 @@ class _NoStreams:
     def after_comm(self):
         pass
 
+    def timed(self, fn, *args):
+        start = time.perf_counter()
+        fn(*args)
+        self.exposed += time.perf_counter() - start
+
+    def mark(self, name):
+        if name == "step_end":
+            self.steps += 1
+
+    def read_exposed(self) -> float:
+        """Mean seconds per step that compute waited for communication, since the last read."""
+        value = self.exposed / max(1, self.steps)
+        self.exposed, self.steps = 0.0, 0
+        return value
+
 
 class _CudaStreams:
-    """GPU: a dedicated communication stream, ordered against compute with events."""
+    """GPU: a dedicated communication stream, ordered against compute with events. Timing
+    events on the compute stream bracket the waits, so the exposed (non-overlapped)
+    communication of the latest step can be read once the host has synchronised."""
+
+    MARKS = ("backward_done", "comm_waited", "gather_start", "step_end")
 
     def __init__(self):
         import cupy
 
         self.cupy = cupy
         self.comm = cupy.cuda.Stream(non_blocking=True)
+        self.events = {name: cupy.cuda.Event() for name in self.MARKS}
+        self.marked = set()
 
     def before_comm(self):
         event = self.cupy.cuda.Event(disable_timing=True)
@@ -45,6 +72,24 @@ class _CudaStreams:
         event = self.cupy.cuda.Event(disable_timing=True)
         event.record(self.comm)
         self.cupy.cuda.get_current_stream().wait_event(event)
+
+    def timed(self, fn, *args):
+        fn(*args)
+
+    def mark(self, name):
+        self.events[name].record(self.cupy.cuda.get_current_stream())
+        self.marked.add(name)
+
+    def read_exposed(self) -> float:
+        """Seconds the latest step's compute stream spent waiting for the reduce-scatters plus
+        running the all-gathers (call after a host synchronisation)."""
+        if self.marked != set(self.MARKS):
+            return 0.0
+        e = self.events
+        e["step_end"].synchronize()
+        ms = self.cupy.cuda.get_elapsed_time(e["backward_done"], e["comm_waited"])
+        ms += self.cupy.cuda.get_elapsed_time(e["gather_start"], e["step_end"])
+        return ms / 1e3
 
 
 class Reducer:
@@ -85,22 +130,32 @@ class Reducer:
         stream = self.streams.before_comm()
         args = (grad[bucket.start : bucket.stop], grad[start:stop])
         if stream is None:
-            self.comm.reduce_scatter(*args)
+            self.streams.timed(self.comm.reduce_scatter, *args)
         else:
             self.comm.reduce_scatter(*args, stream=stream)
 
     def finish_backward(self):
         """Send buckets whose gradients never arrived (unused parameters), then wait for all."""
+        if self.size > 1:
+            self.streams.mark("backward_done")
         for i in range(len(self.flat.buckets)):
             self._reduce_scatter(i)
         if self.size > 1:
             self.streams.after_comm()
+            self.streams.mark("comm_waited")
         self.begin_step()
 
     def all_gather(self):
         if self.size == 1:
             return
+        self.streams.mark("gather_start")
         data = self.flat.data
         for bucket in self.flat.buckets:
             start, stop = bucket.shard(self.rank, self.size)
-            self.comm.all_gather(data[start:stop], data[bucket.start : bucket.stop])
+            self.streams.timed(self.comm.all_gather, data[start:stop],
+                               data[bucket.start : bucket.stop])
+        self.streams.mark("step_end")
+
+    def read_exposed_comm(self) -> float:
+        """Seconds per step of communication that did not overlap compute (see the streams)."""
+        return self.streams.read_exposed() if self.size > 1 else 0.0

@@ -247,6 +247,7 @@ def train(cfg: TrainConfig, echo=print) -> dict:
     progress = Progress(total_steps, enabled=cfg.progress and root)
     start = window_start = time.perf_counter()
     train_time, window_steps, step, last_loss, last_eval = 0.0, 0, 0, float("nan"), {}
+    comm_exposed = 0.0  # seconds of communication that compute waited for
     eval_every = cfg.eval_every or steps_per_epoch
     try:
         for epoch in range(cfg.epochs):
@@ -264,6 +265,7 @@ def train(cfg: TrainConfig, echo=print) -> dict:
                 window_steps += 1
                 if step % cfg.log_every == 0 or step == total_steps:
                     loss_sum, _ = step_fn.read_metrics(world.comm)
+                    comm_exposed += reducer.read_exposed_comm() * window_steps
                     now = time.perf_counter()
                     train_time += now - window_start
                     rate = window_steps * global_batch / (now - window_start)
@@ -300,6 +302,8 @@ def train(cfg: TrainConfig, echo=print) -> dict:
         "train_s": train_time,
         "images_per_s": train_rate,
         "images_per_s_per_rank": train_rate / world.size,
+        "comm_exposed_s": comm_exposed,
+        "comm_exposed_fraction": comm_exposed / train_time if train_time > 0 else 0.0,
         "config": asdict(cfg),
     }
     if root:
