@@ -106,6 +106,8 @@ def train_parser() -> argparse.ArgumentParser:
                    help="auto: the GPU when CuPy and a GPU are present, else the CPU")
     g.add_argument("--bucket-mb", type=_positive_float, default=4.0,
                    help="gradient bucket size for the reduce-scatter (MB)")
+    g.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
+                   help="GPU: run every step eagerly instead of replaying a captured graph")
     g.add_argument("--precision", default="auto", choices=("auto", "tf32", "fp32"),
                    help="GPU matrix precision (auto: TF32 where the GPU has it)")
     g = p.add_argument_group("output")

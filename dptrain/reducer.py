@@ -77,14 +77,19 @@ class _CudaStreams:
         fn(*args)
 
     def mark(self, name):
-        self.events[name].record(self.cupy.cuda.get_current_stream())
+        stream = self.cupy.cuda.get_current_stream()
+        if stream.is_capturing():
+            self.marked.clear()  # timing events cannot be read back from a graph replay
+            return
+        self.events[name].record(stream)
         self.marked.add(name)
 
-    def read_exposed(self) -> float:
+    def read_exposed(self):
         """Seconds the latest step's compute stream spent waiting for the reduce-scatters plus
-        running the all-gathers (call after a host synchronisation)."""
+        running the all-gathers (call after a host synchronisation); None when the step ran
+        as a graph replay, where no timing event is recorded."""
         if self.marked != set(self.MARKS):
-            return 0.0
+            return None
         e = self.events
         e["step_end"].synchronize()
         ms = self.cupy.cuda.get_elapsed_time(e["backward_done"], e["comm_waited"])
@@ -156,6 +161,7 @@ class Reducer:
                                data[bucket.start : bucket.stop])
         self.streams.mark("step_end")
 
-    def read_exposed_comm(self) -> float:
-        """Seconds per step of communication that did not overlap compute (see the streams)."""
+    def read_exposed_comm(self):
+        """Seconds per step of communication that did not overlap compute (see the streams),
+        or None where it cannot be measured."""
         return self.streams.read_exposed() if self.size > 1 else 0.0
