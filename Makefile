@@ -17,11 +17,14 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
 	touch $@
 
+# The venv's bin first: mpirun from the bundled Open MPI lives there.
+RUN := PATH="$(abspath $(VENV))/bin:$$PATH"
+
 train: venv
-	$(PY) -m dptrain train --log-dir runs/latest --save runs/latest/weights.npz
+	$(RUN) $(PY) -m dptrain train --log-dir runs/latest --save runs/latest/weights.npz
 
 test: venv
-	$(PY) -m pytest -q
+	$(RUN) $(PY) -m pytest -q
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

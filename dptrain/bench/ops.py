@@ -1,0 +1,422 @@
+"""python -m dptrain bench ops: our kernels against cuBLAS / cuDNN / CuPy and the NumPy backend.
+
+Sections: square GEMM 256..8192, the reference CNN's layer shapes (FC GEMMs and the three 3x3
+convolutions, forward / backward-data / backward-weight, batch 256), and elementwise add, mul,
+pow and transpose from 1e3 to 1e8 elements. GPU times are CUDA-event medians after warm-up;
+CPU (NumPy backend) times are medians of up to 3 runs, skipped where a run would take > ~1 s.
+
+    python -m dptrain bench ops [--quick] [--precision tf32,fp32] [--csv out.csv] [--plot out.png]
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import math
+import statistics
+import sys
+import time
+import traceback
+
+import numpy as np
+
+from dptrain.backend import cpu
+
+BATCH = 256
+# (name, C_in, C_out, H=W) of the reference CNN's convolutions: 3x3, stride 1, padding 1.
+CNN_CONVS = [("conv1", 1, 32, 48), ("conv2", 32, 64, 24), ("conv3", 64, 128, 12)]
+# (name, in, out) of its fully connected layers.
+CNN_FCS = [("fc1", 4608, 256), ("fc2", 256, 7)]
+CPU_LIMIT_S = 1.0
+
+FIELDS = ["section", "op", "shape", "precision", "ours_ms", "ours_rate", "unit", "ref",
+          "ref_ms", "ref_rate", "pct_of_ref", "cpu_ms", "speedup_vs_cpu", "size", "note"]
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def gpu_time_ms(fn, warmup=3, repeat=20, budget_s=0.3) -> float:
+    """Median of CUDA-event times of fn() on the current stream, after warm-up."""
+    import cupy
+
+    for _ in range(warmup):
+        fn()
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    times = []
+    for i in range(repeat):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, end))
+        if i >= 2 and sum(times) > budget_s * 1e3:
+            break
+    return statistics.median(times)
+
+
+class CpuTimer:
+    """Times NumPy calls; predicts each run from the last of the same series and skips slow ones."""
+
+    def __init__(self, limit_s=CPU_LIMIT_S, enabled=True):
+        self.limit_s, self.enabled, self.last = limit_s, enabled, {}
+
+    def __call__(self, series, work, fn):
+        """fn's median time in ms, or None when skipped. series=None: a one-off, no prediction."""
+        if not self.enabled:
+            return None
+        if series is not None and series in self.last:
+            w0, t0 = self.last[series]
+            if t0 * work / w0 > self.limit_s:
+                return None
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+            if sum(times) > self.limit_s:
+                break
+        t = statistics.median(times)
+        if series is not None:
+            self.last[series] = (work, t)
+        return t * 1e3
+
+
+# ----------------------------------------------------------------------------- references
+
+
+def cupy_compute(prec):
+    """Make cupy.matmul (cuBLAS) use TF32 tensor cores or plain fp32."""
+    import cupy
+    from cupy._core import _routines_linalg as linalg
+
+    kind = linalg.COMPUTE_TYPE_TF32 if prec == "tf32" else linalg.COMPUTE_TYPE_FP32
+    cupy._core.set_compute_type(np.float32, kind)
+
+
+def load_torch(prec):
+    try:
+        import torch
+        import torch.nn.functional  # noqa: F401
+        import torch.nn.grad  # noqa: F401
+    except Exception:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    torch.backends.cudnn.benchmark = True
+    torch.backends.cudnn.allow_tf32 = prec == "tf32"
+    torch.backends.cuda.matmul.allow_tf32 = prec == "tf32"
+    return torch
+
+
+# ----------------------------------------------------------------------------- rows
+
+
+class Table:
+    def __init__(self):
+        self.rows = []
+
+    def add(self, **kw):
+        row = {f: kw.get(f, "") for f in FIELDS}
+        if row["ref_ms"] and row["ours_ms"]:
+            row["pct_of_ref"] = 100.0 * row["ref_ms"] / row["ours_ms"]
+        if row["cpu_ms"] and row["ours_ms"]:
+            row["speedup_vs_cpu"] = row["cpu_ms"] / row["ours_ms"]
+        self.rows.append(row)
+        print(_fmt_row(row), flush=True)
+
+
+def _num(v, fmt):
+    return "" if v in ("", None) else format(v, fmt)
+
+
+def _fmt_row(r):
+    return (f"{r['section']:<5} {r['op']:<10} {r['shape']:<26} {r['precision']:<4} "
+            f"{_num(r['ours_ms'], '9.4f')} ms {_num(r['ours_rate'], '9.1f'):>9} {r['unit']:<6} "
+            f"{r['ref']:<7} {_num(r['ref_ms'], '9.4f'):>9} {_num(r['pct_of_ref'], '6.1f'):>6}% "
+            f"{_num(r['cpu_ms'], '10.2f'):>10} {_num(r['speedup_vs_cpu'], '8.1f'):>8}x {r['note']}")
+
+
+HEADER = (f"{'sect':<5} {'op':<10} {'shape':<26} {'prec':<4} {'ours':>9}    {'rate':>9} "
+          f"{'unit':<6} {'ref':<7} {'ref ms':>9} {'%ref':>6}  {'cpu ms':>10} {'gpu/cpu':>8}")
+
+
+# ----------------------------------------------------------------------------- sections
+
+
+def bench_gemm(table, cm, cpu_timer, precisions, sizes):
+    import cupy
+
+    rng = np.random.default_rng(0)
+    for n in sizes:
+        a_h = rng.standard_normal((n, n), dtype=np.float32)
+        b_h = rng.standard_normal((n, n), dtype=np.float32)
+        a, b = cupy.asarray(a_h), cupy.asarray(b_h)
+        flops = 2.0 * n**3
+        cpu_ms = cpu_timer("gemm", flops, lambda: cpu.matmul(a_h, b_h))
+        for prec in precisions:
+            cm.set_precision(prec)
+            cupy_compute(prec)
+            ours = gpu_time_ms(lambda: cm.matmul(a, b))
+            ref = gpu_time_ms(lambda: cupy.matmul(a, b))
+            table.add(section="gemm", op="matmul", shape=f"{n}x{n}x{n}", precision=prec,
+                      ours_ms=ours, ours_rate=flops / ours / 1e6, unit="GFLOP/s", ref="cuBLAS",
+                      ref_ms=ref, ref_rate=flops / ref / 1e6, cpu_ms=cpu_ms, size=n)
+        del a, b
+
+
+def bench_fc(table, cm, cpu_timer, precisions):
+    """The CNN's linear layers: y = x W^T, dx = gy W, dW = gy^T x."""
+    import cupy
+
+    rng = np.random.default_rng(1)
+    for name, fin, fout in CNN_FCS:
+        x_h = rng.standard_normal((BATCH, fin), dtype=np.float32)
+        w_h = rng.standard_normal((fout, fin), dtype=np.float32)
+        gy_h = rng.standard_normal((BATCH, fout), dtype=np.float32)
+        x, w, gy = cupy.asarray(x_h), cupy.asarray(w_h), cupy.asarray(gy_h)
+        flops = 2.0 * BATCH * fin * fout
+        cases = [
+            ("fwd", lambda: cm.matmul(x, w, trans_b=True), lambda: cupy.matmul(x, w.T),
+             lambda: cpu.matmul(x_h, w_h, trans_b=True)),
+            ("bwd_data", lambda: cm.matmul(gy, w), lambda: cupy.matmul(gy, w),
+             lambda: cpu.matmul(gy_h, w_h)),
+            ("bwd_wgt", lambda: cm.matmul(gy, x, trans_a=True), lambda: cupy.matmul(gy.T, x),
+             lambda: cpu.matmul(gy_h, x_h, trans_a=True)),
+        ]
+        for kind, ours_fn, ref_fn, cpu_fn in cases:
+            cpu_ms = cpu_timer(None, 1, cpu_fn)
+            for prec in precisions:
+                cm.set_precision(prec)
+                cupy_compute(prec)
+                ours, ref = gpu_time_ms(ours_fn), gpu_time_ms(ref_fn)
+                table.add(section="cnn", op=f"{name}.{kind}", shape=f"{BATCH}x{fin}->{fout}",
+                          precision=prec, ours_ms=ours, ours_rate=flops / ours / 1e6,
+                          unit="GFLOP/s", ref="cuBLAS", ref_ms=ref, ref_rate=flops / ref / 1e6,
+                          cpu_ms=cpu_ms)
+
+
+def bench_conv(table, cm, cpu_timer, precisions):
+    import cupy
+
+    rng = np.random.default_rng(2)
+    for name, cin, cout, hw in CNN_CONVS:
+        stride, pad = (1, 1), (1, 1)
+        x_h = rng.standard_normal((BATCH, cin, hw, hw), dtype=np.float32)
+        w_h = rng.standard_normal((cout, cin, 3, 3), dtype=np.float32)
+        b_h = rng.standard_normal((cout,), dtype=np.float32)
+        gy_h = rng.standard_normal((BATCH, cout, hw, hw), dtype=np.float32)
+        x, w, b, gy = (cupy.asarray(v) for v in (x_h, w_h, b_h, gy_h))
+        flops = 2.0 * BATCH * cout * hw * hw * cin * 9
+        cases = [
+            ("fwd", lambda: cm.conv2d_forward(x, w, b, stride, pad),
+             lambda: cpu.conv2d_forward(x_h, w_h, b_h, stride, pad)),
+            ("bwd_data", lambda: cm.conv2d_backward_data(gy, w, x.shape, stride, pad),
+             lambda: cpu.conv2d_backward_data(gy_h, w_h, x_h.shape, stride, pad)),
+            ("bwd_wgt", lambda: cm.conv2d_backward_weight(x, gy, w.shape, stride, pad),
+             lambda: cpu.conv2d_backward_weight(x_h, gy_h, w_h.shape, stride, pad)),
+        ]
+        for kind, ours_fn, cpu_fn in cases:
+            cpu_ms = cpu_timer(None, 1, cpu_fn)
+            for prec in precisions:
+                cm.set_precision(prec)
+                torch = load_torch(prec)
+                ref_ms, note = None, ""
+                if torch is not None:
+                    ref_fn = _torch_conv(torch, kind, x, w, b, gy, stride, pad)
+                    ref_ms = gpu_time_ms(ref_fn)
+                else:
+                    note = "no torch: cuDNN skipped"
+                ours = gpu_time_ms(ours_fn)
+                table.add(section="cnn", op=f"{name}.{kind}",
+                          shape=f"{BATCH}x{cin}x{hw}x{hw}->{cout} k3", precision=prec,
+                          ours_ms=ours, ours_rate=flops / ours / 1e6, unit="GFLOP/s",
+                          ref="cuDNN" if ref_ms else "", ref_ms=ref_ms,
+                          ref_rate=flops / ref_ms / 1e6 if ref_ms else "", cpu_ms=cpu_ms,
+                          note=note)
+
+
+def _torch_conv(torch, kind, x, w, b, gy, stride, pad):
+    xt, wt, bt, gyt = (torch.from_dlpack(v) for v in (x, w, b, gy))
+    if kind == "fwd":
+        return lambda: torch.nn.functional.conv2d(xt, wt, bt, stride, pad)
+    if kind == "bwd_data":
+        return lambda: torch.nn.grad.conv2d_input(xt.shape, wt, gyt, stride, pad)
+    return lambda: torch.nn.grad.conv2d_weight(xt, wt.shape, gyt, stride, pad)
+
+
+def bench_elementwise(table, cpu_timer, sizes):
+    import cupy
+
+    try:
+        from dptrain.backend import get
+
+        be = get("cuda")
+        ops = {name: getattr(be, name) for name in ("add", "mul", "pow_scalar", "transpose")}
+    except Exception as e:  # the cuda backend is written alongside; run without it
+        print(f"elementwise: skipped ({type(e).__name__}: {e})", flush=True)
+        return
+    rng = np.random.default_rng(3)
+    for n in sizes:
+        rows = 10 ** (int(round(math.log10(n))) // 2)
+        shape2d = (rows, n // rows)
+        a_h = rng.random(n, dtype=np.float32) + 0.5
+        b_h = rng.random(n, dtype=np.float32) + 0.5
+        a, b = cupy.asarray(a_h), cupy.asarray(b_h)
+        a2, a2_h = a.reshape(shape2d), a_h.reshape(shape2d)
+        cases = [
+            ("add", 12 * n, lambda: ops["add"](a, b), lambda: a + b, lambda: cpu.add(a_h, b_h)),
+            ("mul", 12 * n, lambda: ops["mul"](a, b), lambda: a * b, lambda: cpu.mul(a_h, b_h)),
+            ("pow", 8 * n, lambda: ops["pow_scalar"](a, 2.5), lambda: a**np.float32(2.5),
+             lambda: cpu.pow_scalar(a_h, 2.5)),
+            ("transpose", 8 * n, lambda: ops["transpose"](a2, (1, 0)),
+             lambda: cupy.ascontiguousarray(a2.T), lambda: cpu.transpose(a2_h, (1, 0))),
+        ]
+        for op, nbytes, ours_fn, ref_fn, cpu_fn in cases:
+            try:
+                ours = gpu_time_ms(ours_fn)
+            except Exception as e:
+                table.add(section="elem", op=op, shape=str(n), note=f"failed: {e}")
+                continue
+            ref = gpu_time_ms(ref_fn)
+            cpu_ms = cpu_timer(f"elem.{op}", n, cpu_fn)
+            table.add(section="elem", op=op, shape=f"{n:.0e}" if op != "transpose" else
+                      "x".join(map(str, shape2d)), precision="", ours_ms=ours,
+                      ours_rate=nbytes / ours / 1e6, unit="GB/s", ref="CuPy", ref_ms=ref,
+                      ref_rate=nbytes / ref / 1e6, cpu_ms=cpu_ms, size=n)
+        del a, b, a2
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def write_csv(path, rows, device, date):
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=FIELDS + ["device", "date"])
+        w.writeheader()
+        for r in rows:
+            w.writerow({**{k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()},
+                        "device": device, "date": date})
+
+
+def write_plot(path, rows, meta):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as e:
+        print(f"--plot: matplotlib unavailable ({e}); no plot written")
+        return
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, section, xlabel in ((ax1, "gemm", "matrix size n (n x n x n)"),
+                                (ax2, "elem", "elements")):
+        series = {}
+        for r in rows:
+            if r["section"] == section and r["speedup_vs_cpu"] not in ("", None) and r["size"]:
+                key = f"{r['op']} {r['precision']}".strip()
+                series.setdefault(key, []).append((r["size"], r["speedup_vs_cpu"]))
+        for key, pts in sorted(series.items()):
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=key)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("speedup, GPU over NumPy CPU")
+        ax.grid(True, which="both", alpha=0.3)
+        if series:
+            ax.legend()
+    ax1.set_title("GEMM")
+    ax2.set_title("elementwise")
+    fig.suptitle(meta, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot written to {path}")
+
+
+def print_summary(rows):
+    """The rows that matter most, compactly, last (the end of a log is what gets read)."""
+    print("\nsummary: op shape prec | ours ms, rate | ref ms, % of ref | x cpu")
+    for r in rows:
+        if r["section"] == "gemm" and r["size"] not in (4096, 8192):
+            continue
+        if r["section"] == "elem" and r["size"] != 10**8:
+            continue
+        print(f"  {r['op']:<10} {r['shape']:<26} {r['precision']:<4} | "
+              f"{_num(r['ours_ms'], '.4f')} {_num(r['ours_rate'], '.0f')} {r['unit']} | "
+              f"{r['ref']} {_num(r['ref_ms'], '.4f')} {_num(r['pct_of_ref'], '.0f')}% | "
+              f"{_num(r['speedup_vs_cpu'], '.0f')}")
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m dptrain bench ops", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="a short subset of every section")
+    p.add_argument("--precision", default="tf32,fp32",
+                   help="comma-separated list from tf32, fp32 (default: both)")
+    p.add_argument("--sections", default="gemm,cnn,elem",
+                   help="comma-separated list from gemm, cnn, elem (default: all)")
+    p.add_argument("--no-cpu", action="store_true", help="skip the NumPy CPU timings")
+    p.add_argument("--csv", metavar="PATH", help="write every row as CSV")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG of GPU-over-CPU speedup")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    from dptrain.backend import cuda_available
+
+    if not cuda_available():
+        print("bench ops: no GPU (CuPy missing or no CUDA device); nothing to measure")
+        return 1
+    import cupy
+
+    from dptrain.backend import cuda_matmul as cm
+
+    precisions = [p.strip() for p in args.precision.split(",") if p.strip()]
+    for p in precisions:
+        if p not in cm.PRECISIONS:
+            raise SystemExit(f"--precision: unknown {p!r}; choose from {cm.PRECISIONS}")
+    sections = {s.strip() for s in args.sections.split(",")}
+    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+    device = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+    date = datetime.datetime.now().isoformat(timespec="seconds")
+    meta = (f"{device}, {date}, "
+            f"cupy {cupy.__version__}, python -m dptrain bench ops {' '.join(argv or [])}")
+    print(meta)
+    print(HEADER)
+
+    table, cpu_timer = Table(), CpuTimer(enabled=not args.no_cpu)
+    gemm_sizes = [256, 1024, 4096] if args.quick else [256, 512, 1024, 2048, 4096, 8192]
+    elem_sizes = [10**3, 10**5, 10**7] if args.quick else [10**e for e in range(3, 9)]
+    old = cm.get_precision()
+    runs = [("gemm", lambda: bench_gemm(table, cm, cpu_timer, precisions, gemm_sizes)),
+            ("cnn", lambda: bench_fc(table, cm, cpu_timer, precisions)),
+            ("cnn", lambda: bench_conv(table, cm, cpu_timer, precisions)),
+            ("elem", lambda: bench_elementwise(table, cpu_timer, elem_sizes))]
+    failed = False
+    try:
+        for section, run in runs:
+            if section in sections:
+                try:
+                    run()
+                except Exception:  # report and go on: one broken section should not hide the rest
+                    failed = True
+                    traceback.print_exc()
+    finally:
+        cm.set_precision(old)
+    print_summary(table.rows)
+
+    if args.csv:
+        write_csv(args.csv, table.rows, device, date)
+        print(f"CSV written to {args.csv}")
+    if args.plot:
+        write_plot(args.plot, table.rows, meta)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,339 @@
+// conv2d.cu: 2D convolution forward, backward-data and backward-weight as implicit GEMMs on
+// the tiles of gemm_tiles.cuh, fp32 (FFMA) or TF32 (tensor cores, fp32 accumulate).
+// Launchers: dptrain/backend/cuda_matmul.py.
+//
+// Conventions
+//  * NCHW activations, weight (C_out, C_in, KH, KW), PyTorch's cross-correlation; any stride
+//    and zero padding per axis. All outputs are written with `=`; nothing is read first.
+//  * No im2col buffer: the loaders gather each operand element straight from the tensors
+//    while filling the shared-memory slab (4-byte cp.async, zero-fill outside the image).
+//  * Forward and backward-data are one kernel (`mode` 0 / 1):
+//      out[n, m, p] = sum_{kh, kw, c} wgt(m, c, kh, kw) * src[n, c, tap(p, kh, kw)] (+ bias[m])
+//    forward:   m = c_out, c = c_in,  src = x,  tap: iy = oy*sh - ph + kh
+//    bwd-data:  m = c_in,  c = c_out, src = gy, tap: oy = (iy + ph - kh) / sh, when exact
+//    GEMM view: M = channels of out, N = batch * out pixels, K = KH*KW*C ordered (kh, kw, c),
+//    so when C % BK == 0 a K slab is one filter tap and BK consecutive channels: the gather
+//    then costs one bounds check per slab and a pointer step per element.
+//    The weight operand is first copied by conv2d_weight_reorder_kernel into that K order,
+//    wr[m][(kh*KW + kw)*C + c] (a small M x K matrix), so the GEMM reads it as a dense,
+//    K-major operand with 16-byte copies (gathering it in place was the slowest part).
+//  * Backward-weight: gw[co, j] with j = (ci, kh, kw), the weight's own layout, =
+//      sum over p = (n, oy, ox) of gy[n, co, oy, ox] * x[n, ci, oy*sh - ph + kh, ox*sw - pw + kw]
+//    GEMM view: M = C_out, N = C_in*KH*KW, K = N_batch*Ho*Wo. K is long and M*N small, so K
+//    is split over grid z; split s writes its partial to ws[s] and splitk_reduce_kernel sums
+//    the splits in order: deterministic, no atomics.
+//  * Index arithmetic is int within one image and long long across the batch; the launcher
+//    asserts every tensor has fewer than 2^31 elements.
+//
+// instantiate: conv2d_tf32_kernel<float, 32>; conv2d_tf32_kernel<float, 64>
+// instantiate: conv2d_tf32_kernel<float, 128>
+// instantiate: conv2d_fp32_kernel<float, 32>; conv2d_fp32_kernel<float, 64>
+// instantiate: conv2d_fp32_kernel<float, 128>
+// instantiate: conv2d_bwdw_tf32_kernel<float, 32, 32>; conv2d_bwdw_tf32_kernel<float, 32, 128>
+// instantiate: conv2d_bwdw_tf32_kernel<float, 64, 32>; conv2d_bwdw_tf32_kernel<float, 64, 128>
+// instantiate: conv2d_bwdw_tf32_kernel<float, 128, 32>; conv2d_bwdw_tf32_kernel<float, 128, 128>
+// instantiate: conv2d_bwdw_fp32_kernel<float, 32, 32>; conv2d_bwdw_fp32_kernel<float, 32, 128>
+// instantiate: conv2d_bwdw_fp32_kernel<float, 64, 32>; conv2d_bwdw_fp32_kernel<float, 64, 128>
+// instantiate: conv2d_bwdw_fp32_kernel<float, 128, 32>; conv2d_bwdw_fp32_kernel<float, 128, 128>
+// instantiate: splitk_reduce_kernel<float>; conv2d_weight_reorder_kernel<float>
+
+#include "gemm_tiles.cuh"
+
+// ----------------------------------------------------------------------------- forward / bwd-data
+
+struct ConvGeom {
+  int Nb, M, C;        // batch; channels of out (GEMM rows); channels summed over
+  int Hs, Ws, Ho, Wo;  // spatial size of src; of out
+  int KH, KW, sh, sw, ph, pw;
+  int mode;  // 0 forward, 1 backward-data
+};
+
+// Source pixel read by output pixel (oy, ox) through filter tap (kh, kw); false if none.
+__device__ __forceinline__ bool conv_tap(const ConvGeom& g, int oy, int ox, int kh, int kw,
+                                         int& iy, int& ix) {
+  if (g.mode == 0) {
+    iy = oy * g.sh - g.ph + kh;
+    ix = ox * g.sw - g.pw + kw;
+    return (unsigned)iy < (unsigned)g.Hs && (unsigned)ix < (unsigned)g.Ws;
+  }
+  const int ty = oy + g.ph - kh, tx = ox + g.pw - kw;
+  if (ty < 0 || tx < 0) return false;
+  iy = ty / g.sh;
+  ix = tx / g.sw;
+  return iy * g.sh == ty && ix * g.sw == tx && iy < g.Hs && ix < g.Ws;
+}
+
+// wr[m][khw*C + c] = w[m*w_sm + c*w_sc + khw]: the weight in the implicit GEMM's K order.
+// forward: m = c_out, c = c_in (w_sm = C_in*KH*KW, w_sc = KH*KW);
+// bwd-data: m = c_in, c = c_out (w_sm = KH*KW, w_sc = C_in*KH*KW).
+template <typename T>
+__global__ void conv2d_weight_reorder_kernel(const T* __restrict__ w, T* __restrict__ wr, int M,
+                                             int C, int KHW, int w_sm, int w_sc) {
+  const int K = KHW * C;
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < M * K; i += gridDim.x * blockDim.x) {
+    const int m = i / K, k = i - m * K, khw = k / C, c = k - khw * C;
+    wr[i] = w[m * w_sm + c * w_sc + khw];
+  }
+}
+
+// B operand: src[n, c, tap(p, kh, kw)] for GEMM column p = (n, oy, ox). Lanes run along p, so
+// a warp reads neighbouring pixels; each thread keeps its one column's (n, oy, ox).
+template <class L, int THREADS>
+struct ConvSrcLoader {
+  using Layout = L;
+  const float* src;
+  ConvGeom g;
+  bool fast, pok;
+  int col, oy, ox;
+  long long nbase;
+
+  __device__ __forceinline__ ConvSrcLoader(const float* src_, const ConvGeom& g_, int n0,
+                                           bool fast_)
+      : src(src_), g(g_), fast(fast_) {
+    col = threadIdx.x % L::kBMN;
+    const int hw = g.Ho * g.Wo, p = n0 + col;
+    pok = p < g.Nb * hw;
+    const int n = pok ? p / hw : 0, r = pok ? p - n * hw : 0;
+    oy = r / g.Wo;
+    ox = r - oy * g.Wo;
+    nbase = (long long)n * g.C * g.Hs * g.Ws;
+  }
+
+  __device__ __forceinline__ void load(float* s, int k0, int k_end) const {
+    constexpr int BN = L::kBMN, BK = L::kBK, ROWS = THREADS / BN;
+    static_assert(THREADS % BN == 0 && BK % ROWS == 0, "bad source tile");
+    const int r0 = threadIdx.x / BN, hws = g.Hs * g.Ws;
+    if (fast) {
+      const int khw = k0 / g.C, c0 = k0 - khw * g.C, kh = khw / g.KW, kw = khw - kh * g.KW;
+      int iy = 0, ix = 0;
+      const bool ok = pok && conv_tap(g, oy, ox, kh, kw, iy, ix);
+      const float* base = ok ? src + nbase + (long long)(c0 + r0) * hws + iy * g.Ws + ix : src;
+      const int step = ok ? ROWS * hws : 0;
+#pragma unroll
+      for (int i = 0; i < BK / ROWS; ++i)
+        cp_async4(s + L::off(col, r0 + i * ROWS), base + (long long)i * step, ok);
+    } else {
+#pragma unroll 1
+      for (int i = 0; i < BK / ROWS; ++i) {
+        const int k = k0 + r0 + i * ROWS;
+        bool ok = pok && k < k_end;
+        const float* p = src;
+        if (ok) {
+          const int khw = k / g.C, c = k - khw * g.C, kh = khw / g.KW, kw = khw - kh * g.KW;
+          int iy, ix;
+          ok = conv_tap(g, oy, ox, kh, kw, iy, ix);
+          if (ok) p = src + nbase + (long long)c * hws + iy * g.Ws + ix;
+        }
+        cp_async4(s + L::off(col, r0 + i * ROWS), p, ok);
+      }
+    }
+  }
+};
+
+// out[n, m, p] for GEMM column q = n*Ho*Wo + p.
+struct ConvOut {
+  float* out;
+  const float* bias;
+  int has_bias, M, hw, npix;
+  __device__ __forceinline__ long long col_offset(int q) const {  // -1: past the end
+    if (q >= npix) return -1;
+    const int n = q / hw;
+    return (long long)n * M * hw + (q - n * hw);
+  }
+  __device__ __forceinline__ void store(int m, long long coff, float v) const {
+    if (m >= M || coff < 0) return;
+    if (has_bias) v += bias[m];
+    out[coff + (long long)m * hw] = v;
+  }
+};
+
+#define CONV_PARAMS                                                                          \
+  const T *__restrict__ wr, const T *__restrict__ src, const T *__restrict__ bias,            \
+      T *__restrict__ out, int has_bias, int Nb, int M, int C, int Hs, int Ws, int Ho, int Wo, \
+      int KH, int KW, int sh, int sw, int ph, int pw, int vec_w, int mode
+
+#define CONV_SETUP                                                                            \
+  const ConvGeom g{Nb, M, C, Hs, Ws, Ho, Wo, KH, KW, sh, sw, ph, pw, mode};                   \
+  const int K = KH * KW * C, npix = Nb * Ho * Wo;                                             \
+  const bool fast = C % Cfg::BK == 0;                                                         \
+  const int m0 = blockIdx.y * Cfg::BM, n0 = blockIdx.x * Cfg::BN;                             \
+  const DenseLoader<LayA, true, Cfg::THREADS> la{wr, K, m0, M, vec_w != 0};                 \
+  const ConvSrcLoader<LayB, Cfg::THREADS> lb(src, g, n0, fast);                               \
+  const ConvOut epi{out, bias, has_bias, M, Ho * Wo, npix};                                   \
+  extern __shared__ float4 smem4[];                                                           \
+  float* smem = reinterpret_cast<float*>(smem4);                                              \
+  check_smem(Cfg::STAGES * (LayA::kSize + LayB::kSize) * 4)
+
+template <typename T, int BM>
+__global__ void __launch_bounds__(128, 2) conv2d_tf32_kernel(CONV_PARAMS) {
+  static_assert(sizeof(T) == 4, "float only for now");
+  using Cfg = MmaCfg<BM, 128, 32, 2, 2, 3>;     // 4 warps of (BM/2) x 64
+  using LayA = TileLayout<BM, 32, true, 4>;     // wr rows: 16-byte copies, ldmatrix reads
+  using LayB = TileLayout<128, 32, false, 8>;   // [k][p]: lanes along p store contiguously
+  CONV_SETUP;
+
+  float acc[Cfg::MT][Cfg::NT][4];
+  mma_mainloop<Cfg>(acc, la, lb, smem, 0, K);
+
+  const MmaCoords<Cfg> at;
+  long long coff[Cfg::NT][2];
+#pragma unroll
+  for (int nt = 0; nt < Cfg::NT; ++nt)
+#pragma unroll
+    for (int j = 0; j < 2; ++j) coff[nt][j] = epi.col_offset(n0 + at.col(nt, j));
+#pragma unroll
+  for (int mt = 0; mt < Cfg::MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < Cfg::NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) epi.store(m0 + at.row(mt, e), coff[nt][e & 1], acc[mt][nt][e]);
+}
+
+template <typename T, int BM>
+__global__ void __launch_bounds__(256, 2) conv2d_fp32_kernel(CONV_PARAMS) {
+  static_assert(sizeof(T) == 4, "float only for now");
+  using Cfg = SimtCfg<BM, 128, 8, 4>;
+  using LayA = TileLayout<BM, 8, false, 4>;  // wr transposed to [k][m] by 4-byte copies
+  using LayB = TileLayout<128, 8, false, 4>;
+  CONV_SETUP;
+
+  float acc[Cfg::TM][Cfg::TN];
+  simt_mainloop<Cfg>(acc, la, lb, smem, 0, K);
+
+  const SimtCoords<Cfg> at;
+  long long coff[Cfg::TN];
+#pragma unroll
+  for (int j = 0; j < Cfg::TN; ++j) coff[j] = epi.col_offset(n0 + at.col(j));
+#pragma unroll
+  for (int i = 0; i < Cfg::TM; ++i)
+#pragma unroll
+    for (int j = 0; j < Cfg::TN; ++j) epi.store(m0 + at.row(i), coff[j], acc[i][j]);
+}
+
+// ----------------------------------------------------------------------------- backward-weight
+
+// Filter column j = (ci, kh, kw) of the im2col matrix: offset of its pixel within one image
+// relative to (iy0, ix0), and (kh, kw) for the bounds check. Built once per block.
+struct ColInfo {
+  int off, kh, kw, valid;
+};
+
+// A operand: gy[n, co, p] as (m = co, k = q) with q = n*Ho*Wo + p. KL lanes run along q.
+template <class L, int THREADS, int KL>
+struct GyLoader {
+  using Layout = L;
+  const float* gy;
+  int M, m0, hw;
+
+  __device__ __forceinline__ void load(float* s, int k0, int k_end) const {
+    constexpr int BM = L::kBMN, BK = L::kBK, RSTEP = THREADS / KL;
+    static_assert(BK == KL && BM % RSTEP == 0, "bad gy tile");
+    const int kk = threadIdx.x % KL, r0 = threadIdx.x / KL;
+    const int q = k0 + kk;
+    const bool qok = q < k_end;
+    const int n = qok ? q / hw : 0, p = qok ? q - n * hw : 0;
+    const float* base = gy + ((long long)n * M + m0 + r0) * hw + p;
+#pragma unroll 4
+    for (int i = 0; i < BM / RSTEP; ++i) {
+      const bool ok = qok && m0 + r0 + i * RSTEP < M;
+      cp_async4(s + L::off(r0 + i * RSTEP, kk), ok ? base + (long long)i * RSTEP * hw : gy, ok);
+    }
+  }
+};
+
+// B operand: x[n, ci, oy*sh - ph + kh, ox*sw - pw + kw] as (k = q, n = j). KL lanes along q.
+template <class L, int THREADS, int KL>
+struct XColLoader {
+  using Layout = L;
+  const float* x;
+  const ColInfo* cols;  // shared memory, one entry per tile column
+  int C, H, W, Ho, Wo, sh, sw, ph, pw;
+
+  __device__ __forceinline__ void load(float* s, int k0, int k_end) const {
+    constexpr int BN = L::kBMN, BK = L::kBK, RSTEP = THREADS / KL;
+    static_assert(BK == KL && BN % RSTEP == 0, "bad im2col tile");
+    const int kk = threadIdx.x % KL, r0 = threadIdx.x / KL;
+    const int q = k0 + kk, hw = Ho * Wo;
+    const bool qok = q < k_end;
+    const int n = qok ? q / hw : 0, p = qok ? q - n * hw : 0;
+    const int oy = p / Wo, ox = p - oy * Wo;
+    const int iy0 = oy * sh - ph, ix0 = ox * sw - pw;
+    const long long base = (long long)n * C * H * W + iy0 * W + ix0;
+#pragma unroll 4
+    for (int i = 0; i < BN / RSTEP; ++i) {
+      const int jj = r0 + i * RSTEP;
+      const ColInfo t = cols[jj];
+      const bool ok = qok && t.valid && (unsigned)(iy0 + t.kh) < (unsigned)H &&
+                      (unsigned)(ix0 + t.kw) < (unsigned)W;
+      cp_async4(s + L::off(jj, kk), ok ? x + (base + t.off) : x, ok);
+    }
+  }
+};
+
+#define BWDW_PARAMS                                                                            \
+  const T *__restrict__ x, const T *__restrict__ gy, T *__restrict__ gw, T *__restrict__ ws,   \
+      int Nb, int Cout, int Cin, int H, int W, int Ho, int Wo, int KH, int KW, int sh, int sw, \
+      int ph, int pw, int splits, int kchunk
+
+// Column table, loaders and this split's K range and destination.
+#define BWDW_SETUP(KL)                                                                        \
+  const int M = Cout, N = Cin * KH * KW, K = Nb * Ho * Wo;                                    \
+  const int m0 = blockIdx.y * Cfg::BM, n0 = blockIdx.x * Cfg::BN, s = blockIdx.z;             \
+  const int k_begin = s * kchunk, k_end = min(K, k_begin + kchunk);                           \
+  __shared__ ColInfo cols[Cfg::BN];                                                           \
+  for (int j = threadIdx.x; j < Cfg::BN; j += Cfg::THREADS) {                                 \
+    const int gj = n0 + j, khw = KH * KW;                                                     \
+    const int ci = gj / khw, r = gj - ci * khw, kh = r / KW, kw = r - kh * KW;                \
+    cols[j] = ColInfo{ci * H * W + kh * W + kw, kh, kw, gj < N};                              \
+  }                                                                                           \
+  __syncthreads();                                                                            \
+  const GyLoader<LayA, Cfg::THREADS, KL> la{gy, M, m0, Ho * Wo};                              \
+  const XColLoader<LayB, Cfg::THREADS, KL> lb{x, cols, Cin, H, W, Ho, Wo, sh, sw, ph, pw};    \
+  float* dst = splits == 1 ? gw : ws + (long long)s * M * N;                                  \
+  extern __shared__ float4 smem4[];                                                           \
+  float* smem = reinterpret_cast<float*>(smem4);                                              \
+  check_smem(Cfg::STAGES * (LayA::kSize + LayB::kSize) * 4)
+
+template <typename T, int BM, int BN>
+__global__ void __launch_bounds__(256, 2) conv2d_bwdw_tf32_kernel(BWDW_PARAMS) {
+  static_assert(sizeof(T) == 4, "float only for now");
+  using Cfg = MmaCfg<BM, BN, 32, 2, 4, 3>;
+  using LayA = TileLayout<BM, 32, true, 4>;  // [m][k] and [j][k]: lanes along k store contiguously
+  using LayB = TileLayout<BN, 32, true, 4>;
+  BWDW_SETUP(32);
+
+  float acc[Cfg::MT][Cfg::NT][4];
+  mma_mainloop<Cfg>(acc, la, lb, smem, k_begin, k_end);
+
+  const MmaCoords<Cfg> at;
+#pragma unroll
+  for (int mt = 0; mt < Cfg::MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < Cfg::NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int m = m0 + at.row(mt, e), n = n0 + at.col(nt, e);
+        if (m < M && n < N) dst[(long long)m * N + n] = acc[mt][nt][e];
+      }
+}
+
+template <typename T, int BM, int BN>
+__global__ void __launch_bounds__(256, 2) conv2d_bwdw_fp32_kernel(BWDW_PARAMS) {
+  static_assert(sizeof(T) == 4, "float only for now");
+  using Cfg = SimtCfg<BM, BN, 8, 4>;
+  using LayA = TileLayout<BM, 8, false, 4>;  // [k][m]: 8 lanes along k x 4 rows, no conflicts
+  using LayB = TileLayout<BN, 8, false, 4>;
+  BWDW_SETUP(8);
+
+  float acc[Cfg::TM][Cfg::TN];
+  simt_mainloop<Cfg>(acc, la, lb, smem, k_begin, k_end);
+
+  const SimtCoords<Cfg> at;
+#pragma unroll
+  for (int i = 0; i < Cfg::TM; ++i)
+#pragma unroll
+    for (int j = 0; j < Cfg::TN; ++j) {
+      const int m = m0 + at.row(i), n = n0 + at.col(j);
+      if (m < M && n < N) dst[(long long)m * N + n] = acc[i][j];
+    }
+}

@@ -1,0 +1,142 @@
+// gemm.cu: batched C = alpha * op(A) @ op(B) (+ bias) (+ beta * C), fp32 (FFMA) or TF32
+// (tensor cores, fp32 accumulate). Launchers: dptrain/backend/cuda_matmul.py.
+//
+// Conventions
+//  * Row-major. op(A) is M x K: A is stored M x K (lda >= K), or K x M when TA (lda >= M).
+//    op(B) is K x N: B is stored K x N (ldb >= N), or N x K when TB (ldb >= K). C is M x N.
+//  * `=` by default: C is not read when beta == 0 (NaN in C stays out). beta != 0 gives
+//    C = alpha*AB + beta*C, the `+=` used for gradient accumulation.
+//  * Batch: grid z = batch * splits. Matrix b starts at A + b*sA (B, C likewise); a batch
+//    stride of 0 broadcasts one 2D operand over the batch.
+//  * Split-K (splits > 1): split s covers K range [s*kchunk, (s+1)*kchunk) and writes its raw
+//    partial product to ws[s][b] (dense M x N); splitk_reduce_kernel then sums the splits in a
+//    fixed order and applies alpha, bias and beta. No atomics: results are bitwise repeatable.
+//  * bias_mode: 0 none, 1 bias[n] per column (y = x W^T + b), 2 bias[m] per row.
+//  * vec_a / vec_b: the launcher's promise that the operand's leading dimension is a multiple
+//    of 4 and its base (and batch stride) 16-byte aligned, so tiles move in 16-byte chunks.
+//  * Tiles: fp32 128x128x16, 256 threads, 8x8 per thread, 3-stage cp.async pipeline;
+//    tf32 128x128x32, 128 threads = 4 warps of 64x64, 3 stages. Dynamic shared memory sizes
+//    and block sizes are computed by the launcher (kept in step with gemm_tiles.cuh; the
+//    kernels check their shared memory at entry).
+//
+// instantiate: gemm_fp32_kernel<float, false, false>; gemm_fp32_kernel<float, false, true>
+// instantiate: gemm_fp32_kernel<float, true, false>; gemm_fp32_kernel<float, true, true>
+// instantiate: gemm_tf32_kernel<float, false, false>; gemm_tf32_kernel<float, false, true>
+// instantiate: gemm_tf32_kernel<float, true, false>; gemm_tf32_kernel<float, true, true>
+// instantiate: splitk_reduce_kernel<float>
+
+#include "gemm_tiles.cuh"
+
+// Writes one output element: `=` (or `+= beta*C`) into C, or the raw partial into a split-K
+// workspace slice (alpha 1, beta 0, no bias).
+struct GemmEpilogue {
+  float* c;
+  int ldc, M, N;
+  float alpha, beta;
+  const float* bias;
+  int bias_mode;
+
+  __device__ __forceinline__ void store(int m, int n, float v) const {
+    if (m >= M || n >= N) return;
+    v *= alpha;
+    if (bias_mode == 1) v += bias[n];
+    if (bias_mode == 2) v += bias[m];
+    float* p = c + (long long)m * ldc + n;
+    if (beta != 0.f) v += beta * *p;
+    *p = v;
+  }
+};
+
+// Where this block's tile goes: C[b], or split s of the workspace.
+__device__ __forceinline__ GemmEpilogue gemm_epilogue(float* C, float* ws, const float* bias,
+                                                      int M, int N, int ldc, long long sC,
+                                                      int batch, int splits, int b, int s,
+                                                      float alpha, float beta, int bias_mode) {
+  if (splits == 1) return {C + b * sC, ldc, M, N, alpha, beta, bias, bias_mode};
+  return {ws + (s * (long long)batch + b) * M * N, N, M, N, 1.f, 0.f, nullptr, 0};
+}
+
+#define GEMM_PARAMS                                                                          \
+  const T *__restrict__ A, const T *__restrict__ B, T *C, const T *__restrict__ bias, T *ws, \
+      int M, int N, int K, int lda, int ldb, int ldc, long long sA, long long sB,           \
+      long long sC, int batch, int splits, int kchunk, float alpha, float beta,             \
+      int bias_mode, int vec_a, int vec_b
+
+template <typename T, bool TA, bool TB>
+__global__ void __launch_bounds__(128, 2) gemm_tf32_kernel(GEMM_PARAMS) {
+  static_assert(sizeof(T) == 4, "float only for now");
+  // 4 warps of 64x64: 32 mma per 8-wide k step per warp against 16 fragment loads (64x32
+  // warp tiles measured 11% slower; see NOTES-gemm.md).
+  using Cfg = MmaCfg<128, 128, 32, 2, 2, 3>;
+  // Each operand's smem tile keeps its source's contiguous direction (16-byte copies);
+  // padding 4 (K-major) / 8 (MN-major) makes the fragment reads conflict-free.
+  using LayA = TileLayout<Cfg::BM, Cfg::BK, !TA, TA ? 8 : 4>;
+  using LayB = TileLayout<Cfg::BN, Cfg::BK, TB, TB ? 4 : 8>;
+  extern __shared__ float4 smem4[];
+  float* smem = reinterpret_cast<float*>(smem4);
+  check_smem(Cfg::STAGES * (LayA::kSize + LayB::kSize) * 4);
+
+  const int b = blockIdx.z / splits, s = blockIdx.z - b * splits;
+  const int m0 = blockIdx.y * Cfg::BM, n0 = blockIdx.x * Cfg::BN;
+  const int k_begin = s * kchunk, k_end = min(K, k_begin + kchunk);
+  const DenseLoader<LayA, !TA, Cfg::THREADS> la{A + b * sA, lda, m0, M, vec_a != 0};
+  const DenseLoader<LayB, TB, Cfg::THREADS> lb{B + b * sB, ldb, n0, N, vec_b != 0};
+
+  float acc[Cfg::MT][Cfg::NT][4];
+  mma_mainloop<Cfg>(acc, la, lb, smem, k_begin, k_end);
+
+  const GemmEpilogue epi =
+      gemm_epilogue(C, ws, bias, M, N, ldc, sC, batch, splits, b, s, alpha, beta, bias_mode);
+  const MmaCoords<Cfg> at;
+#pragma unroll
+  for (int mt = 0; mt < Cfg::MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < Cfg::NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) epi.store(m0 + at.row(mt, e), n0 + at.col(nt, e), acc[mt][nt][e]);
+}
+
+template <typename T, bool TA, bool TB>
+__global__ void __launch_bounds__(256, 2) gemm_fp32_kernel(GEMM_PARAMS) {
+  static_assert(sizeof(T) == 4, "float only for now");
+  using Cfg = SimtCfg<128, 128, 16, 3>;  // BK 16, 3 stages: 5% faster than BK 8, 4 stages
+  // Both tiles [k][mn] for vector reads along m and n; a K-major source is transposed by
+  // 4-byte copies (8 lanes along k, 4 rows: conflict-free with the +4 padding).
+  using LayA = TileLayout<Cfg::BM, Cfg::BK, false, 4>;
+  using LayB = TileLayout<Cfg::BN, Cfg::BK, false, 4>;
+  extern __shared__ float4 smem4[];
+  float* smem = reinterpret_cast<float*>(smem4);
+  check_smem(Cfg::STAGES * (LayA::kSize + LayB::kSize) * 4);
+
+  const int b = blockIdx.z / splits, s = blockIdx.z - b * splits;
+  const int m0 = blockIdx.y * Cfg::BM, n0 = blockIdx.x * Cfg::BN;
+  const int k_begin = s * kchunk, k_end = min(K, k_begin + kchunk);
+  const DenseLoader<LayA, !TA, Cfg::THREADS> la{A + b * sA, lda, m0, M, vec_a != 0};
+  const DenseLoader<LayB, TB, Cfg::THREADS> lb{B + b * sB, ldb, n0, N, vec_b != 0};
+
+  float acc[Cfg::TM][Cfg::TN];
+  simt_mainloop<Cfg>(acc, la, lb, smem, k_begin, k_end);
+
+  const GemmEpilogue epi =
+      gemm_epilogue(C, ws, bias, M, N, ldc, sC, batch, splits, b, s, alpha, beta, bias_mode);
+  const SimtCoords<Cfg> at;
+  // Four consecutive columns per store where the whole row segment is in bounds and aligned.
+  const bool vec_c = splits > 1 ? (N % 4 == 0) : (ldc % 4 == 0 && sC % 4 == 0 &&
+                                                  (reinterpret_cast<unsigned long long>(C) & 15) == 0);
+#pragma unroll
+  for (int i = 0; i < Cfg::TM; ++i) {
+    const int m = m0 + at.row(i);
+#pragma unroll
+    for (int j = 0; j < Cfg::TN; j += 4) {
+      const int n = n0 + at.col(j);
+      if (vec_c && m < M && n + 3 < N && epi.beta == 0.f && epi.bias_mode == 0) {
+        const float a = epi.alpha;
+        *reinterpret_cast<float4*>(epi.c + (long long)m * epi.ldc + n) =
+            make_float4(a * acc[i][j], a * acc[i][j + 1], a * acc[i][j + 2], a * acc[i][j + 3]);
+      } else {
+#pragma unroll
+        for (int q = 0; q < 4; ++q) epi.store(m, n + q, acc[i][j + q]);
+      }
+    }
+  }
+}

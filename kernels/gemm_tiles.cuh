@@ -1,0 +1,407 @@
+// gemm_tiles.cuh: the tiled main loops shared by gemm.cu and conv2d.cu.
+//
+// A block computes a BM x BN tile of C = op(A) @ op(B) by walking K in BK-wide slabs.
+// Operand tiles go global -> shared memory with cp.async (16-byte chunks where the source is
+// contiguous and aligned along the tile's layout, 4-byte elements otherwise), STAGES slabs in
+// flight, so loads overlap the arithmetic without staging through registers.
+//
+// Conventions
+//  * Row-major everywhere. Element (mn, k) of an operand tile: mn is the row of A (m) or the
+//    column of B (n). A "K-major" tile stores each mn's BK values contiguously ([mn][k]); an
+//    "MN-major" tile stores each k's BMN values contiguously ([k][mn]). Rows are padded so the
+//    fragment reads below hit 32 distinct banks.
+//  * Loaders (DenseLoader here, gathers in conv2d.cu) fill one slab: load(smem, k0, k_end).
+//    Elements outside the matrix (mn >= limit, k >= k_end) are written as zeros (cp.async
+//    zero-fill), so the main loops never branch on edges; only the epilogue guards its stores.
+//  * The TF32 loop reads fragments with ldmatrix (K-major tiles) or 32-bit loads (MN-major)
+//    and rounds each register to tf32 with cvt.rna before the mma.
+//  * Main loops only accumulate into registers; epilogues decide `=` or `+=`.
+//  * float only for now: the smem tiles, cvt and mma below assume 4-byte elements.
+
+#pragma once
+
+// ----------------------------------------------------------------------------- PTX helpers
+
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+  unsigned r;
+  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
+  return r;
+}
+
+// 16-byte async copy; bytes < 16 reads only `bytes` and zero-fills the rest (0 = all zeros,
+// nothing read). Source and destination must be 16-byte aligned.
+__device__ __forceinline__ void cp_async16(float* dst, const float* src, int bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src),
+               "r"(bytes));
+}
+
+// 4-byte async copy of one element, or a zero when !ok.
+__device__ __forceinline__ void cp_async4(float* dst, const float* src, bool ok) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_u32(dst)), "l"(src),
+               "r"(ok ? 4 : 0));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ unsigned dynamic_smem_bytes() {
+  unsigned r;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(r));
+  return r;
+}
+
+// The launcher computes the dynamic shared memory size in Python; a mismatch would corrupt
+// memory silently, so stop the kernel loudly instead.
+__device__ __forceinline__ void check_smem(unsigned need) {
+  if (dynamic_smem_bytes() < need) __trap();
+}
+
+// Round to nearest (ties away) to tf32, as the tensor cores would otherwise truncate.
+__device__ __forceinline__ unsigned to_tf32(float x) {
+  unsigned r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return r;
+}
+
+// D = A(16x8, row) * B(8x8, col) + D, tf32 inputs, fp32 accumulate.
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const unsigned (&a)[4],
+                                         const unsigned (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// to_tf32 of a float held as its bits (what ldmatrix returns).
+__device__ __forceinline__ unsigned tf32_bits(unsigned u) { return to_tf32(__uint_as_float(u)); }
+
+// Four 8x4 tiles of 32-bit values (ldmatrix's four 8x8 b16 matrices): lane l passes the
+// address of row l%8 of tile l/8 and receives element (l/4, l%4) of tile j in r[j], which is
+// exactly the m16n8k8 tf32 fragment layout when the tiles are K-major rows of 4 k values.
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const float* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(p)));
+}
+
+// ----------------------------------------------------------------------------- tile layouts
+
+template <int BMN, int BK, bool KMAJOR, int PAD>
+struct TileLayout {
+  static constexpr int kBMN = BMN;
+  static constexpr int kBK = BK;
+  static constexpr bool kKMajor = KMAJOR;
+  static constexpr int kStride = KMAJOR ? BK + PAD : BMN + PAD;
+  static constexpr int kSize = KMAJOR ? BMN * kStride : BK * kStride;  // floats
+  static_assert(kStride % 4 == 0, "rows must stay 16-byte aligned");
+  __device__ static __forceinline__ int off(int mn, int k) {
+    return KMAJOR ? mn * kStride + k : k * kStride + mn;
+  }
+};
+
+// ----------------------------------------------------------------------------- dense loader
+
+// Operand element (mn, k) of a row-major matrix: p[mn * ld + k] when SRC_KMAJOR, else
+// p[k * ld + mn]. `vec` (decided by the launcher: ld % 4 == 0 and p 16-byte aligned) allows
+// 16-byte copies when the smem layout keeps the source's contiguous direction.
+template <class L, bool SRC_KMAJOR, int THREADS>
+struct DenseLoader {
+  using Layout = L;
+  const float* p;
+  int ld;
+  int mn0, mn_end;
+  bool vec;
+
+  __device__ __forceinline__ void load(float* s, int k0, int k_end) const {
+    constexpr int BMN = L::kBMN, BK = L::kBK;
+    constexpr int CEXT = SRC_KMAJOR ? BK : BMN;  // tile extent along the contiguous direction
+    constexpr int OEXT = SRC_KMAJOR ? BMN : BK;
+    if (SRC_KMAJOR == L::kKMajor && vec) {
+      constexpr int CPR = CEXT / 4;  // chunks per contiguous row
+      constexpr int CHUNKS = CPR * OEXT;
+#pragma unroll
+      for (int i = 0; i < (CHUNKS + THREADS - 1) / THREADS; ++i) {
+        const int idx = threadIdx.x + i * THREADS;
+        if (CHUNKS % THREADS != 0 && idx >= CHUNKS) break;
+        const int c = (idx % CPR) * 4, o = idx / CPR;
+        const int mn = SRC_KMAJOR ? o : c, k = SRC_KMAJOR ? c : o;
+        const int gmn = mn0 + mn, gk = k0 + k;
+        const int left = SRC_KMAJOR ? k_end - gk : mn_end - gmn;  // valid floats from here
+        const bool row_ok = SRC_KMAJOR ? gmn < mn_end : gk < k_end;
+        const int n = row_ok ? max(0, min(4, left)) : 0;
+        const float* src =
+            n ? p + (SRC_KMAJOR ? (long long)gmn * ld + gk : (long long)gk * ld + gmn) : p;
+        cp_async16(s + L::off(mn, k), src, n * 4);
+      }
+    } else {
+      constexpr int ELEMS = CEXT * OEXT;
+      static_assert(ELEMS % THREADS == 0, "tile must divide among the threads");
+      auto one = [&](int i) {
+        const int idx = threadIdx.x + i * THREADS;
+        const int c = idx % CEXT, o = idx / CEXT;  // lanes run along the contiguous direction
+        const int mn = SRC_KMAJOR ? o : c, k = SRC_KMAJOR ? c : o;
+        const int gmn = mn0 + mn, gk = k0 + k;
+        const bool ok = gmn < mn_end && gk < k_end;
+        const float* src = ok ? p + (long long)gmn * (SRC_KMAJOR ? ld : 1) +
+                                    (long long)gk * (SRC_KMAJOR ? 1 : ld)
+                              : p;
+        cp_async4(s + L::off(mn, k), src, ok);
+      };
+      if constexpr (SRC_KMAJOR != L::kKMajor && ELEMS / THREADS <= 8) {
+#pragma unroll  // the FP32 kernel's transposing path: its main path, keep it unrolled
+        for (int i = 0; i < ELEMS / THREADS; ++i) one(i);
+      } else {
+        // Not unrolled: hoisted addresses would crowd out the main loop's registers (both
+        // kernels spilled), and this path mostly serves unaligned operands.
+#pragma unroll 1
+        for (int i = 0; i < ELEMS / THREADS; ++i) one(i);
+      }
+    }
+  }
+
+};
+
+// ----------------------------------------------------------------------------- TF32 main loop
+
+// BM x BN block tile, WARPS_M x WARPS_N warps, each a (BM/WARPS_M) x (BN/WARPS_N) warp tile of
+// m16n8k8 tensor-core products.
+template <int BM_, int BN_, int BK_, int WARPS_M_, int WARPS_N_, int STAGES_>
+struct MmaCfg {
+  static constexpr int BM = BM_, BN = BN_, BK = BK_, STAGES = STAGES_;
+  static constexpr int WARPS_M = WARPS_M_, WARPS_N = WARPS_N_;
+  static constexpr int THREADS = 32 * WARPS_M * WARPS_N;
+  static constexpr int WM = BM / WARPS_M, WN = BN / WARPS_N;
+  static constexpr int MT = WM / 16, NT = WN / 8;
+  static_assert(MT >= 1 && NT >= 1 && WM % 16 == 0 && WN % 8 == 0 && BK % 8 == 0, "bad tile");
+};
+
+// Row/column of accumulator element e (0..3) of fragment (mt, nt), relative to the block tile.
+template <class Cfg>
+struct MmaCoords {
+  int wm0, wn0, gid, tig;
+  __device__ __forceinline__ MmaCoords() {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    wm0 = (warp / Cfg::WARPS_N) * Cfg::WM;
+    wn0 = (warp % Cfg::WARPS_N) * Cfg::WN;
+    gid = lane >> 2;
+    tig = lane & 3;
+  }
+  __device__ __forceinline__ int row(int mt, int e) const { return wm0 + mt * 16 + gid + (e >> 1) * 8; }
+  __device__ __forceinline__ int col(int nt, int e) const { return wn0 + nt * 8 + tig * 2 + (e & 1); }
+};
+
+template <class Cfg, class LA, class LB>
+__device__ __forceinline__ void mma_mainloop(float (&acc)[Cfg::MT][Cfg::NT][4], const LA& la,
+                                             const LB& lb, float* smem, int k_begin, int k_end) {
+  using SA = typename LA::Layout;
+  using SB = typename LB::Layout;
+  constexpr int BK = Cfg::BK, STAGES = Cfg::STAGES;
+  constexpr int STAGE = SA::kSize + SB::kSize;
+  static_assert(SA::kBMN == Cfg::BM && SB::kBMN == Cfg::BN && SA::kBK == BK && SB::kBK == BK,
+                "loader tiles must match the block tile");
+
+#pragma unroll
+  for (int i = 0; i < Cfg::MT; ++i)
+#pragma unroll
+    for (int j = 0; j < Cfg::NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
+
+  const int ntiles = k_end > k_begin ? (k_end - k_begin + BK - 1) / BK : 0;
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < ntiles) {
+      la.load(smem + s * STAGE, k_begin + s * BK, k_end);
+      lb.load(smem + s * STAGE + SA::kSize, k_begin + s * BK, k_end);
+    }
+    cp_async_commit();
+  }
+
+  const MmaCoords<Cfg> at;
+  const int lane = threadIdx.x & 31;
+  for (int kt = 0; kt < ntiles; ++kt) {
+    cp_async_wait<STAGES - 2>();  // slab kt has landed (this thread's copies) ...
+    __syncthreads();              // ... and everyone's; slab kt-1 is no longer being read
+    const int nk = kt + STAGES - 1;
+    if (nk < ntiles) {
+      float* s = smem + (nk % STAGES) * STAGE;
+      la.load(s, k_begin + nk * BK, k_end);
+      lb.load(s + SA::kSize, k_begin + nk * BK, k_end);
+    }
+    cp_async_commit();  // always, so the group count stays in step with kt
+
+    const float* sA = smem + (kt % STAGES) * STAGE;
+    const float* sB = sA + SA::kSize;
+#pragma unroll
+    for (int ks = 0; ks < BK; ks += 8) {
+      // B fragments for the whole warp tile, then one A fragment at a time (fewer live
+      // registers). K-major tiles: one ldmatrix.x4 per fragment pair; MN-major: 32-bit loads.
+      // Every register is rounded to tf32 (cvt.rna) as it is used; rounding once in place
+      // after the copy landed measured 20% slower (it sits between the wait and the barrier).
+      unsigned bf[Cfg::NT][2];
+      if constexpr (SB::kKMajor && Cfg::NT % 2 == 0) {
+#pragma unroll
+        for (int nt = 0; nt < Cfg::NT; nt += 2) {
+          unsigned r[4];
+          const int n = at.wn0 + nt * 8 + (lane & 7) + ((lane >> 4) << 3);
+          ldmatrix_x4(r, sB + SB::off(n, ks + ((lane >> 3) & 1) * 4));
+          bf[nt][0] = tf32_bits(r[0]), bf[nt][1] = tf32_bits(r[1]);
+          bf[nt + 1][0] = tf32_bits(r[2]), bf[nt + 1][1] = tf32_bits(r[3]);
+        }
+      } else {
+#pragma unroll
+        for (int nt = 0; nt < Cfg::NT; ++nt) {
+          const int n = at.wn0 + nt * 8 + at.gid, k = ks + at.tig;
+          bf[nt][0] = to_tf32(sB[SB::off(n, k)]);
+          bf[nt][1] = to_tf32(sB[SB::off(n, k + 4)]);
+        }
+      }
+#pragma unroll
+      for (int mt = 0; mt < Cfg::MT; ++mt) {
+        unsigned af[4];
+        if constexpr (SA::kKMajor) {
+          const int m = at.wm0 + mt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+          ldmatrix_x4(af, sA + SA::off(m, ks + (lane >> 4) * 4));
+#pragma unroll
+          for (int e = 0; e < 4; ++e) af[e] = tf32_bits(af[e]);
+        } else {
+          const int m = at.wm0 + mt * 16 + at.gid, k = ks + at.tig;
+          af[0] = to_tf32(sA[SA::off(m, k)]);
+          af[1] = to_tf32(sA[SA::off(m + 8, k)]);
+          af[2] = to_tf32(sA[SA::off(m, k + 4)]);
+          af[3] = to_tf32(sA[SA::off(m + 8, k + 4)]);
+        }
+#pragma unroll
+        for (int nt = 0; nt < Cfg::NT; ++nt) mma_tf32(acc[mt][nt], af, bf[nt]);
+      }
+    }
+  }
+  cp_async_wait<0>();
+}
+
+// ----------------------------------------------------------------------------- FP32 main loop
+
+// 256 threads as 16 x 16; each owns a TM x TN register tile split into two halves along each
+// axis (rows ty*TM/2 + i and BM/2 + ty*TM/2 + i), so a warp's smem reads are contiguous
+// vectors. Both operand tiles must be MN-major ([k][mn]).
+template <int BM_, int BN_, int BK_, int STAGES_>
+struct SimtCfg {
+  static constexpr int BM = BM_, BN = BN_, BK = BK_, STAGES = STAGES_;
+  static constexpr int THREADS = 256;
+  static constexpr int TM = BM / 16, TN = BN / 16;
+  static_assert(TM >= 2 && TN >= 2 && TM <= 8 && TN <= 8, "thread tile 2..8 per axis");
+};
+
+template <int N>
+__device__ __forceinline__ void lds_vec(float* d, const float* s) {
+  if constexpr (N == 4) {
+    const float4 v = *reinterpret_cast<const float4*>(s);
+    d[0] = v.x, d[1] = v.y, d[2] = v.z, d[3] = v.w;
+  } else if constexpr (N == 2) {
+    const float2 v = *reinterpret_cast<const float2*>(s);
+    d[0] = v.x, d[1] = v.y;
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) d[i] = s[i];
+  }
+}
+
+template <class Cfg>
+struct SimtCoords {
+  int ty, tx;
+  __device__ __forceinline__ SimtCoords() : ty(threadIdx.x >> 4), tx(threadIdx.x & 15) {}
+  __device__ __forceinline__ int row(int i) const {
+    return (i / (Cfg::TM / 2)) * (Cfg::BM / 2) + ty * (Cfg::TM / 2) + i % (Cfg::TM / 2);
+  }
+  __device__ __forceinline__ int col(int j) const {
+    return (j / (Cfg::TN / 2)) * (Cfg::BN / 2) + tx * (Cfg::TN / 2) + j % (Cfg::TN / 2);
+  }
+};
+
+template <class Cfg, class LA, class LB>
+__device__ __forceinline__ void simt_mainloop(float (&acc)[Cfg::TM][Cfg::TN], const LA& la,
+                                              const LB& lb, float* smem, int k_begin,
+                                              int k_end) {
+  using SA = typename LA::Layout;
+  using SB = typename LB::Layout;
+  constexpr int BK = Cfg::BK, STAGES = Cfg::STAGES, TM = Cfg::TM, TN = Cfg::TN;
+  constexpr int STAGE = SA::kSize + SB::kSize;
+  static_assert(!SA::kKMajor && !SB::kKMajor, "the FP32 loop reads [k][mn] tiles");
+  static_assert(SA::kBMN == Cfg::BM && SB::kBMN == Cfg::BN && SA::kBK == BK && SB::kBK == BK,
+                "loader tiles must match the block tile");
+
+#pragma unroll
+  for (int i = 0; i < TM; ++i)
+#pragma unroll
+    for (int j = 0; j < TN; ++j) acc[i][j] = 0.f;
+
+  const int ntiles = k_end > k_begin ? (k_end - k_begin + BK - 1) / BK : 0;
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < ntiles) {
+      la.load(smem + s * STAGE, k_begin + s * BK, k_end);
+      lb.load(smem + s * STAGE + SA::kSize, k_begin + s * BK, k_end);
+    }
+    cp_async_commit();
+  }
+
+  const SimtCoords<Cfg> at;
+  for (int kt = 0; kt < ntiles; ++kt) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();
+    const int nk = kt + STAGES - 1;
+    if (nk < ntiles) {
+      float* s = smem + (nk % STAGES) * STAGE;
+      la.load(s, k_begin + nk * BK, k_end);
+      lb.load(s + SA::kSize, k_begin + nk * BK, k_end);
+    }
+    cp_async_commit();
+
+    const float* sA = smem + (kt % STAGES) * STAGE;
+    const float* sB = sA + SA::kSize;
+#pragma unroll
+    for (int k = 0; k < BK; ++k) {
+      float a[TM], b[TN];
+      lds_vec<TM / 2>(a, sA + SA::off(at.ty * (TM / 2), k));
+      lds_vec<TM / 2>(a + TM / 2, sA + SA::off(Cfg::BM / 2 + at.ty * (TM / 2), k));
+      lds_vec<TN / 2>(b, sB + SB::off(at.tx * (TN / 2), k));
+      lds_vec<TN / 2>(b + TN / 2, sB + SB::off(Cfg::BN / 2 + at.tx * (TN / 2), k));
+#pragma unroll
+      for (int i = 0; i < TM; ++i)
+#pragma unroll
+        for (int j = 0; j < TN; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
+    }
+  }
+  cp_async_wait<0>();
+}
+
+// ----------------------------------------------------------------------------- split-K reduce
+
+// C[b] = alpha * sum_s ws[s][b] (+ bias) (+ beta * C[b]), summed in split order so results do
+// not depend on scheduling. ws is dense [splits][batch][M][N]; C rows are ldc apart.
+// bias_mode: 0 none, 1 bias[n] (per column), 2 bias[m] (per row).
+template <typename T>
+__global__ void splitk_reduce_kernel(const T* __restrict__ ws, T* __restrict__ C,
+                                     const T* __restrict__ bias, int splits, int batch, int M,
+                                     int N, int ldc, long long sC, float alpha, float beta,
+                                     int bias_mode) {
+  const long long mn = (long long)M * N, total = mn * batch;
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
+       i += (long long)gridDim.x * blockDim.x) {
+    const long long b = i / mn, r = i - b * mn;
+    const int m = (int)(r / N), n = (int)(r - (long long)m * N);
+    float acc = 0.f;
+    for (int s = 0; s < splits; ++s) acc += (float)ws[(s * (long long)batch + b) * mn + r];
+    float v = alpha * acc;
+    if (bias_mode == 1) v += (float)bias[n];
+    if (bias_mode == 2) v += (float)bias[m];
+    T* c = C + b * sC + (long long)m * ldc + n;
+    if (beta != 0.f) v += beta * (float)*c;
+    *c = (T)v;
+  }
+}

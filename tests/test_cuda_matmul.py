@@ -1,0 +1,249 @@
+"""Our GEMM and implicit-GEMM convolution kernels against the NumPy reference backend.
+
+Fresh random inputs, odd sizes (not only tile multiples), outputs poisoned with NaN before each
+launch (both the `out=` buffer and the memory pool that split-K workspaces come from), and the
+reference computed in float64. Relative error ||out - ref|| / ||ref|| must stay under 1e-5 for
+fp32 and 5e-3 for tf32.
+"""
+import numpy as np
+import pytest
+
+from dptrain.backend import cpu
+
+cp = pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+
+TOL = {"fp32": 1e-5, "tf32": 5e-3}
+
+
+@pytest.fixture(scope="module")
+def cm():
+    from dptrain.backend import cuda_matmul
+
+    return cuda_matmul
+
+
+@pytest.fixture(params=["fp32", "tf32"])
+def prec(request, cm):
+    with cm.precision(request.param):
+        yield request.param
+
+
+@pytest.fixture(autouse=True)
+def poison_pool():
+    """Leave NaN in the pool, so a workspace element nobody writes shows up in the result."""
+    junk = cp.full(16 << 20, np.nan, dtype=np.float32)
+    del junk
+    yield
+
+
+_rng = np.random.default_rng(12345)
+
+
+def rand(*shape):
+    return _rng.standard_normal(shape).astype(np.float32)
+
+
+def nan_like(shape):
+    return cp.full(shape, np.nan, dtype=np.float32)
+
+
+def check(out, ref, prec):
+    out = cp.asnumpy(out).astype(np.float64)
+    assert out.shape == ref.shape
+    assert np.isfinite(out).all(), f"{np.count_nonzero(~np.isfinite(out))} elements not written"
+    err = np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30)
+    assert err <= TOL[prec], f"relative error {err:.3g} > {TOL[prec]:g} ({prec})"
+
+
+# ----------------------------------------------------------------------------- matmul
+
+MNK = [
+    (1, 1, 1), (7, 33, 65), (65, 7, 33), (33, 65, 7), (129, 257, 65), (257, 129, 33),
+    (1, 257, 129), (129, 1, 257), (7, 7, 1000), (33, 17, 3001),  # last two: split-K
+    (64, 128, 256), (260, 132, 516), (64, 48, 5000),  # multiples of 4: 16-byte tile loads
+    (33, 65, 0),  # empty inner dimension: zeros
+]
+
+
+def _operands(batch_a, batch_b, m, n, k, ta, tb):
+    a = rand(*batch_a, *((k, m) if ta else (m, k)))
+    b = rand(*batch_b, *((n, k) if tb else (k, n)))
+    return a, b
+
+
+@pytest.mark.parametrize("ta", [False, True])
+@pytest.mark.parametrize("tb", [False, True])
+@pytest.mark.parametrize("m,n,k", MNK)
+def test_matmul_2d(cm, prec, m, n, k, ta, tb):
+    a, b = _operands((), (), m, n, k, ta, tb)
+    out = nan_like((m, n))
+    got = cm.matmul(cp.asarray(a), cp.asarray(b), ta, tb, out=out)
+    assert got is out
+    ref = cpu.matmul(a.astype(np.float64), b.astype(np.float64), ta, tb)
+    if k == 0:
+        assert (cp.asnumpy(got) == 0).all()
+    else:
+        check(got, ref, prec)
+
+
+BATCHED = [  # batch_a, batch_b
+    ((3,), (3,)), ((3,), ()), ((), (3,)), ((1,), (3,)), ((3,), (1,)), ((2, 3), (2, 3)),
+    ((2, 3), ()),
+]
+
+
+@pytest.mark.parametrize("ta,tb", [(False, False), (True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("batch_a,batch_b", BATCHED)
+def test_matmul_batched(cm, prec, batch_a, batch_b, ta, tb):
+    a, b = _operands(batch_a, batch_b, 33, 17, 65, ta, tb)
+    ref = cpu.matmul(a.astype(np.float64), b.astype(np.float64), ta, tb)
+    out = nan_like(ref.shape)
+    check(cm.matmul(cp.asarray(a), cp.asarray(b), ta, tb, out=out), ref, prec)
+
+
+@pytest.mark.parametrize("m,n,k", [(65, 33, 129), (8, 16, 3000)])
+def test_matmul_bias(cm, prec, m, n, k):
+    x, w, bias = rand(m, k), rand(n, k), rand(n)
+    got = cm.matmul(cp.asarray(x), cp.asarray(w), trans_b=True, bias=cp.asarray(bias))
+    ref = x.astype(np.float64) @ w.astype(np.float64).T + bias
+    check(got, ref, prec)
+
+
+def test_matmul_split_k_repeatable(cm, prec):
+    a, b = cp.asarray(rand(40, 3333)), cp.asarray(rand(3333, 24))
+    first = cp.asnumpy(cm.matmul(a, b))
+    second = cp.asnumpy(cm.matmul(a, b))
+    assert np.array_equal(first.view(np.uint32), second.view(np.uint32))
+
+
+def test_matmul_rejects_bad_input(cm):
+    a = cp.ones((4, 5), dtype=np.float32)
+    with pytest.raises(TypeError, match="float32"):
+        cm.matmul(a.astype(np.float64), a, trans_b=True)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        cm.matmul(a.T, a)
+    with pytest.raises(ValueError, match="inner sizes"):
+        cm.matmul(a, a)
+    with pytest.raises(NotImplementedError):
+        cm.matmul(cp.ones((2, 1, 4, 5), np.float32), cp.ones((3, 5, 2), np.float32))
+
+
+def test_precision_setting(cm):
+    old = cm.get_precision()
+    assert old in cm.PRECISIONS
+    with cm.precision("fp32"):
+        assert cm.get_precision() == "fp32"
+    assert cm.get_precision() == old
+    with pytest.raises(ValueError):
+        cm.set_precision("fp16")
+
+
+# ----------------------------------------------------------------------------- conv2d
+
+CONV = [  # n, c_in, h, w, c_out, (kh, kw), stride, padding
+    (3, 33, 7, 5, 17, (3, 3), (1, 1), (1, 1)),
+    (3, 33, 7, 5, 17, (3, 3), (2, 2), (0, 0)),
+    (2, 5, 9, 11, 7, (5, 5), (2, 2), (2, 2)),
+    (3, 1, 8, 6, 32, (3, 3), (1, 1), (1, 1)),  # first layer: one input channel
+    (2, 32, 12, 10, 64, (3, 3), (1, 1), (1, 1)),  # channels % 32 == 0: one tap per K slab
+    (2, 64, 6, 7, 128, (3, 3), (1, 1), (1, 1)),  # 128-row tiles
+    (2, 64, 6, 7, 33, (1, 1), (1, 1), (0, 0)),  # 1x1
+    (1, 3, 13, 9, 8, (3, 3), (2, 2), (1, 1)),
+    (2, 16, 5, 5, 8, (5, 5), (1, 1), (2, 2)),
+    (2, 6, 9, 7, 5, (3, 1), (2, 1), (1, 0)),  # non-square kernel, stride and padding
+    (2, 8, 10, 9, 16, (2, 3), (1, 2), (0, 2)),  # even kernel
+    (4, 32, 24, 24, 64, (3, 3), (1, 1), (1, 1)),  # a reference-CNN layer, smaller batch
+]
+CONV_IDS = [f"n{c[0]}c{c[1]}h{c[2]}w{c[3]}o{c[4]}k{c[5][0]}{c[5][1]}s{c[6][0]}{c[6][1]}"
+            f"p{c[7][0]}{c[7][1]}" for c in CONV]
+
+
+def _conv_setup(case):
+    n, c, h, w, cout, (kh, kw), stride, padding = case
+    x, wt = rand(n, c, h, w), rand(cout, c, kh, kw)
+    ho = (h + 2 * padding[0] - kh) // stride[0] + 1
+    wo = (w + 2 * padding[1] - kw) // stride[1] + 1
+    gy = rand(n, cout, ho, wo)
+    return x, wt, gy, stride, padding
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("case", CONV, ids=CONV_IDS)
+def test_conv2d_forward(cm, prec, case, with_bias):
+    x, wt, gy, stride, padding = _conv_setup(case)
+    b = rand(wt.shape[0]) if with_bias else None
+    ref = cpu.conv2d_forward(x.astype(np.float64), wt.astype(np.float64),
+                             None if b is None else b.astype(np.float64), stride, padding)
+    out = nan_like(ref.shape)
+    got = cm.conv2d_forward(cp.asarray(x), cp.asarray(wt), None if b is None else cp.asarray(b),
+                            stride, padding, out=out)
+    assert got is out
+    check(got, ref, prec)
+
+
+@pytest.mark.parametrize("case", CONV, ids=CONV_IDS)
+def test_conv2d_backward_data(cm, prec, case):
+    x, wt, gy, stride, padding = _conv_setup(case)
+    ref = cpu.conv2d_backward_data(gy.astype(np.float64), wt.astype(np.float64), x.shape,
+                                   stride, padding)
+    out = nan_like(x.shape)
+    check(cm.conv2d_backward_data(cp.asarray(gy), cp.asarray(wt), x.shape, stride, padding,
+                                  out=out), ref, prec)
+
+
+@pytest.mark.parametrize("case", CONV, ids=CONV_IDS)
+def test_conv2d_backward_weight(cm, prec, case):
+    x, wt, gy, stride, padding = _conv_setup(case)
+    ref = cpu.conv2d_backward_weight(x.astype(np.float64), gy.astype(np.float64), wt.shape,
+                                     stride, padding)
+    out = nan_like(wt.shape)
+    check(cm.conv2d_backward_weight(cp.asarray(x), cp.asarray(gy), wt.shape, stride, padding,
+                                    out=out), ref, prec)
+
+
+def test_conv2d_backward_weight_bitwise_repeatable(cm, prec):
+    # Reduces over 8*24*24 pixels: split over K, so this checks the fixed-order reduction.
+    x, wt, gy, stride, padding = _conv_setup((8, 32, 24, 24, 64, (3, 3), (1, 1), (1, 1)))
+    x, gy = cp.asarray(x), cp.asarray(gy)
+    first = cp.asnumpy(cm.conv2d_backward_weight(x, gy, wt.shape, stride, padding))
+    second = cp.asnumpy(cm.conv2d_backward_weight(x, gy, wt.shape, stride, padding))
+    assert np.isfinite(first).all()
+    assert np.array_equal(first.view(np.uint32), second.view(np.uint32))
+
+
+def test_conv2d_rejects_bad_input(cm):
+    x, w = cp.ones((2, 3, 8, 8), np.float32), cp.ones((4, 5, 3, 3), np.float32)
+    with pytest.raises(ValueError, match="channels"):
+        cm.conv2d_forward(x, w, None, (1, 1), (1, 1))
+    with pytest.raises(ValueError, match="stride"):
+        cm.conv2d_forward(x, cp.ones((4, 3, 3, 3), np.float32), None, 1, (1, 1))
+
+
+# ----------------------------------------------------------------------------- CUDA graphs
+
+
+def test_capturable_in_cuda_graph(cm, prec):
+    """matmul (split-K) and the three convolutions replay from a CUDA graph: no host sync."""
+    a, b = cp.asarray(rand(40, 3333)), cp.asarray(rand(3333, 24))
+    x, wt, gy, stride, padding = _conv_setup((4, 32, 24, 24, 64, (3, 3), (1, 1), (1, 1)))
+    x, wt, gy = cp.asarray(x), cp.asarray(wt), cp.asarray(gy)
+
+    def step():
+        return (cm.matmul(a, b), cm.conv2d_forward(x, wt, None, stride, padding),
+                cm.conv2d_backward_data(gy, wt, x.shape, stride, padding),
+                cm.conv2d_backward_weight(x, gy, wt.shape, stride, padding))
+
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        eager = [cp.asnumpy(r) for r in step()]  # compiles and sets kernel attributes
+        stream.begin_capture()
+        outs = step()
+        graph = stream.end_capture()
+        for o in outs:
+            o.fill(np.nan)  # so the replay must write every element again
+        stream.synchronize()
+        graph.launch(stream)
+        stream.synchronize()
+    for e, o in zip(eager, outs):
+        np.testing.assert_array_equal(cp.asnumpy(o), e)
