@@ -65,7 +65,7 @@ class TrainConfig:
 
 # A CPU run uses a subset so `make train` finishes in minutes; a GPU run the full default set.
 DEVICE_DEFAULTS = {
-    "cpu": dict(train_images=12000, val_images=2000, epochs=3),
+    "cpu": dict(train_images=8000, val_images=2000, epochs=3),
     "cuda": dict(train_images=60000, val_images=10000, epochs=5),
 }
 

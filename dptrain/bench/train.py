@@ -2,7 +2,8 @@
 to PyTorch's on the same device, inputs and batch, in the same run.
 
 Both sides run the same step (forward, cross-entropy, backward, SGD with momentum) on
-data already on the device; we time `--steps` steps after `--warmup` steps and report the
+data already on the device (ours also gathers and normalises its uint8 batch), eagerly
+and, on a GPU, replayed as a captured CUDA graph; we time `--steps` steps after `--warmup` steps and report the
 median over `--repeats` timed runs. PyTorch is optional: without it only our figures print.
 """
 from __future__ import annotations
@@ -16,24 +17,35 @@ import time
 import numpy as np
 
 
-def _ours(device, batch, image_shape, classes, steps, warmup, repeats, seed=0):
+def _ours(device, batch, image_shape, classes, steps, warmup, repeats, graph=False, seed=0):
+    """Our training step (TrainStep: gather, forward, backward, SGD) on uint8 images held on
+    the device, eagerly or replayed as a captured CUDA graph."""
     import dptrain as dp
-    import dptrain.functional as F
-    from dptrain import backend, nn
+    from dptrain import backend, dist, nn
+    from dptrain.flat import FlatParameters
     from dptrain.optim import SGD
+    from dptrain.reducer import Reducer
+    from dptrain.train import TrainStep
 
     be = backend.get(device)
     dp.manual_seed(seed)
     model = nn.cnn(image_shape, classes).to(device)
-    opt = SGD(model.parameters(), lr=0.01, momentum=0.9)
+    flat = FlatParameters(model.parameters())
+    opt = SGD(flat, lr=0.01, momentum=0.9)
+    reducer = Reducer(flat, dist.World(comm=dist.LocalComm(be)))
     rng = np.random.default_rng(seed)
-    x = dp.Tensor(be.asarray(rng.standard_normal((batch, *image_shape)).astype(np.float32)))
-    y = dp.Tensor(be.asarray(rng.integers(0, classes, batch)))
+    images = be.asarray(rng.integers(0, 256, (batch, *image_shape), dtype=np.uint8))
+    labels = be.asarray(rng.integers(0, classes, batch))
+    run = TrainStep(model, opt, reducer, images, labels, 0.5, 0.25)
+    if graph:
+        from dptrain.graph import GraphedStep
+
+        run = GraphedStep(run, batch)
+    indices = np.arange(batch, dtype=np.int64)
 
     def step():
-        opt.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
+        opt.begin_step()
+        run(indices)
 
     def sync():
         be.to_numpy(opt.flat.data[:1])
@@ -41,7 +53,7 @@ def _ours(device, batch, image_shape, classes, steps, warmup, repeats, seed=0):
     return _time(step, sync, steps, warmup, repeats)
 
 
-def _torch(device, batch, image_shape, classes, steps, warmup, repeats, seed=0):
+def _torch(device, batch, image_shape, classes, steps, warmup, repeats, graph=False, seed=0):
     import torch
     import torch.nn as tnn
 
@@ -58,8 +70,8 @@ def _torch(device, batch, image_shape, classes, steps, warmup, repeats, seed=0):
     x = torch.randn(batch, c, h, w, device=dev)
     y = torch.randint(0, classes, (batch,), device=dev)
 
-    def step():
-        opt.zero_grad(set_to_none=True)
+    def eager():
+        opt.zero_grad(set_to_none=False)
         torch.nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
 
@@ -67,6 +79,18 @@ def _torch(device, batch, image_shape, classes, steps, warmup, repeats, seed=0):
         if dev == "cuda":
             torch.cuda.synchronize()
 
+    step = eager
+    if graph:  # whole-step capture, as in PyTorch's CUDA-graph recipe
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                eager()
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            eager()
+        step = g.replay
     return _time(step, sync, steps, warmup, repeats), torch.__version__, torch.get_num_threads()
 
 
@@ -100,28 +124,30 @@ def main(argv=None) -> int:
 
     device = backend.resolve_device(args.device)
     shape, classes = (1, 48, 48), 7
+    modes = ["eager", "graph"] if device == "cuda" else ["eager"]
     print(f"reference CNN training step, 48x48x1, {device}, {platform.node()}")
-    print(f"{'batch':>6} {'ours ms':>9} {'ours img/s':>11} {'torch ms':>9} {'torch img/s':>12} "
-          f"{'ours/torch':>10}")
+    print(f"{'batch':>6} {'mode':>6} {'ours ms':>9} {'ours img/s':>11} {'torch ms':>9} "
+          f"{'torch img/s':>12} {'ours/torch':>10}")
     for batch in args.batch_size:
-        ours = _ours(device, batch, shape, classes, args.steps, args.warmup, args.repeats)
-        record = {"device": device, "batch": batch, "ours_ms": ours * 1e3,
-                  "ours_images_per_s": batch / ours, "date": time.strftime("%Y-%m-%d")}
-        torch_text = f"{'-':>9} {'-':>12} {'-':>10}"
-        if not args.no_torch:
-            try:
-                theirs, version, threads = _torch(device, batch, shape, classes, args.steps,
-                                                  args.warmup, args.repeats)
-                record.update(torch_ms=theirs * 1e3, torch_images_per_s=batch / theirs,
-                              torch_version=version, torch_threads=threads)
-                torch_text = (f"{theirs * 1e3:9.2f} {batch / theirs:12.0f} "
-                              f"{theirs / ours:10.2f}")
-            except ImportError:
-                torch_text = f"{'(no torch)':>9}"
-        print(f"{batch:6d} {ours * 1e3:9.2f} {batch / ours:11.0f} {torch_text}")
-        if args.json:
-            with open(args.json, "a") as f:
-                f.write(json.dumps(record) + "\n")
+        for mode in modes:
+            timing = (args.steps, args.warmup, args.repeats, mode == "graph")
+            ours = _ours(device, batch, shape, classes, *timing)
+            record = {"device": device, "batch": batch, "mode": mode, "ours_ms": ours * 1e3,
+                      "ours_images_per_s": batch / ours, "date": time.strftime("%Y-%m-%d")}
+            torch_text = f"{'-':>9} {'-':>12} {'-':>10}"
+            if not args.no_torch:
+                try:
+                    theirs, version, threads = _torch(device, batch, shape, classes, *timing)
+                    record.update(torch_ms=theirs * 1e3, torch_images_per_s=batch / theirs,
+                                  torch_version=version, torch_threads=threads)
+                    torch_text = (f"{theirs * 1e3:9.2f} {batch / theirs:12.0f} "
+                                  f"{theirs / ours:10.2f}")
+                except ImportError:
+                    torch_text = f"{'(no torch)':>9}"
+            print(f"{batch:6d} {mode:>6} {ours * 1e3:9.2f} {batch / ours:11.0f} {torch_text}")
+            if args.json:
+                with open(args.json, "a") as f:
+                    f.write(json.dumps(record) + "\n")
     return 0
 
 
