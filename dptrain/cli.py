@@ -135,14 +135,13 @@ def run_train(argv) -> int:
 
 def run_bench(argv) -> int:
     p = _Parser(prog="python -m dptrain bench", description="Benchmarks.")
-    p.add_argument("suite", choices=("ops", "train"), help="ops: kernels against references; "
-                   "train: training throughput against PyTorch")
+    p.add_argument("suite", choices=("ops", "train", "comm"),
+                   help="ops: kernels against references; train: training throughput against "
+                   "PyTorch; comm: gradient-exchange bandwidth (under mpirun)")
     args, rest = p.parse_known_args(argv)
-    if args.suite == "ops":
-        from dptrain.bench.ops import main
-    else:
-        from dptrain.bench.train import main
-    return main(rest) or 0
+    import importlib
+
+    return importlib.import_module(f"dptrain.bench.{args.suite}").main(rest) or 0
 
 
 def main(argv=None) -> int:
@@ -150,7 +149,7 @@ def main(argv=None) -> int:
     if argv and argv[0] in ("-h", "--help"):
         print("usage: python -m dptrain [train|bench] [options]\n\n"
               "  train   train a model (the default when no subcommand is given)\n"
-              "  bench   benchmarks: `bench ops`, `bench train`\n\n"
+              "  bench   benchmarks: `bench ops`, `bench train`, `bench comm`\n\n"
               "`python -m dptrain train --help` lists the training options.")
         return 0
     command = argv.pop(0) if argv and argv[0] in SUBCOMMANDS else "train"

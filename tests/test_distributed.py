@@ -73,3 +73,11 @@ def test_failing_rank_aborts_the_job(tmp_path):
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
     assert result.returncode != 0
     assert "[rank 1]" in result.stderr and "injected fault" in result.stderr
+
+
+def test_bench_comm_runs_over_mpi(tmp_path):
+    cmd = [MPIRUN, "-n", "2", "--oversubscribe", sys.executable, "-m", "dptrain", "bench", "comm",
+           "--device", "cpu", "--sizes-mb", "0.25", "--repeats", "2", "--csv", str(tmp_path / "c.csv")]
+    result = subprocess.run(cmd, capture_output=True, text=True, env=_env(tmp_path), timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "RS+AG" in result.stdout and (tmp_path / "c.csv").exists()

@@ -1,0 +1,85 @@
+"""`mpirun -n N python -m dptrain bench comm`: bus bandwidth of our gradient exchange
+(reduce-scatter + all-gather, in place, as the reducer does it) next to one all-reduce of
+the same bytes, through the same NCCL communicator.
+
+Bus bandwidth follows NCCL's tests: for S bytes on n ranks, an all-reduce and a
+reduce-scatter + all-gather pair both move 2(n-1)/n * S per rank, so busbw = 2(n-1)/n * S / t.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="mpirun -n N python -m dptrain bench comm",
+                                description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 4, 16, 64, 256])
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--csv", default=None, help="write the table as CSV (rank 0)")
+    args = p.parse_args(argv)
+
+    from dptrain import backend, dist
+
+    device = backend.resolve_device(args.device)
+    be = backend.get(device)
+    world = dist.init(device, be)
+    comm, n = world.comm, world.size
+
+    def sync():
+        be.to_numpy(buf[:1])
+        comm.barrier()
+
+    rows = []
+    for mb in args.sizes_mb:
+        count = int(mb * 2**20 / 4) // n * n
+        buf = be.asarray(np.random.default_rng(world.rank).standard_normal(count, dtype=np.float32))
+        shard = count // n
+        mine = buf[world.rank * shard : (world.rank + 1) * shard]
+
+        def pair():
+            comm.reduce_scatter(buf, mine)
+            comm.all_gather(mine, buf)
+
+        def allreduce():
+            comm.all_reduce(buf, "mean")
+
+        result = {"size_mb": mb, "ranks": n}
+        for name, fn in (("rs_ag", pair), ("allreduce", allreduce)):
+            fn()
+            sync()
+            times = []
+            for _ in range(args.repeats):
+                start = time.perf_counter()
+                fn()
+                sync()
+                times.append(time.perf_counter() - start)
+            t = statistics.median(times)
+            result[f"{name}_ms"] = t * 1e3
+            result[f"{name}_busbw_gbs"] = 2 * (n - 1) / n * count * 4 / t / 1e9 if n > 1 else 0.0
+        rows.append(result)
+
+    if world.is_root:
+        print(f"gradient exchange over {comm.name}, {n} ranks, {device}")
+        print(f"{'MB':>8} {'RS+AG ms':>9} {'RS+AG GB/s':>11} {'AR ms':>8} {'AR GB/s':>9} {'RS+AG/AR':>9}")
+        for r in rows:
+            print(f"{r['size_mb']:8.1f} {r['rs_ag_ms']:9.3f} {r['rs_ag_busbw_gbs']:11.1f} "
+                  f"{r['allreduce_ms']:8.3f} {r['allreduce_busbw_gbs']:9.1f} "
+                  f"{r['rs_ag_busbw_gbs'] / max(r['allreduce_busbw_gbs'], 1e-9):9.2f}")
+        if args.csv:
+            import csv
+
+            with open(args.csv, "w", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+                writer.writeheader()
+                writer.writerows(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
