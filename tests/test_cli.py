@@ -109,3 +109,11 @@ def test_help_explains():
                  "--eval-every", "--log-dir"):
         assert flag in result.stdout
     assert run_cli("--help").returncode == 0
+
+
+def test_device_cuda_without_gpu_is_one_line():
+    from dptrain.backend import cuda_available
+
+    if cuda_available():
+        pytest.skip("a GPU is present")
+    _assert_usage_error(run_cli("--device", "cuda"), "--device cuda", "no usable GPU")
