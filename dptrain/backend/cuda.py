@@ -76,12 +76,53 @@ def _sm_count(device_id):
     return cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]
 
 
-def _launch(kernel, items, args, per_block=_BLOCK):
+def _launch(kernel, items, args, per_block=_BLOCK, warps=False):
     """Launch on the current stream with enough blocks for `items` work items of which one
-    block takes `per_block`; capped, since every kernel loops grid-stride."""
-    cap = _sm_count(cupy.cuda.runtime.getDevice()) * 16
+    block takes `per_block`; capped, since every kernel loops grid-stride. `per_block` counts
+    items per block of _BLOCK threads, so _BLOCK // per_block threads share an item (1, a
+    group of lanes, a warp, or the whole block); set_launch_config may change the block.
+    `warps`: the kernel needs whole warps even with a thread per item."""
+    per_item = _BLOCK // per_block
+    threads = _block_threads(warps=warps or per_item > 1)
+    per_block = 1 if per_item == _BLOCK else builtins.max(1, threads // per_item)
+    cap = _launch_max_blocks or _sm_count(cupy.cuda.runtime.getDevice()) * 16
     grid = builtins.max(1, builtins.min(cap, -(-items // per_block)))
-    kernel((grid,), (_BLOCK,), args)
+    kernel((grid,), (threads,), args)
+
+
+# ----------------------------------------------------------------------------- launch override
+# For scaling/threads.py, which sweeps the launch shape from one thread up. It applies to every
+# launch made in this module (elementwise, copies, reductions, softmax, pooling, optimizers,
+# data); GEMM and convolution (cuda_matmul.py) keep their fixed tiles. Default: unchanged.
+
+_launch_threads = None  # threads per block; None: _BLOCK
+_launch_max_blocks = None  # blocks per launch at most; None: 16 per SM
+
+
+def set_launch_config(threads_per_block=None, max_blocks=None):
+    """Override threads per block (1..1024) and the blocks-per-launch cap; None restores the
+    default. Kernels whose lanes cooperate (shuffles, block trees: reductions, softmax rows,
+    max-pool backward) need whole warps, so they get the value rounded down to a multiple of
+    32, and at least 32."""
+    global _launch_threads, _launch_max_blocks
+    for flag, value, top in (("threads_per_block", threads_per_block, 1024),
+                             ("max_blocks", max_blocks, 2**31 - 1)):
+        if value is not None and not (isinstance(value, (int, np.integer)) and 1 <= value <= top):
+            raise ValueError(f"cuda.set_launch_config: {flag} must be an integer in "
+                             f"[1, {top}] or None, got {value!r}")
+    _launch_threads = None if threads_per_block is None else int(threads_per_block)
+    _launch_max_blocks = None if max_blocks is None else int(max_blocks)
+
+
+def get_launch_config():
+    """(threads_per_block, max_blocks) as set; None where the default applies."""
+    return _launch_threads, _launch_max_blocks
+
+
+def _block_threads(warps=False):
+    """Threads per block for the next launch; `warps`: the kernel needs whole warps."""
+    threads = _launch_threads or _BLOCK
+    return builtins.max(32, threads - threads % 32) if warps else threads
 
 
 def _is_cupy(a):
@@ -604,16 +645,17 @@ def _group_size(entries, per_entry, inner):
     enough lanes that each reads about 4 elements (fewer shuffle steps per element); one
     thread per output when there are many outputs read across k."""
     if inner and per_entry >= 2048:
-        return _BLOCK
+        return _block_threads(warps=True)  # the whole block (reduce.cu: G == blockDim.x)
     if inner or entries < 4096:
         return builtins.min(32, _pow2_at_least(-(-per_entry // 4)))
     return 1
 
 
 def _run_reduce(func, out, src, M, S, K, chunk, lk, lr, G):
-    per_block = 1 if G == _BLOCK else _BLOCK // G
+    per_block = 1 if G > 32 else _BLOCK // G  # G > 32: a whole block per entry
+    # warps=True: reduce.cu takes G == blockDim.x as "whole block", so never a block of 1.
     _launch(func, M * S, (out, src, np.int32(M), np.int32(S), np.int32(K), np.int32(chunk),
-                          lk, lr, np.int32(G)), per_block)
+                          lk, lr, np.int32(G)), per_block, warps=True)
 
 
 def _reduce(op, a, axes, out_shape):
@@ -693,7 +735,7 @@ def count_correct(logits, labels):
     _check_int_labels("count_correct", labels, n)
     out = _new((), np.float32)
     kernel = _kernel(RED, "count_correct_kernel", _ctype(logits.dtype), _ctype(labels.dtype))
-    kernel((1,), (_BLOCK,), (out, logits, labels, np.int32(n), np.int32(c)))
+    kernel((1,), (_block_threads(warps=True),), (out, logits, labels, np.int32(n), np.int32(c)))
     return out
 
 
@@ -753,7 +795,8 @@ def cross_entropy_forward(logits, labels):
     if r:
         _launch(_kernel(SM, "ce_rows_kernel", t, lt), r,
                 (probs, picked, logits, labels, np.int32(r), np.int32(c)), _WARPS)
-    _kernel(SM, "ce_mean_kernel", t)((1,), (_BLOCK,), (loss, picked, np.int32(r)))
+    _kernel(SM, "ce_mean_kernel", t)((1,), (_block_threads(warps=True),),
+                                     (loss, picked, np.int32(r)))
     return loss, probs
 
 

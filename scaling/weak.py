@@ -1,0 +1,70 @@
+"""Weak scaling: fixed work per GPU, the dataset growing with the GPU count.
+
+Run G trains one epoch over --images-per-gpu x G images, each rank taking --batch-size
+images per step, so every rank does the same number of steps at every G. Each run is
+`mpirun -n G python -m dptrain train ... --epochs 1 --log-dir DIR` (with --torch also
+PyTorch DDP under torchrun); DIR/summary.json gives the time (train_s: the epoch's
+training time, without start-up, data loading and validation), images/s, validation
+accuracy and loss.
+
+Efficiency E(G) = T(b) / T(G) against the fewest GPUs b run (normally 1); speedup
+S(G) = G x E(G), the throughput gained (ideal: G). Outputs in --out: weak.csv, weak.md,
+weak.png, meta.json and runs/<framework>-<mode>-<G>gpu/.
+
+Examples:
+  python -m scaling.weak --gpus 1,2,4,8 --images-per-gpu 125000 --torch --out runs/scaling/weak
+  python -m scaling.weak --device cpu --gpus 1,2 --images 512     # smoke test on the CPU
+  python -m scaling.weak --dry-run
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: make `scaling` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from scaling import common  # noqa: E402
+from scaling.common import ScalingError  # noqa: E402
+
+DEFAULT_BATCH = {"cuda": 256, "cpu": 32}
+
+DEFINITIONS = ("Images: the training set, --images-per-gpu x GPUs. Time: training seconds of "
+               "one epoch (summary.json `train_s`: start-up, data loading and validation "
+               "excluded). Efficiency E = T(b) / T(G) against the fewest GPUs b of the same "
+               "framework; speedup S = G x E (throughput; ideal G). Loss and Val acc: "
+               "validation loss and accuracy after the epoch.")
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m scaling.weak", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--images-per-gpu", "--images", dest="images_per_gpu",
+                   type=common.positive_int, default=125_000,
+                   help="training images per GPU: run G uses this x G (default 125,000, "
+                   "so 1,000,000 at 8 GPUs)")
+    common.add_sweep_args(p, "weak", f"{DEFAULT_BATCH['cuda']} on GPUs, "
+                                     f"{DEFAULT_BATCH['cpu']} on the CPU")
+    return p.parse_args(argv)
+
+
+def main(argv) -> int:
+    args = parse_args(argv)
+    sweep = common.Sweep("weak", argv, args)
+    per_gpu = args.images_per_gpu
+    batch = args.batch_size or DEFAULT_BATCH[sweep.device]
+    if batch > per_gpu:
+        raise ScalingError(f"--batch-size {batch} is more than --images-per-gpu {per_gpu}")
+    # One validation set for every count: the same yardstick for accuracy.
+    val_images = args.val_images or common.default_val_images(per_gpu)
+    runs = [sweep.run(fw, f"per-gpu batch {batch}", f"per-gpu-b{batch}", g, per_gpu * g,
+                      val_images, batch, ["--batch-size", str(batch)])
+            for fw in sweep.frameworks for g in sweep.counts]
+    largest = per_gpu * sweep.counts[-1]
+    return sweep.execute(runs, largest, val_images, f"Weak scaling: {per_gpu:,} images per GPU",
+                         DEFINITIONS, weak=True)
+
+
+if __name__ == "__main__":
+    sys.exit(common.run_main("scaling/weak.py", main))
