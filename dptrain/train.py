@@ -91,6 +91,7 @@ class TrainStep:
     def __call__(self, batch_indices):
         be = self.be
         batch_indices = be.asarray(batch_indices)  # host indices are uploaded; device ones kept
+        self.reducer.gather_parameters()  # last step's updated shards; overlaps the forward
         x = be.gather_normalize(self.images, batch_indices, self.mean, self.std)
         y = be.getitem(self.labels, batch_indices)
         self.opt.zero_grad()
@@ -98,8 +99,7 @@ class TrainStep:
         loss = F.cross_entropy(logits, Tensor(y))
         loss.backward()  # buckets start their reduce-scatter as their gradients complete
         self.reducer.finish_backward()
-        self.opt.update()  # this rank's shard only
-        self.reducer.all_gather()
+        self.opt.update()  # this rank's shard only; gathered at the start of the next step
         be.add_(self.loss_sum, loss.data)
         be.add_(self.correct_sum, be.count_correct(logits.data, y))
 
@@ -224,7 +224,7 @@ def train(cfg: TrainConfig, echo=print) -> dict:
     root = world.is_root
     flat = FlatParameters(model.parameters(), world.size, int(cfg.bucket_mb * 2**20))
     opt = build_optimizer(cfg, flat, flat.shard_segments(world.rank))
-    reducer = Reducer(flat, world)
+    reducer = Reducer(flat, world, model)
     reducer.broadcast_parameters()
 
     sampler = StrideSampler(len(train_set.labels), cfg.batch_size, world.size, world.rank,
@@ -268,6 +268,7 @@ def train(cfg: TrainConfig, echo=print) -> dict:
                 step += 1
                 _maybe_fail(world.rank, step)
                 if cfg.verify_replicas:
+                    reducer.sync_parameters()
                     verify_replicas(flat, world, step)
                 window_steps += 1
                 if step % cfg.log_every == 0 or step == total_steps:
@@ -284,6 +285,7 @@ def train(cfg: TrainConfig, echo=print) -> dict:
                     progress.update(step, loss=last_loss, images_per_s=rate)
                     window_start, window_steps = now, 0
                 if step % eval_every == 0 or step == total_steps:
+                    reducer.sync_parameters()
                     last_eval = evaluate(model, val_images, val_labels, *stats, world=world)
                     log.write({"step": step, "epoch": epoch, **last_eval})
                     progress.note(f"step {step}: val_loss {last_eval['val_loss']:.4f} "
@@ -294,6 +296,7 @@ def train(cfg: TrainConfig, echo=print) -> dict:
     finally:
         progress.close()
         log.close()
+    reducer.sync_parameters()
     wall = time.perf_counter() - start
     if cfg.save and root:
         save_weights(model, cfg.save)

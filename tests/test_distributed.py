@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(
     reason="needs mpirun and mpi4py (pip install '.[mpi-bundled]')")
 
 COMMON = ["--device", "cpu", "--model", "cnn", "--train-images", "480", "--val-images", "60",
-          "--epochs", "1", "--max-steps", "10", "--lr", "0.05", "--no-progress",
+          "--epochs", "1", "--max-steps", "10", "--optimizer", "sgd", "--lr", "0.05", "--no-progress",
           "--log-every", "5", "--seed", "3"]
 
 

@@ -23,6 +23,7 @@ class Module:
         object.__setattr__(self, "_params", OrderedDict())
         object.__setattr__(self, "_modules", OrderedDict())
         object.__setattr__(self, "training", True)
+        object.__setattr__(self, "_pre_hooks", [])
 
     def __setattr__(self, name, value):
         if isinstance(value, Parameter):
@@ -35,7 +36,14 @@ class Module:
         raise NotImplementedError
 
     def __call__(self, *args):
+        for hook in self._pre_hooks:
+            hook(self)
         return self.forward(*args)
+
+    def register_forward_pre_hook(self, hook):
+        """Call hook(module) before every forward (the reducer waits there for the module's
+        parameters to finish their all-gather)."""
+        self._pre_hooks.append(hook)
 
     # -- traversal
     def named_parameters(self, prefix: str = ""):
