@@ -130,8 +130,15 @@ class Reducer:
         self.begin_step()
 
     def broadcast_parameters(self, root: int = 0):
-        """Make every rank start from rank `root`'s parameters."""
+        """Make every rank start from rank `root`'s parameters, then run one exchange of
+        each bucket, so connection set-up is not charged to the first training step."""
         self.comm.broadcast(self.flat.data, root)
+        if self.size > 1:
+            self.flat.zero_grad()
+            for i in range(len(self.flat.buckets)):
+                self._reduce_scatter(i)  # of zeros: changes nothing
+            self.finish_backward()
+            self.sync_parameters()
 
     def begin_step(self):
         self.pending = [len(b.params) for b in self.flat.buckets]
