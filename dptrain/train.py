@@ -190,6 +190,21 @@ def _maybe_fail(rank, step):
         raise RuntimeError(f"injected fault on rank {rank} at step {step} (DPTRAIN_FAULT)")
 
 
+def _load_datasets(cfg: TrainConfig, world):
+    """The train and val splits. Under mpirun the first rank of each host builds (and caches)
+    them while the others wait, then everyone loads the cache: one generation per host, and
+    the cached images are shared read-only memory maps."""
+    def load():
+        return (get_dataset(cfg.dataset, "train", cfg.train_images, cfg.seed, cfg.cache_dir),
+                get_dataset(cfg.dataset, "val", cfg.val_images, cfg.seed, cfg.cache_dir))
+
+    if world.mpi_comm is None or world.size == 1:
+        return load()
+    sets = load() if world.local_rank == 0 else None
+    world.mpi_comm.Barrier()
+    return sets if sets is not None else load()
+
+
 def _setup(cfg: TrainConfig):
     """Device, world, data and model; configuration problems become one-line usage errors."""
     try:
@@ -205,8 +220,7 @@ def _setup(cfg: TrainConfig):
         if device == "cuda" and cfg.precision != "auto":
             be.set_precision(cfg.precision)
         manual_seed(cfg.seed)
-        train_set = get_dataset(cfg.dataset, "train", cfg.train_images, cfg.seed, cfg.cache_dir)
-        val_set = get_dataset(cfg.dataset, "val", cfg.val_images, cfg.seed, cfg.cache_dir)
+        train_set, val_set = _load_datasets(cfg, world)
         model = build_model(cfg.model, train_set.image_shape, train_set.num_classes).to(device)
         if cfg.batch_size * world.size > len(train_set.labels):
             raise ValueError(f"--batch-size {cfg.batch_size} x {world.size} ranks is larger than "
