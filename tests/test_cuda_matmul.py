@@ -247,3 +247,110 @@ def test_capturable_in_cuda_graph(cm, prec):
         stream.synchronize()
     for e, o in zip(eager, outs):
         np.testing.assert_array_equal(cp.asnumpy(o), e)
+
+
+# ----------------------------------------------------------------------------- Hopper wgmma
+
+WGMMA = "gemm_wgmma_tf32_kernel"
+
+
+@pytest.fixture
+def hopper(cm):
+    """tf32 on a compute capability 9.0 device with the wgmma path switched on; plans rebuilt
+    before and after, so the environment switch is read afresh."""
+    if int(cp.cuda.Device().compute_capability) != 90:
+        pytest.skip("the wgmma path needs compute capability 9.0")
+    cm._PLANS.clear()
+    with cm.precision("tf32"):
+        yield cm
+    cm._PLANS.clear()
+
+
+# (batch_a, batch_b, m, n, k): a @ b^T, each with >= 132 output tiles of 128 x 256.
+WGMMA_CASES = [
+    ((), (), 1408, 3072, 32),          # 11 x 12 tiles, one K tile (fewer than the prologue)
+    ((), (), 1408, 3072, 64),          # two K tiles
+    ((), (), 2048, 4352, 160),         # 16 x 17 tiles, K tiles not a multiple of the stages
+    ((), (), 4096, 4096, 512),
+    ((4,), (4,), 1024, 2048, 288),     # batched: 4 x 8 x 8 tiles
+    ((3, 2), (), 1024, 3584, 96),      # batched a, 2-D b: folded into one M = 6144
+    ((), (4,), 1024, 2048, 128),       # 2-D a broadcast over a batched b (stride 0)
+]
+
+
+@pytest.mark.parametrize("batch_a,batch_b,m,n,k", WGMMA_CASES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_wgmma_matmul(hopper, batch_a, batch_b, m, n, k, with_bias):
+    a, b = _operands(batch_a, batch_b, m, n, k, False, True)
+    bias = rand(n) if with_bias else None
+    ga, gb = cp.asarray(a), cp.asarray(b)
+    gbias = None if bias is None else cp.asarray(bias)
+    assert hopper.matmul_kernel(ga, gb, False, True, bias=gbias) == WGMMA
+    shape = np.broadcast_shapes(batch_a, batch_b) + (m, n)
+    out = nan_like(shape)
+    res = hopper.matmul(ga, gb, False, True, bias=gbias, out=out)
+    assert res is out
+    ref = np.matmul(a.astype(np.float64), np.swapaxes(b.astype(np.float64), -1, -2))
+    if bias is not None:
+        ref = ref + bias
+    check(out, ref, "tf32")
+    # a second call on fresh inputs through the cached plan, output allocated by matmul
+    a2, b2 = _operands(batch_a, batch_b, m, n, k, False, True)
+    res = hopper.matmul(cp.asarray(a2), cp.asarray(b2), False, True, bias=gbias)
+    ref2 = np.matmul(a2.astype(np.float64), np.swapaxes(b2.astype(np.float64), -1, -2))
+    check(res, ref2 if bias is None else ref2 + bias, "tf32")
+
+
+def test_wgmma_misaligned_out(hopper):
+    m, n, k = 1408, 3072, 64
+    a, b = _operands((), (), m, n, k, False, True)
+    buf = nan_like((m * n + 1,))
+    out = buf[1:].reshape(m, n)  # 4 bytes off: the launcher goes through a copy
+    hopper.matmul(cp.asarray(a), cp.asarray(b), False, True, out=out)
+    check(out, a.astype(np.float64) @ b.astype(np.float64).T, "tf32")
+    assert np.isnan(cp.asnumpy(buf[:1])).all()
+
+
+@pytest.mark.parametrize("m,n,k,ta,tb,why", [
+    (2048, 4096, 256, False, False, "NN layout"),
+    (2048, 4096, 256, True, False, "TN layout"),
+    (2048, 4096, 256, True, True, "TT layout"),
+    (2000, 4096, 256, False, True, "M not a multiple of 128"),
+    (2048, 4000, 256, False, True, "N not a multiple of 256"),
+    (2048, 4096, 260, False, True, "K not a multiple of 32"),
+    (1024, 2048, 256, False, True, "64 tiles: fewer than the SMs"),
+    (256, 256, 4608, False, True, "the CNN's fc1 forward at batch 256"),
+])
+def test_wgmma_unsupported_shapes_fall_back(hopper, m, n, k, ta, tb, why):
+    a, b = _operands((), (), m, n, k, ta, tb)
+    ga, gb = cp.asarray(a), cp.asarray(b)
+    assert hopper.matmul_kernel(ga, gb, ta, tb) == "gemm_tf32_kernel", why
+    out = nan_like((m, n))
+    hopper.matmul(ga, gb, ta, tb, out=out)
+    check(out, cpu.matmul(a.astype(np.float64), b.astype(np.float64), ta, tb), "tf32")
+
+
+def test_wgmma_falls_back_when_misaligned_or_fp32(hopper):
+    m, n, k = 1408, 3072, 64
+    a, b = _operands((), (), m, n, k, False, True)
+    buf = cp.asarray(np.concatenate([rand(1), a.ravel()]))
+    ga = buf[1:].reshape(m, k)  # 4 bytes off 16-byte alignment
+    assert hopper.matmul_kernel(ga, cp.asarray(b), False, True) == "gemm_tf32_kernel"
+    with hopper.precision("fp32"):
+        assert hopper.matmul_kernel(cp.asarray(a), cp.asarray(b), False, True) == \
+            "gemm_fp32_kernel"
+
+
+def test_wgmma_switched_off_by_environment(hopper, monkeypatch):
+    m, n, k = 1408, 3072, 64
+    a, b = _operands((), (), m, n, k, False, True)
+    ga, gb = cp.asarray(a), cp.asarray(b)
+    monkeypatch.setenv(hopper.WGMMA_ENV, "0")
+    hopper._PLANS.clear()
+    assert hopper.matmul_kernel(ga, gb, False, True) == "gemm_tf32_kernel"
+    out = nan_like((m, n))
+    hopper.matmul(ga, gb, False, True, out=out)
+    check(out, a.astype(np.float64) @ b.astype(np.float64).T, "tf32")
+    monkeypatch.setenv(hopper.WGMMA_ENV, "1")
+    hopper._PLANS.clear()
+    assert hopper.matmul_kernel(ga, gb, False, True) == WGMMA

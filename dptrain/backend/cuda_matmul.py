@@ -15,12 +15,20 @@ repeated call costs the allocations and the launches only: eager steps are launc
 Precision: "tf32" (tensor cores, fp32 accumulate; operands rounded to tf32) or "fp32" (FFMA).
 The default is "tf32" on compute capability >= 8.0, else "fp32"; ``set_precision`` changes it
 for every later call in the process.
+
+Hopper fast path (kernels/gemm_wgmma.cu, wgmma.mma_async, sm_90a): a "tf32" matmul runs there
+when the device is compute capability 9.0, the environment does not set DPTRAIN_WGMMA=0 (read
+when a plan is built), and the call has its shape: a @ b^T (trans_a False, trans_b True: the
+only layout wgmma takes for tf32, both operands K-major), M % 128 == 0, N % 256 == 0,
+K % 32 == 0, a, b 16-byte aligned, and at least as many 128 x 256 output tiles as SMs
+(smaller problems keep the split-K kernel). `matmul_kernel` names the kernel a call uses.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 import math
+import os
 
 import cupy
 import numpy as np
@@ -31,6 +39,9 @@ PRECISIONS = ("tf32", "fp32")
 _precision: str | None = None
 _INT32_MAX = 2**31 - 1
 _GRID_YZ_MAX = 65535
+WGMMA_ENV = "DPTRAIN_WGMMA"  # "0" turns the Hopper wgmma path off
+_WGMMA_DEFAULT = True  # on where it applies, unless the environment says "0"
+_WGMMA_BM, _WGMMA_BN, _WGMMA_BK, _WGMMA_SMEM = 128, 256, 32, 4 * 48 * 1024 + 1024
 
 
 def get_precision() -> str:
@@ -184,6 +195,34 @@ def _batch_shape(fn: str, ba: tuple, bb: tuple) -> tuple:
     )
 
 
+def _wgmma_enabled() -> bool:
+    v = os.environ.get(WGMMA_ENV)
+    return _WGMMA_DEFAULT if v is None else v.strip() != "0"
+
+
+@functools.lru_cache(maxsize=None)
+def _is_sm90(device_id: int) -> bool:
+    return int(cupy.cuda.Device(device_id).compute_capability) == 90
+
+
+def _wgmma_fits(a, b, ta, tb, m, n, k, nb, s_a) -> bool:
+    """True when gemm_wgmma.cu may compute this product (see the module docstring)."""
+    return (get_precision() == "tf32" and not ta and tb and _wgmma_enabled()
+            and _is_sm90(cupy.cuda.Device().id)
+            and m % _WGMMA_BM == 0 and n % _WGMMA_BN == 0 and k % _WGMMA_BK == 0 and k > 0
+            and a.data.ptr % 16 == 0 and b.data.ptr % 16 == 0
+            and nb * (m // _WGMMA_BM) * (n // _WGMMA_BN) >= _sms()
+            and (m // _WGMMA_BM) * (n // _WGMMA_BN) <= _INT32_MAX and nb <= _GRID_YZ_MAX)
+
+
+def matmul_kernel(a, b, trans_a=False, trans_b=False, *, bias=None) -> str:
+    """The name of the kernel that matmul(a, b, trans_a, trans_b, bias=bias) launches."""
+    ta, tb = bool(trans_a), bool(trans_b)
+    key = ("matmul", _sig("matmul", "a", a), _sig("matmul", "b", b), ta, tb,
+           _sig("matmul", "bias", bias), get_precision())
+    return _plan(key, lambda: _plan_matmul(a, b, ta, tb, bias)).kernel
+
+
 def matmul(a, b, trans_a=False, trans_b=False, *, bias=None, out=None):
     """a @ b over the last two axes (either operand transposed first); batch axes broadcast.
 
@@ -217,13 +256,17 @@ def _plan_matmul(a, b, ta, tb, bias):
             raise ValueError(f"matmul: bias has shape {bias.shape}, expected ({n},)")
         bias_mode = 1
     if nb == 0 or m == 0 or n == 0:
-        return lambda a, b, bias, out: _output("matmul", out, out_shape)
+        empty = lambda a, b, bias, out: _output("matmul", out, out_shape)  # noqa: E731
+        empty.kernel = "none"
+        return empty
 
     s_a = m * k if a.ndim > 2 and math.prod(a.shape[:-2]) == nb and nb > 1 else 0
     s_b = k * n if b.ndim > 2 and math.prod(b.shape[:-2]) == nb and nb > 1 else 0
     if s_b == 0 and not ta and nb > 1 and s_a:
         m, nb, s_a = m * nb, 1, 0  # (batch, M, K) @ (K, N) is one (batch*M, K) @ (K, N)
     lda, ldb, ldc, s_c = a.shape[-1], b.shape[-1], n, m * n
+    if _wgmma_fits(a, b, ta, tb, m, n, k, nb, s_a):
+        return _plan_wgmma(m, n, k, nb, s_a, s_b, bias_mode, out_shape)
     if m > 128 * _GRID_YZ_MAX:
         raise ValueError(f"matmul: M = {m} exceeds the grid's limit of {128 * _GRID_YZ_MAX}")
 
@@ -258,6 +301,28 @@ def _plan_matmul(a, b, ta, tb, bias):
             reduce(ws, c, bias)
         return c
 
+    run.kernel = "gemm_tf32_kernel" if get_precision() == "tf32" else "gemm_fp32_kernel"
+    return run
+
+
+def _plan_wgmma(m, n, k, nb, s_a, s_b, bias_mode, out_shape):
+    """C = A @ B^T by gemm_wgmma.cu: one block per 128 x 256 tile, batch in grid z."""
+    fn = _kernel("gemm_wgmma.cu", "gemm_wgmma_tf32_kernel<float>", _WGMMA_SMEM)
+    grid = ((m // _WGMMA_BM) * (n // _WGMMA_BN), 1, nb)
+    tail = (_i32(m), _i32(n), _i32(k), np.int64(s_a), np.int64(s_b), np.int64(m * n),
+            _i32(bias_mode))
+
+    def run(a, b, bias, out):
+        c = _output("matmul", out, out_shape)
+        # The kernel stores float2 pairs: an `out=` view at an odd float offset gets a copy.
+        dst = c if c.data.ptr % 8 == 0 else cupy.empty(out_shape, dtype=np.float32)
+        fn(grid, (256,), (a, b, dst, dst if bias is None else bias) + tail,
+           shared_mem=_WGMMA_SMEM)
+        if dst is not c:
+            c[...] = dst
+        return c
+
+    run.kernel = "gemm_wgmma_tf32_kernel"
     return run
 
 

@@ -57,6 +57,17 @@ def cuda_include_dir() -> Path:
 _INSTANTIATE = re.compile(r"^//\s*instantiate:\s*(.+?)\s*$", re.MULTILINE)
 
 
+# "// nvrtc-options: -arch=sm_90a" lines add compiler options for that file alone (appended
+# after the common ones; CuPy then appends its own -arch=sm_XX, and NVRTC 13 keeps the
+# arch-specific sm_90a target over the plain sm_90 of the same family).
+_OPTIONS = re.compile(r"^//\s*nvrtc-options:\s*(.+?)\s*$", re.MULTILINE)
+
+
+def file_options(source: str) -> tuple[str, ...]:
+    """The extra compiler options a .cu file asks for on its `// nvrtc-options:` lines."""
+    return tuple(o for line in _OPTIONS.findall(source) for o in line.split())
+
+
 def _name_expressions(source: str) -> list[str]:
     names = []
     for line in _INSTANTIATE.findall(source):
@@ -78,7 +89,7 @@ def module(filename: str):
         "--std=c++17",
         f"-I{cuda_include_dir()}",
         f"-I{kernel_dir()}",
-    )
+    ) + file_options(source)
     mod = cupy.RawModule(code=source, options=options, name_expressions=_name_expressions(source))
     mod.compile()
     return mod
