@@ -20,39 +20,27 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def _positive_int(text):
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
+def _number(kind, allow_zero):
+    """An argparse type: a number of `kind` (int or float) that is positive, or >= 0."""
+    noun = "an integer" if kind is int else "a number"
+    bound = "non-negative" if allow_zero else "positive"
+
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
+        if value < 0 or (value == 0 and not allow_zero) or value != value:
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
+        return value
+
+    return parse
 
 
-def _non_negative_int(text):
-    value = _positive_int(text) if text.strip() != "0" else 0
-    return value
-
-
-def _positive_float(text):
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return value
-
-
-def _non_negative_float(text):
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be non-negative, got {value}")
-    return value
+_positive_int = _number(int, allow_zero=False)
+_non_negative_int = _number(int, allow_zero=True)
+_positive_float = _number(float, allow_zero=False)
+_non_negative_float = _number(float, allow_zero=True)
 
 
 def train_parser() -> argparse.ArgumentParser:
