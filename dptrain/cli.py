@@ -84,7 +84,8 @@ def train_parser() -> argparse.ArgumentParser:
     g.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZERS))
     g.add_argument("--lr", type=_positive_float, default=2e-3, help="peak learning rate")
     g.add_argument("--lr-schedule", default="cosine", choices=LRSchedule.KINDS)
-    g.add_argument("--warmup-steps", type=_non_negative_int, default=0)
+    g.add_argument("--warmup-steps", type=_non_negative_int, default=60,
+                   help="steps of linear learning-rate warmup")
     g.add_argument("--momentum", type=_non_negative_float, default=0.9, help="SGD momentum")
     g.add_argument("--nesterov", action="store_true", help="Nesterov momentum (SGD)")
     g.add_argument("--weight-decay", type=_non_negative_float, default=5e-4)

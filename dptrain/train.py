@@ -48,7 +48,7 @@ class TrainConfig:
     weight_decay: float = 5e-4
     optimizer: str = "adamw"
     lr_schedule: str = "cosine"
-    warmup_steps: int = 0
+    warmup_steps: int = 60  # AdamW at full rate from step 0 can stall at chance level
     seed: int = 0
     device: str = "auto"
     precision: str = "auto"
