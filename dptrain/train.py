@@ -190,6 +190,18 @@ def _maybe_fail(rank, step):
         raise RuntimeError(f"injected fault on rank {rank} at step {step} (DPTRAIN_FAULT)")
 
 
+def _graph_safe(model, echo=None) -> bool:
+    """Whether the step may be replayed as a graph. Dropout's random offset advances on the
+    host, so a replay would reuse one mask every step: such models run eagerly."""
+    from dptrain.nn import Dropout
+
+    if any(isinstance(m, Dropout) and m.p > 0 for m in model.modules()):
+        if echo:
+            echo("dptrain: the model uses dropout; running the step eagerly, not as a CUDA graph")
+        return False
+    return True
+
+
 def _load_datasets(cfg: TrainConfig, world):
     """The train and val splits. Under mpirun the first rank of each host builds (and caches)
     them while the others wait, then everyone loads the cache: one generation per host, and
@@ -255,7 +267,7 @@ def train(cfg: TrainConfig, echo=print) -> dict:
     stats = (train_set.mean, train_set.std)
     step_fn = TrainStep(model, opt, reducer, images, labels, *stats)
     run_step = step_fn
-    if device == "cuda" and cfg.cuda_graph:
+    if device == "cuda" and cfg.cuda_graph and _graph_safe(model, echo if root else None):
         from dptrain.graph import GraphedStep
 
         run_step = GraphedStep(step_fn, cfg.batch_size)
