@@ -280,6 +280,7 @@ def train(cfg: TrainConfig, echo=print) -> dict:
     progress = Progress(total_steps, enabled=cfg.progress and root)
     start = window_start = time.perf_counter()
     train_time, window_steps, step, last_loss, last_eval = 0.0, 0, 0, float("nan"), {}
+    window_time = 0.0  # training seconds in the current logging window (evaluations excluded)
     comm_exposed = 0.0  # seconds of communication that compute waited for
     eval_every = cfg.eval_every or steps_per_epoch
     try:
@@ -303,14 +304,16 @@ def train(cfg: TrainConfig, echo=print) -> dict:
                     comm_exposed = None if exposed is None or comm_exposed is None else (
                         comm_exposed + exposed * window_steps)
                     now = time.perf_counter()
-                    train_time += now - window_start
-                    rate = window_steps * global_batch / (now - window_start)
+                    window_time += now - window_start
+                    train_time += window_time
+                    rate = window_steps * global_batch / window_time
                     last_loss = loss_sum / window_steps
                     log.write({"step": step, "epoch": epoch, "loss": last_loss,
                                "lr": opt.lr, "images_per_s": rate})
                     progress.update(step, loss=last_loss, images_per_s=rate)
-                    window_start, window_steps = now, 0
+                    window_start, window_steps, window_time = now, 0, 0.0
                 if step % eval_every == 0 or step == total_steps:
+                    window_time += time.perf_counter() - window_start
                     reducer.sync_parameters()
                     last_eval = evaluate(model, val_images, val_labels, *stats, world=world)
                     log.write({"step": step, "epoch": epoch, **last_eval})
