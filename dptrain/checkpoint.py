@@ -1,28 +1,13 @@
 """Model weights as a .npz of PyTorch-style name -> array, written atomically."""
 from __future__ import annotations
 
-import os
-import tempfile
 import zipfile
 from pathlib import Path
 
 import numpy as np
 
 from dptrain.errors import UsageError
-
-
-def atomic_write(path: Path, write) -> None:
-    """Call write(file) on a temporary file beside `path`, then rename it into place."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+from dptrain.fileio import atomic_write
 
 
 def save_weights(model, path) -> None:

@@ -25,11 +25,12 @@ import mmap
 import multiprocessing
 import os
 import sys
-import tempfile
 import warnings
 from dataclasses import dataclass
 
 import numpy as np
+
+from dptrain.fileio import atomic_write
 
 # Bump when the drawing code changes the pixels: it is part of the cache key.
 GENERATOR_VERSION = 1
@@ -465,25 +466,6 @@ def default_cache_dir() -> str:
                                                            "dptrain")
 
 
-def atomic_save(path: str, array: np.ndarray) -> None:
-    """Write ``array`` as .npy to a temporary file beside ``path``, then rename: a killed
-    writer leaves at worst a stray temporary file, never a truncated ``path``."""
-    directory = os.path.dirname(path) or "."
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".npy")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, array)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; other users' runs read the cache
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-
-
 def _cache_stem(cache_dir, spec, seed, split, n):
     return os.path.join(cache_dir, f"synthetic-{spec.key()}-seed{seed}-{split}-n{n}")
 
@@ -558,8 +540,9 @@ class SyntheticDataset:
         if cache:
             stem = _cache_stem(cache_dir, spec, self.seed, split, self.n_images)
             try:
-                atomic_save(stem + "-labels.npy", self.labels)
-                atomic_save(stem + "-images.npy", self.images)  # written last: marks completion
+                atomic_write(stem + "-labels.npy", lambda f: np.save(f, self.labels))
+                # Images last: their file marks a complete entry.
+                atomic_write(stem + "-images.npy", lambda f: np.save(f, self.images))
             except OSError as err:  # a read-only or full disk costs speed, not the run
                 warnings.warn(f"could not cache the synthetic dataset in {cache_dir}: {err}")
 
