@@ -139,12 +139,6 @@ class NCCLComm:
     def barrier(self):
         self.mpi_comm.Barrier()
 
-    def abort(self):
-        try:
-            self.comm.abort()
-        except Exception:
-            pass
-
 
 class World:
     """rank, size, local_rank and the communicator for one device kind."""
@@ -158,14 +152,6 @@ class World:
     @property
     def is_root(self) -> bool:
         return self.rank == 0
-
-    def abort(self, code: int = 1):
-        """End every rank of the job now (never leave mpirun waiting on a dead rank)."""
-        if hasattr(self.comm, "abort"):
-            self.comm.abort()
-        if self.mpi_comm is not None:
-            self.mpi_comm.Abort(code)
-        sys.exit(code)
 
 
 def init(device: str, be) -> World:

@@ -29,8 +29,8 @@ class Sub(Function):
 
     def backward(self, gy):
         sa, sb = self.shapes
-        gb = self.be.neg(gy) if self.needs_grad[1] else None
-        return self.be.sum_to_shape(gy, sa), gb if gb is None else self.be.sum_to_shape(gb, sb)
+        gb = self.be.sum_to_shape(self.be.neg(gy), sb) if self.needs_grad[1] else None
+        return self.be.sum_to_shape(gy, sa), gb
 
 
 class Mul(Function):
