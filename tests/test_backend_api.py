@@ -27,6 +27,10 @@ def test_unknown_device_is_a_clear_error():
         backend.resolve_device("tpu")
 
 
-def test_auto_device_falls_back_to_cpu_without_gpu():
-    expected = "cuda" if backend.cuda_available() else "cpu"
-    assert backend.resolve_device("auto") == expected
+def test_auto_device_follows_gpu_availability(monkeypatch):
+    monkeypatch.setattr(backend, "cuda_available", lambda: False)
+    assert backend.resolve_device("auto") == "cpu"
+    with pytest.raises(RuntimeError, match="--device cuda: no usable GPU"):
+        backend.resolve_device("cuda")
+    monkeypatch.setattr(backend, "cuda_available", lambda: True)
+    assert backend.resolve_device("auto") == "cuda"
