@@ -14,7 +14,7 @@ def manual_seed(seed: int) -> None:
     _init_rng = np.random.default_rng(seed)
     for device in backend.DEVICES:
         if device in backend._loaded:
-            backend.get(device).manual_seed(seed)
+            backend.get(device).runtime.manual_seed(seed)
     backend.default_seed = seed
 
 

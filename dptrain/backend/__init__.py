@@ -1,19 +1,69 @@
 """Backends: the one place that knows which device an array lives on.
 
-A backend is a module of plain functions over raw arrays (NumPy for ``cpu``,
-CuPy arrays filled by our own kernels for ``cuda``). Ops, layers and optimizers
-call ``be.<name>(...)`` on the backend of their inputs and never branch on the
-device. ``OPS`` lists every function a backend must provide; ``tests/test_backend_api.py``
-checks each backend against it.
+A backend has two halves, with the same names on every device:
+
+* **Array ops** (``OPS``): plain functions over raw arrays (NumPy for ``cpu``, CuPy arrays
+  filled by our own kernels for ``cuda``). Ops, layers and optimizers call ``be.<name>(...)``
+  on the backend of their inputs and never branch on the device.
+* **The runtime** (``be.runtime``, the names in ``RUNTIME``): streams and the ordering between
+  them, capture and replay of a whole step, a communication timer, uploads from the host, the
+  precision policy, the random-number state and the communicator. The CPU runtime implements
+  each call trivially (one implicit stream, a step is "replayed" by calling it, collectives
+  over MPI), so the reducer and the training loop read the same on both devices.
+
+Nothing outside ``dptrain/backend/`` imports CuPy or asks which device it runs on.
 
 Conventions shared by all backends:
   * Functions return new contiguous arrays unless named ``*_`` (in place).
   * Arrays expose ``.shape``, ``.dtype``, ``.size``, ``.ndim`` and ``.reshape``;
     nothing else of the array API is used outside a backend.
-  * Scalars that change from step to step (learning rate, loss scale) live in
-    small device arrays, so a captured CUDA graph reads the current value.
+  * Scalars that change from step to step (learning rate, loss scale, the random offset)
+    live in small device arrays, so a captured CUDA graph reads the current value.
   * Layouts follow PyTorch: NCHW activations, conv weight (C_out, C_in, kH, kW),
     linear weight (out, in).
+  * No op keeps state between calls: where reusing work or memory pays (the CPU's im2col
+    columns, from a convolution's forward to its weight gradient), the caller owns a
+    ``new_workspace()`` object and passes it as ``workspace=``; any call order gives the
+    same results.
+
+The runtime (``be.runtime``), with the CPU's trivial meaning in brackets:
+  ``current_stream()``, ``comm_stream()``   the stream ops launch on now; the one collectives
+                                             use [one object standing for the host]
+  ``on(stream)``                            context: launches inside go to ``stream`` [no-op]
+  ``record(stream=None) -> event``          an event marking the work issued so far on
+                                             ``stream`` (default: the current one) [a token]
+  ``wait(event, stream=None)``              ``stream`` waits for ``event`` [no-op]
+  ``order(waiter, signaller)``              ``waiter`` waits for all work issued so far on
+                                             ``signaller`` [no-op]
+  ``synchronize()``                         the host waits for all issued work [no-op]
+  ``capture(step, warmup=2) -> run``        ``run()`` calls ``step()`` eagerly ``warmup``
+                                             times, then records it once as a CUDA graph and
+                                             replays that; ``step`` takes no arguments, its
+                                             inputs reach it through device buffers written
+                                             before each call [run() calls step()]
+  ``comm_timer() -> timer``                 ``timer.issue(fn, *args)`` issues a collective;
+                                             ``timer.wait_begin()``/``wait_end()`` bracket the
+                                             compute stream's wait for communication;
+                                             ``timer.read()`` -> mean exposed seconds per step
+                                             since the last read, or None where it cannot be
+                                             measured (a graph replay) [host clock around
+                                             every collective]
+  ``upload_(dst, host)``                    copy a host array into device array ``dst`` (same
+                                             size), asynchronously on the current stream; the
+                                             host array may be reused at once [a copy]
+  ``PRECISIONS``, ``precision``,            the precision policy: which arithmetic the matrix
+  ``set_precision(name)``,                  ops (matmul, conv2d) use; ``set_precision("auto")``
+  ``precision_scope(name)``                 picks the device's best [fp32 only]
+  ``manual_seed(seed)``, ``rng_state``,     random numbers (dropout): a Philox key and counter
+  ``get_rng_state()``, ``set_rng_state(s)`` offset held in a device array that the drawing
+                                             kernels advance themselves, so a replayed graph
+                                             draws fresh numbers each step; get/set move it as
+                                             host data (CUDA: uint64 [seed, offset]) [a NumPy
+                                             generator's state]
+  ``device_count()``, ``select_device(i)``  GPUs visible; make GPU i this process's [1; no-op]
+  ``communicator(mpi_comm)``                the collectives object for arrays of this backend
+                                             over the ranks of ``mpi_comm`` (NCCL), or None
+                                             when host MPI carries them [None]
 """
 from __future__ import annotations
 
@@ -39,12 +89,22 @@ OPS = (
     # softmax family
     "softmax", "softmax_backward", "log_softmax", "log_softmax_backward",
     "cross_entropy_forward", "cross_entropy_backward", "count_correct",
-    # randomness
-    "manual_seed", "dropout_mask",
+    # randomness (state in be.runtime)
+    "dropout_mask",
     # optimizers (flat buffers, in place)
     "sgd_step_", "adamw_step_",
     # data
     "gather_normalize",
+    # reusable memory and work, owned by the caller (see above)
+    "new_workspace",
+)
+
+RUNTIME = (
+    "current_stream", "comm_stream", "on", "record", "wait", "order", "synchronize",
+    "capture", "comm_timer", "upload_",
+    "PRECISIONS", "precision", "set_precision", "precision_scope",
+    "manual_seed", "rng_state", "get_rng_state", "set_rng_state",
+    "device_count", "select_device", "communicator",
 )
 
 DEVICES = ("cpu", "cuda")
@@ -58,7 +118,7 @@ def get(device: str):
         raise ValueError(f"unknown device {device!r}; choose one of {', '.join(DEVICES)}")
     if device not in _loaded:
         module = importlib.import_module(f"dptrain.backend.{device}")
-        module.manual_seed(default_seed)
+        module.runtime.manual_seed(default_seed)
         _loaded[device] = module
     return _loaded[device]
 

@@ -11,6 +11,8 @@ import weakref
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from dptrain.backend.cpu.runtime import runtime
+
 name = "cpu"
 
 
@@ -572,17 +574,12 @@ def count_correct(logits, labels):
 
 # ----------------------------------------------------------------------------- randomness
 
-_rng = np.random.default_rng(0)
-
-
-def manual_seed(seed):
-    global _rng
-    _rng = np.random.default_rng(seed)
 
 
 def dropout_mask(shape, p, dtype=np.float32):
-    """Keep each element with probability 1-p, scaled by 1/(1-p) (inverted dropout)."""
-    keep = _rng.random(shape, dtype=np.float32) >= p
+    """Keep each element with probability 1-p, scaled by 1/(1-p) (inverted dropout); the
+    numbers come from the runtime's generator."""
+    keep = runtime.rng.random(shape, dtype=np.float32) >= p
     return keep.astype(dtype) * np.dtype(dtype).type(1.0 / (1.0 - p))
 
 
@@ -625,3 +622,8 @@ def gather_normalize(images, idx, mean, std):
     x *= np.float32(1.0 / (255.0 * std))
     x -= np.float32(mean / std)
     return x
+
+
+def new_workspace():
+    """Nothing is reused yet: ops allocate what they need."""
+    return None
