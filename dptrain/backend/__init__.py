@@ -61,6 +61,7 @@ The runtime (``be.runtime``), with the CPU's trivial meaning in brackets:
                                              host data (CUDA: uint64 [seed, offset]) [a NumPy
                                              generator's state]
   ``device_count()``, ``select_device(i)``  GPUs visible; make GPU i this process's [1; no-op]
+  ``memory_info() -> (free, total)``        bytes of device memory [the host's RAM]
   ``communicator(mpi_comm)``                the collectives object for arrays of this backend
                                              over the ranks of ``mpi_comm`` (NCCL), or None
                                              when host MPI carries them [None]
@@ -104,7 +105,7 @@ RUNTIME = (
     "capture", "comm_timer", "upload_",
     "PRECISIONS", "precision", "set_precision", "precision_scope",
     "manual_seed", "rng_state", "get_rng_state", "set_rng_state",
-    "device_count", "select_device", "communicator",
+    "device_count", "select_device", "memory_info", "communicator",
 )
 
 DEVICES = ("cpu", "cuda")

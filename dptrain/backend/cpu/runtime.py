@@ -9,6 +9,7 @@ exposed. Random numbers come from a NumPy generator owned here.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 
 import numpy as np
@@ -127,6 +128,14 @@ class Runtime:
 
     def select_device(self, index: int) -> None:
         pass
+
+    def memory_info(self) -> tuple[int, int]:
+        """(available, total) bytes of host memory, where the OS says; else (0, 0)."""
+        try:
+            page = os.sysconf("SC_PAGE_SIZE")
+            return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+        except (ValueError, OSError, AttributeError):
+            return 0, 0
 
     def communicator(self, mpi_comm):
         return None  # host MPI carries the collectives (dptrain.dist.MPIComm)
