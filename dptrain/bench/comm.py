@@ -2,6 +2,10 @@
 (reduce-scatter + all-gather, in place, as the reducer does it) next to one all-reduce of
 the same bytes, through the same NCCL communicator.
 
+The collectives run on the backend's communication stream (``be.runtime.comm_stream()``),
+as the reducer issues them; each timing ends when the host has waited for them
+(``be.runtime.synchronize()``) and the ranks have met at a barrier.
+
 Bus bandwidth follows NCCL's tests: for S bytes on n ranks, an all-reduce and a
 reduce-scatter + all-gather pair both move 2(n-1)/n * S per rank, so busbw = 2(n-1)/n * S / t.
 """
@@ -30,9 +34,10 @@ def main(argv=None) -> int:
     be = backend.get(device)
     world = dist.init(device, be)
     comm, n = world.comm, world.size
+    rt = be.runtime
 
     def sync():
-        be.to_numpy(buf[:1])
+        rt.synchronize()
         comm.barrier()
 
     rows = []
@@ -41,13 +46,16 @@ def main(argv=None) -> int:
         buf = be.asarray(np.random.default_rng(world.rank).standard_normal(count, dtype=np.float32))
         shard = count // n
         mine = buf[world.rank * shard : (world.rank + 1) * shard]
+        rt.synchronize()  # the upload is done before the comm stream reads buf
 
         def pair():
-            comm.reduce_scatter(buf, mine)
-            comm.all_gather(mine, buf)
+            with rt.on(rt.comm_stream()):
+                comm.reduce_scatter(buf, mine)
+                comm.all_gather(mine, buf)
 
         def allreduce():
-            comm.all_reduce(buf, "mean")
+            with rt.on(rt.comm_stream()):
+                comm.all_reduce(buf, "mean")
 
         result = {"size_mb": mb, "ranks": n}
         for name, fn in (("rs_ag", pair), ("allreduce", allreduce)):
