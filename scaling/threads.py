@@ -3,19 +3,21 @@
 For each T in --threads, every kernel launched through the CUDA backend's grid-stride
 helper (elementwise, copies, reductions, softmax, pooling, optimizer, data) runs with
 T threads: one block of T threads up to 1,024, then blocks of 1,024 threads (T = 2,048
-is 2 blocks, ... 32,768 is 32), set with dptrain.backend.cuda.set_launch_config. Two
+is 2 blocks, ... 32,768 is 32), set with the CUDA backend's launch_shape override. Two
 workloads, on one GPU, with the same inputs at every T:
   inference  the reference CNN (fixed initial weights) over --val-images validation images
   training   --steps steps of --batch-size images (dptrain.train.train; its train_s;
              eager steps unless --cuda-graph)
+The sweep and both workloads are dptrain.bench.threads; this script runs them, adds the
+baselines and writes the tables and plots.
 Speedup S(T) = t(T0) / t(T) against the fewest threads run T0 (normally 1); efficiency
 E(T) = S(T) / (T / T0). Baselines on the same inputs: the default launch shape (256
 threads per block, up to 16 blocks per SM), the NumPy CPU backend and PyTorch.
 
 Caveats, so the numbers read right:
-  * GEMM and convolution (dptrain/backend/cuda_matmul.py, with their split-K and weight
-    reorder helpers) keep their fixed tiles: their time does not shrink with T, so the
-    speedup levels off at the share of time they take.
+  * GEMM and convolution (the CUDA backend's gemm and conv2d launchers, with their
+    split-K and weight reorder helpers) keep their fixed tiles: their time does not
+    shrink with T, so the speedup levels off at the share of time they take.
   * Kernels whose lanes cooperate (reductions, softmax rows, max-pool backward, the loss
     and accuracy sums) need whole warps: they run with max(32, T rounded down to a
     multiple of 32) threads per block.
@@ -34,7 +36,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -42,10 +43,10 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: make `scaling` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from dptrain.bench import threads as bench  # noqa: E402
 from scaling import common  # noqa: E402
 from scaling.common import Panel, ScalingError  # noqa: E402
 
-MAX_BLOCK = 1024
 DEFAULT_THREADS = ",".join(str(2**i) for i in range(16))  # 1 .. 32768
 TRAIN_VAL_IMAGES = 16  # train() validates at its end; keep that small (it is not timed)
 
@@ -91,63 +92,21 @@ def launch_shapes(text: str) -> list[tuple[int, int, int]]:
     """(total threads, blocks, threads per block) for each T of --threads."""
     shapes = []
     for total in common.parse_counts(text, "--threads"):
-        if total > MAX_BLOCK and total % MAX_BLOCK:
-            raise ScalingError(f"--threads {total}: above {MAX_BLOCK} give a multiple of "
-                               f"{MAX_BLOCK} (blocks of {MAX_BLOCK} threads)")
-        blocks = max(1, total // MAX_BLOCK)
-        shapes.append((total, blocks, min(total, MAX_BLOCK)))
+        try:
+            shapes.append(bench.launch_shape_for(total))
+        except ValueError as e:
+            raise ScalingError(f"--threads {e}") from None
     return shapes
 
 
-def measure(fn, repeats: int, budget_s: float = 2.0):
-    """fn() -> (seconds, info); run up to `repeats` times while the total is under budget_s.
-    Returns (median seconds, info of the first run, runs)."""
-    results = [fn()]
-    while len(results) < repeats and sum(r[0] for r in results) < budget_s:
-        results.append(fn())
-    return statistics.median(r[0] for r in results), results[0][1], len(results)
-
-
-# ----------------------------------------------------------------------------- workloads
-
-
-def ours_inference(device: str, val, seed: int):
-    """A function timing inference over `val` with dptrain on `device` (same weights each
-    time: the model is built once from `seed`)."""
-    import dptrain
-    from dptrain import backend
-    from dptrain.nn import build_model
-    from dptrain.train import evaluate
-
-    be = backend.get(device)
-    dptrain.manual_seed(seed)
-    model = build_model("cnn", val.image_shape, val.num_classes).to(device)
-    images, labels = be.asarray(val.images), be.asarray(val.labels)
-
-    def run():
-        start = time.perf_counter()
-        metrics = evaluate(model, images, labels, val.mean, val.std)  # ends with a host read
-        return time.perf_counter() - start, metrics
-    return run
-
-
 def ours_training(device: str, args):
-    """A function running --steps training steps with dptrain.train.train (its train_s).
-    Eager steps unless --cuda-graph: every timed step then runs the same way, as PyTorch's."""
-    from dptrain.train import TrainConfig, train
+    """dptrain.bench.threads' training workload with this script's flags."""
+    return bench.training(device, steps=args.steps, batch_size=args.batch_size,
+                          train_images=args.train_images, val_images=TRAIN_VAL_IMAGES,
+                          seed=args.seed, cache_dir=args.cache_dir, cuda_graph=args.cuda_graph)
 
-    options = {}
-    if "cuda_graph" in TrainConfig.__dataclass_fields__:
-        options["cuda_graph"] = args.cuda_graph
 
-    def run():
-        cfg = TrainConfig(device=device, train_images=args.train_images,
-                          val_images=TRAIN_VAL_IMAGES, epochs=1, max_steps=args.steps,
-                          batch_size=args.batch_size, log_every=args.steps, progress=False,
-                          seed=args.seed, cache_dir=args.cache_dir, **options)
-        summary = train(cfg, echo=lambda *_: None)
-        return summary["train_s"], {"train_loss": summary["train_loss"]}
-    return run
+# ----------------------------------------------------------------------------- PyTorch
 
 
 def torch_workloads(device: str, args, val, train_set):
@@ -209,40 +168,35 @@ def record(rows, config, kind, infer, training, args, shape=(None, None, None), 
 
 
 def sweep_gpu(rows, args, shapes, val):
-    from dptrain.backend import cuda as cb
-
-    if not hasattr(cb, "set_launch_config"):
-        raise ScalingError("dptrain.backend.cuda has no set_launch_config: this checkout "
-                           "cannot override launch shapes")
-    infer, train = ours_inference("cuda", val, args.seed), ours_training("cuda", args)
+    try:
+        bench.launch_override()
+    except RuntimeError as e:
+        raise ScalingError(str(e)) from None
+    infer, train = bench.inference("cuda", val, args.seed), ours_training("cuda", args)
     common.note("warm-up (compiles the kernels; not recorded)")
     infer(), train()
     record(rows, "default launch (256/block, <= 16 blocks/SM)", "default",
-           measure(infer, args.repeats), measure(train, args.repeats), args)
-    for i, (total, blocks, per_block) in enumerate(shapes, 1):
-        cb.set_launch_config(threads_per_block=per_block, max_blocks=blocks)
-        try:
-            record(rows, f"T={total} ({blocks} x {per_block})", "sweep",
-                   measure(infer, args.repeats), measure(train, args.repeats), args,
-                   (total, blocks, per_block), prefix=f"[{i}/{len(shapes)}] ")
-        finally:
-            cb.set_launch_config(None, None)  # never leave the override behind
+           bench.measure(infer, args.repeats), bench.measure(train, args.repeats), args)
+    results = bench.sweep(shapes, (infer, train), args.repeats)
+    for i, ((total, blocks, per_block), (t_infer, t_train)) in enumerate(results, 1):
+        record(rows, f"T={total} ({blocks} x {per_block})", "sweep", t_infer, t_train, args,
+               (total, blocks, per_block), prefix=f"[{i}/{len(shapes)}] ")
 
 
 def baselines(rows, args, device, val, train_set):
     if args.numpy:
         cores = os.cpu_count()
         record(rows, f"NumPy CPU backend ({cores} cores)", "baseline",
-               measure(ours_inference("cpu", val, args.seed), args.repeats),
-               measure(ours_training("cpu", args), args.repeats), args)
+               bench.measure(bench.inference("cpu", val, args.seed), args.repeats),
+               bench.measure(ours_training("cpu", args), args.repeats), args)
     if args.torch:
         if importlib.util.find_spec("torch") is None:
             common.warn("PyTorch is not installed: no PyTorch baseline (--no-torch hides this)")
             return
         infer, training, label = torch_workloads(device, args, val, train_set)
         infer(), training()  # warm-up: cuDNN picks its algorithms
-        record(rows, label, "baseline", measure(infer, args.repeats),
-               measure(training, args.repeats), args)
+        record(rows, label, "baseline", bench.measure(infer, args.repeats),
+               bench.measure(training, args.repeats), args)
 
 
 def add_speedups(rows):
@@ -325,8 +279,7 @@ def main(argv) -> int:
     plan = []
     if device == "cuda":
         plan.append("default launch shape (after a warm-up run that compiles the kernels)")
-        plan += [f"dptrain.backend.cuda.set_launch_config(threads_per_block={p}, "
-                 f"max_blocks={b})  # T = {t}" for t, b, p in shapes]
+        plan += [f"{bench.describe_shape(b, p)}  # T = {t}" for t, b, p in shapes]
     plan += ["baseline: NumPy CPU backend"] if args.numpy else []
     plan += [f"baseline: PyTorch ({device})"] if args.torch else []
     if args.dry_run:

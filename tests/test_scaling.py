@@ -1,7 +1,7 @@
 """The scaling scripts (scaling/): CPU smoke runs at tiny sizes produce CSV, Markdown, PNG and
 meta.json; --dry-run prints commands and creates nothing; bad flags end in one line naming
-them; speedup/efficiency arithmetic; the CUDA backend's launch override leaves the default
-launch shapes unchanged (checked with a stand-in for CuPy, so it runs without a GPU)."""
+them; speedup/efficiency arithmetic; the launch-shape sweep's workloads; on a GPU, the
+launch-shape override keeps every kernel's results."""
 import csv
 import importlib.util
 import json
@@ -9,7 +9,6 @@ import os
 import shutil
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -161,8 +160,8 @@ def test_dry_run_prints_commands_and_creates_nothing(tmp_path, cache, name, extr
     if name == "strong":
         assert "--global-batch-size" in text and "--batch-size" in text
     if name == "threads" and device == "cuda":
-        assert "set_launch_config(threads_per_block=1, max_blocks=1)" in text
-        assert "set_launch_config(threads_per_block=1024, max_blocks=32)" in text
+        assert "launch.launch_shape(threads_per_block=1, max_blocks=1)  # T = 1" in text
+        assert "launch.launch_shape(threads_per_block=1024, max_blocks=32)  # T = 32768" in text
     if name == "ops" and device == "cuda":
         assert "-m dptrain bench ops" in text and "--csv" in text and "--plot" in text
 
@@ -270,78 +269,56 @@ def test_ops_reads_bench_ops_csv(tmp_path):
     assert "## conv2d" in md and "| conv2d fwd | 16x32x24x24->64 k3 | tf32 |" in md
 
 
-# ----------------------------------------------------------------------------- launch override
+# ----------------------------------------------------------------------------- bench functions
 
 
-def _cuda_with_fake_cupy(monkeypatch, sms=4):
-    """dptrain/backend/cuda.py loaded against a stand-in for CuPy (no GPU needed), as a
-    private module so the real one is untouched."""
-    fake = types.ModuleType("cupy")
-    fake.ndarray = type("ndarray", (), {})
-    device = types.SimpleNamespace(attributes={"MultiProcessorCount": sms})
-    fake.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDevice=lambda: 0),
-                                      Device=lambda i=0: device)
-    monkeypatch.setitem(sys.modules, "cupy", fake)
-    # A matmul module without its names: cuda.py then installs stubs instead of importing.
-    monkeypatch.setitem(sys.modules, "dptrain.backend.cuda_matmul",
-                        types.ModuleType("dptrain.backend.cuda_matmul"))
-    spec = importlib.util.spec_from_file_location("_cuda_under_test",
-                                                  ROOT / "dptrain" / "backend" / "cuda.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def test_launch_shapes_for_thread_totals():
+    from dptrain.bench import threads
+
+    assert [threads.launch_shape_for(t) for t in (1, 7, 1024, 2048, 32768)] == [
+        (1, 1, 1), (7, 1, 7), (1024, 1, 1024), (2048, 2, 1024), (32768, 32, 1024)]
+    for bad in (0, 1025, 3000):
+        with pytest.raises(ValueError, match=str(bad)):
+            threads.launch_shape_for(bad)
+    assert threads.describe_shape(2, 1024) == (
+        "dptrain.backend.cuda.launch.launch_shape(threads_per_block=1024, max_blocks=2)")
 
 
-def _launches(mod, per_block, items, **kw):
-    seen = []
-    mod._launch(lambda grid, block, args: seen.append((grid[0], block[0])), items, (), per_block,
-                **kw)
-    return seen[0]
+def test_bench_inference_matches_evaluate(cache):
+    """The threads sweep's inference workload computes what dptrain.train.evaluate does."""
+    import numpy as np
+
+    from dptrain import backend, manual_seed
+    from dptrain.bench import threads
+    from dptrain.data import get_dataset
+    from dptrain.nn import build_model
+    from dptrain.train import evaluate
+
+    val = get_dataset("synthetic", "val", 40, 0, str(cache))
+    seconds, metrics = threads.inference("cpu", val, seed=3, batch_size=16)()
+    assert seconds > 0
+    again = threads.inference("cpu", val, seed=3, batch_size=16)()[1]  # sums restart each run
+    assert again == pytest.approx(metrics, rel=1e-6)
+    manual_seed(3)
+    model = build_model("cnn", val.image_shape, val.num_classes).to("cpu")
+    be = backend.get("cpu")
+    want = evaluate(model, be.asarray(val.images), be.asarray(val.labels), val.mean, val.std)
+    assert metrics["val_loss"] == pytest.approx(want["val_loss"], rel=1e-5)
+    assert metrics["val_accuracy"] == pytest.approx(want["val_accuracy"])
+    assert np.isfinite(metrics["val_loss"]) and 0 <= metrics["val_accuracy"] <= 1
 
 
-def test_launch_defaults_are_unchanged(monkeypatch):
-    mod = _cuda_with_fake_cupy(monkeypatch, sms=4)
-    assert mod.get_launch_config() == (None, None)
-    for per_block in (256, 128, 64, 32, 16, 8, 1):
-        for items in (1, 37, 1000, 10**7):
-            # The launch shape before the override existed.
-            expected = (max(1, min(4 * 16, -(-items // per_block))), 256)
-            assert _launches(mod, per_block, items) == expected
-            assert _launches(mod, per_block, items, warps=True) == expected
-    assert mod._group_size(10, 4096, True) == 256
+def test_bench_measure_repeats_within_budget():
+    from dptrain.bench import threads
 
+    calls = []
 
-def test_launch_override(monkeypatch):
-    mod = _cuda_with_fake_cupy(monkeypatch, sms=4)
-    mod.set_launch_config(threads_per_block=1, max_blocks=1)
-    assert _launches(mod, 256, 10**6) == (1, 1)  # a thread per item: one thread in all
-    assert _launches(mod, 8, 10**6) == (1, 32)  # a warp per item: one warp
-    assert _launches(mod, 256, 10**6, warps=True) == (1, 32)
-    mod.set_launch_config(threads_per_block=100, max_blocks=None)
-    assert _launches(mod, 256, 10**6) == (64, 100)  # default cap: 16 blocks per SM
-    assert _launches(mod, 8, 1000) == (64, 96)  # warps: 96 threads, 3 rows per block
-    assert _launches(mod, 8, 30) == (10, 96)  # 3 warps, 3 rows per block
-    mod.set_launch_config(threads_per_block=1024, max_blocks=32)
-    assert _launches(mod, 256, 10**7) == (32, 1024)
-    assert _launches(mod, 256, 3000) == (3, 1024)
-    # Reductions: a whole block per output has G == the block's size, any size.
-    assert mod._group_size(10, 4096, True) == 1024
-    seen = []
-    mod._run_reduce(lambda g, b, a: seen.append((g[0], b[0], int(a[-1]))), None, None, 10, 1,
-                    4096, 4096, None, None, mod._group_size(10, 4096, True))
-    assert seen == [(10, 1024, 1024)]
-    seen.clear()
-    mod.set_launch_config(threads_per_block=1, max_blocks=1)  # G = 1 still gets a warp
-    mod._run_reduce(lambda g, b, a: seen.append((g[0], b[0], int(a[-1]))), None, None, 5000, 1,
-                    8, 8, None, None, 1)
-    assert seen == [(1, 32, 1)]
-    mod.set_launch_config()
-    assert mod.get_launch_config() == (None, None)
-    assert _launches(mod, 256, 10**7) == (64, 256)
-    for bad in ({"threads_per_block": 0}, {"threads_per_block": 1025}, {"max_blocks": 0},
-                {"threads_per_block": 2.5}):
-        with pytest.raises(ValueError, match="set_launch_config"):
-            mod.set_launch_config(**bad)
+    def fn():
+        calls.append(1)
+        return [0.5, 0.1, 0.3][len(calls) - 1], {"n": len(calls)}
+    assert threads.measure(fn, repeats=3, budget_s=10) == (0.3, {"n": 1}, 3)
+    calls.clear()
+    assert threads.measure(fn, repeats=3, budget_s=0.4) == (0.5, {"n": 1}, 1)
 
 
 # ----------------------------------------------------------------------------- the torch twin
@@ -376,6 +353,7 @@ def test_launch_override_keeps_results(threads, blocks):
     import numpy as np
 
     from dptrain.backend import cpu, get
+    from dptrain.bench import threads as threads_bench
 
     cuda = get("cuda")
     rng = np.random.default_rng(threads)
@@ -404,14 +382,12 @@ def test_launch_override_keeps_results(threads, blocks):
          lambda a, y: cuda.cross_entropy_forward(a, y)[0], (logits, labels)),
         ("count correct", cpu.count_correct, cuda.count_correct, (logits, labels)),
     ]
-    cuda.set_launch_config(threads_per_block=threads, max_blocks=blocks)
-    try:
+    launch_shape = threads_bench.launch_override()
+    with launch_shape(threads_per_block=threads, max_blocks=blocks):
         for name, ref_fn, gpu_fn, inputs in cases:
             ref = np.asarray(ref_fn(*inputs))
             got = cuda.to_numpy(gpu_fn(*(cuda.asarray(a) for a in inputs)))
             np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-5, err_msg=name)
-    finally:
-        cuda.set_launch_config()
 
 
 @pytest.mark.gpu
