@@ -75,17 +75,13 @@ def positive_int(text: str) -> int:
 
 
 def gpu_names() -> list[str]:
-    """Names of the visible GPUs: CuPy's view if it imports, else `nvidia-smi -L`, else []."""
-    try:
-        import cupy
+    """Names of the visible GPUs: dptrain.bench's (CuPy's view) if any, else `nvidia-smi -L`,
+    else []."""
+    from dptrain.bench.machine import gpu_names as visible
 
-        names = []
-        for i in range(cupy.cuda.runtime.getDeviceCount()):
-            name = cupy.cuda.runtime.getDeviceProperties(i)["name"]
-            names.append(name.decode() if isinstance(name, bytes) else str(name))
+    names = visible()
+    if names:
         return names
-    except Exception:  # no CuPy, no driver, no device: ask nvidia-smi
-        pass
     if shutil.which("nvidia-smi"):
         try:
             out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True,

@@ -1,14 +1,15 @@
 """Op benchmarks: the NumPy CPU backend against our GPU kernels, across sizes.
 
 On a GPU this runs `python -m dptrain bench ops` (add, mul, pow and transpose from 1e3
-to 1e8 elements; square matmul 256..8192; the reference CNN's layers; each against the
-NumPy backend and cuBLAS/cuDNN/CuPy) and adds a conv2d sweep over the batch size (the
-CNN's second convolution, 32->64 channels, 24x24, 3x3, padding 1), timed with the same
-helpers. GPU times are CUDA-event medians after warm-up; CPU times medians of up to 3
-runs, skipped where a run would take more than about a second (those rows have no
+to 1e8 elements; square matmul 256..8192 as a @ b and a @ b^T; the reference CNN's
+layers; a conv2d sweep over the batch size at the CNN's second convolution, 32->64
+channels, 24x24, 3x3, padding 1; each against the NumPy backend and cuBLAS/cuDNN/CuPy)
+and reads its CSV. GPU times are CUDA-event medians after warm-up; CPU times medians of
+up to 3 runs, skipped where a run would take more than about a second (those rows have no
 speedup). Speedup = CPU time / GPU time.
 
-With --device cpu only the NumPy CPU backend is timed (labelled so): a smoke test.
+With --device cpu only the NumPy CPU backend is timed (labelled so, in this process,
+through dptrain.bench.ops.cpu_rows): a smoke test.
 
 Outputs in --out: ops.csv, ops.md, ops.png (speedup, or CPU time, against size per op),
 meta.json, and on a GPU bench_ops.csv / bench_ops.png / bench_ops.log from the bench.
@@ -22,11 +23,8 @@ from __future__ import annotations
 
 import argparse
 import csv
-import math
 import sys
 from pathlib import Path
-
-import numpy as np
 
 if __package__ in (None, ""):  # run as a file: make `scaling` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -34,7 +32,6 @@ if __package__ in (None, ""):  # run as a file: make `scaling` importable
 from scaling import common  # noqa: E402
 from scaling.common import Panel, ScalingError  # noqa: E402
 
-CONV = (32, 64, 24)  # C_in, C_out, H = W: the reference CNN's conv2
 FIELDS = ["family", "op", "size", "shape", "precision", "cpu_ms", "gpu_ms", "speedup", "ref",
           "ref_ms", "note"]
 FAMILIES = [("elementwise", "elements"), ("matmul", "n (n x n x n)"), ("conv2d", "batch"),
@@ -62,8 +59,9 @@ def parse_args(argv):
 # ----------------------------------------------------------------------------- GPU
 
 
-def bench_command(out: Path, args) -> list[str]:
+def bench_command(out: Path, args, batches) -> list[str]:
     cmd = [sys.executable, "-m", "dptrain", "bench", "ops", "--precision", args.precision,
+           "--conv-batches", ",".join(map(str, batches)),
            "--csv", str(out / "bench_ops.csv"), "--plot", str(out / "bench_ops.png")]
     return cmd + (["--quick"] if args.quick else [])
 
@@ -71,7 +69,7 @@ def bench_command(out: Path, args) -> list[str]:
 def bench_rows(path: Path) -> list[dict]:
     """bench ops' CSV rows in our fields (its columns: section, op, shape, precision,
     ours_ms, ref, ref_ms, cpu_ms, speedup_vs_cpu, size, note)."""
-    family = {"gemm": "matmul", "elem": "elementwise", "cnn": "cnn layers"}
+    family = {"gemm": "matmul", "elem": "elementwise", "cnn": "cnn layers", "conv": "conv2d"}
     rows = []
     with open(path, newline="") as f:
         for r in csv.DictReader(f):
@@ -85,77 +83,16 @@ def bench_rows(path: Path) -> list[dict]:
     return rows
 
 
-def conv_sweep_gpu(batches, precisions) -> list[dict]:
-    """conv2d forward, ours on the GPU against the NumPy backend, per batch size."""
-    import cupy
-
-    from dptrain.backend import cpu, cuda_matmul as cm
-    from dptrain.bench.ops import CpuTimer, gpu_time_ms
-
-    cin, cout, hw = CONV
-    rng = np.random.default_rng(0)
-    timer, rows, old = CpuTimer(), [], cm.get_precision()
-    try:
-        for n in batches:
-            x_h = rng.standard_normal((n, cin, hw, hw), dtype=np.float32)
-            w_h = rng.standard_normal((cout, cin, 3, 3), dtype=np.float32)
-            b_h = rng.standard_normal((cout,), dtype=np.float32)
-            x, w, b = cupy.asarray(x_h), cupy.asarray(w_h), cupy.asarray(b_h)
-            cpu_ms = timer("conv", n, lambda: cpu.conv2d_forward(x_h, w_h, b_h, (1, 1), (1, 1)))
-            for prec in precisions:
-                cm.set_precision(prec)
-                gpu_ms = gpu_time_ms(lambda: cm.conv2d_forward(x, w, b, (1, 1), (1, 1)))
-                rows.append(conv_row(n, prec, cpu_ms, gpu_ms))
-                common.note(f"  conv2d batch {n:5d} {prec}: GPU {gpu_ms:.4f} ms, CPU "
-                            f"{common.fmt(cpu_ms, '.2f') or 'skipped'} ms")
-    finally:
-        cm.set_precision(old)
-    return rows
-
-
-def conv_row(n, precision, cpu_ms, gpu_ms) -> dict:
-    cin, cout, hw = CONV
-    return {"family": "conv2d", "op": "conv2d fwd", "size": n, "precision": precision,
-            "shape": f"{n}x{cin}x{hw}x{hw}->{cout} k3", "cpu_ms": cpu_ms, "gpu_ms": gpu_ms,
-            "speedup": cpu_ms / gpu_ms if cpu_ms and gpu_ms else None}
-
-
 # ----------------------------------------------------------------------------- CPU only
 
 
 def cpu_only_rows(sizes, batches) -> list[dict]:
     """NumPy backend times of the same ops, for a machine without a GPU."""
-    from dptrain.backend import cpu
-    from dptrain.bench.ops import CpuTimer
+    from dptrain.bench.ops import cpu_rows
 
-    rng = np.random.default_rng(0)
-    timer, rows = CpuTimer(), []
-
-    def add(family, op, size, shape, fn):
-        ms = timer(f"{family}.{op}", size, fn)
-        rows.append({"family": family, "op": op, "size": size, "shape": shape, "cpu_ms": ms,
-                     "note": "" if ms is not None else "skipped: over ~1 s"})
-        common.note(f"  {op:<10} {shape:<24} CPU {common.fmt(ms, '.4f') or 'skipped'} ms")
-
-    for n in sizes:
-        a, b = rng.random(n, dtype=np.float32) + 0.5, rng.random(n, dtype=np.float32) + 0.5
-        rows2 = 10 ** (int(round(math.log10(n))) // 2)  # bench ops' 2-D shape
-        a2 = a[: (n // rows2) * rows2].reshape(rows2, -1)
-        add("elementwise", "add", n, str(n), lambda: cpu.add(a, b))
-        add("elementwise", "mul", n, str(n), lambda: cpu.mul(a, b))
-        add("elementwise", "pow", n, str(n), lambda: cpu.pow_scalar(a, 2.5))
-        add("elementwise", "transpose", n, "x".join(map(str, a2.shape)),
-            lambda: cpu.transpose(a2, (1, 0)))
-    for n in (64, 128, 256, 512):
-        m1, m2 = (rng.standard_normal((n, n), dtype=np.float32) for _ in range(2))
-        add("matmul", "matmul", n, f"{n}x{n}x{n}", lambda: cpu.matmul(m1, m2))
-    cin, cout, hw = CONV
-    for n in batches:
-        x = rng.standard_normal((n, cin, hw, hw), dtype=np.float32)
-        w = rng.standard_normal((cout, cin, 3, 3), dtype=np.float32)
-        bias = rng.standard_normal((cout,), dtype=np.float32)
-        add("conv2d", "conv2d fwd", n, f"{n}x{cin}x{hw}x{hw}->{cout} k3",
-            lambda: cpu.conv2d_forward(x, w, bias, (1, 1), (1, 1)))
+    rows = cpu_rows(sizes, batches, echo=common.note)
+    for row in rows:
+        row["note"] = "" if row["cpu_ms"] is not None else "skipped: over ~1 s"
     return rows
 
 
@@ -217,22 +154,19 @@ def main(argv) -> int:
     common.note(f"ops on {common.describe_machine(meta)}, {device}")
     if args.dry_run:
         if device == "cuda":
-            common.note(f"[1/2] {common.shell_line(bench_command(out, args))}")
-            common.note(f"[2/2] conv2d forward sweep, batches {batches}, precisions {precisions}")
+            common.note(f"[1/1] {common.shell_line(bench_command(out, args, batches))}")
         else:
             common.note(f"[1/1] NumPy CPU timings: elementwise sizes {sizes}, matmul 64..512, "
                         f"conv2d batches {batches}")
         return 0
     out = common.check_out_dir(out, dry_run=False)
     if device == "cuda":
-        cmd = bench_command(out, args)
-        common.note(f"[1/2] {common.shell_line(cmd)}")
+        cmd = bench_command(out, args, batches)
+        common.note(f"[1/1] {common.shell_line(cmd)}")
         rc = common.execute(cmd, {}, out / "bench_ops.log")
         if rc != 0:
             common.warn(f"bench ops exited with {rc} (see {out / 'bench_ops.log'})")
         rows = bench_rows(out / "bench_ops.csv") if (out / "bench_ops.csv").is_file() else []
-        common.note(f"[2/2] conv2d forward sweep over batches {batches}")
-        rows += conv_sweep_gpu(batches, precisions)
     else:
         common.note("[1/1] NumPy CPU backend only (--device cpu)")
         rows = cpu_only_rows(sizes, batches)

@@ -1,11 +1,13 @@
-"""The scaling scripts (scaling/): CPU smoke runs at tiny sizes produce CSV, Markdown, PNG and
-meta.json; --dry-run prints commands and creates nothing; bad flags end in one line naming
-them; speedup/efficiency arithmetic; the launch-shape sweep's workloads; on a GPU, the
-launch-shape override keeps every kernel's results."""
+"""The scaling scripts (scaling/) and the dptrain.bench functions they call: CPU smoke runs at
+tiny sizes produce CSV, Markdown, PNG and meta.json; --dry-run prints commands and creates
+nothing; bad flags end in one line naming them; speedup/efficiency arithmetic; scaling/
+reaches the backend only through dptrain.bench; on a GPU, the launch-shape override keeps
+every kernel's results."""
 import csv
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -164,6 +166,7 @@ def test_dry_run_prints_commands_and_creates_nothing(tmp_path, cache, name, extr
         assert "launch.launch_shape(threads_per_block=1024, max_blocks=32)  # T = 32768" in text
     if name == "ops" and device == "cuda":
         assert "-m dptrain bench ops" in text and "--csv" in text and "--plot" in text
+        assert "--conv-batches 1,4,16,64,256" in text  # the conv sweep is a section of the bench
 
 
 @pytest.mark.parametrize("name, args, flag", [
@@ -257,12 +260,15 @@ def test_ops_reads_bench_ops_csv(tmp_path):
               cpu_ms=0.002, size=1000)
     table.add(section="cnn", op="conv1.fwd", shape="256x1x48x48->32 k3", precision="fp32",
               ours_ms=0.2, cpu_ms=40.0)
+    table.add(section="conv", op="conv2d fwd", shape="16x32x24x24->64 k3", precision="tf32",
+              ours_ms=0.5, cpu_ms=4.0, size=16)
     bench.write_csv(tmp_path / "bench.csv", table.rows, "Fake GPU", "2026-01-01")
     rows = ops.bench_rows(tmp_path / "bench.csv")
     assert [(r["family"], r["op"], r["size"]) for r in rows] == [
-        ("matmul", "matmul", 256), ("elementwise", "add", 1000), ("cnn layers", "conv1.fwd", None)]
+        ("matmul", "matmul", 256), ("elementwise", "add", 1000), ("cnn layers", "conv1.fwd", None),
+        ("conv2d", "conv2d fwd", 16)]
     assert rows[0]["speedup"] == pytest.approx(50.0) and rows[0]["gpu_ms"] == 0.01
-    rows.append(ops.conv_row(16, "tf32", 4.0, 0.5))
+    assert rows[3]["speedup"] == pytest.approx(8.0)
     meta = common.machine_meta("ops", [], "cuda", ["Fake GPU"])
     ops.write_outputs(tmp_path, rows, meta, gpu=True)
     md = (tmp_path / "ops.md").read_text()
@@ -270,6 +276,17 @@ def test_ops_reads_bench_ops_csv(tmp_path):
 
 
 # ----------------------------------------------------------------------------- bench functions
+
+
+def test_scaling_reaches_the_backend_only_through_bench():
+    """No CuPy and no backend module in scaling/: measuring code lives in dptrain.bench."""
+    for path in sorted((ROOT / "scaling").rglob("*.py")):
+        text = path.read_text()
+        assert not re.search(r"^\s*(import cupy|from cupy)", text, re.M), path
+        assert not re.search(r"dptrain\.backend\.(?!get\b|resolve_device\b|cuda_available\b)",
+                             text), path
+        assert not re.search(r"from dptrain\.backend import (?!get\b|resolve_device\b|"
+                             r"cuda_available\b)", text), path
 
 
 def test_launch_shapes_for_thread_totals():

@@ -1,11 +1,22 @@
 """python -m dptrain bench ops: our kernels against cuBLAS / cuDNN / CuPy and the NumPy backend.
 
-Sections: square GEMM 256..8192, the reference CNN's layer shapes (FC GEMMs and the three 3x3
-convolutions, forward / backward-data / backward-weight, batch 256), and elementwise add, mul,
-pow and transpose from 1e3 to 1e8 elements. GPU times are CUDA-event medians after warm-up;
-CPU (NumPy backend) times are medians of up to 3 runs, skipped where a run would take > ~1 s.
+Sections (``--sections``):
+  gemm  square GEMM 256..8192 in two layouts: ``matmul`` (a @ b) and ``matmul_nt`` (a @ b^T,
+        the x @ W^T of a linear layer, where Hopper's wgmma kernel applies); each row names
+        the kernel that ran and its relative error against a float64 product
+  cnn   the reference CNN's layer shapes at batch 256: its FC GEMMs and its three 3x3
+        convolutions, forward / backward-data / backward-weight
+  conv  conv2d forward over the batch size (``--conv-batches``) at the CNN's conv2 shape
+  elem  add, mul, pow and transpose from 1e3 to 1e8 elements
+GPU times are CUDA-event medians after warm-up; CPU (NumPy backend) times are medians of up to
+3 runs, skipped where a run would take > ~1 s. Our ops run through the CUDA backend
+(``dptrain.backend.get("cuda")``) under ``be.runtime.precision_scope``.
 
-    python -m dptrain bench ops [--quick] [--precision tf32,fp32] [--csv out.csv] [--plot out.png]
+    python -m dptrain bench ops [--quick] [--precision tf32,fp32] [--sections gemm,cnn,conv,elem]
+                                [--conv-batches 1,4,16] [--csv out.csv] [--plot out.png]
+
+Also used in-process by the scaling scripts: ``cpu_rows`` (the NumPy timings of a machine
+without a GPU) and the timing helpers ``gpu_time_ms`` and ``CpuTimer``.
 """
 from __future__ import annotations
 
@@ -25,6 +36,8 @@ from dptrain.backend import cpu
 BATCH = 256
 # (name, C_in, C_out, H=W) of the reference CNN's convolutions: 3x3, stride 1, padding 1.
 CNN_CONVS = [("conv1", 1, 32, 48), ("conv2", 32, 64, 24), ("conv3", 64, 128, 12)]
+CONV_SWEEP = CNN_CONVS[1]  # the batch-size sweep's shape: conv2
+CONV_BATCHES, CONV_BATCHES_QUICK = (1, 4, 16, 64, 256), (1, 16, 256)
 # (name, in, out) of its fully connected layers.
 CNN_FCS = [("fc1", 4608, 256), ("fc2", 256, 7)]
 CPU_LIMIT_S = 1.0
@@ -144,28 +157,59 @@ HEADER = (f"{'sect':<5} {'op':<10} {'shape':<26} {'prec':<4} {'ours':>9}    {'ra
 # ----------------------------------------------------------------------------- sections
 
 
-def bench_gemm(table, cm, cpu_timer, precisions, sizes):
+def _conv_shape(n, cin, cout, hw):
+    return f"{n}x{cin}x{hw}x{hw}->{cout} k3"
+
+
+def _rel_error(got, want64) -> float:
+    """||got - want|| / ||want|| with want a float64 device array (a reference, so CuPy)."""
+    import cupy
+
+    diff = got.astype(cupy.float64) - want64
+    return float(cupy.linalg.norm(diff) / cupy.linalg.norm(want64))
+
+
+def _gemm_kernel_name(a, b, trans_b) -> str:
+    """The GEMM kernel our matmul picks for these operands at the current precision."""
+    try:
+        from dptrain.backend.cuda.gemm import matmul_kernel
+
+        return matmul_kernel(a, b, False, trans_b)
+    except Exception as e:  # a name for the table only: never fail the timing over it
+        return f"kernel unknown ({type(e).__name__})"
+
+
+def bench_gemm(table, be, cpu_timer, precisions, sizes):
+    """Square GEMM in both layouts: a @ b, and a @ b^T (x @ W^T, the wgmma kernel's layout)."""
     import cupy
 
     rng = np.random.default_rng(0)
     for n in sizes:
         a_h = rng.standard_normal((n, n), dtype=np.float32)
         b_h = rng.standard_normal((n, n), dtype=np.float32)
-        a, b = cupy.asarray(a_h), cupy.asarray(b_h)
+        a, b = be.asarray(a_h), be.asarray(b_h)
         flops = 2.0 * n**3
-        cpu_ms = cpu_timer("gemm", flops, lambda: cpu.matmul(a_h, b_h))
-        for prec in precisions:
-            cm.set_precision(prec)
-            cupy_compute(prec)
-            ours = gpu_time_ms(lambda: cm.matmul(a, b))
-            ref = gpu_time_ms(lambda: cupy.matmul(a, b))
-            table.add(section="gemm", op="matmul", shape=f"{n}x{n}x{n}", precision=prec,
-                      ours_ms=ours, ours_rate=flops / ours / 1e6, unit="GFLOP/s", ref="cuBLAS",
-                      ref_ms=ref, ref_rate=flops / ref / 1e6, cpu_ms=cpu_ms, size=n)
+        for op, trans_b in (("matmul", False), ("matmul_nt", True)):
+            cpu_ms = cpu_timer(f"gemm.{op}", flops, lambda: cpu.matmul(a_h, b_h, trans_b=trans_b))
+            a64, b64 = a.astype(cupy.float64), b.astype(cupy.float64)
+            want = cupy.matmul(a64, b64.T if trans_b else b64)
+            del a64, b64
+            for prec in precisions:
+                cupy_compute(prec)
+                with be.runtime.precision_scope(prec):
+                    kernel = _gemm_kernel_name(a, b, trans_b)
+                    err = _rel_error(be.matmul(a, b, trans_b=trans_b), want)
+                    ours = gpu_time_ms(lambda: be.matmul(a, b, trans_b=trans_b))
+                ref = gpu_time_ms(lambda: cupy.matmul(a, b.T if trans_b else b))
+                table.add(section="gemm", op=op, shape=f"{n}x{n}x{n}", precision=prec,
+                          ours_ms=ours, ours_rate=flops / ours / 1e6, unit="GFLOP/s",
+                          ref="cuBLAS", ref_ms=ref, ref_rate=flops / ref / 1e6, cpu_ms=cpu_ms,
+                          size=n, note=f"{kernel}; rel err vs fp64 {err:.2g}")
+            del want
         del a, b
 
 
-def bench_fc(table, cm, cpu_timer, precisions):
+def bench_fc(table, be, cpu_timer, precisions):
     """The CNN's linear layers: y = x W^T, dx = gy W, dW = gy^T x."""
     import cupy
 
@@ -174,66 +218,88 @@ def bench_fc(table, cm, cpu_timer, precisions):
         x_h = rng.standard_normal((BATCH, fin), dtype=np.float32)
         w_h = rng.standard_normal((fout, fin), dtype=np.float32)
         gy_h = rng.standard_normal((BATCH, fout), dtype=np.float32)
-        x, w, gy = cupy.asarray(x_h), cupy.asarray(w_h), cupy.asarray(gy_h)
+        x, w, gy = be.asarray(x_h), be.asarray(w_h), be.asarray(gy_h)
         flops = 2.0 * BATCH * fin * fout
         cases = [
-            ("fwd", lambda: cm.matmul(x, w, trans_b=True), lambda: cupy.matmul(x, w.T),
+            ("fwd", lambda: be.matmul(x, w, trans_b=True), lambda: cupy.matmul(x, w.T),
              lambda: cpu.matmul(x_h, w_h, trans_b=True)),
-            ("bwd_data", lambda: cm.matmul(gy, w), lambda: cupy.matmul(gy, w),
+            ("bwd_data", lambda: be.matmul(gy, w), lambda: cupy.matmul(gy, w),
              lambda: cpu.matmul(gy_h, w_h)),
-            ("bwd_wgt", lambda: cm.matmul(gy, x, trans_a=True), lambda: cupy.matmul(gy.T, x),
+            ("bwd_wgt", lambda: be.matmul(gy, x, trans_a=True), lambda: cupy.matmul(gy.T, x),
              lambda: cpu.matmul(gy_h, x_h, trans_a=True)),
         ]
         for kind, ours_fn, ref_fn, cpu_fn in cases:
             cpu_ms = cpu_timer(None, 1, cpu_fn)
             for prec in precisions:
-                cm.set_precision(prec)
                 cupy_compute(prec)
-                ours, ref = gpu_time_ms(ours_fn), gpu_time_ms(ref_fn)
+                with be.runtime.precision_scope(prec):
+                    ours = gpu_time_ms(ours_fn)
+                ref = gpu_time_ms(ref_fn)
                 table.add(section="cnn", op=f"{name}.{kind}", shape=f"{BATCH}x{fin}->{fout}",
                           precision=prec, ours_ms=ours, ours_rate=flops / ours / 1e6,
                           unit="GFLOP/s", ref="cuBLAS", ref_ms=ref, ref_rate=flops / ref / 1e6,
                           cpu_ms=cpu_ms)
 
 
-def bench_conv(table, cm, cpu_timer, precisions):
-    import cupy
+def _conv_cases(be, rng, n, cin, cout, hw, kinds=("fwd", "bwd_data", "bwd_wgt")):
+    """(kind, ours, cpu, torch reference factory) for a 3x3, stride 1, padding 1 convolution."""
+    stride, pad = (1, 1), (1, 1)
+    x_h = rng.standard_normal((n, cin, hw, hw), dtype=np.float32)
+    w_h = rng.standard_normal((cout, cin, 3, 3), dtype=np.float32)
+    b_h = rng.standard_normal((cout,), dtype=np.float32)
+    gy_h = rng.standard_normal((n, cout, hw, hw), dtype=np.float32)
+    x, w, b, gy = (be.asarray(v) for v in (x_h, w_h, b_h, gy_h))
+    cases = {
+        "fwd": (lambda: be.conv2d_forward(x, w, b, stride, pad),
+                lambda: cpu.conv2d_forward(x_h, w_h, b_h, stride, pad)),
+        "bwd_data": (lambda: be.conv2d_backward_data(gy, w, x.shape, stride, pad),
+                     lambda: cpu.conv2d_backward_data(gy_h, w_h, x_h.shape, stride, pad)),
+        "bwd_wgt": (lambda: be.conv2d_backward_weight(x, gy, w.shape, stride, pad),
+                    lambda: cpu.conv2d_backward_weight(x_h, gy_h, w_h.shape, stride, pad)),
+    }
+    return [(kind, *cases[kind], lambda torch, kind=kind: _torch_conv(torch, kind, x, w, b, gy,
+                                                                        stride, pad))
+            for kind in kinds]
 
+
+def _timed_conv(table, be, precisions, cpu_ms, ours_fn, torch_ref, flops, **row):
+    for prec in precisions:
+        torch = load_torch(prec)
+        ref_ms, note = None, ""
+        if torch is not None:
+            ref_ms = gpu_time_ms(torch_ref(torch))
+        else:
+            note = "no torch: cuDNN skipped"
+        with be.runtime.precision_scope(prec):
+            ours = gpu_time_ms(ours_fn)
+        table.add(precision=prec, ours_ms=ours, ours_rate=flops / ours / 1e6, unit="GFLOP/s",
+                  ref="cuDNN" if ref_ms else "", ref_ms=ref_ms,
+                  ref_rate=flops / ref_ms / 1e6 if ref_ms else "", cpu_ms=cpu_ms, note=note,
+                  **row)
+
+
+def bench_conv(table, be, cpu_timer, precisions):
+    """The CNN's three convolutions at batch 256, each pass."""
     rng = np.random.default_rng(2)
     for name, cin, cout, hw in CNN_CONVS:
-        stride, pad = (1, 1), (1, 1)
-        x_h = rng.standard_normal((BATCH, cin, hw, hw), dtype=np.float32)
-        w_h = rng.standard_normal((cout, cin, 3, 3), dtype=np.float32)
-        b_h = rng.standard_normal((cout,), dtype=np.float32)
-        gy_h = rng.standard_normal((BATCH, cout, hw, hw), dtype=np.float32)
-        x, w, b, gy = (cupy.asarray(v) for v in (x_h, w_h, b_h, gy_h))
         flops = 2.0 * BATCH * cout * hw * hw * cin * 9
-        cases = [
-            ("fwd", lambda: cm.conv2d_forward(x, w, b, stride, pad),
-             lambda: cpu.conv2d_forward(x_h, w_h, b_h, stride, pad)),
-            ("bwd_data", lambda: cm.conv2d_backward_data(gy, w, x.shape, stride, pad),
-             lambda: cpu.conv2d_backward_data(gy_h, w_h, x_h.shape, stride, pad)),
-            ("bwd_wgt", lambda: cm.conv2d_backward_weight(x, gy, w.shape, stride, pad),
-             lambda: cpu.conv2d_backward_weight(x_h, gy_h, w_h.shape, stride, pad)),
-        ]
-        for kind, ours_fn, cpu_fn in cases:
+        for kind, ours_fn, cpu_fn, torch_ref in _conv_cases(be, rng, BATCH, cin, cout, hw):
             cpu_ms = cpu_timer(None, 1, cpu_fn)
-            for prec in precisions:
-                cm.set_precision(prec)
-                torch = load_torch(prec)
-                ref_ms, note = None, ""
-                if torch is not None:
-                    ref_fn = _torch_conv(torch, kind, x, w, b, gy, stride, pad)
-                    ref_ms = gpu_time_ms(ref_fn)
-                else:
-                    note = "no torch: cuDNN skipped"
-                ours = gpu_time_ms(ours_fn)
-                table.add(section="cnn", op=f"{name}.{kind}",
-                          shape=f"{BATCH}x{cin}x{hw}x{hw}->{cout} k3", precision=prec,
-                          ours_ms=ours, ours_rate=flops / ours / 1e6, unit="GFLOP/s",
-                          ref="cuDNN" if ref_ms else "", ref_ms=ref_ms,
-                          ref_rate=flops / ref_ms / 1e6 if ref_ms else "", cpu_ms=cpu_ms,
-                          note=note)
+            _timed_conv(table, be, precisions, cpu_ms, ours_fn, torch_ref, flops,
+                        section="cnn", op=f"{name}.{kind}",
+                        shape=_conv_shape(BATCH, cin, cout, hw))
+
+
+def bench_conv_batches(table, be, cpu_timer, precisions, batches):
+    """conv2d forward at the CNN's conv2 shape over the batch size."""
+    _, cin, cout, hw = CONV_SWEEP
+    rng = np.random.default_rng(4)
+    for n in batches:
+        flops = 2.0 * n * cout * hw * hw * cin * 9
+        [(_, ours_fn, cpu_fn, torch_ref)] = _conv_cases(be, rng, n, cin, cout, hw, ("fwd",))
+        cpu_ms = cpu_timer("conv.fwd", n, cpu_fn)
+        _timed_conv(table, be, precisions, cpu_ms, ours_fn, torch_ref, flops, section="conv",
+                    op="conv2d fwd", shape=_conv_shape(n, cin, cout, hw), size=n)
 
 
 def _torch_conv(torch, kind, x, w, b, gy, stride, pad):
@@ -245,31 +311,30 @@ def _torch_conv(torch, kind, x, w, b, gy, stride, pad):
     return lambda: torch.nn.grad.conv2d_weight(xt, wt.shape, gyt, stride, pad)
 
 
-def bench_elementwise(table, cpu_timer, sizes):
+def _shape2d(n):
+    """The 2-D shape transpose is timed on for n elements (about sqrt(n) rows)."""
+    rows = 10 ** (int(round(math.log10(n))) // 2)
+    return rows, n // rows
+
+
+def bench_elementwise(table, be, cpu_timer, sizes):
+    """Our elementwise kernels; references: CuPy's own elementwise ops on the same arrays."""
     import cupy
 
-    try:
-        from dptrain.backend import get
-
-        be = get("cuda")
-        ops = {name: getattr(be, name) for name in ("add", "mul", "pow_scalar", "transpose")}
-    except Exception as e:  # the cuda backend is written alongside; run without it
-        print(f"elementwise: skipped ({type(e).__name__}: {e})", flush=True)
-        return
     rng = np.random.default_rng(3)
     for n in sizes:
-        rows = 10 ** (int(round(math.log10(n))) // 2)
-        shape2d = (rows, n // rows)
+        shape2d = _shape2d(n)
         a_h = rng.random(n, dtype=np.float32) + 0.5
         b_h = rng.random(n, dtype=np.float32) + 0.5
-        a, b = cupy.asarray(a_h), cupy.asarray(b_h)
-        a2, a2_h = a.reshape(shape2d), a_h.reshape(shape2d)
+        a, b = be.asarray(a_h), be.asarray(b_h)
+        a2_h = a_h[: shape2d[0] * shape2d[1]].reshape(shape2d)
+        a2 = be.asarray(a2_h)
         cases = [
-            ("add", 12 * n, lambda: ops["add"](a, b), lambda: a + b, lambda: cpu.add(a_h, b_h)),
-            ("mul", 12 * n, lambda: ops["mul"](a, b), lambda: a * b, lambda: cpu.mul(a_h, b_h)),
-            ("pow", 8 * n, lambda: ops["pow_scalar"](a, 2.5), lambda: a**np.float32(2.5),
+            ("add", 12 * n, lambda: be.add(a, b), lambda: a + b, lambda: cpu.add(a_h, b_h)),
+            ("mul", 12 * n, lambda: be.mul(a, b), lambda: a * b, lambda: cpu.mul(a_h, b_h)),
+            ("pow", 8 * n, lambda: be.pow_scalar(a, 2.5), lambda: a**np.float32(2.5),
              lambda: cpu.pow_scalar(a_h, 2.5)),
-            ("transpose", 8 * n, lambda: ops["transpose"](a2, (1, 0)),
+            ("transpose", 8 * a2_h.size, lambda: be.transpose(a2, (1, 0)),
              lambda: cupy.ascontiguousarray(a2.T), lambda: cpu.transpose(a2_h, (1, 0))),
         ]
         for op, nbytes, ours_fn, ref_fn, cpu_fn in cases:
@@ -285,6 +350,42 @@ def bench_elementwise(table, cpu_timer, sizes):
                       ours_rate=nbytes / ours / 1e6, unit="GB/s", ref="CuPy", ref_ms=ref,
                       ref_rate=nbytes / ref / 1e6, cpu_ms=cpu_ms, size=n)
         del a, b, a2
+
+
+# ----------------------------------------------------------------------------- CPU only
+
+
+def cpu_rows(sizes, batches, echo=print) -> list[dict]:
+    """The NumPy backend's times of the same ops, for a machine without a GPU: elementwise at
+    ``sizes`` elements, square matmul 64..512, conv2d forward at the conv sweep's shape for
+    ``batches``. Rows: family, op, size, shape, cpu_ms (None where skipped as too slow)."""
+    rng = np.random.default_rng(0)
+    timer, rows = CpuTimer(), []
+
+    def add(family, op, size, shape, fn):
+        ms = timer(f"{family}.{op}", size, fn)
+        rows.append({"family": family, "op": op, "size": size, "shape": shape, "cpu_ms": ms})
+        echo(f"  {op:<10} {shape:<24} CPU " + (f"{ms:.4f} ms" if ms is not None else "skipped"))
+
+    for n in sizes:
+        a, b = rng.random(n, dtype=np.float32) + 0.5, rng.random(n, dtype=np.float32) + 0.5
+        rows2, cols = _shape2d(n)
+        a2 = a[: rows2 * cols].reshape(rows2, cols)
+        add("elementwise", "add", n, str(n), lambda: cpu.add(a, b))
+        add("elementwise", "mul", n, str(n), lambda: cpu.mul(a, b))
+        add("elementwise", "pow", n, str(n), lambda: cpu.pow_scalar(a, 2.5))
+        add("elementwise", "transpose", n, f"{rows2}x{cols}", lambda: cpu.transpose(a2, (1, 0)))
+    for n in (64, 128, 256, 512):
+        m1, m2 = (rng.standard_normal((n, n), dtype=np.float32) for _ in range(2))
+        add("matmul", "matmul", n, f"{n}x{n}x{n}", lambda: cpu.matmul(m1, m2))
+    _, cin, cout, hw = CONV_SWEEP
+    for n in batches:
+        x = rng.standard_normal((n, cin, hw, hw), dtype=np.float32)
+        w = rng.standard_normal((cout, cin, 3, 3), dtype=np.float32)
+        bias = rng.standard_normal((cout,), dtype=np.float32)
+        add("conv2d", "conv2d fwd", n, _conv_shape(n, cin, cout, hw),
+            lambda: cpu.conv2d_forward(x, w, bias, (1, 1), (1, 1)))
+    return rows
 
 
 # ----------------------------------------------------------------------------- output
@@ -351,14 +452,31 @@ def print_summary(rows):
 # ----------------------------------------------------------------------------- main
 
 
+SECTIONS = ("gemm", "cnn", "conv", "elem")
+
+
+def _ints(text, flag):
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise SystemExit(f"{flag} {text!r}: expected comma-separated positive integers")
+    return values
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m dptrain bench ops", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="a short subset of every section")
     p.add_argument("--precision", default="tf32,fp32",
                    help="comma-separated list from tf32, fp32 (default: both)")
-    p.add_argument("--sections", default="gemm,cnn,elem",
-                   help="comma-separated list from gemm, cnn, elem (default: all)")
+    p.add_argument("--sections", default=",".join(SECTIONS),
+                   help=f"comma-separated list from {', '.join(SECTIONS)} (default: all)")
+    p.add_argument("--conv-batches", default=None,
+                   help="batch sizes of the conv section (default "
+                   f"{','.join(map(str, CONV_BATCHES))}; --quick "
+                   f"{','.join(map(str, CONV_BATCHES_QUICK))})")
     p.add_argument("--no-cpu", action="store_true", help="skip the NumPy CPU timings")
     p.add_argument("--csv", metavar="PATH", help="write every row as CSV")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of GPU-over-CPU speedup")
@@ -367,47 +485,45 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    from dptrain.backend import cuda_available
+    sections = {s.strip() for s in args.sections.split(",") if s.strip()}
+    if not sections or sections - set(SECTIONS):
+        raise SystemExit(f"--sections {args.sections!r}: choose from {', '.join(SECTIONS)}")
+    conv_batches = (_ints(args.conv_batches, "--conv-batches") if args.conv_batches else
+                    list(CONV_BATCHES_QUICK if args.quick else CONV_BATCHES))
+    from dptrain import backend
+    from dptrain.bench.machine import gpu_names, gpu_software
 
-    if not cuda_available():
+    if not backend.cuda_available():
         print("bench ops: no GPU (CuPy missing or no CUDA device); nothing to measure")
         return 1
-    import cupy
-
-    from dptrain.backend import cuda_matmul as cm
-
+    be = backend.get("cuda")
     precisions = [p.strip() for p in args.precision.split(",") if p.strip()]
     for p in precisions:
-        if p not in cm.PRECISIONS:
-            raise SystemExit(f"--precision: unknown {p!r}; choose from {cm.PRECISIONS}")
-    sections = {s.strip() for s in args.sections.split(",")}
-    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
-    device = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+        if p not in be.runtime.PRECISIONS:
+            raise SystemExit(f"--precision: unknown {p!r}; choose from {be.runtime.PRECISIONS}")
+    device = (gpu_names() or ["unknown GPU"])[0]
     date = datetime.datetime.now().isoformat(timespec="seconds")
     meta = (f"{device}, {date}, "
-            f"cupy {cupy.__version__}, python -m dptrain bench ops {' '.join(argv or [])}")
+            f"{gpu_software()}, python -m dptrain bench ops {' '.join(argv or [])}")
     print(meta)
     print(HEADER)
 
     table, cpu_timer = Table(), CpuTimer(enabled=not args.no_cpu)
     gemm_sizes = [256, 1024, 4096] if args.quick else [256, 512, 1024, 2048, 4096, 8192]
     elem_sizes = [10**3, 10**5, 10**7] if args.quick else [10**e for e in range(3, 9)]
-    old = cm.get_precision()
-    runs = [("gemm", lambda: bench_gemm(table, cm, cpu_timer, precisions, gemm_sizes)),
-            ("cnn", lambda: bench_fc(table, cm, cpu_timer, precisions)),
-            ("cnn", lambda: bench_conv(table, cm, cpu_timer, precisions)),
-            ("elem", lambda: bench_elementwise(table, cpu_timer, elem_sizes))]
+    runs = [("gemm", lambda: bench_gemm(table, be, cpu_timer, precisions, gemm_sizes)),
+            ("cnn", lambda: bench_fc(table, be, cpu_timer, precisions)),
+            ("cnn", lambda: bench_conv(table, be, cpu_timer, precisions)),
+            ("conv", lambda: bench_conv_batches(table, be, cpu_timer, precisions, conv_batches)),
+            ("elem", lambda: bench_elementwise(table, be, cpu_timer, elem_sizes))]
     failed = False
-    try:
-        for section, run in runs:
-            if section in sections:
-                try:
-                    run()
-                except Exception:  # report and go on: one broken section should not hide the rest
-                    failed = True
-                    traceback.print_exc()
-    finally:
-        cm.set_precision(old)
+    for section, run in runs:
+        if section in sections:
+            try:
+                run()
+            except Exception:  # report and go on: one broken section should not hide the rest
+                failed = True
+                traceback.print_exc()
     print_summary(table.rows)
 
     if args.csv:
