@@ -2,6 +2,7 @@
 
 Training finds the cached arrays by (spec, seed, split, size), so running this once
 before `mpirun` saves every rank from generating (or racing to generate) the set.
+``--preview`` writes a PNG grid of examples, one row per class (stdlib only).
 
     python datasets/make_synthetic.py --train 1000000 --val 50000 --preview shapes.png
 """
@@ -9,16 +10,57 @@ from __future__ import annotations
 
 import argparse
 import os
+import struct
 import sys
 import time
+import zlib
+
+import numpy as np
 
 try:
     import dptrain  # noqa: F401
 except ImportError:  # run from a source checkout without installing: use the checkout
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dptrain.data.synthetic import (SyntheticDataset, default_cache_dir, default_workers,
-                                    preview)
+from dptrain.data.cache import default_cache_dir
+from dptrain.data.parallel import default_workers
+from dptrain.data.synthetic import (CLASSES, DEFAULT_SPEC, SIZE, SyntheticDataset,
+                                    SyntheticSpec, generate, split_seed)
+
+
+def write_png(path: str, gray: np.ndarray) -> None:
+    """A 2-D uint8 array as an 8-bit grayscale PNG (stdlib only: zlib + struct)."""
+    gray = np.ascontiguousarray(gray, np.uint8)
+    h, w = gray.shape
+    raw = np.concatenate([np.zeros((h, 1), np.uint8), gray], axis=1).tobytes()  # filter 0
+
+    def chunk(tag, data):
+        return (struct.pack(">I", len(data)) + tag + data
+                + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF))
+
+    png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 0, 0, 0, 0))
+           + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
+    with open(path, "wb") as f:
+        f.write(png)
+
+
+def preview(path: str, per_class: int = 8, seed: int = 0, spec: SyntheticSpec = DEFAULT_SPEC,
+            scale: int = 2) -> np.ndarray:
+    """Write a PNG grid, one row per class (in ``CLASSES`` order), of training images;
+    returns the grid."""
+    classes = len(CLASSES)
+    need = per_class * classes * 3  # labels are balanced per block of 7: enough rows
+    images, labels = generate(split_seed(seed, "train"), np.arange(need), spec)
+    pad = 2
+    cell = SIZE + pad
+    grid = np.full((classes * cell + pad, per_class * cell + pad), 255, np.uint8)
+    for c in range(classes):
+        for j, i in enumerate(np.flatnonzero(labels == c)[:per_class]):
+            grid[pad + c * cell: pad + c * cell + SIZE,
+                 pad + j * cell: pad + j * cell + SIZE] = images[i, 0]
+    grid = grid.repeat(scale, 0).repeat(scale, 1)
+    write_png(path, grid)
+    return grid
 
 
 def progress_printer(label: str):

@@ -1,6 +1,9 @@
-"""The synthetic shapes dataset: purity, balance, geometry, splits, cache, difficulty."""
+"""The synthetic shapes dataset: purity, balance, geometry, splits, cache, difficulty;
+the generic cache and worker pool it uses; the script that pre-generates it."""
 import dataclasses
 import glob
+import hashlib
+import importlib.util
 import math
 import os
 import struct
@@ -10,7 +13,20 @@ import numpy as np
 import pytest
 
 from dptrain.data import DATASETS, SyntheticDataset, get_dataset
+from dptrain.data import cache as C
+from dptrain.data import parallel as P
 from dptrain.data import synthetic as S
+
+SCRIPT = os.path.join(os.path.dirname(__file__), os.pardir, "datasets", "make_synthetic.py")
+
+
+@pytest.fixture(scope="module")
+def script():
+    """datasets/make_synthetic.py, imported as a module."""
+    spec = importlib.util.spec_from_file_location("make_synthetic", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(scope="module")
@@ -190,6 +206,69 @@ def test_cache_ignores_incomplete_writes(tmp_path):
     assert not SyntheticDataset("train", 50, seed=4, cache_dir=str(tmp_path)).from_cache
 
 
+def test_cache_names_and_labels_are_stable(tmp_path):
+    """Existing caches keep working: the entry names and the integer-hashed labels of a
+    seed are pinned (the pixels use float maths whose last bits may vary by platform)."""
+    SyntheticDataset("train", 40, seed=2, cache_dir=str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ["synthetic-f51919fea2-seed2-train-n40-images.npy",
+                                            "synthetic-f51919fea2-seed2-train-n40-labels.npy"]
+    labels = S.labels_for(123, np.arange(700))
+    assert hashlib.sha256(labels.tobytes()).hexdigest()[:16] == "09dce121071370a2"
+
+
+def test_generic_cache(tmp_path):
+    d = str(tmp_path)
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (30, 3, 4, 5), dtype=np.uint8)
+    labels = rng.integers(0, 10, 30).astype(np.int64)
+    assert C.load(d, "toy", 30, (3, 4, 5)) is None
+    assert C.store(d, "toy", images, labels)
+    assert C.cached_sizes(d, "toy") == [30] and C.cached_sizes(d, "to") == []
+    got_images, got_labels = C.load(d, "toy", 30, (3, 4, 5))
+    assert isinstance(got_images, np.memmap) and not got_images.flags.writeable
+    np.testing.assert_array_equal(got_images, images)
+    np.testing.assert_array_equal(got_labels, labels)
+    prefix_images, _ = C.load(d, "toy", 12, (3, 4, 5))  # a larger entry serves its prefix
+    np.testing.assert_array_equal(prefix_images, images[:12])
+    assert C.load(d, "toy", 12, (3, 4, 5), prefix=False) is None  # ... unless told not to
+    assert C.load(d, "toy", 31, (3, 4, 5)) is None
+    assert C.load(d, "toy", 30, (3, 5, 4)) is None  # another image shape is another set
+    # The name is matched literally, glob characters included.
+    assert C.store(d, "odd[1]", images[:5], labels[:5])
+    assert C.load(d, "odd[1]", 5, (3, 4, 5)) is not None and C.load(d, "odd1", 5, (3, 4, 5)) is None
+
+
+def test_generic_cache_unwritable(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_bytes(b"")  # a file where the directory should be
+    with pytest.warns(UserWarning, match="could not cache the dataset toy"):
+        assert not C.store(str(blocker / "sub"), "toy", np.zeros((1, 1, 1, 1), np.uint8),
+                           np.zeros(1, np.int64))
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_render_parallel_generic():
+    """Any row renderer (a closure: it reaches the workers through fork) gives the rows a
+    single process gives, in order, with progress up to the total."""
+    offset = 7
+
+    def render(idx, progress=None):
+        rows = ((idx[:, None] * 31 + np.arange(6) + offset) % 256).astype(np.uint8)
+        if progress is not None:
+            progress(len(idx), len(idx))
+        return rows.reshape(len(idx), 1, 2, 3)
+
+    idx = np.arange(1000, dtype=np.int64)[::-1].copy()
+    seen = []
+    images = P.render_parallel(render, idx, (1, 2, 3), workers=3, chunk=128,
+                               progress=lambda done, total: seen.append((done, total)))
+    np.testing.assert_array_equal(images, render(idx))
+    assert seen[-1] == (1000, 1000) and len(seen) == 8  # one call per span
+    serial = P.render_parallel(render, idx, (1, 2, 3), workers=1)
+    np.testing.assert_array_equal(serial, render(idx))
+    assert P.auto_workers(10) == 1 and P.default_workers() >= 1
+
+
 def test_default_cache_dir_from_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("DPTRAIN_CACHE", str(tmp_path))
     SyntheticDataset("val", 20, seed=9)
@@ -204,10 +283,10 @@ def test_registry():
         get_dataset("nope", "train", 10)
 
 
-def test_png_writer_and_preview(tmp_path):
+def test_png_writer_and_preview(tmp_path, script):
     gray = np.arange(35, dtype=np.uint8).reshape(5, 7) * 7
     path = tmp_path / "g.png"
-    S.write_png(str(path), gray)
+    script.write_png(str(path), gray)
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     width, height = struct.unpack(">II", data[16:24])
@@ -217,8 +296,13 @@ def test_png_writer_and_preview(tmp_path):
     rows = np.frombuffer(raw, np.uint8).reshape(5, 8)
     assert (rows[:, 0] == 0).all()
     np.testing.assert_array_equal(rows[:, 1:], gray)
-    grid = S.preview(str(tmp_path / "p.png"), per_class=3, scale=1)
+    grid = script.preview(str(tmp_path / "p.png"), per_class=3, scale=1)
     assert grid.shape == (7 * 50 + 2, 3 * 50 + 2) and (tmp_path / "p.png").stat().st_size > 0
+    # Row c holds images of class c, in the order they come in the training stream.
+    images, labels = S.generate(S.split_seed(0, "train"), np.arange(3 * 7 * 3))
+    for c in range(7):
+        first = images[np.flatnonzero(labels == c)[0], 0]
+        np.testing.assert_array_equal(grid[2 + c * 50: 2 + c * 50 + 48, 2:50], first)
 
 
 def test_not_linearly_separable():
@@ -251,12 +335,8 @@ def test_not_linearly_separable():
     assert val_acc < 0.6
 
 
-def test_make_synthetic_cli(tmp_path, capsys):
-    import importlib.util
-    path = os.path.join(os.path.dirname(__file__), os.pardir, "datasets", "make_synthetic.py")
-    spec = importlib.util.spec_from_file_location("make_synthetic", path)
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
+def test_make_synthetic_cli(tmp_path, capsys, script):
+    cli = script
     png = tmp_path / "shapes.png"
     args = ["--train", "300", "--val", "70", "--cache-dir", str(tmp_path / "c"),
             "--workers", "1", "--preview", str(png)]

@@ -13,24 +13,20 @@ Coverage is a one-pixel smooth step of the distance (antialiasing). Distractor s
 are rows of points splatted bilinearly, costing little next to the image.
 
 ``SyntheticSpec`` holds every knob of difficulty; ``SyntheticDataset`` adds the
-train/val streams, normalisation constants and an atomic on-disk cache.
+train/val streams and normalisation constants, and keeps its arrays in the on-disk cache
+(``dptrain.data.cache``), generated over worker processes (``dptrain.data.parallel``).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-import glob
 import hashlib
-import mmap
-import multiprocessing
-import os
-import sys
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
 
-from dptrain.fileio import atomic_write
+from dptrain.data import cache as disk_cache
+from dptrain.data.parallel import auto_workers, render_parallel
 
 # Bump when the drawing code changes the pixels: it is part of the cache key.
 GENERATOR_VERSION = 1
@@ -394,59 +390,18 @@ def generate(seed: int, indices, spec: SyntheticSpec = DEFAULT_SPEC, progress=No
     return images, labels
 
 
-def default_workers() -> int:
-    """CPUs this process may run on (respects MPI/taskset binding)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
-def _mpi_initialized() -> bool:
-    """Whether this process runs MPI: forking after MPI_Init is unsafe with some
-    transports, so large sets there are best generated beforehand (make_synthetic)."""
-    mpi = sys.modules.get("mpi4py.MPI")
-    return mpi is not None and bool(mpi.Is_initialized())
-
-
-_job = None  # (seed, indices, spec, output) inherited by forked workers
-
-
-def _work(span):
-    seed, idx, spec, out = _job
-    start, stop = span
-    out[start:stop] = generate(seed, idx[start:stop], spec)[0]
-    return stop - start
-
-
 def generate_parallel(seed: int, indices, workers: int | None = None,
                       spec: SyntheticSpec = DEFAULT_SPEC, progress=None, chunk: int = 8192):
-    """Same result as ``generate``, split over forked worker processes.
-
-    Workers write straight into a shared anonymous mapping, so no image is pickled.
-    Falls back to ``generate`` for one worker, small counts, or where fork is missing.
-    Forking a process that already runs threads (MPI progress threads, CUDA) is unsafe:
-    generate before those start, or use the cache."""
-    global _job
+    """Same result as ``generate``, split over forked worker processes
+    (``dptrain.data.parallel.render_parallel``; one process for one worker or small
+    counts)."""
     idx = _as_indices(indices)
-    n = len(idx)
-    workers = default_workers() if workers is None else int(workers)
-    if workers <= 1 or n <= chunk or "fork" not in multiprocessing.get_all_start_methods():
-        return generate(seed, idx, spec, progress)
-    shared = mmap.mmap(-1, n * PIXELS)  # MAP_SHARED: the children's writes land here
-    images = np.frombuffer(shared, np.uint8).reshape(n, 1, SIZE, SIZE)
-    spans = [(s, min(s + chunk, n)) for s in range(0, n, chunk)]
     _noise_table()  # built once here, inherited by every worker
-    _job = (seed, idx, spec, images)
-    try:
-        with multiprocessing.get_context("fork").Pool(min(workers, len(spans))) as pool:
-            done = 0
-            for count in pool.imap_unordered(_work, spans):
-                done += count
-                if progress is not None:
-                    progress(done, n)
-    finally:
-        _job = None
+
+    def render(part, progress=None):
+        return generate(seed, part, spec, progress)[0]
+
+    images = render_parallel(render, idx, (1, SIZE, SIZE), workers, progress, chunk)
     return images, labels_for(seed, idx)
 
 
@@ -459,44 +414,6 @@ def normalization(spec: SyntheticSpec = DEFAULT_SPEC) -> tuple[float, float]:
     return round(float(x.mean()), 4), round(float(x.std()), 4)
 
 
-# ----------------------------------------------------------------------------- cache
-
-def default_cache_dir() -> str:
-    return os.environ.get("DPTRAIN_CACHE") or os.path.join(os.path.expanduser("~"), ".cache",
-                                                           "dptrain")
-
-
-def _cache_stem(cache_dir, spec, seed, split, n):
-    return os.path.join(cache_dir, f"synthetic-{spec.key()}-seed{seed}-{split}-n{n}")
-
-
-def _load_cached(cache_dir, spec, seed, split, n):
-    """The first n rows of the smallest cached set of at least n images, or None.
-
-    Images are pure functions of their index, so a bigger set's prefix is this set.
-    Arrays are memory-mapped read-only: ranks on one host share the page cache."""
-    pattern = _cache_stem(glob.escape(cache_dir), spec, seed, split, "*") + "-labels.npy"
-    sizes = []
-    for path in glob.glob(pattern):
-        try:
-            size = int(path[: -len("-labels.npy")].rsplit("-n", 1)[1])
-        except ValueError:
-            continue
-        if size >= n:
-            sizes.append(size)
-    for size in sorted(sizes):
-        stem = _cache_stem(cache_dir, spec, seed, split, size)
-        try:
-            images = np.load(stem + "-images.npy", mmap_mode="r")
-            labels = np.load(stem + "-labels.npy")
-        except (OSError, ValueError):
-            continue
-        if images.shape == (size, 1, SIZE, SIZE) and images.dtype == np.uint8 \
-                and labels.shape == (size,):
-            return images[:n], labels[:n]
-    return None
-
-
 # ---------------------------------------------------------------------------- dataset
 
 class SyntheticDataset:
@@ -505,7 +422,8 @@ class SyntheticDataset:
     ``images`` (n, 1, 48, 48) uint8 and ``labels`` (n,) int64 hold rows 0..n_images-1 of
     the split's stream, or only ``indices`` of it when given (nothing is cached then).
     ``mean``/``std`` normalise [0,1]-scaled pixels. The cache lives under ``cache_dir``
-    (default ``$DPTRAIN_CACHE`` or ``~/.cache/dptrain``); ``cache=False`` skips it.
+    (default ``$DPTRAIN_CACHE`` or ``~/.cache/dptrain``, see ``dptrain.data.cache``);
+    ``cache=False`` skips it.
     Images loaded from the cache are a read-only memory map (``from_cache`` is True):
     ranks on one host then share one copy in the page cache.
     """
@@ -530,25 +448,28 @@ class SyntheticDataset:
             self.images, self.labels = self._generate(idx, workers, progress)
             return
         self.indices = None
-        cache_dir = cache_dir or default_cache_dir()
-        found = _load_cached(cache_dir, spec, self.seed, split, self.n_images) if cache else None
+        cache_dir = cache_dir or disk_cache.default_cache_dir()
+        name = self.cache_name(spec, self.seed, split)
+        found = None
+        if cache:
+            found = disk_cache.load(cache_dir, name, self.n_images, self.image_shape)
         if found is not None:
             self.images, self.labels = found
             self.from_cache = True
             return
         self.images, self.labels = self._generate(np.arange(self.n_images), workers, progress)
         if cache:
-            stem = _cache_stem(cache_dir, spec, self.seed, split, self.n_images)
-            try:
-                atomic_write(stem + "-labels.npy", lambda f: np.save(f, self.labels))
-                # Images last: their file marks a complete entry.
-                atomic_write(stem + "-images.npy", lambda f: np.save(f, self.images))
-            except OSError as err:  # a read-only or full disk costs speed, not the run
-                warnings.warn(f"could not cache the synthetic dataset in {cache_dir}: {err}")
+            disk_cache.store(cache_dir, name, self.images, self.labels)
+
+    @staticmethod
+    def cache_name(spec: SyntheticSpec, seed: int, split: str) -> str:
+        """The cache entry name: images are a pure function of (spec, seed, split, index),
+        so a larger entry serves a smaller set (its prefix)."""
+        return f"synthetic-{spec.key()}-seed{seed}-{split}"
 
     def _generate(self, idx, workers, progress):
-        if workers is None:  # parallel only where it pays for the fork, and is safe
-            workers = 1 if len(idx) < 100_000 or _mpi_initialized() else default_workers()
+        if workers is None:
+            workers = auto_workers(len(idx))
         return generate_parallel(self.stream_seed, idx, workers, self.spec, progress)
 
     def subset(self, indices) -> "SyntheticDataset":
@@ -562,42 +483,3 @@ class SyntheticDataset:
     def __repr__(self) -> str:
         return (f"SyntheticDataset(split={self.split!r}, n={len(self)}, seed={self.seed}, "
                 f"spec={self.spec.key()})")
-
-
-# ---------------------------------------------------------------------------- preview
-
-def write_png(path: str, gray: np.ndarray) -> None:
-    """A 2-D uint8 array as an 8-bit grayscale PNG (stdlib only: zlib + struct)."""
-    import struct
-    import zlib
-
-    gray = np.ascontiguousarray(gray, np.uint8)
-    h, w = gray.shape
-    raw = np.concatenate([np.zeros((h, 1), np.uint8), gray], axis=1).tobytes()  # filter 0
-
-    def chunk(tag, data):
-        return (struct.pack(">I", len(data)) + tag + data
-                + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF))
-
-    png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 0, 0, 0, 0))
-           + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
-    with open(path, "wb") as f:
-        f.write(png)
-
-
-def preview(path: str, per_class: int = 8, seed: int = 0, spec: SyntheticSpec = DEFAULT_SPEC,
-            scale: int = 2) -> np.ndarray:
-    """Write a PNG grid, one row per class (in ``CLASSES`` order), of training images;
-    returns the grid."""
-    need = per_class * NUM_CLASSES * 3  # labels are balanced per block of 7: enough rows
-    images, labels = generate(split_seed(seed, "train"), np.arange(need), spec)
-    pad = 2
-    cell = SIZE + pad
-    grid = np.full((NUM_CLASSES * cell + pad, per_class * cell + pad), 255, np.uint8)
-    for c in range(NUM_CLASSES):
-        for j, i in enumerate(np.flatnonzero(labels == c)[:per_class]):
-            grid[pad + c * cell: pad + c * cell + SIZE,
-                 pad + j * cell: pad + j * cell + SIZE] = images[i, 0]
-    grid = grid.repeat(scale, 0).repeat(scale, 1)
-    write_png(path, grid)
-    return grid

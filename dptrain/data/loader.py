@@ -1,0 +1,191 @@
+"""The device loader: the one place where a dataset meets the device.
+
+A training step reads its batch through ``batch()``, which issues only device work
+(``be.gather_normalize`` and ``be.getitem``) on device buffers allocated once, whose
+addresses never change. The host chooses the batch beforehand with ``set_batch``, which
+does host work only and uploads into those buffers (``be.runtime.upload_``, asynchronous
+and ordered on the current stream). So a whole step that calls ``batch()`` can be
+recorded once as a CUDA graph and replayed, with ``set_batch`` before each replay::
+
+    loader = DeviceLoader(train_set, be, batch_size=256)
+    for indices in sampler.epoch_batches(epoch):
+        loader.set_batch(indices)
+        run()                     # the step, eager or replayed, calls loader.batch()
+
+Two modes, chosen once, give bitwise identical batches:
+
+* **resident** (when the images fit): the uint8 images and the int64 labels are uploaded
+  once; ``set_batch`` uploads the batch's indices into a fixed index buffer, and
+  ``batch()`` gathers those rows on the device.
+* **streaming** (when the images' bytes exceed ``max_device_bytes``): the host gathers the
+  batch's uint8 rows (from ``dataset.images``, which may be a memory map) and uploads them
+  into a fixed staging buffer of ``batch_size`` rows, which ``batch()`` reads through the
+  fixed indices 0..B-1; the labels stay resident and are picked by the uploaded indices.
+
+``max_device_bytes=None`` means: resident if the images take at most half of the free
+device memory that ``be.runtime.memory_info()`` reports, or when it reports none (0).
+
+``gather(indices)`` serves evaluation: any number of indices, eagerly; in streaming mode
+in chunks of at most ``batch_size`` rows through a staging buffer of its own, so it never
+disturbs the training batch.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def _positive_int(name, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+        raise ValueError(f"DeviceLoader: {name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+class DeviceLoader:
+    """Batches of a dataset on the device of backend ``be``, normalised to float32.
+
+    ``dataset`` offers ``images`` uint8 (n, C, H, W), ``labels`` int (n,),
+    ``num_classes``, ``mean`` and ``std`` (of [0,1]-scaled pixels).
+    """
+
+    def __init__(self, dataset, be, batch_size: int, max_device_bytes: int | None = None):
+        self.be = be
+        self._batch_size = _positive_int("batch_size", batch_size)
+        images, labels = dataset.images, np.asarray(dataset.labels)
+        if images.dtype != np.uint8 or images.ndim != 4:
+            raise ValueError(f"DeviceLoader: images must be uint8 (n, C, H, W), got "
+                             f"{images.dtype} {tuple(images.shape)}")
+        if labels.shape != (images.shape[0],) or not np.issubdtype(labels.dtype, np.integer):
+            raise ValueError(f"DeviceLoader: labels must be integers of shape "
+                             f"({images.shape[0]},), got {labels.dtype} {labels.shape}")
+        self._num_images = int(images.shape[0])
+        self._image_shape = tuple(int(d) for d in images.shape[1:])
+        self._num_classes = int(dataset.num_classes)
+        self._mean, self._std = float(dataset.mean), float(dataset.std)
+        self.nbytes = self._num_images * math.prod(self._image_shape)  # the images, uint8
+        self._resident = self._fits(max_device_bytes)
+
+        B = self._batch_size
+        self._labels = be.asarray(labels.astype(np.int64, copy=False))
+        self._indices = be.zeros((B,), np.int64)  # the batch's dataset indices (for labels)
+        if self._resident:
+            self._images = be.asarray(images)
+            self._rows = self._indices  # rows of self._images: the dataset indices
+        else:
+            self._host_images = images
+            self._host_rows = np.empty((B,) + self._image_shape, np.uint8)
+            self._images = be.zeros((B,) + self._image_shape, np.uint8)  # the staging buffer
+            self._rows = be.asarray(np.arange(B, dtype=np.int64))
+            self._eval_images = self._eval_rows = None  # gather()'s staging, made on first use
+        self._has_batch = False
+
+    def _fits(self, max_device_bytes) -> bool:
+        if max_device_bytes is not None:
+            return self.nbytes <= max_device_bytes
+        free = int(self.be.runtime.memory_info()[0])
+        return free == 0 or self.nbytes <= free // 2
+
+    # -- what the training loop reads
+    @property
+    def num_images(self) -> int:
+        return self._num_images
+
+    @property
+    def image_shape(self) -> tuple:
+        return self._image_shape
+
+    @property
+    def num_classes(self) -> int:
+        return self._num_classes
+
+    @property
+    def mean(self) -> float:
+        return self._mean
+
+    @property
+    def std(self) -> float:
+        return self._std
+
+    @property
+    def resident(self) -> bool:
+        return self._resident
+
+    @property
+    def batch_size(self) -> int:
+        return self._batch_size
+
+    def __repr__(self) -> str:
+        mode = "resident" if self._resident else "streaming"
+        return (f"DeviceLoader({mode}, {self._num_images} images of "
+                f"{'x'.join(map(str, self._image_shape))}, batch_size={self._batch_size})")
+
+    # -- host side
+    def _check_indices(self, where: str, host_indices, length: int | None) -> np.ndarray:
+        idx = np.asarray(host_indices)
+        if idx.ndim != 1 or (length is not None and idx.shape[0] != length):
+            want = f"{length} indices (its batch_size)" if length is not None else "1-D indices"
+            raise ValueError(f"{self!r}.{where}: expected {want}, got an array of shape "
+                             f"{idx.shape}")
+        if idx.size == 0:
+            return idx.astype(np.int64)
+        if not np.issubdtype(idx.dtype, np.integer):
+            raise ValueError(f"{self!r}.{where}: indices must be integers, got {idx.dtype}")
+        low, high = int(idx.min()), int(idx.max())
+        if low < 0 or high >= self._num_images:
+            raise ValueError(f"{self!r}.{where}: indices must lie in [0, {self._num_images}), "
+                             f"got values from {low} to {high}")
+        return np.ascontiguousarray(idx, dtype=np.int64)
+
+    def set_batch(self, host_indices) -> None:
+        """Choose the next batch: ``batch_size`` dataset indices (host data, checked here).
+
+        Host work and asynchronous uploads only; the host arrays may change at once."""
+        idx = self._check_indices("set_batch", host_indices, self._batch_size)
+        upload = self.be.runtime.upload_
+        if not self._resident:
+            # mode="clip" skips a buffered bounds check: the indices were checked above.
+            np.take(self._host_images, idx, axis=0, out=self._host_rows, mode="clip")
+            upload(self._images, self._host_rows)
+        upload(self._indices, idx)
+        self._has_batch = True
+
+    # -- device side
+    def batch(self):
+        """``(x, y)`` of the batch the last ``set_batch`` chose: x float32 (B, C, H, W)
+        normalised, y int64 (B,). Device work only, on buffers that never move: safe to
+        record in a CUDA graph and replay after later ``set_batch`` calls."""
+        if not self._has_batch:
+            raise RuntimeError(f"{self!r}.batch: no batch chosen yet; call set_batch first")
+        be = self.be
+        x = be.gather_normalize(self._images, self._rows, self._mean, self._std)
+        y = be.getitem(self._labels, self._indices)
+        return x, y
+
+    def gather(self, host_indices):
+        """``(x, y)`` for any number of dataset indices (evaluation), eagerly."""
+        be = self.be
+        idx = self._check_indices("gather", host_indices, None)
+        if self._resident or idx.size == 0:
+            device_idx = be.asarray(idx)
+            return (be.gather_normalize(self._images, device_idx, self._mean, self._std),
+                    be.getitem(self._labels, device_idx))
+        if self._eval_images is None:
+            B = self._batch_size
+            self._eval_host = np.empty((B,) + self._image_shape, np.uint8)
+            self._eval_images = be.zeros((B,) + self._image_shape, np.uint8)
+            self._eval_rows = be.asarray(np.arange(B, dtype=np.int64))
+        xs, ys = [], []
+        for start in range(0, idx.size, self._batch_size):
+            part = idx[start:start + self._batch_size]
+            k = part.size
+            # The staging buffer is uploaded whole; rows past k keep stale data, unread.
+            np.take(self._host_images, part, axis=0, out=self._eval_host[:k], mode="clip")
+            be.runtime.upload_(self._eval_images, self._eval_host)
+            rows = self._eval_rows if k == self._batch_size else be.asarray(
+                np.arange(k, dtype=np.int64))
+            xs.append(be.gather_normalize(self._eval_images, rows, self._mean, self._std))
+            ys.append(be.getitem(self._labels, be.asarray(part)))
+        if len(xs) == 1:
+            return xs[0], ys[0]
+        return be.concatenate(xs, 0), be.concatenate(ys, 0)
