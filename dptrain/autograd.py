@@ -204,8 +204,7 @@ def tensor(data, requires_grad: bool = False, device: str = "cpu", dtype=None) -
     """A new tensor from an array-like: float32 by default, float64 and integers kept."""
     if isinstance(data, Tensor):
         data = data.numpy()
-    if backend.device_of(data) == "cuda":
-        data = backend.get("cuda").to_numpy(data)
+    data = backend.get(backend.device_of(data)).to_numpy(data) if hasattr(data, "dtype") else data
     dtype = np.dtype(dtype) if dtype is not None else _default_dtype(data)
     be = backend.get(device)
     return Tensor(be.asarray(np.asarray(data, dtype=dtype)), requires_grad=requires_grad)

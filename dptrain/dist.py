@@ -1,13 +1,15 @@
 """The world: which rank this process is, how many there are, and how they talk.
 
 Under ``mpirun`` the world comes from mpi4py's COMM_WORLD; the local rank (a
-shared-memory split) picks the GPU. For GPU arrays rank 0 makes an NCCL unique
-id, MPI broadcasts it, and every rank builds an NCCL communicator; after that
-MPI is out of the hot path. For CPU arrays MPI itself carries the collectives.
-Without mpirun (or without mpi4py) the world has one rank and every collective
-is a copy or nothing.
+shared-memory split) picks the device. The backend's runtime supplies the
+communicator for its arrays (GPU: rank 0 makes an NCCL unique id, MPI broadcasts
+it, every rank builds an NCCL communicator, and MPI is out of the hot path); where
+it has none (CPU), MPI itself carries the collectives. Without mpirun (or without
+mpi4py) the world has one rank and every collective is a copy or nothing.
 
-All three communicators have one interface, used by the reducer:
+All three communicators (``LocalComm``, ``MPIComm`` here, NCCL in the CUDA backend)
+have one interface, used by the reducer; collectives run on the backend's current
+stream (the reducer picks the communication stream with ``runtime.on``):
     reduce_scatter(send, recv)   recv = this rank's 1/N slice of the mean of send over ranks
     all_gather(send, recv)       recv = the ranks' sends, concatenated in rank order
     all_reduce(buf, op)          in place, op "sum" or "mean"
@@ -93,53 +95,6 @@ class MPIComm:
         self.comm.Barrier()
 
 
-class NCCLComm:
-    """Collectives over NCCL on CuPy arrays, on a stream of the caller's choosing."""
-
-    name = "nccl"
-
-    def __init__(self, mpi_comm, rank, size):
-        from cupy.cuda import nccl
-
-        self.nccl, self.rank, self.size = nccl, rank, size
-        uid = nccl.get_unique_id() if rank == 0 else None
-        uid = mpi_comm.bcast(uid, root=0)
-        self.comm = nccl.NcclCommunicator(size, uid, rank)
-        self.mpi_comm = mpi_comm
-
-    def _dtype(self, array):
-        n = self.nccl
-        return {np.dtype(np.float32): n.NCCL_FLOAT32, np.dtype(np.float64): n.NCCL_FLOAT64,
-                np.dtype(np.float16): n.NCCL_FLOAT16}[np.dtype(array.dtype)]
-
-    @staticmethod
-    def _stream(stream):
-        import cupy
-
-        return (stream or cupy.cuda.get_current_stream()).ptr
-
-    def reduce_scatter(self, send, recv, stream=None):
-        avg = getattr(self.nccl, "NCCL_AVG", 4)  # ncclAvg, NCCL >= 2.10
-        self.comm.reduceScatter(send.data.ptr, recv.data.ptr, recv.size, self._dtype(send), avg,
-                                self._stream(stream))
-
-    def all_gather(self, send, recv, stream=None):
-        self.comm.allGather(send.data.ptr, recv.data.ptr, send.size, self._dtype(send),
-                            self._stream(stream))
-
-    def all_reduce(self, buf, op="sum", stream=None):
-        nop = self.nccl.NCCL_SUM if op == "sum" else getattr(self.nccl, "NCCL_AVG", 4)
-        self.comm.allReduce(buf.data.ptr, buf.data.ptr, buf.size, self._dtype(buf), nop,
-                            self._stream(stream))
-
-    def broadcast(self, buf, root=0, stream=None):
-        self.comm.broadcast(buf.data.ptr, buf.data.ptr, buf.size, self._dtype(buf), root,
-                            self._stream(stream))
-
-    def barrier(self):
-        self.mpi_comm.Barrier()
-
-
 class World:
     """rank, size, local_rank and the communicator for one device kind."""
 
@@ -154,8 +109,8 @@ class World:
         return self.rank == 0
 
 
-def init(device: str, be) -> World:
-    """Build the world for `device` ("cpu" or "cuda"), selecting this rank's GPU first."""
+def init(be) -> World:
+    """Build the world for backend `be`, selecting this rank's device first."""
     if not launched_by_mpi():
         return World(comm=LocalComm(be))
     try:
@@ -169,17 +124,11 @@ def init(device: str, be) -> World:
     local_rank, local_size = node.Get_rank(), node.Get_size()
     if size == 1:
         return World(comm=LocalComm(be), mpi_comm=world)
-    if device == "cuda":
-        import cupy
-
-        gpus = cupy.cuda.runtime.getDeviceCount()
-        if local_size > gpus:
-            raise RuntimeError(f"rank {rank}: this host runs {local_size} ranks but has only "
-                               f"{gpus} GPUs; start at most {gpus} ranks per host")
-        cupy.cuda.Device(local_rank).use()
-        comm = NCCLComm(world, rank, size)
-    else:
-        comm = MPIComm(world)
+    try:
+        be.runtime.select_device(local_rank)  # raises when the host has too few devices
+    except RuntimeError as exc:
+        raise RuntimeError(f"rank {rank}: {exc} (this host runs {local_size} ranks)") from None
+    comm = be.runtime.communicator(world) or MPIComm(world)
     return World(rank, size, local_rank, local_size, comm, world)
 
 

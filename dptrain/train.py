@@ -1,18 +1,14 @@
-"""The training loop: data on the device, a capture-friendly step, metrics read every N steps.
+"""The training loop: a capture-friendly step, metrics read every N steps.
 
-``TrainStep`` is everything one step runs on the device: gather the batch,
-forward, backward, optimizer update, metric accumulation. It reads no device
-value on the host, so it can later be captured as a CUDA graph. ``train()``
-around it owns epochs, logging, evaluation and the files a run leaves behind.
+``TrainStep`` is everything one step runs on the device: all-gather the parameters, take
+the batch from the device loader, forward, backward with the gradient exchange, optimizer
+update, metric sums. It reads no device value on the host, so the backend's runtime can
+capture it once and replay it. ``train()`` around it owns epochs, logging, evaluation and
+the files a run leaves behind; it never asks which device it runs on.
 """
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -20,9 +16,11 @@ import dptrain.functional as F
 from dptrain import backend, dist
 from dptrain.autograd import Tensor, no_grad
 from dptrain.checkpoint import load_weights, save_weights
-from dptrain.data import StrideSampler, get_dataset
+from dptrain.data import DeviceLoader, StrideSampler, get_dataset
+from dptrain.debug import step_hooks
 from dptrain.errors import UsageError
 from dptrain.flat import FlatParameters
+from dptrain.metrics import MetricsLog, Throughput
 from dptrain.nn import build_model
 from dptrain.optim import OPTIMIZERS, LRSchedule
 from dptrain.progress import Progress
@@ -78,22 +76,18 @@ def defaults_for(cfg: TrainConfig, device: str) -> TrainConfig:
 
 
 class TrainStep:
-    """One optimisation step on device-resident data, with metrics summed on the device."""
+    """One optimisation step on the loader's current batch, metrics summed on the device."""
 
-    def __init__(self, model, optimizer, reducer, images, labels, mean, std):
-        self.model, self.opt, self.reducer = model, optimizer, reducer
+    def __init__(self, model, optimizer, reducer, loader):
+        self.model, self.opt, self.reducer, self.loader = model, optimizer, reducer, loader
         self.be = optimizer.be
-        self.images, self.labels = images, labels
-        self.mean, self.std = mean, std
         self.loss_sum = self.be.zeros((), optimizer.flat.dtype)
         self.correct_sum = self.be.zeros((), np.float32)
 
-    def __call__(self, batch_indices):
+    def __call__(self):
         be = self.be
-        batch_indices = be.asarray(batch_indices)  # host indices are uploaded; device ones kept
         self.reducer.gather_parameters()  # last step's updated shards; overlaps the forward
-        x = be.gather_normalize(self.images, batch_indices, self.mean, self.std)
-        y = be.getitem(self.labels, batch_indices)
+        x, y = self.loader.batch()
         self.opt.zero_grad()
         logits = self.model(Tensor(x))
         loss = F.cross_entropy(logits, Tensor(y))
@@ -115,54 +109,29 @@ class TrainStep:
         return loss, correct
 
 
-def evaluate(model, images, labels, mean, std, world=None, batch_size=1000) -> dict:
-    """Mean loss and accuracy over a device-resident set. Each rank takes every N-th image
+def evaluate(model, loader, world=None, batch_size=1000) -> dict:
+    """Mean loss and accuracy over a loader's whole set. Each rank takes every N-th image
     and the sums are all-reduced; one host read at the end."""
-    be = backend.get(backend.device_of(images))
+    be = loader.be
     rank, size = (world.rank, world.size) if world else (0, 1)
     comm = world.comm if world else dist.LocalComm(be)
     model.eval()
-    n = labels.shape[0]
+    n = loader.num_images
     mine = np.arange(rank, n, size, dtype=np.int64)
     sums = be.zeros((2,), np.float32)  # loss * count, correct
     loss_sum, correct = sums[0:1].reshape(()), sums[1:2].reshape(())
     with no_grad():
         for start in range(0, len(mine), batch_size):
-            idx = be.asarray(mine[start : start + batch_size])
-            x = be.gather_normalize(images, idx, mean, std)
-            y = be.getitem(labels, idx)
+            idx = mine[start : start + batch_size]
+            x, y = loader.gather(idx)
             logits = model(Tensor(x))
             loss = F.cross_entropy(logits, Tensor(y)).data
-            be.add_(loss_sum, be.scale(loss, float(idx.shape[0])))
+            be.add_(loss_sum, be.scale(loss, float(len(idx))))
             be.add_(correct, be.count_correct(logits.data, y))
     model.train()
     comm.all_reduce(sums, "sum")
     total_loss, total_correct = be.to_numpy(sums).tolist()
     return {"val_loss": total_loss / n, "val_accuracy": total_correct / n}
-
-
-class MetricsLog:
-    """metrics.jsonl (one object per line) and summary.json under the log directory."""
-
-    def __init__(self, log_dir: str | None):
-        self.dir = Path(log_dir) if log_dir else None
-        self.file = None
-        if self.dir:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            self.file = open(self.dir / "metrics.jsonl", "w")
-
-    def write(self, record: dict):
-        if self.file:
-            self.file.write(json.dumps(record) + "\n")
-            self.file.flush()
-
-    def summary(self, record: dict):
-        if self.dir:
-            (self.dir / "summary.json").write_text(json.dumps(record, indent=2) + "\n")
-
-    def close(self):
-        if self.file:
-            self.file.close()
 
 
 def build_optimizer(cfg: TrainConfig, flat: FlatParameters, segments):
@@ -171,35 +140,6 @@ def build_optimizer(cfg: TrainConfig, flat: FlatParameters, segments):
         return cls(flat, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
                    nesterov=cfg.nesterov, segments=segments)
     return cls(flat, lr=cfg.lr, weight_decay=cfg.weight_decay, segments=segments)
-
-
-def verify_replicas(flat, world, step):
-    """Raise unless every rank holds bit-identical parameters (a host sync; for testing)."""
-    if world.size == 1:
-        return
-    digest = hashlib.sha256(flat.be.to_numpy(flat.data).tobytes()).hexdigest()
-    digests = world.mpi_comm.allgather(digest)
-    if len(set(digests)) != 1:
-        raise RuntimeError(f"step {step}: parameters differ across ranks: {digests}")
-
-
-def _maybe_fail(rank, step):
-    """Test hook: DPTRAIN_FAULT=RANK:STEP makes that rank raise after that step."""
-    fault = os.environ.get("DPTRAIN_FAULT")
-    if fault and fault == f"{rank}:{step}":
-        raise RuntimeError(f"injected fault on rank {rank} at step {step} (DPTRAIN_FAULT)")
-
-
-def _graph_safe(model, echo=None) -> bool:
-    """Whether the step may be replayed as a graph. Dropout's random offset advances on the
-    host, so a replay would reuse one mask every step: such models run eagerly."""
-    from dptrain.nn import Dropout
-
-    if any(isinstance(m, Dropout) and m.p > 0 for m in model.modules()):
-        if echo:
-            echo("dptrain: the model uses dropout; running the step eagerly, not as a CUDA graph")
-        return False
-    return True
 
 
 def _load_datasets(cfg: TrainConfig, world):
@@ -222,15 +162,14 @@ def _setup(cfg: TrainConfig):
     try:
         device = backend.resolve_device(cfg.device)
         be = backend.get(device)
-        world = dist.init(device, be)  # selects this rank's GPU before anything is allocated
+        world = dist.init(be)  # selects this rank's device before anything is allocated
         cfg = defaults_for(cfg, device)
         if cfg.global_batch_size is not None:
             if cfg.global_batch_size % world.size:
                 raise ValueError(f"--global-batch-size {cfg.global_batch_size} does not divide "
                                  f"by the {world.size} ranks")
             cfg.batch_size = cfg.global_batch_size // world.size
-        if device == "cuda" and cfg.precision != "auto":
-            be.set_precision(cfg.precision)
+        be.runtime.set_precision(cfg.precision)
         manual_seed(cfg.seed)
         train_set, val_set = _load_datasets(cfg, world)
         model = build_model(cfg.model, train_set.image_shape, train_set.num_classes).to(device)
@@ -262,15 +201,11 @@ def train(cfg: TrainConfig, echo=print) -> dict:
     schedule = LRSchedule(cfg.lr, cfg.lr_schedule, total_steps, cfg.warmup_steps)
     global_batch = cfg.batch_size * world.size
 
-    images, labels = be.asarray(train_set.images), be.asarray(train_set.labels)
-    val_images, val_labels = be.asarray(val_set.images), be.asarray(val_set.labels)
-    stats = (train_set.mean, train_set.std)
-    step_fn = TrainStep(model, opt, reducer, images, labels, *stats)
-    run_step = step_fn
-    if device == "cuda" and cfg.cuda_graph and _graph_safe(model, echo if root else None):
-        from dptrain.graph import GraphedStep
-
-        run_step = GraphedStep(step_fn, cfg.batch_size)
+    loader = DeviceLoader(train_set, be, cfg.batch_size)
+    val_loader = DeviceLoader(val_set, be, cfg.batch_size)
+    step_fn = TrainStep(model, opt, reducer, loader)
+    run_step = be.runtime.capture(step_fn) if cfg.cuda_graph else step_fn
+    hooks = step_hooks(cfg, world, reducer, flat)
     log = MetricsLog(cfg.log_dir if root else None)
     if root:
         echo(f"dptrain: {cfg.model} on {cfg.dataset} ({len(train_set.labels)} train / "
@@ -278,58 +213,51 @@ def train(cfg: TrainConfig, echo=print) -> dict:
              f"{cfg.batch_size} per rank ({global_batch} global), {total_steps} steps")
 
     progress = Progress(total_steps, enabled=cfg.progress and root)
-    start = window_start = time.perf_counter()
-    train_time, window_steps, step, last_loss, last_eval = 0.0, 0, 0, float("nan"), {}
-    window_time = 0.0  # training seconds in the current logging window (evaluations excluded)
+    meter = Throughput(global_batch)
+    step, last_loss, last_eval = 0, float("nan"), {}
     comm_exposed = 0.0  # seconds of communication that compute waited for
     eval_every = cfg.eval_every or steps_per_epoch
     try:
         for epoch in range(cfg.epochs):
             batches = sampler.epoch_batches(epoch)
-            for local in range(steps_per_epoch):
-                if step >= total_steps:
-                    break
+            for local in range(min(steps_per_epoch, total_steps - step)):
                 opt.lr = schedule(step)
                 opt.begin_step()
-                run_step(batches[local])
+                loader.set_batch(batches[local])
+                run_step()
                 step += 1
-                _maybe_fail(world.rank, step)
-                if cfg.verify_replicas:
-                    reducer.sync_parameters()
-                    verify_replicas(flat, world, step)
-                window_steps += 1
+                meter.step()
+                for hook in hooks:
+                    hook(step)
                 if step % cfg.log_every == 0 or step == total_steps:
+                    window_steps = meter.window_steps
                     loss_sum, _ = step_fn.read_metrics(world.comm)
                     exposed = reducer.read_exposed_comm()
                     comm_exposed = None if exposed is None or comm_exposed is None else (
                         comm_exposed + exposed * window_steps)
-                    now = time.perf_counter()
-                    window_time += now - window_start
-                    train_time += window_time
-                    rate = window_steps * global_batch / window_time
+                    rate = meter.window()
                     last_loss = loss_sum / window_steps
                     log.write({"step": step, "epoch": epoch, "loss": last_loss,
                                "lr": opt.lr, "images_per_s": rate})
                     progress.update(step, loss=last_loss, images_per_s=rate)
-                    window_start, window_steps, window_time = now, 0, 0.0
                 if step % eval_every == 0 or step == total_steps:
-                    window_time += time.perf_counter() - window_start
+                    meter.pause()  # evaluation is not training time
                     reducer.sync_parameters()
-                    last_eval = evaluate(model, val_images, val_labels, *stats, world=world)
+                    last_eval = evaluate(model, val_loader, world=world)
                     log.write({"step": step, "epoch": epoch, **last_eval})
                     progress.note(f"step {step}: val_loss {last_eval['val_loss']:.4f} "
                                   f"val_accuracy {last_eval['val_accuracy']:.4f}")
-                    window_start = time.perf_counter()  # evaluation is not training time
+                    meter.resume()
             if step >= total_steps:
                 break
     finally:
         progress.close()
         log.close()
     reducer.sync_parameters()
-    wall = time.perf_counter() - start
+    wall = meter.wall()
     if cfg.save and root:
         save_weights(model, cfg.save)
-    train_rate = step * global_batch / train_time if train_time > 0 else 0.0
+    train_time, train_rate = meter.total_s, meter.rate
     summary = {
         "train_loss": last_loss,
         "val_loss": last_eval.get("val_loss"),

@@ -6,12 +6,14 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 import dptrain as dp
 from dptrain import backend, dist, nn
+from dptrain.data import DeviceLoader
 from dptrain.flat import FlatParameters
 from dptrain.optim import SGD
 from dptrain.reducer import Reducer
@@ -40,15 +42,18 @@ def test_training_step_memory_is_flat():
     opt = SGD(flat, lr=0.01, momentum=0.9)
     reducer = Reducer(flat, dist.World(comm=dist.LocalComm(be)))
     rng = np.random.default_rng(0)
-    images = be.asarray(rng.integers(0, 256, (512, 1, 48, 48), dtype=np.uint8))
-    labels = be.asarray(rng.integers(0, 7, 512))
-    step = TrainStep(model, opt, reducer, images, labels, 0.5, 0.25)
+    data = SimpleNamespace(images=rng.integers(0, 256, (512, 1, 48, 48), dtype=np.uint8),
+                           labels=rng.integers(0, 7, 512), mean=0.5, std=0.25, num_classes=7,
+                           image_shape=(1, 48, 48))
+    loader = DeviceLoader(data, be, 64)
+    step = TrainStep(model, opt, reducer, loader)
     pool = cupy.get_default_memory_pool()
     used = []
     for i in range(50):
         opt.begin_step()
-        step(be.asarray(rng.integers(0, 512, 64)))
-        cupy.cuda.get_current_stream().synchronize()
+        loader.set_batch(rng.integers(0, 512, 64))
+        step()
+        be.runtime.synchronize()
         used.append(pool.used_bytes())
     assert max(used[10:]) == min(used[10:]), f"pool grew: {used[10]} -> {max(used[10:])}"
     assert np.isfinite(step.read_metrics(reducer.comm)[0])

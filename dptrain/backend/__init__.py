@@ -40,7 +40,8 @@ The runtime (``be.runtime``), with the CPU's trivial meaning in brackets:
                                              times, then records it once as a CUDA graph and
                                              replays that; ``step`` takes no arguments, its
                                              inputs reach it through device buffers written
-                                             before each call [run() calls step()]
+                                             before each call [run() calls step()];
+  ``records_graphs``                        True where capture records a graph [False]
   ``comm_timer() -> timer``                 ``timer.issue(fn, *args)`` issues a collective;
                                              ``timer.wait_begin()``/``wait_end()`` bracket the
                                              compute stream's wait for communication;
@@ -102,7 +103,7 @@ OPS = (
 
 RUNTIME = (
     "current_stream", "comm_stream", "on", "record", "wait", "order", "synchronize",
-    "capture", "comm_timer", "upload_",
+    "capture", "records_graphs", "comm_timer", "upload_",
     "PRECISIONS", "precision", "set_precision", "precision_scope",
     "manual_seed", "rng_state", "get_rng_state", "set_rng_state",
     "device_count", "select_device", "memory_info", "communicator",

@@ -20,8 +20,11 @@ import numpy as np
 def _ours(device, batch, image_shape, classes, steps, warmup, repeats, graph=False, seed=0):
     """Our training step (TrainStep: gather, forward, backward, SGD) on uint8 images held on
     the device, eagerly or replayed as a captured CUDA graph."""
+    from types import SimpleNamespace
+
     import dptrain as dp
     from dptrain import backend, dist, nn
+    from dptrain.data import DeviceLoader
     from dptrain.flat import FlatParameters
     from dptrain.optim import SGD
     from dptrain.reducer import Reducer
@@ -34,21 +37,21 @@ def _ours(device, batch, image_shape, classes, steps, warmup, repeats, graph=Fal
     opt = SGD(flat, lr=0.01, momentum=0.9)
     reducer = Reducer(flat, dist.World(comm=dist.LocalComm(be)))
     rng = np.random.default_rng(seed)
-    images = be.asarray(rng.integers(0, 256, (batch, *image_shape), dtype=np.uint8))
-    labels = be.asarray(rng.integers(0, classes, batch))
-    run = TrainStep(model, opt, reducer, images, labels, 0.5, 0.25)
-    if graph:
-        from dptrain.graph import GraphedStep
-
-        run = GraphedStep(run, batch)
+    data = SimpleNamespace(images=rng.integers(0, 256, (batch, *image_shape), dtype=np.uint8),
+                           labels=rng.integers(0, classes, batch), mean=0.5, std=0.25,
+                           num_classes=classes, image_shape=image_shape)
+    loader = DeviceLoader(data, be, batch)
+    step_fn = TrainStep(model, opt, reducer, loader)
+    run = be.runtime.capture(step_fn) if graph else step_fn
     indices = np.arange(batch, dtype=np.int64)
 
     def step():
         opt.begin_step()
-        run(indices)
+        loader.set_batch(indices)
+        run()
 
     def sync():
-        be.to_numpy(opt.flat.data[:1])
+        be.runtime.synchronize()
 
     return _time(step, sync, steps, warmup, repeats)
 
@@ -57,7 +60,7 @@ def _torch(device, batch, image_shape, classes, steps, warmup, repeats, graph=Fa
     import torch
     import torch.nn as tnn
 
-    dev = "cuda" if device == "cuda" else "cpu"
+    dev = device  # the same names in PyTorch
     torch.manual_seed(seed)
     c, h, w = image_shape
     model = tnn.Sequential(
@@ -76,7 +79,7 @@ def _torch(device, batch, image_shape, classes, steps, warmup, repeats, graph=Fa
         opt.step()
 
     def sync():
-        if dev == "cuda":
+        if x.is_cuda:
             torch.cuda.synchronize()
 
     step = eager
@@ -124,7 +127,7 @@ def main(argv=None) -> int:
 
     device = backend.resolve_device(args.device)
     shape, classes = (1, 48, 48), 7
-    modes = ["eager", "graph"] if device == "cuda" else ["eager"]
+    modes = ["eager", "graph"] if backend.get(device).runtime.records_graphs else ["eager"]
     print(f"reference CNN training step, 48x48x1, {device}, {platform.node()}")
     print(f"{'batch':>6} {'mode':>6} {'ours ms':>9} {'ours img/s':>11} {'torch ms':>9} "
           f"{'torch img/s':>12} {'ours/torch':>10}")

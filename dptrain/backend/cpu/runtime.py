@@ -79,6 +79,8 @@ class Runtime:
         pass
 
     # -- capture: nothing to record, the step runs again each call
+    records_graphs = False
+
     def capture(self, step, warmup=2):
         return step
 

@@ -1,0 +1,39 @@
+"""Debug hooks that run after each training step: checks and fault injection for tests.
+
+Each hook is a callable ``hook(step)``; the loop calls them in order after every step and
+knows nothing of what they do. They synchronise with the device, so none is on by default.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+
+FAULT_ENV = "DPTRAIN_FAULT"  # "RANK:STEP": that rank raises after that step
+
+
+def verify_replicas(flat, world, step):
+    """Raise unless every rank holds bit-identical parameters (a host sync; for testing)."""
+    if world.size == 1:
+        return
+    digest = hashlib.sha256(flat.be.to_numpy(flat.data).tobytes()).hexdigest()
+    digests = world.mpi_comm.allgather(digest)
+    if len(set(digests)) != 1:
+        raise RuntimeError(f"step {step}: parameters differ across ranks: {digests}")
+
+
+def step_hooks(cfg, world, reducer, flat) -> list:
+    """The hooks that `cfg` and the environment ask for."""
+    hooks = []
+    if cfg.verify_replicas:
+        def check(step):
+            reducer.sync_parameters()
+            verify_replicas(flat, world, step)
+        hooks.append(check)
+    fault = os.environ.get(FAULT_ENV)
+    if fault:
+        def inject(step):
+            if fault == f"{world.rank}:{step}":
+                raise RuntimeError(f"injected fault on rank {world.rank} at step {step} "
+                                   f"({FAULT_ENV})")
+        hooks.append(inject)
+    return hooks

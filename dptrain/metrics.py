@@ -1,0 +1,70 @@
+"""What a run reports: metrics.jsonl and summary.json, and the training throughput."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+
+class MetricsLog:
+    """metrics.jsonl (one object per line) and summary.json under the log directory."""
+
+    def __init__(self, log_dir: str | None):
+        self.dir = Path(log_dir) if log_dir else None
+        self.file = None
+        if self.dir:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self.file = open(self.dir / "metrics.jsonl", "w")
+
+    def write(self, record: dict):
+        if self.file:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+
+    def summary(self, record: dict):
+        if self.dir:
+            (self.dir / "summary.json").write_text(json.dumps(record, indent=2) + "\n")
+
+    def close(self):
+        if self.file:
+            self.file.close()
+
+
+class Throughput:
+    """Images per second of training time. The clock runs from the first step; ``pause()`` /
+    ``resume()`` leave out what is not training (evaluation); ``window()`` closes the steps
+    counted since the last window and returns their rate."""
+
+    def __init__(self, images_per_step: int):
+        self.images_per_step = images_per_step
+        self.total_s, self.total_steps = 0.0, 0
+        self.window_s, self.window_steps = 0.0, 0
+        self.started = self.began = time.perf_counter()
+
+    def step(self):
+        self.window_steps += 1
+
+    def pause(self):
+        self.window_s += time.perf_counter() - self.started
+
+    def resume(self):
+        self.started = time.perf_counter()
+
+    def window(self) -> float:
+        """Images/s of the steps since the last window (the clock keeps running)."""
+        self.pause()
+        rate = self.window_steps * self.images_per_step / self.window_s if self.window_s else 0.0
+        self.total_s += self.window_s
+        self.total_steps += self.window_steps
+        self.window_s, self.window_steps = 0.0, 0
+        self.resume()
+        return rate
+
+    def wall(self) -> float:
+        """Seconds since the meter was made, evaluation included."""
+        return time.perf_counter() - self.began
+
+    @property
+    def rate(self) -> float:
+        """Images/s over every closed window."""
+        return self.total_steps * self.images_per_step / self.total_s if self.total_s else 0.0
