@@ -1,6 +1,6 @@
 // conv2d.cu: 2D convolution forward, backward-data and backward-weight as implicit GEMMs on
 // the tiles of gemm_tiles.cuh, fp32 (FFMA) or TF32 (tensor cores, fp32 accumulate).
-// Launchers: dptrain/backend/cuda_matmul.py.
+// Launchers: dptrain/backend/cuda/conv2d.py.
 //
 // Conventions
 //  * NCHW activations, weight (C_out, C_in, KH, KW), PyTorch's cross-correlation; any stride
@@ -70,7 +70,7 @@ template <typename T>
 __global__ void conv2d_weight_reorder_kernel(const T* __restrict__ w, T* __restrict__ wr, int M,
                                              int C, int KHW, int w_sm, int w_sc) {
   const int K = KHW * C;
-  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < M * K; i += gridDim.x * blockDim.x) {
+  GRID_STRIDE_32(i, M * K) {
     const int m = i / K, k = i - m * K, khw = k / C, c = k - khw * C;
     wr[i] = w[m * w_sm + c * w_sc + khw];
   }
@@ -164,6 +164,13 @@ struct ConvOut {
   float* smem = reinterpret_cast<float*>(smem4);                                              \
   check_smem(Cfg::STAGES * (LayA::kSize + LayB::kSize) * 4)
 
+// The epilogue: each column's output offset once per thread, then every accumulator.
+#define CONV_STORE(Coords)                                                                    \
+  const Coords at;                                                                            \
+  long long coff[Coords::COLS];                                                               \
+  at.cols([&](int c, int slot) { coff[slot] = epi.col_offset(n0 + c); });                     \
+  at.for_each(acc, [&](int r, int, int slot, float v) { epi.store(m0 + r, coff[slot], v); })
+
 template <typename T, int BM>
 __global__ void __launch_bounds__(128, 2) conv2d_tf32_kernel(CONV_PARAMS) {
   static_assert(sizeof(T) == 4, "float only for now");
@@ -175,18 +182,7 @@ __global__ void __launch_bounds__(128, 2) conv2d_tf32_kernel(CONV_PARAMS) {
   float acc[Cfg::MT][Cfg::NT][4];
   mma_mainloop<Cfg>(acc, la, lb, smem, 0, K);
 
-  const MmaCoords<Cfg> at;
-  long long coff[Cfg::NT][2];
-#pragma unroll
-  for (int nt = 0; nt < Cfg::NT; ++nt)
-#pragma unroll
-    for (int j = 0; j < 2; ++j) coff[nt][j] = epi.col_offset(n0 + at.col(nt, j));
-#pragma unroll
-  for (int mt = 0; mt < Cfg::MT; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < Cfg::NT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) epi.store(m0 + at.row(mt, e), coff[nt][e & 1], acc[mt][nt][e]);
+  CONV_STORE(MmaCoords<Cfg>);
 }
 
 template <typename T, int BM>
@@ -200,14 +196,7 @@ __global__ void __launch_bounds__(256, 2) conv2d_fp32_kernel(CONV_PARAMS) {
   float acc[Cfg::TM][Cfg::TN];
   simt_mainloop<Cfg>(acc, la, lb, smem, 0, K);
 
-  const SimtCoords<Cfg> at;
-  long long coff[Cfg::TN];
-#pragma unroll
-  for (int j = 0; j < Cfg::TN; ++j) coff[j] = epi.col_offset(n0 + at.col(j));
-#pragma unroll
-  for (int i = 0; i < Cfg::TM; ++i)
-#pragma unroll
-    for (int j = 0; j < Cfg::TN; ++j) epi.store(m0 + at.row(i), coff[j], acc[i][j]);
+  CONV_STORE(SimtCoords<Cfg>);
 }
 
 // ----------------------------------------------------------------------------- backward-weight
@@ -294,6 +283,13 @@ struct XColLoader {
   float* smem = reinterpret_cast<float*>(smem4);                                              \
   check_smem(Cfg::STAGES * (LayA::kSize + LayB::kSize) * 4)
 
+// The epilogue: `=` into gw, or into this split's slice of the workspace.
+#define BWDW_STORE(Coords)                                                \
+  Coords().for_each(acc, [&](int r, int c, int, float v) {                \
+    const int m = m0 + r, n = n0 + c;                                     \
+    if (m < M && n < N) dst[(long long)m * N + n] = v;                    \
+  })
+
 template <typename T, int BM, int BN>
 __global__ void __launch_bounds__(256, 2) conv2d_bwdw_tf32_kernel(BWDW_PARAMS) {
   static_assert(sizeof(T) == 4, "float only for now");
@@ -305,16 +301,7 @@ __global__ void __launch_bounds__(256, 2) conv2d_bwdw_tf32_kernel(BWDW_PARAMS) {
   float acc[Cfg::MT][Cfg::NT][4];
   mma_mainloop<Cfg>(acc, la, lb, smem, k_begin, k_end);
 
-  const MmaCoords<Cfg> at;
-#pragma unroll
-  for (int mt = 0; mt < Cfg::MT; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < Cfg::NT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int m = m0 + at.row(mt, e), n = n0 + at.col(nt, e);
-        if (m < M && n < N) dst[(long long)m * N + n] = acc[mt][nt][e];
-      }
+  BWDW_STORE(MmaCoords<Cfg>);
 }
 
 template <typename T, int BM, int BN>
@@ -328,12 +315,5 @@ __global__ void __launch_bounds__(256, 2) conv2d_bwdw_fp32_kernel(BWDW_PARAMS) {
   float acc[Cfg::TM][Cfg::TN];
   simt_mainloop<Cfg>(acc, la, lb, smem, k_begin, k_end);
 
-  const SimtCoords<Cfg> at;
-#pragma unroll
-  for (int i = 0; i < Cfg::TM; ++i)
-#pragma unroll
-    for (int j = 0; j < Cfg::TN; ++j) {
-      const int m = m0 + at.row(i), n = n0 + at.col(j);
-      if (m < M && n < N) dst[(long long)m * N + n] = acc[i][j];
-    }
+  BWDW_STORE(SimtCoords<Cfg>);
 }

@@ -1,19 +1,19 @@
-// data.cu: device-side batch assembly and randomness. Launchers: dptrain/backend/cuda.py.
+// data.cu: device-side batch assembly and randomness. Launchers: dptrain/backend/cuda/data.py.
 //
 // Conventions
 //  * gather_normalize: out[b] = float(images[idx[b]]) * scale - shift, with scale = 1/(255*std)
-//    and shift = mean/std rounded to float32 on the host, as cpu.py does. The multiply and the
-//    subtract are rounded separately (__fmul_rn / __fsub_rn: no fused multiply-add) so the
-//    result equals NumPy's bit for bit. A row index outside [0, M) yields NaN rows.
-//  * dropout_mask: Philox4x32-10 (Salmon et al., SC'11), keyed by the 64-bit seed; element
-//    group i (4 elements) uses counter (offset + i) as a 64-bit number in words 0-1. The host
-//    advances `offset` by the number of groups after each call, so no two calls share random
-//    numbers. A uniform u in [0, 1) comes from the top 24 bits; keep when u >= p. Outputs are
-//    written with `=`: scale (= 1/(1-p) rounded to T on the host) or 0.
+//    and shift = mean/std rounded to float32 on the host, as the CPU backend does. The multiply
+//    and the subtract are rounded separately (__fmul_rn / __fsub_rn: no fused multiply-add) so
+//    the result equals NumPy's bit for bit. A row index outside [0, M) yields NaN rows. `=`.
+//  * Random state lives on the device: state = [seed, offset] (unsigned 64-bit), the runtime's
+//    rng_state. dropout_mask: Philox4x32-10 (Salmon et al., SC'11), keyed by the 64-bit seed;
+//    element group i (4 elements) uses counter (offset + i) as a 64-bit number in words 0-1.
+//    After each draw the launcher runs rng_advance_kernel, which adds the draw's group count
+//    to the offset on the device, so no two draws share random numbers, also when a captured
+//    CUDA graph replays them. A uniform u in [0, 1) comes from the top 24 bits; keep when
+//    u >= p. Outputs are written with `=`: scale (= 1/(1-p) rounded to T on the host) or 0.
 
-#define GRID_STRIDE(i, n)                                                              \
-  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < (n);       \
-       i += (long long)gridDim.x * blockDim.x)
+#include "common.cuh"
 
 template <typename L>
 __global__ void gather_normalize_kernel(float* out, const unsigned char* images, const L* idx,
@@ -25,7 +25,7 @@ __global__ void gather_normalize_kernel(float* out, const unsigned char* images,
     const long long row = (long long)idx[b];
     out[i] = (row >= 0 && row < M)
                  ? __fsub_rn(__fmul_rn(float(images[row * chw + r]), scale), shift)
-                 : __int_as_float(0x7fc00000);
+                 : quiet_nan<float>();
   }
 }
 
@@ -62,8 +62,10 @@ __host__ __device__ __forceinline__ Philox4 philox4x32_10(Philox4 c, unsigned in
 }
 
 template <typename T>
-__global__ void dropout_mask_kernel(T* out, long long n, unsigned int key0, unsigned int key1,
-                                    unsigned long long offset, float p, T scale) {
+__global__ void dropout_mask_kernel(T* out, long long n, const unsigned long long* state, float p,
+                                    T scale) {
+  const unsigned long long seed = state[0], offset = state[1];
+  const unsigned int key0 = (unsigned int)seed, key1 = (unsigned int)(seed >> 32);
   const long long groups = (n + 3) / 4;
   GRID_STRIDE(i, groups) {
     const unsigned long long ctr = offset + (unsigned long long)i;
@@ -83,5 +85,10 @@ __global__ void dropout_mask_kernel(T* out, long long n, unsigned int key0, unsi
   }
 }
 
+// state[1] += groups (mod 2^64): one thread, launched right after a draw on the same stream.
+__global__ void rng_advance_kernel(unsigned long long* state, unsigned long long groups) {
+  state[1] += groups;
+}
+
 // instantiate: gather_normalize_kernel<int>; gather_normalize_kernel<long long>
-// instantiate: dropout_mask_kernel<float>; dropout_mask_kernel<double>
+// instantiate: dropout_mask_kernel<float>; dropout_mask_kernel<double>; rng_advance_kernel

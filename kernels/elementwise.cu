@@ -1,5 +1,6 @@
 // elementwise.cu: maps over every element (unary, binary with NumPy broadcasting, activation
-// backward), fill and dtype conversion. Launchers: dptrain/backend/cuda.py.
+// backward), fill and dtype conversion. Launchers: dptrain/backend/cuda/elementwise.py (fill_
+// and astype: dptrain/backend/cuda/arrays.py).
 //
 // Conventions
 //  * Every kernel writes its output with `=`. The one accumulation, add_ (dst += src), is the
@@ -13,19 +14,7 @@
 //    Every op functor takes (a, b, s, t): two operands and two host scalars, unused ones ignored.
 //  * fill and convert move data only: results are exact.
 
-#include "layout.cuh"
-
-// Type-dispatched math (NVRTC has no <cmath> overload set we can rely on).
-__device__ __forceinline__ float dp_exp(float x) { return expf(x); }
-__device__ __forceinline__ double dp_exp(double x) { return exp(x); }
-__device__ __forceinline__ float dp_log(float x) { return logf(x); }
-__device__ __forceinline__ double dp_log(double x) { return log(x); }
-__device__ __forceinline__ float dp_sqrt(float x) { return sqrtf(x); }
-__device__ __forceinline__ double dp_sqrt(double x) { return sqrt(x); }
-__device__ __forceinline__ float dp_tanh(float x) { return tanhf(x); }
-__device__ __forceinline__ double dp_tanh(double x) { return tanh(x); }
-__device__ __forceinline__ float dp_pow(float x, float p) { return powf(x, p); }
-__device__ __forceinline__ double dp_pow(double x, double p) { return pow(x, p); }
+#include "common.cuh"
 
 // ---------------------------------------------------------------------------- op functors
 struct Add { template <typename T> __device__ T operator()(T a, T b, T, T) const { return a + b; } };
@@ -63,16 +52,14 @@ struct PowBack { template <typename T> __device__ T operator()(T x, T gy, T s, T
 template <typename T, typename Op>
 __global__ void map1_kernel(T* out, const T* a, long long n, T s, T t) {
   const Op op;
-  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
-       i += (long long)gridDim.x * blockDim.x)
+  GRID_STRIDE(i, n)
     out[i] = op(a[i], T(0), s, t);
 }
 
 template <typename T, typename Op>
 __global__ void map2_kernel(T* out, const T* a, const T* b, long long n, T s, T t) {
   const Op op;
-  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
-       i += (long long)gridDim.x * blockDim.x)
+  GRID_STRIDE(i, n)
     out[i] = op(a[i], b[i], s, t);
 }
 
@@ -80,7 +67,7 @@ __global__ void map2_kernel(T* out, const T* a, const T* b, long long n, T s, T 
 template <typename T, typename Op>
 __global__ void bcast2_kernel(T* out, const T* a, const T* b, int n, Layout L) {
   const Op op;
-  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+  GRID_STRIDE_32(i, n) {
     int oa, ob;
     layout_offsets(i, L, oa, ob);
     out[i] = op(a[oa], b[ob], T(0), T(0));
@@ -90,16 +77,14 @@ __global__ void bcast2_kernel(T* out, const T* a, const T* b, int n, Layout L) {
 // U is an unsigned type of the element's size: one kernel fills every dtype of that size.
 template <typename U>
 __global__ void fill_kernel(U* out, long long n, U bits) {
-  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
-       i += (long long)gridDim.x * blockDim.x)
+  GRID_STRIDE(i, n)
     out[i] = bits;
 }
 
 // astype on contiguous arrays: C casts (float -> int truncates toward zero, as NumPy).
 template <typename To, typename Ti>
 __global__ void convert_kernel(To* out, const Ti* in, long long n) {
-  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
-       i += (long long)gridDim.x * blockDim.x)
+  GRID_STRIDE(i, n)
     out[i] = static_cast<To>(in[i]);
 }
 

@@ -1,5 +1,5 @@
 // gemm.cu: batched C = alpha * op(A) @ op(B) (+ bias) (+ beta * C), fp32 (FFMA) or TF32
-// (tensor cores, fp32 accumulate). Launchers: dptrain/backend/cuda_matmul.py.
+// (tensor cores, fp32 accumulate). Launchers: dptrain/backend/cuda/gemm.py.
 //
 // Conventions
 //  * Row-major. op(A) is M x K: A is stored M x K (lda >= K), or K x M when TA (lda >= M).
@@ -87,13 +87,7 @@ __global__ void __launch_bounds__(128, 2) gemm_tf32_kernel(GEMM_PARAMS) {
 
   const GemmEpilogue epi =
       gemm_epilogue(C, ws, bias, M, N, ldc, sC, batch, splits, b, s, alpha, beta, bias_mode);
-  const MmaCoords<Cfg> at;
-#pragma unroll
-  for (int mt = 0; mt < Cfg::MT; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < Cfg::NT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) epi.store(m0 + at.row(mt, e), n0 + at.col(nt, e), acc[mt][nt][e]);
+  MmaCoords<Cfg>().for_each(acc, [&](int r, int c, int, float v) { epi.store(m0 + r, n0 + c, v); });
 }
 
 template <typename T, bool TA, bool TB>

@@ -15,10 +15,13 @@
 //    zero-fill), so the main loops never branch on edges; only the epilogue guards its stores.
 //  * The TF32 loop reads fragments with ldmatrix (K-major tiles) or 32-bit loads (MN-major)
 //    and rounds each register to tf32 with cvt.rna before the mma.
-//  * Main loops only accumulate into registers; epilogues decide `=` or `+=`.
+//  * Main loops only accumulate into registers; epilogues decide `=` or `+=`, visiting the
+//    accumulators through MmaCoords / SimtCoords::for_each.
 //  * float only for now: the smem tiles, cvt and mma below assume 4-byte elements.
 
 #pragma once
+
+#include "common.cuh"
 
 // ----------------------------------------------------------------------------- PTX helpers
 
@@ -166,6 +169,46 @@ struct DenseLoader {
 
 };
 
+// ----------------------------------------------------------------------------- slab pipeline
+
+// The cp.async ring both main loops run: STAGES slots, each one K slab of the A tile followed
+// by the B tile. pipeline_start issues the first STAGES - 1 slabs and returns the slab count;
+// pipeline_next(kt) waits until slab kt has landed for every thread, issues slab
+// kt + STAGES - 1 into the slot slab kt - 1 used, and returns slab kt's A tile (its B tile
+// follows at + LA::Layout::kSize). One commit group per slab, issued or not, so the group
+// count stays in step with kt. After the loop: cp_async_wait<0>().
+template <class LA, class LB>
+__device__ __forceinline__ void load_slab(const LA& la, const LB& lb, float* s, int k0, int k_end) {
+  la.load(s, k0, k_end);
+  lb.load(s + LA::Layout::kSize, k0, k_end);
+}
+
+template <int BK, int STAGES, class LA, class LB>
+__device__ __forceinline__ int pipeline_start(const LA& la, const LB& lb, float* smem,
+                                              int k_begin, int k_end) {
+  constexpr int STAGE = LA::Layout::kSize + LB::Layout::kSize;
+  const int ntiles = k_end > k_begin ? (k_end - k_begin + BK - 1) / BK : 0;
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < ntiles) load_slab(la, lb, smem + s * STAGE, k_begin + s * BK, k_end);
+    cp_async_commit();
+  }
+  return ntiles;
+}
+
+template <int BK, int STAGES, class LA, class LB>
+__device__ __forceinline__ const float* pipeline_next(const LA& la, const LB& lb, float* smem,
+                                                      int kt, int ntiles, int k_begin,
+                                                      int k_end) {
+  constexpr int STAGE = LA::Layout::kSize + LB::Layout::kSize;
+  cp_async_wait<STAGES - 2>();  // slab kt has landed (this thread's copies) ...
+  __syncthreads();              // ... and everyone's; slab kt-1 is no longer being read
+  const int nk = kt + STAGES - 1;
+  if (nk < ntiles) load_slab(la, lb, smem + (nk % STAGES) * STAGE, k_begin + nk * BK, k_end);
+  cp_async_commit();  // always, so the group count stays in step with kt
+  return smem + (kt % STAGES) * STAGE;
+}
+
 // ----------------------------------------------------------------------------- TF32 main loop
 
 // BM x BN block tile, WARPS_M x WARPS_N warps, each a (BM/WARPS_M) x (BN/WARPS_N) warp tile of
@@ -193,6 +236,26 @@ struct MmaCoords {
   }
   __device__ __forceinline__ int row(int mt, int e) const { return wm0 + mt * 16 + gid + (e >> 1) * 8; }
   __device__ __forceinline__ int col(int nt, int e) const { return wn0 + nt * 8 + tig * 2 + (e & 1); }
+
+  // The epilogue's loops (see SimtCoords for the same interface): cols(g) calls g(col, slot)
+  // once for each of the COLS columns this thread holds; for_each(acc, f) calls
+  // f(row, col, slot, value) for every accumulator, slot naming its column among the COLS.
+  static constexpr int COLS = Cfg::NT * 2;
+  template <class G> __device__ __forceinline__ void cols(G&& g) const {
+#pragma unroll
+    for (int nt = 0; nt < Cfg::NT; ++nt)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) g(col(nt, j), nt * 2 + j);
+  }
+  template <class F>
+  __device__ __forceinline__ void for_each(const float (&acc)[Cfg::MT][Cfg::NT][4], F&& f) const {
+#pragma unroll
+    for (int mt = 0; mt < Cfg::MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < Cfg::NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) f(row(mt, e), col(nt, e), nt * 2 + (e & 1), acc[mt][nt][e]);
+  }
 };
 
 template <class Cfg, class LA, class LB>
@@ -201,7 +264,6 @@ __device__ __forceinline__ void mma_mainloop(float (&acc)[Cfg::MT][Cfg::NT][4], 
   using SA = typename LA::Layout;
   using SB = typename LB::Layout;
   constexpr int BK = Cfg::BK, STAGES = Cfg::STAGES;
-  constexpr int STAGE = SA::kSize + SB::kSize;
   static_assert(SA::kBMN == Cfg::BM && SB::kBMN == Cfg::BN && SA::kBK == BK && SB::kBK == BK,
                 "loader tiles must match the block tile");
 
@@ -212,30 +274,11 @@ __device__ __forceinline__ void mma_mainloop(float (&acc)[Cfg::MT][Cfg::NT][4], 
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
 
-  const int ntiles = k_end > k_begin ? (k_end - k_begin + BK - 1) / BK : 0;
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < ntiles) {
-      la.load(smem + s * STAGE, k_begin + s * BK, k_end);
-      lb.load(smem + s * STAGE + SA::kSize, k_begin + s * BK, k_end);
-    }
-    cp_async_commit();
-  }
-
+  const int ntiles = pipeline_start<BK, STAGES>(la, lb, smem, k_begin, k_end);
   const MmaCoords<Cfg> at;
   const int lane = threadIdx.x & 31;
   for (int kt = 0; kt < ntiles; ++kt) {
-    cp_async_wait<STAGES - 2>();  // slab kt has landed (this thread's copies) ...
-    __syncthreads();              // ... and everyone's; slab kt-1 is no longer being read
-    const int nk = kt + STAGES - 1;
-    if (nk < ntiles) {
-      float* s = smem + (nk % STAGES) * STAGE;
-      la.load(s, k_begin + nk * BK, k_end);
-      lb.load(s + SA::kSize, k_begin + nk * BK, k_end);
-    }
-    cp_async_commit();  // always, so the group count stays in step with kt
-
-    const float* sA = smem + (kt % STAGES) * STAGE;
+    const float* sA = pipeline_next<BK, STAGES>(la, lb, smem, kt, ntiles, k_begin, k_end);
     const float* sB = sA + SA::kSize;
 #pragma unroll
     for (int ks = 0; ks < BK; ks += 8) {
@@ -321,6 +364,20 @@ struct SimtCoords {
   __device__ __forceinline__ int col(int j) const {
     return (j / (Cfg::TN / 2)) * (Cfg::BN / 2) + tx * (Cfg::TN / 2) + j % (Cfg::TN / 2);
   }
+
+  // The epilogue's loops, as in MmaCoords: the thread's column j is its slot.
+  static constexpr int COLS = Cfg::TN;
+  template <class G> __device__ __forceinline__ void cols(G&& g) const {
+#pragma unroll
+    for (int j = 0; j < Cfg::TN; ++j) g(col(j), j);
+  }
+  template <class F>
+  __device__ __forceinline__ void for_each(const float (&acc)[Cfg::TM][Cfg::TN], F&& f) const {
+#pragma unroll
+    for (int i = 0; i < Cfg::TM; ++i)
+#pragma unroll
+      for (int j = 0; j < Cfg::TN; ++j) f(row(i), col(j), j, acc[i][j]);
+  }
 };
 
 template <class Cfg, class LA, class LB>
@@ -330,7 +387,6 @@ __device__ __forceinline__ void simt_mainloop(float (&acc)[Cfg::TM][Cfg::TN], co
   using SA = typename LA::Layout;
   using SB = typename LB::Layout;
   constexpr int BK = Cfg::BK, STAGES = Cfg::STAGES, TM = Cfg::TM, TN = Cfg::TN;
-  constexpr int STAGE = SA::kSize + SB::kSize;
   static_assert(!SA::kKMajor && !SB::kKMajor, "the FP32 loop reads [k][mn] tiles");
   static_assert(SA::kBMN == Cfg::BM && SB::kBMN == Cfg::BN && SA::kBK == BK && SB::kBK == BK,
                 "loader tiles must match the block tile");
@@ -340,29 +396,10 @@ __device__ __forceinline__ void simt_mainloop(float (&acc)[Cfg::TM][Cfg::TN], co
 #pragma unroll
     for (int j = 0; j < TN; ++j) acc[i][j] = 0.f;
 
-  const int ntiles = k_end > k_begin ? (k_end - k_begin + BK - 1) / BK : 0;
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < ntiles) {
-      la.load(smem + s * STAGE, k_begin + s * BK, k_end);
-      lb.load(smem + s * STAGE + SA::kSize, k_begin + s * BK, k_end);
-    }
-    cp_async_commit();
-  }
-
+  const int ntiles = pipeline_start<BK, STAGES>(la, lb, smem, k_begin, k_end);
   const SimtCoords<Cfg> at;
   for (int kt = 0; kt < ntiles; ++kt) {
-    cp_async_wait<STAGES - 2>();
-    __syncthreads();
-    const int nk = kt + STAGES - 1;
-    if (nk < ntiles) {
-      float* s = smem + (nk % STAGES) * STAGE;
-      la.load(s, k_begin + nk * BK, k_end);
-      lb.load(s + SA::kSize, k_begin + nk * BK, k_end);
-    }
-    cp_async_commit();
-
-    const float* sA = smem + (kt % STAGES) * STAGE;
+    const float* sA = pipeline_next<BK, STAGES>(la, lb, smem, kt, ntiles, k_begin, k_end);
     const float* sB = sA + SA::kSize;
 #pragma unroll
     for (int k = 0; k < BK; ++k) {
@@ -391,8 +428,7 @@ __global__ void splitk_reduce_kernel(const T* __restrict__ ws, T* __restrict__ C
                                      int N, int ldc, long long sC, float alpha, float beta,
                                      int bias_mode) {
   const long long mn = (long long)M * N, total = mn * batch;
-  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
-       i += (long long)gridDim.x * blockDim.x) {
+  GRID_STRIDE(i, total) {
     const long long b = i / mn, r = i - b * mn;
     const int m = (int)(r / N), n = (int)(r - (long long)m * N);
     float acc = 0.f;

@@ -1,5 +1,5 @@
 // gemm_wgmma.cu: C = A @ B^T (+ bias) in TF32 on Hopper tensor cores through
-// wgmma.mma_async (sm_90a). Launcher and dispatch: dptrain/backend/cuda_matmul.py, which
+// wgmma.mma_async (sm_90a). Launcher and dispatch: dptrain/backend/cuda/gemm.py, which
 // uses this kernel only for precision "tf32" on compute capability 9.0, when the shapes
 // fit (below) and DPTRAIN_WGMMA=0 is not set; everything else runs kernels/gemm.cu.
 //

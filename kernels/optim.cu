@@ -1,20 +1,15 @@
 // optim.cu: optimizer updates over flat parameter buffers, in place.
-// Launchers: dptrain/backend/cuda.py.
+// Launchers: dptrain/backend/cuda/optim.py.
 //
 // Conventions
 //  * param, grad and state buffers are contiguous, of one length n, updated in place (`_` ops).
 //  * Values that change from step to step live in the device array `hyper` and are read here,
 //    so a captured CUDA graph sees the current ones: sgd hyper = [lr], adamw hyper =
 //    [lr, 1 - beta1**t, 1 - beta2**t]. Constant coefficients arrive as kernel arguments,
-//    rounded to T on the host exactly as cpu.py rounds them (e.g. 1 - beta1 in double, then T).
-//  * Formulas follow cpu.py (PyTorch's SGD and AdamW) operation by operation.
+//    rounded to T on the host exactly as the CPU backend rounds them (e.g. 1 - beta1 in double, then T).
+//  * Formulas follow the CPU backend (PyTorch's SGD and AdamW) operation by operation.
 
-#define GRID_STRIDE(i, n)                                                              \
-  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < (n);       \
-       i += (long long)gridDim.x * blockDim.x)
-
-__device__ __forceinline__ float dp_sqrt(float x) { return sqrtf(x); }
-__device__ __forceinline__ double dp_sqrt(double x) { return sqrt(x); }
+#include "common.cuh"
 
 // d = g + wd*p; buf = m*buf + d; d = d + m*buf (nesterov) or buf; p -= lr*d.
 // buf may be null when momentum == 0.

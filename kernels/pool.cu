@@ -1,12 +1,12 @@
 // pool.cu: 2-D max and average pooling over NCHW, forward and backward.
-// Launchers: dptrain/backend/cuda.py.
+// Launchers: dptrain/backend/cuda/pool.py.
 //
 // Conventions
 //  * All arrays contiguous NCHW; a "plane" is one (n, c) image of H*W (input) or Ho*Wo (output).
 //  * Window of output (oh, ow): rows oh*sh - ph + [0, kh), cols ow*sw - pw + [0, kw).
 //  * Max pool: padding acts as -inf (never chosen); idx is the flat h*W + w position of the
 //    first maximum in window scan order (rows, then columns), NaN counting as the maximum,
-//    exactly as cpu.py's argmax.
+//    exactly as the CPU backend's argmax.
 //  * Avg pool: padding counts in the divisor (kh*kw), PyTorch's default.
 //  * Backward kernels write dx with `=` (they own every element of dx). No atomics:
 //    - max: one warp per plane zeroes the plane's dx, then walks the plane's outputs 32 at a
@@ -16,43 +16,54 @@
 //      needs no kernel/stride/padding (max_pool2d_backward's contract does not pass them).
 //    - avg: one thread per input pixel gathers from every window that contains it.
 
-#define FULL_MASK 0xffffffffu
+#include "common.cuh"
 
+// Field names match PoolGeom in dptrain/backend/cuda/pool.py (a NumPy structured dtype).
 struct PoolGeom {
-  int planes, h, w, ho, wo, kh, kw, sh, sw, ph, pw;
+  int n_c, h, w, ho, wo, kh, kw, sh, sw, ph, pw;  // n_c: planes (batch * channels)
 };
 
-template <typename T> __device__ __forceinline__ T neg_inf();
-template <> __device__ __forceinline__ float neg_inf<float>() { return __int_as_float((int)0xff800000u); }
-template <> __device__ __forceinline__ double neg_inf<double>() {
-  return __longlong_as_double((long long)0xfff0000000000000ull);
+// Output element i (flat over n_c * ho * wo): its plane p and the top-left corner (h0, w0) of
+// its window, which may lie in the padding.
+struct PoolWindow {
+  long long p;
+  int h0, w0;
+};
+
+__device__ __forceinline__ PoolWindow pool_window(const PoolGeom& g, long long i) {
+  const int out_plane = g.ho * g.wo;
+  const long long p = i / out_plane;
+  const int r = (int)(i - p * out_plane);
+  const int oh = r / g.wo, ow = r - oh * g.wo;
+  return {p, oh * g.sh - g.ph, ow * g.sw - g.pw};
 }
 
-#define GRID_STRIDE(i, n)                                                              \
-  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < (n);       \
-       i += (long long)gridDim.x * blockDim.x)
+// visit(pos) for every input position pos = hh*W + ww of the window inside the image, rows
+// then columns (the scan order both forward kernels and the CPU backend use).
+template <typename F>
+__device__ __forceinline__ void for_each_tap(const PoolGeom& g, const PoolWindow& win, F&& visit) {
+  for (int a = 0; a < g.kh; ++a) {
+    const int hh = win.h0 + a;
+    if (hh < 0 || hh >= g.h) continue;
+    for (int b = 0; b < g.kw; ++b) {
+      const int ww = win.w0 + b;
+      if (ww < 0 || ww >= g.w) continue;
+      visit(hh * g.w + ww);
+    }
+  }
+}
 
 template <typename T>
 __global__ void max_pool_fwd_kernel(T* y, int* idx, const T* x, PoolGeom g) {
-  const int out_plane = g.ho * g.wo;
-  GRID_STRIDE(i, (long long)g.planes * out_plane) {
-    const long long p = i / out_plane;
-    const int r = (int)(i - p * out_plane);
-    const int oh = r / g.wo, ow = r - oh * g.wo;
-    const int h0 = oh * g.sh - g.ph, w0 = ow * g.sw - g.pw;
-    const T* xp = x + p * g.h * g.w;
+  GRID_STRIDE(i, (long long)g.n_c * g.ho * g.wo) {
+    const PoolWindow win = pool_window(g, i);
+    const T* xp = x + win.p * g.h * g.w;
     T best = neg_inf<T>();
     int arg = -1;
-    for (int a = 0; a < g.kh; ++a) {
-      const int hh = h0 + a;
-      if (hh < 0 || hh >= g.h) continue;
-      for (int b = 0; b < g.kw; ++b) {
-        const int ww = w0 + b;
-        if (ww < 0 || ww >= g.w) continue;
-        const T v = xp[hh * g.w + ww];
-        if (arg < 0 || v > best || (v != v && best == best)) { best = v; arg = hh * g.w + ww; }
-      }
-    }
+    for_each_tap(g, win, [&](int pos) {
+      const T v = xp[pos];
+      if (arg < 0 || v > best || (v != v && best == best)) { best = v; arg = pos; }
+    });
     y[i] = best;
     idx[i] = arg;
   }
@@ -64,7 +75,7 @@ __global__ void max_pool_bwd_kernel(T* dx, const T* gy, const int* idx, PoolGeom
   const int lane = threadIdx.x & 31;
   const int in_plane = g.h * g.w, out_plane = g.ho * g.wo;
   const long long warps = ((long long)gridDim.x * blockDim.x) >> 5;
-  for (long long p = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5; p < g.planes; p += warps) {
+  for (long long p = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5; p < g.n_c; p += warps) {
     T* d = dx + p * in_plane;
     const T* gp = gy + p * out_plane;
     const int* ip = idx + p * out_plane;
@@ -91,23 +102,12 @@ __global__ void max_pool_bwd_kernel(T* dx, const T* gy, const int* idx, PoolGeom
 
 template <typename T>
 __global__ void avg_pool_fwd_kernel(T* y, const T* x, PoolGeom g) {
-  const int out_plane = g.ho * g.wo;
   const T count = T(g.kh * g.kw);
-  GRID_STRIDE(i, (long long)g.planes * out_plane) {
-    const long long p = i / out_plane;
-    const int r = (int)(i - p * out_plane);
-    const int oh = r / g.wo, ow = r - oh * g.wo;
-    const int h0 = oh * g.sh - g.ph, w0 = ow * g.sw - g.pw;
-    const T* xp = x + p * g.h * g.w;
+  GRID_STRIDE(i, (long long)g.n_c * g.ho * g.wo) {
+    const PoolWindow win = pool_window(g, i);
+    const T* xp = x + win.p * g.h * g.w;
     T acc = T(0);
-    for (int a = 0; a < g.kh; ++a) {
-      const int hh = h0 + a;
-      if (hh < 0 || hh >= g.h) continue;
-      for (int b = 0; b < g.kw; ++b) {
-        const int ww = w0 + b;
-        if (ww >= 0 && ww < g.w) acc += xp[hh * g.w + ww];
-      }
-    }
+    for_each_tap(g, win, [&](int pos) { acc += xp[pos]; });
     y[i] = acc / count;
   }
 }
@@ -122,7 +122,7 @@ template <typename T>
 __global__ void avg_pool_bwd_kernel(T* dx, const T* gy, PoolGeom g) {
   const int in_plane = g.h * g.w;
   const T count = T(g.kh * g.kw);
-  GRID_STRIDE(i, (long long)g.planes * in_plane) {
+  GRID_STRIDE(i, (long long)g.n_c * in_plane) {
     const long long p = i / in_plane;
     const int r = (int)(i - p * in_plane);
     const int hh = r / g.w, ww = r - hh * g.w;
@@ -132,7 +132,7 @@ __global__ void avg_pool_bwd_kernel(T* dx, const T* gy, PoolGeom g) {
     T acc = T(0);
     for (int oh = oh0; oh <= oh1; ++oh)
       for (int ow = ow0; ow <= ow1; ++ow) acc += gp[oh * g.wo + ow];
-    dx[i] = acc / count;  // one division (cpu.py divides each term: same up to rounding)
+    dx[i] = acc / count;  // one division (the CPU backend divides each term: same up to rounding)
   }
 }
 

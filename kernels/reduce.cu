@@ -1,5 +1,5 @@
 // reduce.cu: sum and max over arbitrary axes (also serving sum_to_shape and bias_grad),
-// max_backward and count_correct. Launchers: dptrain/backend/cuda.py.
+// max_backward and count_correct. Launchers: dptrain/backend/cuda/reduce.py.
 //
 // Conventions
 //  * Strided formulation, no transpose copy: output m (row-major over the kept axes) reduces
@@ -14,70 +14,9 @@
 //  * Sums accumulate in double (A); max in T, propagating NaN as np.max does.
 //  * All outputs are written with `=`.
 
-#define DP_MAX_DIMS 8
-#define FULL_MASK 0xffffffffu
+#include "common.cuh"
 
-struct Layout {
-  int ndim;
-  int shape[DP_MAX_DIMS];
-  int s0[DP_MAX_DIMS];
-  int s1[DP_MAX_DIMS];
-};
-
-// Offset (stride s0) of row-major flat index i.
-__device__ __forceinline__ int layout_offset(int i, const Layout& L) {
-  int o = 0;
-#pragma unroll
-  for (int d = DP_MAX_DIMS - 1; d >= 1; --d) {
-    if (d < L.ndim) {
-      const int n = L.shape[d];
-      const int q = i / n;
-      o += (i - q * n) * L.s0[d];
-      i = q;
-    }
-  }
-  return o + i * L.s0[0];  // axis 0: no division needed (s0[0] is 0 when ndim == 0)
-}
-
-template <typename A> __device__ __forceinline__ A neg_inf();
-template <> __device__ __forceinline__ float neg_inf<float>() { return __int_as_float((int)0xff800000u); }
-template <> __device__ __forceinline__ double neg_inf<double>() {
-  return __longlong_as_double((long long)0xfff0000000000000ull);
-}
-
-struct SumOp {
-  template <typename A> __device__ static A identity() { return A(0); }
-  template <typename A> __device__ static A combine(A a, A b) { return a + b; }
-};
-struct MaxOp {
-  template <typename A> __device__ static A identity() { return neg_inf<A>(); }
-  // NaN wins: once acc is NaN it stays NaN, and a NaN element replaces acc.
-  template <typename A> __device__ static A combine(A a, A b) { return (b > a || b != b) ? b : a; }
-};
-
-// Tree over the G (power of two <= 32) lanes of a group; the result is valid in its lane 0.
-// All 32 lanes of the warp must call it.
-template <typename A, typename Op>
-__device__ __forceinline__ A group_reduce(A v, int G) {
-  for (int off = G / 2; off > 0; off >>= 1)
-    v = Op::template combine<A>(v, __shfl_down_sync(FULL_MASK, v, off, G));
-  return v;
-}
-
-// Tree over the whole block (blockDim.x a multiple of 32, <= 1024); result valid in thread 0.
-template <typename A, typename Op>
-__device__ __forceinline__ A block_reduce(A v, A* shared) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  v = group_reduce<A, Op>(v, 32);
-  if (lane == 0) shared[warp] = v;
-  __syncthreads();
-  if (warp == 0) {
-    v = lane < nwarps ? shared[lane] : Op::template identity<A>();
-    v = group_reduce<A, Op>(v, 32);
-  }
-  __syncthreads();  // shared is reused by the caller's next iteration
-  return v;
-}
+// The combining operations (SumOp, MaxOp) and the group / block trees are in common.cuh.
 
 // See the header: out has M*S entries.
 template <typename Tin, typename A, typename Tout, typename Op>

@@ -1,56 +1,37 @@
 // softmax.cu: softmax and log_softmax along the last axis, their backward, and cross-entropy
 // (forward: mean loss as a 0-d array plus probs; backward from the 0-d loss gradient).
-// Launchers: dptrain/backend/cuda.py.
+// Launchers: dptrain/backend/cuda/softmax.py.
 //
 // Conventions
 //  * Inputs are contiguous (R, C) row blocks: R = size / C rows of C elements.
 //  * One warp per row: lanes stride over the row, then an xor-shuffle tree gives every lane the
-//    row's max / sum. Fixed order, no atomics: deterministic.
+//    row's max / sum (warp_all_reduce, common.cuh). Fixed order, no atomics: deterministic.
 //  * Backward kernels take the forward OUTPUT y and gy, and write the input gradient with `=`.
-//  * Formulas follow cpu.py step by step (shift by the row max, then exp / log), in type T.
+//  * Formulas follow the CPU backend step by step (shift by the row max, then exp / log), in type T.
 //  * Cross-entropy: ce_rows writes probs = exp(logp) and each row's logp[label] (NaN for a
 //    label outside [0, C), so a bad label shows in the loss instead of reading out of bounds);
 //    ce_mean folds those in one block, in double, in a fixed order: loss = -sum / R.
 //  * Labels are int or long long (L).
 
-#define FULL_MASK 0xffffffffu
-
-__device__ __forceinline__ float dp_exp(float x) { return expf(x); }
-__device__ __forceinline__ double dp_exp(double x) { return exp(x); }
-__device__ __forceinline__ float dp_log(float x) { return logf(x); }
-__device__ __forceinline__ double dp_log(double x) { return log(x); }
-template <typename T> __device__ __forceinline__ T neg_inf();
-template <> __device__ __forceinline__ float neg_inf<float>() { return __int_as_float((int)0xff800000u); }
-template <> __device__ __forceinline__ double neg_inf<double>() {
-  return __longlong_as_double((long long)0xfff0000000000000ull);
-}
-template <typename T> __device__ __forceinline__ T quiet_nan();
-template <> __device__ __forceinline__ float quiet_nan<float>() { return __int_as_float(0x7fc00000); }
-template <> __device__ __forceinline__ double quiet_nan<double>() {
-  return __longlong_as_double(0x7ff8000000000000ll);
-}
-
-// NaN-propagating max (np.max semantics).
-template <typename T> __device__ __forceinline__ T nan_max(T a, T b) { return (b > a || b != b) ? b : a; }
-
-template <typename T> __device__ __forceinline__ T warp_all_max(T v) {
-  for (int off = 16; off > 0; off >>= 1) v = nan_max(v, __shfl_xor_sync(FULL_MASK, v, off));
-  return v;
-}
-template <typename T> __device__ __forceinline__ T warp_all_sum(T v) {
-  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(FULL_MASK, v, off);
-  return v;
-}
+#include "common.cuh"
 
 // Max and sum of exp(x - max) of one row, known to every lane.
 template <typename T>
 __device__ __forceinline__ void row_stats(const T* x, int C, int lane, T& mx, T& sum) {
   mx = neg_inf<T>();
   for (int c = lane; c < C; c += 32) mx = nan_max(mx, x[c]);
-  mx = warp_all_max(mx);
+  mx = warp_all_reduce<T, MaxOp>(mx);
   sum = T(0);
   for (int c = lane; c < C; c += 32) sum += dp_exp(x[c] - mx);
-  sum = warp_all_sum(sum);
+  sum = warp_all_reduce<T, SumOp>(sum);
+}
+
+// Max and log-sum-exp of one row, known to every lane: log_softmax(x)[c] = (x[c] - mx) - lse.
+template <typename T>
+__device__ __forceinline__ void row_lse(const T* x, int C, int lane, T& mx, T& lse) {
+  T sum;
+  row_stats(x, C, lane, mx, sum);
+  lse = dp_log(sum);
 }
 
 // The row loop: warp w of the grid takes rows w, w + nwarps, ... (uniform within the warp).
@@ -65,13 +46,13 @@ __global__ void softmax_fwd_kernel(T* y, const T* x, int R, int C) {
   FOR_EACH_ROW(row, R) {
     const T* xr = x + (long long)row * C;
     T* yr = y + (long long)row * C;
-    T mx, sum;
-    row_stats(xr, C, lane, mx, sum);
+    T mx, s;
     if (LOG) {
-      const T lse = dp_log(sum);
-      for (int c = lane; c < C; c += 32) yr[c] = (xr[c] - mx) - lse;
+      row_lse(xr, C, lane, mx, s);
+      for (int c = lane; c < C; c += 32) yr[c] = (xr[c] - mx) - s;
     } else {
-      for (int c = lane; c < C; c += 32) yr[c] = dp_exp(xr[c] - mx) / sum;
+      row_stats(xr, C, lane, mx, s);
+      for (int c = lane; c < C; c += 32) yr[c] = dp_exp(xr[c] - mx) / s;
     }
   }
 }
@@ -84,7 +65,7 @@ __global__ void softmax_bwd_kernel(T* gx, const T* y, const T* gy, int R, int C)
     const long long o = (long long)row * C;
     T dot = T(0);
     for (int c = lane; c < C; c += 32) dot += LOG ? gy[o + c] : gy[o + c] * y[o + c];
-    dot = warp_all_sum(dot);
+    dot = warp_all_reduce<T, SumOp>(dot);
     for (int c = lane; c < C; c += 32)
       gx[o + c] = LOG ? gy[o + c] - dp_exp(y[o + c]) * dot : y[o + c] * (gy[o + c] - dot);
   }
@@ -97,9 +78,8 @@ __global__ void ce_rows_kernel(T* probs, T* picked, const T* logits, const L* la
   FOR_EACH_ROW(row, R) {
     const T* xr = logits + (long long)row * C;
     T* pr = probs + (long long)row * C;
-    T mx, sum;
-    row_stats(xr, C, lane, mx, sum);
-    const T lse = dp_log(sum);
+    T mx, lse;
+    row_lse(xr, C, lane, mx, lse);
     for (int c = lane; c < C; c += 32) pr[c] = dp_exp((xr[c] - mx) - lse);
     if (lane == 0) {
       const long long label = (long long)labels[row];
@@ -108,21 +88,15 @@ __global__ void ce_rows_kernel(T* probs, T* picked, const T* logits, const L* la
   }
 }
 
-// loss[0] = -sum(picked) / R. One block of blockDim.x (a multiple of 32) threads.
+// loss[0] = -sum(picked) / R. One block of blockDim.x (a multiple of 32) threads; the block
+// tree of common.cuh, so the order is fixed.
 template <typename T>
 __global__ void ce_mean_kernel(T* loss, const T* picked, int R) {
   __shared__ double shared[32];
   double acc = 0.0;
   for (int r = threadIdx.x; r < R; r += blockDim.x) acc += double(picked[r]);
-  acc = warp_all_sum(acc);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  if (lane == 0) shared[warp] = acc;
-  __syncthreads();
-  if (warp == 0) {
-    acc = lane < (int)(blockDim.x >> 5) ? shared[lane] : 0.0;
-    acc = warp_all_sum(acc);
-    if (lane == 0) loss[0] = -T(acc) / T(R);
-  }
+  acc = block_reduce<double, SumOp>(acc, shared);
+  if (threadIdx.x == 0) loss[0] = -T(acc) / T(R);
 }
 
 // g = (probs - onehot(label)) * (gloss[0] / R), flat over R*C elements.
@@ -130,8 +104,7 @@ template <typename T, typename L>
 __global__ void ce_bwd_kernel(T* g, const T* probs, const L* labels, const T* gloss, int R, int C) {
   const T factor = gloss[0] / T(R);
   const long long n = (long long)R * C;
-  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
-       i += (long long)gridDim.x * blockDim.x) {
+  GRID_STRIDE(i, n) {
     const long long row = i / C;
     const long long c = i - row * C;
     const T p = probs[i];

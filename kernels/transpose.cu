@@ -1,5 +1,6 @@
 // transpose.cu: data movement through strides: transpose, getitem (basic slices) and its
-// backward, broadcast_to, concatenate, non-contiguous copies. Launchers: dptrain/backend/cuda.py.
+// backward, broadcast_to, concatenate, non-contiguous copies.
+// Launchers: dptrain/backend/cuda/transpose.py (copy_: dptrain/backend/cuda/arrays.py).
 //
 // Conventions
 //  * strided_copy writes out[o0] = in[o1] (=) for every row-major index of the Layout; the
@@ -13,11 +14,11 @@
 //    element sums, in increasing i, the gy[i] whose flat index is its own. No atomics, so the
 //    result is deterministic and repeated indices accumulate as np.add.at does.
 
-#include "layout.cuh"
+#include "common.cuh"
 
 template <typename U>
 __global__ void strided_copy_kernel(U* out, const U* in, int n, Layout L) {
-  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+  GRID_STRIDE_32(i, n) {
     int oo, oi;
     layout_offsets(i, L, oo, oi);
     out[oo] = in[oi];
@@ -28,8 +29,7 @@ __global__ void strided_copy_kernel(U* out, const U* in, int n, Layout L) {
 template <typename U, typename L>
 __global__ void take_rows_kernel(U* out, const U* in, const L* idx, int B, long long M, long long row) {
   const long long n = (long long)B * row;
-  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
-       i += (long long)gridDim.x * blockDim.x) {
+  GRID_STRIDE(i, n) {
     const long long b = i / row;
     long long r = (long long)idx[b] % M;
     if (r < 0) r += M;
@@ -41,7 +41,7 @@ __global__ void take_rows_kernel(U* out, const U* in, const L* idx, int B, long 
 // index arrays only, which stays outside the training hot path.
 template <typename T>
 __global__ void index_add_kernel(T* gx, const T* gy, const long long* idx, int m, int n) {
-  for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < n; j += gridDim.x * blockDim.x) {
+  GRID_STRIDE_32(j, n) {
     T acc = T(0);
     for (int i = 0; i < m; ++i)
       if (idx[i] == j) acc += gy[i];

@@ -20,6 +20,26 @@ def test_cuda_backend_implements_every_op():
     assert not missing
 
 
+def _missing_runtime_names(rt):
+    """RUNTIME names the runtime object lacks (properties are looked up on the class, so no
+    device is touched)."""
+    return [name for name in backend.RUNTIME
+            if not (hasattr(type(rt), name) or name in vars(rt))]
+
+
+def test_cpu_runtime_implements_the_contract():
+    assert not _missing_runtime_names(backend.get("cpu").runtime)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("cupy") is None, reason="CuPy not installed")
+def test_cuda_runtime_implements_the_contract():
+    import dptrain.backend.cuda as cuda
+
+    assert not _missing_runtime_names(cuda.runtime)
+    assert cuda.runtime.PRECISIONS == ("tf32", "fp32")
+    assert cuda.new_workspace() is None
+
+
 def test_unknown_device_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown device 'tpu'"):
         backend.get("tpu")

@@ -1,4 +1,4 @@
-"""The cuda backend against the NumPy reference (cpu.py), op by op.
+"""The cuda backend against the NumPy reference (the cpu backend), op by op.
 
 Each GPU test draws fresh random inputs (odd sizes, broadcasting shapes, float32 and float64;
 the seed is printed, so a failure can be replayed), runs the op on both backends and compares:
@@ -21,23 +21,19 @@ FLOATS = [F32, F64]
 RTOL = {np.dtype(F32): 1e-5, np.dtype(F64): 1e-11}
 
 
-def test_cuda_module_defines_every_op():
-    """Static (no GPU needed): cuda.py defines or imports every name in OPS at module level."""
-    tree = ast.parse((Path(__file__).parents[1] / "dptrain" / "backend" / "cuda.py").read_text())
+def test_cuda_package_exports_every_op():
+    """Static (no CuPy needed): the package's __init__ defines or imports every name in OPS."""
+    init = Path(__file__).parents[1] / "dptrain" / "backend" / "cuda" / "__init__.py"
     names = set()
-    body = list(tree.body)
-    while body:
-        node = body.pop()
-        if isinstance(node, ast.Try):  # the optional import of cuda_matmul and its fallback
-            body += node.body + [n for h in node.handlers for n in h.body]
-        elif isinstance(node, ast.FunctionDef):
+    for node in ast.parse(init.read_text()).body:
+        if isinstance(node, ast.FunctionDef):
             names.add(node.name)
         elif isinstance(node, ast.Assign):
             names.update(t.id for t in node.targets if isinstance(t, ast.Name))
         elif isinstance(node, ast.ImportFrom):
             names.update(a.asname or a.name for a in node.names)
     assert not [n for n in OPS if n not in names]
-    assert "name" in names
+    assert {"name", "runtime"} <= names
 
 
 # ----------------------------------------------------------------------------- fixtures, helpers
@@ -51,7 +47,9 @@ def cuda():
 @pytest.fixture
 def cu(cuda, monkeypatch):
     """The cuda backend with every output allocation poisoned (all bits set) before use."""
-    real = cuda._new
+    from dptrain.backend.cuda import launch
+
+    real = launch.new
 
     def poisoned(shape, dtype):
         out = real(shape, dtype)
@@ -59,7 +57,7 @@ def cu(cuda, monkeypatch):
             out.data.memset_async(0xFF, out.nbytes)
         return out
 
-    monkeypatch.setattr(cuda, "_new", poisoned)
+    monkeypatch.setattr(launch, "new", poisoned)
     return cuda
 
 
@@ -560,7 +558,7 @@ def test_gather_normalize(cu, rng, itype):
 @pytest.mark.parametrize("p,dtype", [(0.1, F32), (0.5, F32), (0.3, F64), (0.0, F32)])
 def test_dropout_mask_statistics(cu, p, dtype):
     shape = (1001, 1003)
-    cu.manual_seed(1234)
+    cu.runtime.manual_seed(1234)
     a = cu.to_numpy(cu.dropout_mask(shape, p, dtype))
     b = cu.to_numpy(cu.dropout_mask(shape, p, dtype))
     scale = np.dtype(dtype).type(1.0 / (1.0 - p))
@@ -577,24 +575,11 @@ def test_dropout_mask_statistics(cu, p, dtype):
         # neighbours are independent: P(both kept) ~ (1-p)^2
         both = np.mean((a.ravel()[1:] != 0) & (a.ravel()[:-1] != 0))
         assert abs(both - (1 - p) ** 2) < 0.01
-    cu.manual_seed(1234)
+    cu.runtime.manual_seed(1234)
     assert np.array_equal(cu.to_numpy(cu.dropout_mask(shape, p, dtype)), a)  # reproducible
 
 
 # ----------------------------------------------------------------------------- integration
-
-
-@gpu
-def test_matrix_products_are_re_exported(cu):
-    try:
-        mm = importlib.import_module("dptrain.backend.cuda_matmul")
-    except ImportError:
-        with pytest.raises(NotImplementedError, match="cuda_matmul"):
-            cu.matmul(None, None)
-        return
-    for fname in ("matmul", "conv2d_forward", "conv2d_backward_data", "conv2d_backward_weight",
-                  "set_precision", "get_precision"):
-        assert getattr(cu, fname) is getattr(mm, fname)
 
 
 def _tiny_step(be, x, b, labels):
@@ -667,3 +652,245 @@ def test_large_reductions_are_deterministic(cuda, rng):
                                              cuda.max_pool2d_backward(y, idx, x.shape))]
         for f, a in zip(first, again):
             np.testing.assert_array_equal(a, f)
+
+
+# ----------------------------------------------------------------------------- the runtime
+
+
+@gpu
+def test_runtime_orders_streams(cuda):
+    import cupy
+
+    rt = cuda.runtime
+    a = cuda.full((1 << 20,), 1.0, F32)
+    side = rt.comm_stream()
+    assert rt.comm_stream() is side  # one per process
+    main = rt.current_stream()
+    rt.order(side, main)  # side sees a filled
+    with rt.on(side):
+        assert rt.current_stream().ptr == side.ptr
+        b = cuda.scale(a, 3.0)
+        done = rt.record()
+    assert rt.current_stream().ptr == main.ptr
+    rt.wait(done)  # main sees b
+    total = cuda.sum(b)
+    rt.synchronize()
+    assert float(cuda.to_numpy(total)) == 3.0 * (1 << 20)
+    event = rt.record(side)
+    rt.wait(event, main)
+    event.synchronize()
+    assert isinstance(event, cupy.cuda.Event)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [np.int64, np.uint8])
+def test_runtime_upload_(cuda, rng, dtype):
+    rt = cuda.runtime
+    dst = cuda.zeros((4, 6), dtype)
+    host = rng.integers(1, 200, 24).astype(dtype)
+    expect = host.reshape(4, 6).copy()
+    assert rt.upload_(dst, host) is dst
+    host[:] = 0  # staged: the host array may be reused at once
+    got = cuda.to_numpy(dst)
+    assert got.dtype == dtype
+    np.testing.assert_array_equal(got, expect)
+    flat = cuda.zeros((24,), dtype)
+    rt.upload_(flat, got)  # another shape of the same size
+    np.testing.assert_array_equal(cuda.to_numpy(flat), got.reshape(-1))
+    with pytest.raises(ValueError, match="do not fit"):
+        rt.upload_(flat, np.zeros(23, dtype))
+
+
+@gpu
+def test_runtime_precision_scope(cuda):
+    rt = cuda.runtime
+    old = rt.precision
+    assert old in rt.PRECISIONS
+    with rt.precision_scope("fp32"):
+        assert rt.precision == "fp32"
+        with pytest.raises(ValueError):
+            with rt.precision_scope("fp16"):
+                pass
+        assert rt.precision == "fp32"
+    assert rt.precision == old
+    rt.set_precision("auto")
+    assert rt.precision == ("tf32" if int(cuda.runtime._capability()) >= 80 else "fp32")
+    rt.set_precision(old)
+
+
+@gpu
+def test_runtime_rng_state_round_trip(cuda):
+    rt = cuda.runtime
+    rt.manual_seed(2**40 + 7)
+    np.testing.assert_array_equal(rt.get_rng_state(), np.array([2**40 + 7, 0], np.uint64))
+    first = cuda.to_numpy(cuda.dropout_mask((1001,), 0.5))
+    state = rt.get_rng_state()
+    assert state.dtype == np.uint64 and state.tolist() == [2**40 + 7, 251]  # ceil(1001 / 4)
+    second = cuda.to_numpy(cuda.dropout_mask((1001,), 0.5))
+    rt.set_rng_state(state)
+    np.testing.assert_array_equal(cuda.to_numpy(cuda.dropout_mask((1001,), 0.5)), second)
+    assert not np.array_equal(first, second)
+    assert rt.rng_state.dtype == np.uint64 and rt.rng_state.shape == (2,)
+
+
+@gpu
+def test_dropout_under_capture_draws_fresh_masks(cuda):
+    """A captured step that draws a mask into a fixed buffer: each replay draws the next mask,
+    exactly those eager calls draw after the same seed."""
+    rt = cuda.runtime
+    shape, p = (37, 29), 0.4
+    buf = cuda.empty(shape, F32)
+
+    def step():
+        cuda.copy_(buf, cuda.dropout_mask(shape, p))
+
+    run = rt.capture(step, warmup=1)
+    rt.manual_seed(11)
+    replayed = []
+    for _ in range(5):  # one eager call, the capture (and its launch), three replays
+        run()
+        replayed.append(cuda.to_numpy(buf))
+    rt.manual_seed(11)
+    eager = [cuda.to_numpy(cuda.dropout_mask(shape, p)) for _ in range(5)]
+    for a, b in zip(replayed, eager):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(replayed, replayed[1:]):
+        assert not np.array_equal(a, b)
+    assert rt.get_rng_state()[1] == 5 * -(-37 * 29 // 4)
+
+
+@gpu
+def test_capture_replays_a_step_that_reads_uploaded_inputs(cuda, rng):
+    rt = cuda.runtime
+    x = cuda.zeros((5, 7), F32)
+    y = cuda.zeros((5, 7), F32)
+
+    def step():
+        cuda.copy_(y, cuda.relu(x))
+
+    run = rt.capture(step)
+    for _ in range(4):  # two eager calls, the capture, a replay
+        host = randn(rng, (5, 7))
+        rt.upload_(x, host)
+        run()
+        np.testing.assert_array_equal(cuda.to_numpy(y), cpu.relu(host))
+
+
+@gpu
+def test_comm_timer_reads_the_exposed_wait(cuda):
+    rt = cuda.runtime
+    timer = rt.comm_timer()
+    assert timer.read() is None
+    seen = []
+    timer.issue(seen.append, 1)
+    assert seen == [1]
+    timer.wait_begin()
+    cuda.sum(cuda.full((1 << 20,), 1.0, F32))
+    timer.wait_end()
+    assert timer.read() >= 0.0
+
+
+@gpu
+def test_launch_shape_restores_even_on_an_exception(cuda):
+    from dptrain.backend.cuda import launch
+
+    with cuda.launch_shape(threads_per_block=64):
+        with pytest.raises(RuntimeError, match="inside"):
+            with cuda.launch_shape(threads_per_block=33, max_blocks=2):
+                assert launch.current_launch_shape() == (33, 2)
+                x = cuda.full((1000,), 2.0, F32)
+                assert float(cuda.to_numpy(cuda.sum(x))) == 2000.0
+                raise RuntimeError("inside")
+        assert launch.current_launch_shape() == (64, None)
+    assert launch.current_launch_shape() == (None, None)
+    with pytest.raises(ValueError, match="launch_shape"):
+        cuda.launch_shape(threads_per_block=1025)
+
+
+# ----------------------------------------------------------------------------- launch shapes
+# No GPU needed: launch.py (and reduce.py) loaded against a stand-in for CuPy.
+
+
+def _launch_modules(monkeypatch, sms=4):
+    """Private copies of launch.py and reduce.py over a fake CuPy with `sms` SMs."""
+    import importlib.util
+    import sys
+    import types
+
+    fake = types.ModuleType("cupy")
+    fake.ndarray = type("ndarray", (), {})
+    device = types.SimpleNamespace(attributes={"MultiProcessorCount": sms})
+    fake.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDevice=lambda: 0),
+                                      Device=lambda i=0: device)
+    package = types.ModuleType("dptrain.backend.cuda")
+    package.__path__ = []
+    package.loader = types.ModuleType("dptrain.backend.cuda.loader")
+    elementwise = types.ModuleType("dptrain.backend.cuda.elementwise")
+    elementwise.fill_ = None
+    for name, module in (("cupy", fake), ("dptrain.backend.cuda", package),
+                         ("dptrain.backend.cuda.loader", package.loader),
+                         ("dptrain.backend.cuda.elementwise", elementwise)):
+        monkeypatch.setitem(sys.modules, name, module)
+    here = Path(__file__).parents[1] / "dptrain" / "backend" / "cuda"
+    loaded = []
+    for name in ("launch", "reduce"):
+        spec = importlib.util.spec_from_file_location(f"_{name}_under_test", here / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        if name == "reduce":
+            package.launch = loaded[0]
+        spec.loader.exec_module(mod)
+        loaded.append(mod)
+    return loaded
+
+
+def _shape_of(launch, per_block, items, **kw):
+    seen = []
+    launch.grid_stride(lambda grid, block, args: seen.append((grid[0], block[0])), items, (),
+                       per_block, **kw)
+    return seen[0]
+
+
+def test_launch_defaults(monkeypatch):
+    launch, reduce = _launch_modules(monkeypatch, sms=4)
+    assert launch.current_launch_shape() == (None, None)
+    for per_block in (256, 128, 64, 32, 16, 8, 1):
+        for items in (1, 37, 1000, 10**7):
+            expected = (max(1, min(4 * 16, -(-items // per_block))), 256)
+            assert _shape_of(launch, per_block, items) == expected
+            assert _shape_of(launch, per_block, items, warps=True) == expected
+    assert reduce.group_size(10, 4096, True) == 256
+
+
+def test_launch_shape_override(monkeypatch):
+    launch, reduce = _launch_modules(monkeypatch, sms=4)
+    with launch.launch_shape(threads_per_block=1, max_blocks=1):
+        assert _shape_of(launch, 256, 10**6) == (1, 1)  # a thread per item: one thread in all
+        assert _shape_of(launch, 8, 10**6) == (1, 32)  # a warp per item: one warp
+        assert _shape_of(launch, 256, 10**6, warps=True) == (1, 32)
+        seen = []
+        reduce.run_reduce(lambda g, b, a: seen.append((g[0], b[0], int(a[-1]))), None, None,
+                          5000, 1, 8, 8, None, None, 1)
+        assert seen == [(1, 32, 1)]  # G = 1 still gets a warp
+    with launch.launch_shape(threads_per_block=100):
+        assert _shape_of(launch, 256, 10**6) == (64, 100)  # default cap: 16 blocks per SM
+        assert _shape_of(launch, 8, 1000) == (64, 96)  # warps: 96 threads, 3 rows per block
+        assert _shape_of(launch, 8, 30) == (10, 96)
+    with launch.launch_shape(threads_per_block=1024, max_blocks=32):
+        assert _shape_of(launch, 256, 10**7) == (32, 1024)
+        assert _shape_of(launch, 256, 3000) == (3, 1024)
+        # Reductions: a whole block per output has G == the block's size, any size.
+        assert reduce.group_size(10, 4096, True) == 1024
+        seen = []
+        reduce.run_reduce(lambda g, b, a: seen.append((g[0], b[0], int(a[-1]))), None, None,
+                          10, 1, 4096, 4096, None, None, reduce.group_size(10, 4096, True))
+        assert seen == [(10, 1024, 1024)]
+    assert launch.current_launch_shape() == (None, None)
+    assert _shape_of(launch, 256, 10**7) == (64, 256)
+    for bad in ({"threads_per_block": 0}, {"threads_per_block": 1025}, {"max_blocks": 0},
+                {"threads_per_block": 2.5}):
+        with pytest.raises(ValueError, match="launch_shape"):
+            launch.launch_shape(**bad)
+    with pytest.raises(KeyError):
+        with launch.launch_shape(threads_per_block=7):
+            raise KeyError("restored on the way out")
+    assert launch.current_launch_shape() == (None, None)

@@ -13,19 +13,22 @@ from dptrain.backend import cpu
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
+from dptrain.backend.cuda import gemm  # noqa: E402 - after the CuPy check
+
 TOL = {"fp32": 1e-5, "tf32": 5e-3}
 
 
 @pytest.fixture(scope="module")
 def cm():
-    from dptrain.backend import cuda_matmul
+    """The cuda backend (matmul, conv2d_*, matmul_kernel, runtime)."""
+    import dptrain.backend.cuda as cuda
 
-    return cuda_matmul
+    return cuda
 
 
 @pytest.fixture(params=["fp32", "tf32"])
 def prec(request, cm):
-    with cm.precision(request.param):
+    with cm.runtime.precision_scope(request.param):
         yield request.param
 
 
@@ -130,13 +133,15 @@ def test_matmul_rejects_bad_input(cm):
 
 
 def test_precision_setting(cm):
-    old = cm.get_precision()
-    assert old in cm.PRECISIONS
-    with cm.precision("fp32"):
-        assert cm.get_precision() == "fp32"
-    assert cm.get_precision() == old
+    rt = cm.runtime
+    old = rt.precision
+    assert old in rt.PRECISIONS
+    with rt.precision_scope("fp32"):
+        assert rt.precision == "fp32"
+    assert rt.precision == old
     with pytest.raises(ValueError):
-        cm.set_precision("fp16")
+        rt.set_precision("fp16")
+    assert rt.precision == old
 
 
 # ----------------------------------------------------------------------------- conv2d
@@ -260,10 +265,10 @@ def hopper(cm):
     before and after, so the environment switch is read afresh."""
     if int(cp.cuda.Device().compute_capability) != 90:
         pytest.skip("the wgmma path needs compute capability 9.0")
-    cm._PLANS.clear()
-    with cm.precision("tf32"):
+    gemm.clear_plans()
+    with cm.runtime.precision_scope("tf32"):
         yield cm
-    cm._PLANS.clear()
+    gemm.clear_plans()
 
 
 # (batch_a, batch_b, m, n, k): a @ b^T, each with >= 132 output tiles of 128 x 256.
@@ -336,7 +341,7 @@ def test_wgmma_falls_back_when_misaligned_or_fp32(hopper):
     buf = cp.asarray(np.concatenate([rand(1), a.ravel()]))
     ga = buf[1:].reshape(m, k)  # 4 bytes off 16-byte alignment
     assert hopper.matmul_kernel(ga, cp.asarray(b), False, True) == "gemm_tf32_kernel"
-    with hopper.precision("fp32"):
+    with hopper.runtime.precision_scope("fp32"):
         assert hopper.matmul_kernel(cp.asarray(a), cp.asarray(b), False, True) == \
             "gemm_fp32_kernel"
 
@@ -345,12 +350,12 @@ def test_wgmma_switched_off_by_environment(hopper, monkeypatch):
     m, n, k = 1408, 3072, 64
     a, b = _operands((), (), m, n, k, False, True)
     ga, gb = cp.asarray(a), cp.asarray(b)
-    monkeypatch.setenv(hopper.WGMMA_ENV, "0")
-    hopper._PLANS.clear()
+    monkeypatch.setenv(gemm.WGMMA_ENV, "0")
+    gemm.clear_plans()
     assert hopper.matmul_kernel(ga, gb, False, True) == "gemm_tf32_kernel"
     out = nan_like((m, n))
     hopper.matmul(ga, gb, False, True, out=out)
     check(out, a.astype(np.float64) @ b.astype(np.float64).T, "tf32")
-    monkeypatch.setenv(hopper.WGMMA_ENV, "1")
-    hopper._PLANS.clear()
+    monkeypatch.setenv(gemm.WGMMA_ENV, "1")
+    gemm.clear_plans()
     assert hopper.matmul_kernel(ga, gb, False, True) == WGMMA

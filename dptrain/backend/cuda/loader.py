@@ -1,8 +1,8 @@
 """Compile the CUDA sources in kernels/ once per process and hand out their functions.
 
-Every launcher in the cuda backend gets its kernels here:
+Every launcher in the cuda backend gets its kernels here (through ``launch.kernel``):
 
-    fn = kernels.function("elementwise.cu", "add_kernel<float>")
+    fn = loader.function("elementwise.cu", "map2_kernel<float, Add>")
 
 The first request for a file compiles it with NVRTC through ``cupy.RawModule``
 (all of its template instantiations at once, listed in ``name_expressions``);
@@ -25,7 +25,7 @@ def kernel_dir() -> Path:
     """Where the .cu files are: beside the package in a source tree, inside it in a wheel."""
     override = os.environ.get(KERNEL_DIR_ENV)
     candidates = [Path(override)] if override else []
-    here = Path(__file__).resolve().parent.parent  # dptrain/
+    here = Path(__file__).resolve().parents[2]  # dptrain/
     candidates += [here / "kernels", here.parent / "kernels"]
     for path in candidates:
         if path.is_dir() and any(path.glob("*.cu")):
@@ -68,7 +68,7 @@ def file_options(source: str) -> tuple[str, ...]:
     return tuple(o for line in _OPTIONS.findall(source) for o in line.split())
 
 
-def _name_expressions(source: str) -> list[str]:
+def name_expressions(source: str) -> list[str]:
     names = []
     for line in _INSTANTIATE.findall(source):
         names += [n.strip() for n in line.split(";") if n.strip()]
@@ -82,7 +82,8 @@ def module(filename: str):
     path = kernel_dir() / filename
     source = path.read_text()
     # CuPy caches compiled code by source text and options only, so fold the local headers'
-    # text into the source: editing a header then recompiles the files that include it.
+    # text into the source: editing a header (common.cuh, gemm_tiles.cuh) then recompiles
+    # the files that include it.
     headers = "".join(h.read_text() for h in sorted(kernel_dir().glob("*.cuh")))
     source += f"\n// headers: {hashlib.sha256(headers.encode()).hexdigest()}\n"
     options = (
@@ -90,7 +91,7 @@ def module(filename: str):
         f"-I{cuda_include_dir()}",
         f"-I{kernel_dir()}",
     ) + file_options(source)
-    mod = cupy.RawModule(code=source, options=options, name_expressions=_name_expressions(source))
+    mod = cupy.RawModule(code=source, options=options, name_expressions=name_expressions(source))
     mod.compile()
     return mod
 

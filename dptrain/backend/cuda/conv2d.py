@@ -1,0 +1,197 @@
+"""Launchers of kernels/conv2d.cu: 2-D convolution forward, backward-data and backward-weight
+as implicit GEMMs (no im2col buffer), planned like matmul (gemm.py).
+
+Conventions (the .cu file's header has the kernel side):
+  * float32, NCHW activations, weight (C_out, C_in, kH, kW), PyTorch's cross-correlation;
+    stride and padding are (h, w) pairs of ints. Results are new arrays or `out=`, written
+    with `=`.
+  * forward and backward-data are one kernel (mode 0 / 1) after the weight is reordered into
+    the GEMM's (kh, kw, c) K order; the output-channel tile is the smallest of 32/64/128
+    covering the channels.
+  * backward-weight splits its long K (batch * output pixels) over grid z when the output
+    tiles leave SMs idle, and sums the splits in a fixed order: bitwise repeatable.
+  * The precision (runtime.precision) is part of every plan key. `workspace=` is accepted
+    and ignored (the CPU backend reuses its im2col columns through it).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from dptrain.backend.cuda import launch
+from dptrain.backend.cuda.gemm import output, plan, reducer, sig, split_k, tile_floats
+from dptrain.backend.cuda.launch import i32
+from dptrain.backend.cuda.runtime import runtime
+
+CONV = "conv2d.cu"
+
+
+def _pair(fn: str, name: str, v) -> tuple[int, int]:
+    if (not isinstance(v, (tuple, list)) or len(v) != 2
+            or not all(isinstance(i, (int, np.integer)) for i in v)):
+        raise ValueError(f"cuda.{fn}: {name} must be an (h, w) pair of ints, got {v!r}")
+    return int(v[0]), int(v[1])
+
+
+def _key(v):
+    """A hashable stand-in for a stride / padding / shape argument (validated later)."""
+    return tuple(v) if isinstance(v, (list, tuple)) else v
+
+
+def _out_size(fn, n, k, s, p, axis):
+    o = (n + 2 * p - k) // s + 1 if s >= 1 else 0
+    if s < 1 or p < 0 or o < 1:
+        raise ValueError(f"cuda.{fn}: size {n}, kernel {k}, stride {s}, padding {p} along "
+                         f"{axis} give no output")
+    return o
+
+
+def _rows_tile(m: int) -> int:
+    """Block tile along the output channels: the smallest of 32/64/128 that covers m."""
+    return 32 if m <= 32 else 64 if m <= 64 else 128
+
+
+def _plan_implicit(fn_name, mode, out_shape, m, c, hs, ws, ho, wo, kh, kw, stride, padding,
+                   w_sm, w_sc):
+    """Forward (mode 0) or backward-data (mode 1): out[n, m, p] = sum wgt * src (conv2d.cu).
+
+    The plan runs two kernels: the weight, reordered to the GEMM's (kh, kw, c) K order, then
+    the implicit GEMM. run(w, src, bias, out) -> out.
+    """
+    nb = out_shape[0]
+    npix, k = nb * ho * wo, kh * kw * c
+    if npix == 0 or m == 0:
+        return lambda w, src, bias, out: output(fn_name, out, out_shape)
+    reorder = launch.kernel(CONV, "conv2d_weight_reorder_kernel", "float")
+    r_grid = (max(1, min(-(-m * k // 256), launch.sm_count() * 4)),)
+    r_tail = (i32(m), i32(c), i32(kh * kw), i32(w_sm), i32(w_sc))
+    bm = _rows_tile(m)
+    if runtime.precision == "tf32":
+        smem = 3 * 4 * (tile_floats(bm, 32, True, 4) + tile_floats(128, 32, False, 8))
+        fn = launch.kernel(CONV, "conv2d_tf32_kernel", "float", str(bm), smem=smem)
+        block = (128,)
+    else:
+        smem = 4 * 4 * (tile_floats(bm, 8, False, 4) + tile_floats(128, 8, False, 4))
+        fn = launch.kernel(CONV, "conv2d_fp32_kernel", "float", str(bm), smem=smem)
+        block = (256,)
+    grid = (-(-npix // 128), -(-m // bm))
+    (sh, sw), (ph, pw) = stride, padding
+    # CONV_PARAMS after (wr, src, bias, out, has_bias): Nb M C Hs Ws Ho Wo KH KW sh sw ph pw
+    # vec_w mode.
+    tail = (i32(nb), i32(m), i32(c), i32(hs), i32(ws), i32(ho), i32(wo), i32(kh),
+            i32(kw), i32(sh), i32(sw), i32(ph), i32(pw), i32(k % 4 == 0), i32(mode))
+
+    def run(w, src, bias, out):
+        y = output(fn_name, out, out_shape)
+        wr = launch.new((m, k), np.float32)
+        if k:
+            reorder(r_grid, (256,), (w, wr) + r_tail)
+        has_bias = bias is not None
+        fn(grid, block, (wr, src, bias if has_bias else y, y, np.int32(has_bias)) + tail,
+           shared_mem=smem)
+        return y
+
+    return run
+
+
+def conv2d_forward(x, w, b, stride, padding, *, out=None, workspace=None):
+    """y[n, co] = sum over (ci, kh, kw) of w[co, ci, kh, kw] * x[n, ci, shifted] (+ b[co])."""
+    f = "conv2d_forward"
+    key = (f, sig(f, "x", x), sig(f, "w", w), sig(f, "b", b), _key(stride), _key(padding),
+           runtime.precision)
+    return plan(key, lambda: _plan_forward(x, w, b, stride, padding))(w, x, b, out)
+
+
+def _plan_forward(x, w, b, stride, padding):
+    f = "conv2d_forward"
+    launch.check_f32(f, "x", x, 4)
+    launch.check_f32(f, "w", w, 4)
+    (sh, sw), (ph, pw) = _pair(f, "stride", stride), _pair(f, "padding", padding)
+    n, c, h, wd = x.shape
+    cout, cin, kh, kw = w.shape
+    if cin != c:
+        raise ValueError(f"cuda.{f}: x has {c} channels but w {w.shape} expects {cin}")
+    if b is not None:
+        launch.check_f32(f, "b", b, 1)
+        if b.shape[0] != cout:
+            raise ValueError(f"cuda.{f}: b has shape {b.shape}, expected ({cout},)")
+    ho, wo = _out_size(f, h, kh, sh, ph, "H"), _out_size(f, wd, kw, sw, pw, "W")
+    return _plan_implicit(f, 0, (n, cout, ho, wo), cout, c, h, wd, ho, wo, kh, kw, (sh, sw),
+                          (ph, pw), cin * kh * kw, kh * kw)
+
+
+def conv2d_backward_data(gy, w, x_shape, stride, padding, *, out=None, workspace=None):
+    """Gradient of conv2d_forward with respect to x, of shape x_shape."""
+    f = "conv2d_backward_data"
+    key = (f, sig(f, "gy", gy), sig(f, "w", w), _key(x_shape), _key(stride), _key(padding),
+           runtime.precision)
+    return plan(key, lambda: _plan_backward_data(gy, w, x_shape, stride, padding))(
+        w, gy, None, out)
+
+
+def _plan_backward_data(gy, w, x_shape, stride, padding):
+    f = "conv2d_backward_data"
+    launch.check_f32(f, "gy", gy, 4)
+    launch.check_f32(f, "w", w, 4)
+    (sh, sw), (ph, pw) = _pair(f, "stride", stride), _pair(f, "padding", padding)
+    n, c, h, wd = (int(s) for s in x_shape)
+    cout, cin, kh, kw = w.shape
+    if cin != c:
+        raise ValueError(f"cuda.{f}: x_shape {tuple(x_shape)} has {c} channels, w {w.shape} {cin}")
+    ho, wo = _out_size(f, h, kh, sh, ph, "H"), _out_size(f, wd, kw, sw, pw, "W")
+    if gy.shape != (n, cout, ho, wo):
+        raise ValueError(f"cuda.{f}: gy has shape {gy.shape}, expected {(n, cout, ho, wo)}")
+    return _plan_implicit(f, 1, (n, c, h, wd), c, cout, ho, wo, h, wd, kh, kw, (sh, sw),
+                          (ph, pw), kh * kw, cin * kh * kw)
+
+
+def conv2d_backward_weight(x, gy, w_shape, stride, padding, *, out=None, workspace=None):
+    """Gradient of conv2d_forward with respect to w, of shape w_shape; bitwise repeatable."""
+    f = "conv2d_backward_weight"
+    key = (f, sig(f, "x", x), sig(f, "gy", gy), _key(w_shape), _key(stride), _key(padding),
+           runtime.precision)
+    return plan(key, lambda: _plan_backward_weight(x, gy, w_shape, stride, padding))(
+        x, gy, out)
+
+
+def _plan_backward_weight(x, gy, w_shape, stride, padding):
+    f = "conv2d_backward_weight"
+    launch.check_f32(f, "x", x, 4)
+    launch.check_f32(f, "gy", gy, 4)
+    (sh, sw), (ph, pw) = _pair(f, "stride", stride), _pair(f, "padding", padding)
+    n, c, h, wd = x.shape
+    cout, cin, kh, kw = (int(s) for s in w_shape)
+    if cin != c:
+        raise ValueError(f"cuda.{f}: x has {c} channels but w_shape {tuple(w_shape)} expects {cin}")
+    ho, wo = _out_size(f, h, kh, sh, ph, "H"), _out_size(f, wd, kw, sw, pw, "W")
+    if gy.shape != (n, cout, ho, wo):
+        raise ValueError(f"cuda.{f}: gy has shape {gy.shape}, expected {(n, cout, ho, wo)}")
+    out_shape = (cout, cin, kh, kw)
+    m, ncol, k = cout, cin * kh * kw, n * ho * wo
+    if m == 0 or ncol == 0:
+        return lambda x, gy, out: output(f, out, out_shape)
+    bm, bn = _rows_tile(m), 32 if ncol <= 32 else 128
+    if -(-m // bm) > launch.GRID_YZ_MAX:
+        raise ValueError(f"cuda.{f}: {m} output channels exceed the grid's limit")
+    splits, chunk = split_k(-(-m // bm) * -(-ncol // bn), k, 512, 1024)
+    if runtime.precision == "tf32":
+        smem = 3 * 4 * (tile_floats(bm, 32, True, 4) + tile_floats(bn, 32, True, 4))
+        name = "conv2d_bwdw_tf32_kernel"
+    else:
+        smem = 4 * 4 * (tile_floats(bm, 8, False, 4) + tile_floats(bn, 8, False, 4))
+        name = "conv2d_bwdw_fp32_kernel"
+    fn = launch.kernel(CONV, name, "float", str(bm), str(bn), smem=smem)
+    grid = (-(-ncol // bn), -(-m // bm), splits)
+    # BWDW_PARAMS after (x, gy, gw, ws): Nb Cout Cin H W Ho Wo KH KW sh sw ph pw splits kchunk.
+    tail = (i32(n), i32(cout), i32(cin), i32(h), i32(wd), i32(ho), i32(wo), i32(kh),
+            i32(kw), i32(sh), i32(sw), i32(ph), i32(pw), i32(splits), i32(chunk))
+    reduce = reducer(CONV, splits, 1, m, ncol, ncol, 0, 0) if splits > 1 else None
+
+    def run(x, gy, out):
+        gw = output(f, out, out_shape)
+        ws = launch.new((splits, m, ncol), np.float32) if reduce else gw
+        fn(grid, (256,), (x, gy, gw, ws) + tail, shared_mem=smem)
+        if reduce:
+            reduce(ws, gw, gw)
+        return gw
+
+    return run

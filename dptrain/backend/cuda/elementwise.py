@@ -1,0 +1,165 @@
+"""Launchers of kernels/elementwise.cu: maps over every element, with NumPy broadcasting.
+
+Conventions (the .cu file's header has the kernel side):
+  * Outputs are new contiguous arrays written with `=`; add_ (dst += src, gradient
+    accumulation) is the binary Add kernel launched with out == dst.
+  * Activation backward ops take the forward OUTPUT y (relu, sigmoid, tanh) or the input x
+    (pow_scalar) and the output gradient gy, and return the input gradient.
+  * Float32 or float64; math in the element type. Scalars are cast to the element type on the
+    host, rounded the way the CPU backend rounds them (e.g. p - 1 for pow's backward).
+  * Same-shape contiguous operands take the flat kernels (map1, map2); anything else goes
+    through bcast2 with a Layout of broadcast strides (32-bit indices, asserted).
+  * fill_ writes raw bits (one kernel per element size); astype (convert_kernel) is in
+    arrays.py, next to the copies it needs for non-contiguous sources.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from dptrain.backend.cuda import launch
+
+EW = "elementwise.cu"
+
+
+def _map1(op, functor, a, s=0.0, t=0.0):
+    """out = functor(a) elementwise; s, t: the functor's scalars, cast to the dtype."""
+    launch.check_float(op, a)
+    launch.check_contiguous(op, a)
+    out = launch.new(a.shape, a.dtype)
+    if a.size:
+        fn = launch.kernel(EW, "map1_kernel", launch.ctype(a.dtype), functor)
+        launch.grid_stride(fn, a.size, (out, a, np.int64(a.size), a.dtype.type(s), a.dtype.type(t)))
+    return out
+
+
+def _map2(op, functor, a, b, s=0.0, t=0.0):
+    """out = functor(a, b) elementwise over two contiguous arrays of one shape."""
+    launch.check_float(op, a, b)
+    launch.check_contiguous(op, a, b)
+    launch.check_shape(op, b, a.shape)
+    out = launch.new(a.shape, a.dtype)
+    if a.size:
+        fn = launch.kernel(EW, "map2_kernel", launch.ctype(a.dtype), functor)
+        launch.grid_stride(fn, a.size,
+                           (out, a, b, np.int64(a.size), a.dtype.type(s), a.dtype.type(t)))
+    return out
+
+
+def _binary(op, functor, a, b, out=None):
+    """out = a functor b with NumPy broadcasting (out: a new array, or a itself for add_)."""
+    launch.check_float(op, a, b)
+    shape = launch.broadcast_shape(op, a.shape, b.shape)
+    if out is None:
+        out = launch.new(shape, a.dtype)
+    elif tuple(out.shape) != shape:
+        raise ValueError(f"cuda.{op}: shape {b.shape} does not broadcast to {out.shape}")
+    n = out.size
+    if n == 0:
+        return out
+    ctype = launch.ctype(a.dtype)
+    zero = a.dtype.type(0)
+    if a.shape == b.shape and a.flags.c_contiguous and b.flags.c_contiguous:
+        launch.grid_stride(launch.kernel(EW, "map2_kernel", ctype, functor), n,
+                           (out, a, b, np.int64(n), zero, zero))
+    else:
+        launch.check_int32(op, n)
+        dims, (sa, sb) = launch.collapse(shape, launch.bstrides(a, shape),
+                                         launch.bstrides(b, shape))
+        launch.grid_stride(launch.kernel(EW, "bcast2_kernel", ctype, functor), n,
+                           (out, a, b, np.int32(n), launch.layout(dims, sa, sb)))
+    return out
+
+
+def fill_(a, value):
+    """a[...] = value, in place: `value` converted to a's dtype, written as raw bits."""
+    launch.check_arrays("fill_", a)
+    launch.check_contiguous("fill_", a)
+    if a.size:
+        ctype, utype = launch.bits(a.itemsize)
+        pattern = np.array(value, dtype=a.dtype).view(utype)[()]  # value's bits in a's dtype
+        launch.grid_stride(launch.kernel(EW, "fill_kernel", ctype), a.size,
+                           (a, np.int64(a.size), pattern))
+    return a
+
+
+def add(a, b):
+    return _binary("add", "Add", a, b)
+
+
+def sub(a, b):
+    return _binary("sub", "Sub", a, b)
+
+
+def mul(a, b):
+    return _binary("mul", "Mul", a, b)
+
+
+def div(a, b):
+    return _binary("div", "Div", a, b)
+
+
+def add_(dst, src):
+    """dst += src, in place (gradient accumulation); src broadcasts to dst."""
+    launch.check_float("add_", dst, src)
+    launch.check_contiguous("add_", dst)
+    return _binary("add_", "Add", dst, src, out=dst)
+
+
+def neg(a):
+    return _map1("neg", "Neg", a)
+
+
+def scale(a, s):
+    return _map1("scale", "Scale", a, s)
+
+
+def pow_scalar(a, p):
+    return _map1("pow_scalar", "Pow", a, p)
+
+
+def pow_scalar_backward(x, gy, p):
+    return _map2("pow_scalar_backward", "PowBack", x, gy, p, p - 1)
+
+
+def exp(a):
+    return _map1("exp", "Exp", a)
+
+
+def log(a):
+    return _map1("log", "Log", a)
+
+
+def sqrt(a):
+    return _map1("sqrt", "Sqrt", a)
+
+
+def relu(a):
+    return _map1("relu", "Relu", a)
+
+
+def relu_backward(y, gy):
+    return _map2("relu_backward", "ReluBack", y, gy)
+
+
+def sigmoid(a):
+    return _map1("sigmoid", "Sigmoid", a)
+
+
+def sigmoid_backward(y, gy):
+    return _map2("sigmoid_backward", "SigmoidBack", y, gy)
+
+
+def tanh(a):
+    return _map1("tanh", "Tanh", a)
+
+
+def tanh_backward(y, gy):
+    return _map2("tanh_backward", "TanhBack", y, gy)
+
+
+def bias_add(y, b):
+    """y + b with b broadcast along axis 1 (channels of NCHW, features of (N, F))."""
+    launch.check_float("bias_add", y, b)
+    if y.ndim < 2 or b.shape != (y.shape[1],):
+        raise ValueError(f"cuda.bias_add: bias {b.shape} does not match axis 1 of {y.shape}")
+    return _binary("bias_add", "Add", y, b.reshape((1, -1) + (1,) * (y.ndim - 2)))

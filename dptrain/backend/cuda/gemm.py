@@ -1,0 +1,270 @@
+"""Launchers of kernels/gemm.cu and kernels/gemm_wgmma.cu: matmul, and the plan machinery the
+convolutions (conv2d.py) share.
+
+Conventions (the .cu files' headers have the kernel side):
+  * float32 only; operands C-contiguous (checked with launch.check_f32); the result is a new
+    array or `out=`, written with `=`. Batch axes: equal, or one side 2-D (or all ones).
+  * Precision: runtime.precision, "tf32" (tensor cores, fp32 accumulate; operands rounded to
+    tf32) or "fp32" (FFMA). It is part of every plan key.
+  * Plans: the checks and the launch configuration (grid, block, split-K, shared memory) are
+    worked out once per distinct call signature (shapes, dtypes, contiguity, 16-byte
+    alignment, strides, precision) and kept, so a repeated call costs its allocations and
+    launches only: eager steps are launch-bound.
+  * Split-K: when the output tiles alone leave SMs idle, K is split over grid z; each split
+    writes a partial product to a workspace and splitk_reduce_kernel sums them in split
+    order. No atomics anywhere: results are bitwise repeatable.
+  * Nothing here synchronises with the host, so a step built from these can be captured.
+
+Hopper fast path (gemm_wgmma.cu, wgmma.mma_async, sm_90a): a "tf32" matmul runs there when
+the device is compute capability 9.0, the environment does not set DPTRAIN_WGMMA=0 (read when
+a plan is built), and the call has its shape: a @ b^T (trans_a False, trans_b True: the only
+layout wgmma takes for tf32, both operands K-major), M % 128 == 0, N % 256 == 0, K % 32 == 0,
+a, b 16-byte aligned, and at least as many 128 x 256 output tiles as SMs (smaller problems
+keep the split-K kernel). `matmul_kernel` names the kernel a call uses.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import cupy
+import numpy as np
+
+from dptrain.backend.cuda import launch
+from dptrain.backend.cuda.launch import i32
+from dptrain.backend.cuda.runtime import runtime
+
+WGMMA_ENV = "DPTRAIN_WGMMA"  # "0" turns the Hopper wgmma path off
+_WGMMA_DEFAULT = True  # on where it applies, unless the environment says "0"
+_WGMMA_BM, _WGMMA_BN, _WGMMA_BK, _WGMMA_SMEM = 128, 256, 32, 4 * 48 * 1024 + 1024
+
+
+# ----------------------------------------------------------------------------- plans
+
+
+def tile_floats(bmn: int, bk: int, kmajor: bool, pad: int) -> int:
+    """Floats in one shared-memory operand tile: TileLayout::kSize in gemm_tiles.cuh."""
+    return bmn * (bk + pad) if kmajor else bk * (bmn + pad)
+
+
+def sig(fn: str, name: str, a):
+    """What a launch plan depends on: shape, dtype, contiguity and 16-byte alignment of `a`."""
+    if a is None:
+        return None
+    if type(a) is not cupy.ndarray:
+        launch.check_f32(fn, name, a)  # raises for anything but a CuPy array (or subclass)
+    return a.shape, a.dtype, a.flags.c_contiguous, a.data.ptr % 16 == 0
+
+
+_PLANS: dict = {}
+
+
+def plan(key, build):
+    """The cached plan for `key`; build() validates the arguments and makes it on a miss."""
+    p = _PLANS.get(key)
+    if p is None:
+        if len(_PLANS) > 4096:
+            _PLANS.clear()
+        p = _PLANS[key] = build()
+    return p
+
+
+def clear_plans() -> None:
+    """Forget every plan (they are rebuilt on the next call, reading DPTRAIN_WGMMA afresh)."""
+    _PLANS.clear()
+
+
+def output(fn: str, out, shape):
+    if out is None:
+        return launch.new(shape, np.float32)
+    launch.check_f32(fn, "out", out)
+    if out.shape != shape:
+        raise ValueError(f"cuda.{fn}: out has shape {out.shape}, expected {shape}")
+    return out
+
+
+def _aligned(a, ld: int, stride: int) -> bool:
+    """True when rows of `a` may be moved in 16-byte chunks."""
+    return ld % 4 == 0 and stride % 4 == 0 and a.data.ptr % 16 == 0
+
+
+def _chunks(k: int, splits: int) -> tuple[int, int]:
+    """(splits, chunk): chunk a multiple of 32 (every tile's BK), no split left empty."""
+    chunk = -(-(-(-k // splits)) // 32) * 32
+    return -(-k // chunk), chunk
+
+
+def split_k(tiles: int, k: int, min_chunk: int, max_splits: int) -> tuple[int, int]:
+    """(splits, chunk): split K when the tiles alone leave SMs idle, aiming at two blocks per
+    SM, each on >= min_chunk of K. Split s covers K range [s*chunk, (s+1)*chunk)."""
+    sms = launch.sm_count()
+    if tiles >= sms:
+        return 1, k
+    splits = min(-(-2 * sms // max(tiles, 1)), k // min_chunk, max_splits)
+    return _chunks(k, splits) if splits > 1 else (1, k)
+
+
+def reducer(file, splits, batch, m, n, ldc, sc, bias_mode):
+    """Launch of splitk_reduce_kernel: c = sum of the partials in ws, in split order (+ bias)."""
+    fn = launch.kernel(file, "splitk_reduce_kernel", "float")
+    grid = (max(1, min(-(-batch * m * n // 256), launch.sm_count() * 8)),)
+    tail = (i32(splits), i32(batch), i32(m), i32(n), i32(ldc), np.int64(sc),
+            np.float32(1.0), np.float32(0.0), i32(bias_mode))
+    return lambda ws, c, bias: fn(grid, (256,), (ws, c, bias) + tail)
+
+
+# ----------------------------------------------------------------------------- matmul
+
+
+def _batch_shape(ba: tuple, bb: tuple) -> tuple:
+    """Result batch shape for the cases we support: equal, or one side all ones / absent."""
+    if ba == bb:
+        return ba
+    if math.prod(bb) == 1 and len(bb) <= len(ba):
+        return ba
+    if math.prod(ba) == 1 and len(ba) <= len(bb):
+        return bb
+    raise NotImplementedError(
+        f"cuda.matmul: batch shapes {ba} and {bb} need general broadcasting; supported are "
+        "equal batch shapes and a 2-D (or all-ones batch) operand against a batched one"
+    )
+
+
+def _wgmma_enabled() -> bool:
+    v = os.environ.get(WGMMA_ENV)
+    return _WGMMA_DEFAULT if v is None else v.strip() != "0"
+
+
+@functools.lru_cache(maxsize=None)
+def _is_sm90(device_id: int) -> bool:
+    return int(cupy.cuda.Device(device_id).compute_capability) == 90
+
+
+def _wgmma_fits(a, b, ta, tb, m, n, k, nb) -> bool:
+    """True when gemm_wgmma.cu may compute this product (see the module docstring)."""
+    return (runtime.precision == "tf32" and not ta and tb and _wgmma_enabled()
+            and _is_sm90(cupy.cuda.Device().id)
+            and m % _WGMMA_BM == 0 and n % _WGMMA_BN == 0 and k % _WGMMA_BK == 0 and k > 0
+            and a.data.ptr % 16 == 0 and b.data.ptr % 16 == 0
+            and nb * (m // _WGMMA_BM) * (n // _WGMMA_BN) >= launch.sm_count()
+            and (m // _WGMMA_BM) * (n // _WGMMA_BN) <= launch.INT32_MAX
+            and nb <= launch.GRID_YZ_MAX)
+
+
+def _matmul_plan(a, b, trans_a, trans_b, bias):
+    ta, tb = bool(trans_a), bool(trans_b)
+    key = ("matmul", sig("matmul", "a", a), sig("matmul", "b", b), ta, tb,
+           sig("matmul", "bias", bias), runtime.precision)
+    return plan(key, lambda: _plan_matmul(a, b, ta, tb, bias))
+
+
+def matmul_kernel(a, b, trans_a=False, trans_b=False, *, bias=None) -> str:
+    """The name of the kernel that matmul(a, b, trans_a, trans_b, bias=bias) launches."""
+    return _matmul_plan(a, b, trans_a, trans_b, bias).kernel
+
+
+def matmul(a, b, trans_a=False, trans_b=False, *, bias=None, out=None):
+    """a @ b over the last two axes (either operand transposed first); batch axes broadcast.
+
+    `bias` (N,) is added to every row of the result (y = x W^T + b in one pass).
+    """
+    return _matmul_plan(a, b, trans_a, trans_b, bias)(a, b, bias, out)
+
+
+def _plan_matmul(a, b, ta, tb, bias):
+    launch.check_f32("matmul", "a", a)
+    launch.check_f32("matmul", "b", b)
+    if a.ndim < 2 or b.ndim < 2:
+        raise ValueError(f"cuda.matmul: operands must be at least 2-D, got {a.shape} and {b.shape}")
+    m, k = (a.shape[-1], a.shape[-2]) if ta else (a.shape[-2], a.shape[-1])
+    kb, n = (b.shape[-1], b.shape[-2]) if tb else (b.shape[-2], b.shape[-1])
+    if k != kb:
+        raise ValueError(
+            f"cuda.matmul: inner sizes differ: a{' (transposed)' if ta else ''} {a.shape} "
+            f"and b{' (transposed)' if tb else ''} {b.shape}"
+        )
+    batch_shape = _batch_shape(a.shape[:-2], b.shape[:-2])
+    out_shape = tuple(int(s) for s in batch_shape + (m, n))
+    nb = math.prod(batch_shape)
+    bias_mode = 0
+    if bias is not None:
+        launch.check_f32("matmul", "bias", bias, ndim=1)
+        if bias.shape[0] != n:
+            raise ValueError(f"cuda.matmul: bias has shape {bias.shape}, expected ({n},)")
+        bias_mode = 1
+    if nb == 0 or m == 0 or n == 0:
+        empty = lambda a, b, bias, out: output("matmul", out, out_shape)  # noqa: E731
+        empty.kernel = "none"
+        return empty
+
+    s_a = m * k if a.ndim > 2 and math.prod(a.shape[:-2]) == nb and nb > 1 else 0
+    s_b = k * n if b.ndim > 2 and math.prod(b.shape[:-2]) == nb and nb > 1 else 0
+    if s_b == 0 and not ta and nb > 1 and s_a:
+        m, nb, s_a = m * nb, 1, 0  # (batch, M, K) @ (K, N) is one (batch*M, K) @ (K, N)
+    lda, ldb, ldc, s_c = a.shape[-1], b.shape[-1], n, m * n
+    if _wgmma_fits(a, b, ta, tb, m, n, k, nb):
+        return _plan_wgmma(m, n, k, nb, s_a, s_b, bias_mode, out_shape)
+    if m > 128 * launch.GRID_YZ_MAX:
+        raise ValueError(f"cuda.matmul: M = {m} exceeds the grid's limit of "
+                         f"{128 * launch.GRID_YZ_MAX}")
+
+    splits, chunk = split_k(-(-m // 128) * -(-n // 128) * nb, k, 256, 64)
+    if nb * splits > launch.GRID_YZ_MAX:
+        if nb > launch.GRID_YZ_MAX:
+            raise ValueError(f"cuda.matmul: batch {nb} exceeds the grid's limit of "
+                             f"{launch.GRID_YZ_MAX}")
+        splits, chunk = 1, k
+    ws_shape = (splits, nb, m, n)
+
+    flags = (str(ta).lower(), str(tb).lower())
+    tf32 = runtime.precision == "tf32"
+    if tf32:
+        smem = 3 * 4 * (tile_floats(128, 32, not ta, 8 if ta else 4)
+                        + tile_floats(128, 32, tb, 4 if tb else 8))
+        fn = launch.kernel("gemm.cu", "gemm_tf32_kernel", "float", *flags, smem=smem)
+        block = (128,)
+    else:
+        smem = 3 * 4 * 2 * tile_floats(128, 16, False, 4)
+        fn = launch.kernel("gemm.cu", "gemm_fp32_kernel", "float", *flags, smem=smem)
+        block = (256,)
+    grid = (-(-n // 128), -(-m // 128), nb * splits)
+    # GEMM_PARAMS after (A, B, C, bias, ws): M N K lda ldb ldc sA sB sC batch splits kchunk
+    # alpha beta bias_mode vec_a vec_b.
+    tail = (i32(m), i32(n), i32(k), i32(lda), i32(ldb), i32(ldc),
+            np.int64(s_a), np.int64(s_b), np.int64(s_c), i32(nb), i32(splits), i32(chunk),
+            np.float32(1.0), np.float32(0.0), i32(bias_mode),
+            i32(_aligned(a, lda, s_a)), i32(_aligned(b, ldb, s_b)))
+    reduce = reducer("gemm.cu", splits, nb, m, n, ldc, s_c, bias_mode) if splits > 1 else None
+
+    def run(a, b, bias, out):
+        c = output("matmul", out, out_shape)
+        ws = launch.new(ws_shape, np.float32) if reduce else c
+        bias = c if bias is None else bias
+        fn(grid, block, (a, b, c, bias, ws) + tail, shared_mem=smem)
+        if reduce:
+            reduce(ws, c, bias)
+        return c
+
+    run.kernel = "gemm_tf32_kernel" if tf32 else "gemm_fp32_kernel"
+    return run
+
+
+def _plan_wgmma(m, n, k, nb, s_a, s_b, bias_mode, out_shape):
+    """C = A @ B^T by gemm_wgmma.cu: one block per 128 x 256 tile, batch in grid z."""
+    fn = launch.kernel("gemm_wgmma.cu", "gemm_wgmma_tf32_kernel", "float", smem=_WGMMA_SMEM)
+    grid = ((m // _WGMMA_BM) * (n // _WGMMA_BN), 1, nb)
+    tail = (i32(m), i32(n), i32(k), np.int64(s_a), np.int64(s_b), np.int64(m * n), i32(bias_mode))
+
+    def run(a, b, bias, out):
+        c = output("matmul", out, out_shape)
+        # The kernel stores float2 pairs: an `out=` view at an odd float offset gets a copy.
+        dst = c if c.data.ptr % 8 == 0 else launch.new(out_shape, np.float32)
+        fn(grid, (256,), (a, b, dst, dst if bias is None else bias) + tail,
+           shared_mem=_WGMMA_SMEM)
+        if dst is not c:
+            c[...] = dst
+        return c
+
+    run.kernel = "gemm_wgmma_tf32_kernel"
+    return run

@@ -1,0 +1,96 @@
+"""Launchers of kernels/pool.cu: 2-D max and average pooling over NCHW.
+
+Conventions (the .cu file's header has the kernel side):
+  * Contiguous NCHW in and out; the geometry travels as one PoolGeom struct (launch.POOL_GEOM:
+    n_c planes of h x w in, ho x wo out, window kh x kw, stride sh, sw, padding ph, pw).
+  * max_pool2d_forward returns (y, idx): idx (int32) is the flat h*W + w position in x of each
+    window's first maximum (NaN counting as the maximum), padding never chosen.
+  * avg pooling counts the padding in the divisor (PyTorch's default).
+  * Backward ops return dx written with `=`, deterministic (no atomics): max backward needs
+    only idx (one warp per plane), avg backward gathers every window containing a pixel.
+  * `workspace=` is accepted and ignored (the CPU backend reuses memory through it).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from dptrain.backend.cuda import launch
+
+POOL = "pool.cu"
+
+
+def _pair(v):
+    return (int(v), int(v)) if isinstance(v, (int, np.integer)) else tuple(int(x) for x in v)
+
+
+def _pool_geom(op, x_shape, kernel, stride, padding):
+    """struct PoolGeom and the output's shape for NCHW input `x_shape`."""
+    if len(x_shape) != 4:
+        raise ValueError(f"cuda.{op}: input must be NCHW, got shape {tuple(x_shape)}")
+    n, c, h, w = (int(v) for v in x_shape)
+    (kh, kw), (sh, sw), (ph, pw) = _pair(kernel), _pair(stride), _pair(padding)
+    ho, wo = (h + 2 * ph - kh) // sh + 1, (w + 2 * pw - kw) // sw + 1
+    if min(kh, kw, sh, sw) < 1 or min(ph, pw) < 0 or ho < 1 or wo < 1:
+        raise ValueError(f"cuda.{op}: kernel {kernel}, stride {stride}, padding {padding} "
+                         f"do not fit input {tuple(x_shape)}")
+    launch.check_int32(op, n * c * h * w, n * c * ho * wo)
+    geom = launch.struct(launch.POOL_GEOM, n_c=n * c, h=h, w=w, ho=ho, wo=wo, kh=kh, kw=kw,
+                         sh=sh, sw=sw, ph=ph, pw=pw)
+    return geom, (n, c, ho, wo)
+
+
+def max_pool2d_forward(x, kernel, stride, padding, *, workspace=None):
+    """Returns (y, idx): idx is the flat h*W+w position in x of each window's maximum (int32)."""
+    launch.check_float("max_pool2d_forward", x)
+    launch.check_contiguous("max_pool2d_forward", x)
+    geom, y_shape = _pool_geom("max_pool2d_forward", x.shape, kernel, stride, padding)
+    y, idx = launch.new(y_shape, x.dtype), launch.new(y_shape, np.int32)
+    if y.size:
+        launch.grid_stride(launch.kernel(POOL, "max_pool_fwd_kernel", launch.ctype(x.dtype)),
+                           y.size, (y, idx, x, geom))
+    return y, idx
+
+
+def max_pool2d_backward(gy, idx, x_shape, *, workspace=None):
+    launch.check_float("max_pool2d_backward", gy)
+    launch.check_arrays("max_pool2d_backward", idx)
+    launch.check_contiguous("max_pool2d_backward", gy, idx)
+    if idx.dtype != np.int32 or idx.shape != gy.shape or gy.ndim != 4:
+        raise ValueError(f"cuda.max_pool2d_backward: idx {idx.shape} {idx.dtype} must be int32 "
+                         f"of gy's NCHW shape {gy.shape}")
+    n, c, h, w = (int(v) for v in x_shape)
+    if gy.shape[:2] != (n, c):
+        raise ValueError(f"cuda.max_pool2d_backward: gy {gy.shape} does not match x {tuple(x_shape)}")
+    ho, wo = gy.shape[2:]
+    launch.check_int32("max_pool2d_backward", n * c * h * w, gy.size)
+    # The window's shape is not needed (idx says where each maximum is): kh = kw = 0.
+    geom = launch.struct(launch.POOL_GEOM, n_c=n * c, h=h, w=w, ho=ho, wo=wo, sh=1, sw=1)
+    dx = launch.new((n, c, h, w), gy.dtype)
+    if dx.size:
+        launch.grid_stride(launch.kernel(POOL, "max_pool_bwd_kernel", launch.ctype(gy.dtype)),
+                           n * c, (dx, gy, idx, geom), launch.WARPS)
+    return dx
+
+
+def avg_pool2d_forward(x, kernel, stride, padding):
+    """Average over each window, padding counted in the divisor (PyTorch's default)."""
+    launch.check_float("avg_pool2d_forward", x)
+    launch.check_contiguous("avg_pool2d_forward", x)
+    geom, y_shape = _pool_geom("avg_pool2d_forward", x.shape, kernel, stride, padding)
+    y = launch.new(y_shape, x.dtype)
+    if y.size:
+        launch.grid_stride(launch.kernel(POOL, "avg_pool_fwd_kernel", launch.ctype(x.dtype)),
+                           y.size, (y, x, geom))
+    return y
+
+
+def avg_pool2d_backward(gy, x_shape, kernel, stride, padding):
+    launch.check_float("avg_pool2d_backward", gy)
+    launch.check_contiguous("avg_pool2d_backward", gy)
+    geom, y_shape = _pool_geom("avg_pool2d_backward", x_shape, kernel, stride, padding)
+    launch.check_shape("avg_pool2d_backward", gy, y_shape, "gy")
+    dx = launch.new(tuple(int(v) for v in x_shape), gy.dtype)
+    if dx.size:
+        launch.grid_stride(launch.kernel(POOL, "avg_pool_bwd_kernel", launch.ctype(gy.dtype)),
+                           dx.size, (dx, gy, geom))
+    return dx

@@ -1,0 +1,183 @@
+"""Launchers of kernels/reduce.cu: sum and max over any axes, max's gradient, bias_grad,
+sum_to_shape and count_correct.
+
+Conventions (the .cu file's header has the kernel side):
+  * Strided formulation, no transpose copy: M outputs of K elements, element k of output m at
+    offset(m, Lk) + offset(k, Lr) (the kept and the reduced axes, each collapsed to a Layout).
+  * Deterministic: the group size G (lanes per output), the split S and the chunk come from
+    the shapes alone (and the launch shape), so the summation order is fixed; no atomics.
+    Long reductions over few outputs run in two passes: (M, S) partials, then one fold.
+  * Sums accumulate in double; max in the element type, NaN propagating as np.max.
+  * Outputs are new arrays written with `=`; max_backward splits the gradient evenly among
+    ties. count_correct returns a 0-d float32 on the device (no host sync).
+"""
+from __future__ import annotations
+
+import builtins
+import math
+
+import numpy as np
+
+from dptrain.backend.cuda import launch
+from dptrain.backend.cuda.elementwise import fill_
+
+RED = "reduce.cu"
+SPLIT_MIN_K = 16384  # a reduction this long over few outputs is split in two passes
+SPLIT_CHUNK = 8192
+
+
+def _axes(op, ndim, axis):
+    if axis is None:
+        return tuple(range(ndim))
+    axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
+    norm = []
+    for ax in axes:
+        if not -ndim <= int(ax) < ndim:
+            raise ValueError(f"cuda.{op}: axis {ax} out of range for {ndim} dimensions")
+        norm.append(int(ax) % ndim)
+    if len(set(norm)) != len(norm):
+        raise ValueError(f"cuda.{op}: repeated axis in {axis}")
+    return tuple(sorted(norm))
+
+
+def _reduced_shape(shape, axes, keepdims):
+    if keepdims:
+        return tuple(1 if i in axes else n for i, n in enumerate(shape))
+    return tuple(n for i, n in enumerate(shape) if i not in axes)
+
+
+def _reduction_layouts(op, a, axes):
+    """M outputs of K elements: element k of output m sits at offset(m, Lk) + offset(k, Lr).
+    Also whether the reduced axes hold a's unit stride (then lanes read along k, coalesced)."""
+    st = launch.estrides(a)
+    kept = [i for i in range(a.ndim) if i not in axes]
+    M = math.prod(a.shape[i] for i in kept)
+    K = math.prod(a.shape[i] for i in axes)
+    launch.check_int32(op, M, K)
+    kdims, (kst,) = launch.collapse([a.shape[i] for i in kept], [st[i] for i in kept])
+    rdims, (rst,) = launch.collapse([a.shape[i] for i in axes], [st[i] for i in axes])
+    inner = not rdims or abs(rst[-1]) == 1
+    return M, K, launch.layout(kdims, kst), launch.layout(rdims, rst), inner
+
+
+def _pow2_at_least(n):
+    return 1 << builtins.max(0, int(n) - 1).bit_length()  # sum and max are ops here
+
+
+def group_size(entries, per_entry, inner):
+    """Threads per output (see reduce.cu): a block for long coalesced rows; for shorter rows
+    enough lanes that each reads about 4 elements (fewer shuffle steps per element); one
+    thread per output when there are many outputs read across k."""
+    if inner and per_entry >= 2048:
+        return launch.block_threads(warps=True)  # the whole block (reduce.cu: G == blockDim.x)
+    if inner or entries < 4096:
+        return min(32, _pow2_at_least(-(-per_entry // 4)))
+    return 1
+
+
+def run_reduce(fn, out, src, M, S, K, chunk, lk, lr, G):
+    """One pass of reduce_kernel: M*S entries, G lanes each (G > 32: a whole block)."""
+    per_block = 1 if G > 32 else launch.BLOCK // G
+    # warps=True: reduce.cu takes G == blockDim.x as "whole block", so never a block of 1.
+    launch.grid_stride(fn, M * S, (out, src, np.int32(M), np.int32(S), np.int32(K),
+                                   np.int32(chunk), lk, lr, np.int32(G)), per_block, warps=True)
+
+
+def _reduce(op, a, axes, out_shape):
+    """Sum (op "SumOp") or max ("MaxOp") of `a` over `axes`, deterministic (reduce.cu)."""
+    opname = "sum" if op == "SumOp" else "max"
+    out = launch.new(out_shape, a.dtype)
+    M, K, lk, lr, inner = _reduction_layouts(opname, a, axes)
+    if M == 0:
+        return out
+    if K == 0:
+        if op == "MaxOp":
+            raise ValueError("cuda.max: zero-size reduction has no identity")
+        return fill_(out, 0)
+    t = launch.ctype(a.dtype)
+    acc = "double" if op == "SumOp" else t
+    if K < SPLIT_MIN_K or M >= 1024:
+        fn = launch.kernel(RED, "reduce_kernel", t, acc, t, op)
+        run_reduce(fn, out, a, M, 1, K, K, lk, lr, group_size(M, K, inner))
+        return out
+    # Two passes: S partials per output (in the accumulator type), then one fold over them.
+    S = -(-K // SPLIT_CHUNK)
+    chunk = -(-K // S)
+    partial = launch.new((M, S), np.dtype(np.float64) if acc == "double" else a.dtype)
+    fn = launch.kernel(RED, "reduce_kernel", t, acc, acc, op)
+    run_reduce(fn, partial, a, M, S, K, chunk, lk, lr, group_size(M * S, chunk, inner))
+    fn = launch.kernel(RED, "reduce_kernel", acc, acc, t, op)
+    run_reduce(fn, out, partial, M, 1, S, S, launch.layout([M], [S]), launch.layout([S], [1]),
+               group_size(M, S, True))
+    return out
+
+
+def sum(a, axis=None, keepdims=False):  # noqa: A001 - the op's name
+    launch.check_float("sum", a)
+    axes = _axes("sum", a.ndim, axis)
+    return _reduce("SumOp", a, axes, _reduced_shape(a.shape, axes, keepdims))
+
+
+def max(a, axis=None, keepdims=False):  # noqa: A001
+    launch.check_float("max", a)
+    axes = _axes("max", a.ndim, axis)
+    return _reduce("MaxOp", a, axes, _reduced_shape(a.shape, axes, keepdims))
+
+
+def max_backward(x, y, gy, axis=None, keepdims=False):
+    """Gradient of max: split evenly among the elements that tie for the maximum."""
+    launch.check_float("max_backward", x, y, gy)
+    launch.check_contiguous("max_backward", x, y, gy)
+    axes = _axes("max_backward", x.ndim, axis)
+    M, K, lk, lr, inner = _reduction_layouts("max_backward", x, axes)
+    if y.size != M or gy.size != M:
+        raise ValueError(f"cuda.max_backward: y {y.shape} / gy {gy.shape} do not match "
+                         f"the max of {x.shape} over axes {axes}")
+    gx = launch.new(x.shape, x.dtype)
+    if x.size:
+        G = min(32, group_size(M, K, inner))
+        launch.grid_stride(launch.kernel(RED, "max_backward_kernel", launch.ctype(x.dtype)), M,
+                           (gx, x, y, gy, np.int32(M), np.int32(K), lk, lr, np.int32(G)),
+                           launch.BLOCK // G)
+    return gx
+
+
+def sum_to_shape(g, shape):
+    """Sum a broadcast gradient back down to `shape` (the inverse of broadcasting)."""
+    shape = tuple(shape)
+    if tuple(g.shape) == shape:
+        return g
+    launch.check_float("sum_to_shape", g)
+    lead = g.ndim - len(shape)
+    if lead < 0:
+        raise ValueError(f"cuda.sum_to_shape: cannot reduce {g.shape} to {shape}")
+    axes = tuple(range(lead)) + tuple(
+        lead + i for i, n in enumerate(shape) if n == 1 and g.shape[lead + i] != 1)
+    out = _reduce("SumOp", g, axes, _reduced_shape(g.shape, axes, False))
+    if out.size != math.prod(shape):
+        raise ValueError(f"cuda.sum_to_shape: cannot reduce {g.shape} to {shape}")
+    return out.reshape(shape)
+
+
+def bias_grad(gy):
+    """Sum of gy over every axis but 1: the bias gradient of bias_add."""
+    launch.check_float("bias_grad", gy)
+    if gy.ndim < 2:
+        raise ValueError(f"cuda.bias_grad: gy {gy.shape} has no axis 1")
+    axes = (0,) + tuple(range(2, gy.ndim))
+    return _reduce("SumOp", gy, axes, (gy.shape[1],))
+
+
+def count_correct(logits, labels):
+    """Number of rows whose arg-max equals the label, as a 0-d float32 array (no host sync)."""
+    launch.check_float("count_correct", logits)
+    launch.check_contiguous("count_correct", logits)
+    if logits.ndim != 2 or logits.shape[1] == 0:
+        raise ValueError(f"cuda.count_correct: logits must be (N, C>0), got {logits.shape}")
+    n, c = logits.shape
+    launch.check_int_labels("count_correct", labels, n)
+    out = launch.new((), np.float32)
+    fn = launch.kernel(RED, "count_correct_kernel", launch.ctype(logits.dtype),
+                       launch.ctype(labels.dtype))
+    fn((1,), (launch.block_threads(warps=True),), (out, logits, labels, np.int32(n), np.int32(c)))
+    return out

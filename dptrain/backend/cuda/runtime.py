@@ -1,0 +1,243 @@
+"""The CUDA runtime: the contract of ``dptrain.backend`` (see ``RUNTIME``) on CuPy streams.
+
+* Streams: ops launch on CuPy's current stream; ``comm_stream()`` is one non-blocking stream
+  per process for collectives; ``on(stream)`` makes a stream current; events order streams.
+* ``capture(step)`` runs a step eagerly for a few calls, then records it once as a CUDA graph
+  (allocations from a memory pool private to the graph) and replays that graph, each call
+  ordered after the caller's stream and the caller's stream after it.
+* ``comm_timer()`` times the compute stream's wait for communication with two CUDA events.
+* Precision of the matrix kernels: "tf32" (compute capability >= 8.0) or "fp32"; the GEMM and
+  convolution launchers read ``runtime.precision`` and keep it in their plan keys.
+* Random numbers: ``rng_state`` is a device uint64 array [seed, offset] that the dropout
+  kernels read and advance on the device, so a replayed graph draws fresh numbers. It is
+  created on first use, on the device current then (after ``select_device``); until then
+  ``manual_seed`` and ``set_rng_state`` only set its host copy.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import cupy
+import numpy as np
+
+PRECISIONS = ("tf32", "fp32")
+
+
+def _order(waiter, signaller):
+    event = cupy.cuda.Event(disable_timing=True)
+    event.record(signaller)
+    waiter.wait_event(event)
+
+
+class CapturedStep:
+    """``run()``: step() eagerly for the first `warmup` calls, then a CUDA graph recorded once
+    and replayed; see Runtime.capture. Keep it alive as long as the graph is used: it owns
+    the graph's memory pool."""
+
+    def __init__(self, step, warmup: int):
+        self.step, self.warmup = step, int(warmup)
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        self.pool = cupy.cuda.MemoryPool()
+        self.graph, self.calls = None, 0
+
+    def __call__(self):
+        caller = cupy.cuda.get_current_stream()
+        _order(self.stream, caller)  # after what the caller issued (inputs, metric resets)
+        with self.stream:
+            if self.calls < self.warmup:
+                self.step()
+            else:
+                if self.graph is None:
+                    self._capture()
+                self.graph.launch(self.stream)
+        self.calls += 1
+        _order(caller, self.stream)  # later work on the caller's stream sees this step
+
+    def _capture(self):
+        self.stream.synchronize()
+        with cupy.cuda.using_allocator(self.pool.malloc):
+            self.stream.begin_capture()
+            try:
+                self.step()
+            except BaseException:
+                self.stream.end_capture()
+                raise
+            self.graph = self.stream.end_capture()
+
+
+class CommTimer:
+    """Two timing events on the compute stream bracket its wait for communication; read()
+    gives the latest step's seconds between them, or None where they were not both recorded
+    (the step ran as a graph replay: events recorded at capture cannot be read back)."""
+
+    def __init__(self):
+        self.events = {"begin": cupy.cuda.Event(), "end": cupy.cuda.Event()}
+        self.marked = set()
+
+    def issue(self, fn, *args):
+        fn(*args)
+
+    def _mark(self, name):
+        stream = cupy.cuda.get_current_stream()
+        if stream.is_capturing():
+            self.marked.clear()
+            return
+        self.events[name].record(stream)
+        self.marked.add(name)
+
+    def wait_begin(self):
+        self._mark("begin")
+
+    def wait_end(self):
+        self._mark("end")
+
+    def read(self):
+        if self.marked != set(self.events):
+            return None
+        self.events["end"].synchronize()
+        return cupy.cuda.get_elapsed_time(self.events["begin"], self.events["end"]) / 1e3
+
+
+class Runtime:
+    name = "cuda"
+    PRECISIONS = PRECISIONS
+
+    def __init__(self):
+        self._comm = None
+        self._precision = None  # None: "auto", decided on first use on the current device
+        self._host_rng = np.zeros(2, dtype=np.uint64)  # [seed, offset] until on the device
+        self._rng = None
+
+    # -- streams and ordering
+    def current_stream(self):
+        return cupy.cuda.get_current_stream()
+
+    def comm_stream(self):
+        if self._comm is None:
+            self._comm = cupy.cuda.Stream(non_blocking=True)
+        return self._comm
+
+    def on(self, stream):
+        """``with runtime.on(stream):`` launches inside go to `stream`."""
+        return stream
+
+    def record(self, stream=None):
+        event = cupy.cuda.Event(disable_timing=True)
+        event.record(cupy.cuda.get_current_stream() if stream is None else stream)
+        return event
+
+    def wait(self, event, stream=None):
+        (cupy.cuda.get_current_stream() if stream is None else stream).wait_event(event)
+
+    def order(self, waiter, signaller):
+        _order(waiter, signaller)
+
+    def synchronize(self):
+        cupy.cuda.runtime.deviceSynchronize()
+
+    # -- capture and replay of a step
+    def capture(self, step, warmup=2) -> CapturedStep:
+        self.rng_state  # noqa: B018 - on the device before any capture: uploads cannot be captured
+        return CapturedStep(step, warmup)
+
+    def comm_timer(self) -> CommTimer:
+        return CommTimer()
+
+    def upload_(self, dst, host):
+        """dst[...] = host, asynchronously on the current stream; `host` (any shape of dst's
+        size, cast to dst's dtype) is staged before this returns, so it may be reused."""
+        if not isinstance(dst, cupy.ndarray) or not dst.flags.c_contiguous:
+            raise ValueError("cuda.upload_: dst must be a C-contiguous CuPy array")
+        host = np.ascontiguousarray(np.asarray(host, dtype=dst.dtype))
+        if host.size != dst.size:
+            raise ValueError(f"cuda.upload_: {host.size} values do not fit an array of {dst.size}")
+        if dst.size:
+            dst.set(host.reshape(dst.shape), stream=cupy.cuda.get_current_stream())
+        return dst
+
+    # -- precision of matmul and conv2d
+    @staticmethod
+    def _capability() -> int:
+        return int(cupy.cuda.Device().compute_capability)
+
+    @property
+    def precision(self) -> str:
+        if self._precision is None:
+            self._precision = "tf32" if self._capability() >= 80 else "fp32"
+        return self._precision
+
+    @precision.setter
+    def precision(self, name: str) -> None:
+        self.set_precision(name)
+
+    def set_precision(self, name: str) -> None:
+        """Use `name` ("tf32", "fp32", or "auto": tf32 where the GPU has it) from now on."""
+        if name == "auto":
+            self._precision = None
+            return
+        if name not in PRECISIONS:
+            raise ValueError(f"precision must be one of auto, {', '.join(PRECISIONS)}; got {name!r}")
+        if name == "tf32" and self._capability() < 80:
+            raise ValueError("tf32 needs a GPU of compute capability >= 8.0")
+        self._precision = name
+
+    @contextlib.contextmanager
+    def precision_scope(self, name: str):
+        """``with runtime.precision_scope("fp32"): ...``: `name` inside, the previous after."""
+        old = self.precision
+        self.set_precision(name)
+        try:
+            yield
+        finally:
+            self._precision = old
+
+    # -- random numbers: [seed, Philox counter offset] on the device
+    @property
+    def rng_state(self):
+        """The device uint64 array [seed, offset] the dropout kernels read and advance."""
+        if self._rng is None:
+            state = cupy.empty(2, dtype=np.uint64)
+            state.set(self._host_rng, stream=cupy.cuda.get_current_stream())
+            self._rng = state
+        return self._rng
+
+    def manual_seed(self, seed: int) -> None:
+        self.set_rng_state(np.array([int(seed) % 2**64, 0], dtype=np.uint64))
+
+    def get_rng_state(self) -> np.ndarray:
+        """[seed, offset] as a host uint64 array (waits for the draws issued so far)."""
+        if self._rng is None:
+            return self._host_rng.copy()
+        return self._rng.get(stream=cupy.cuda.get_current_stream())
+
+    def set_rng_state(self, state) -> None:
+        state = np.asarray(state, dtype=np.uint64).reshape(-1)
+        if state.size != 2:
+            raise ValueError(f"cuda.set_rng_state: expected [seed, offset], got {state.size} values")
+        self._host_rng = state.copy()
+        if self._rng is not None:
+            self._rng.set(self._host_rng, stream=cupy.cuda.get_current_stream())
+
+    # -- devices and collectives
+    def device_count(self) -> int:
+        return cupy.cuda.runtime.getDeviceCount()
+
+    def select_device(self, index: int) -> None:
+        if self._rng is not None and self._rng.device.id != index:
+            self._host_rng, self._rng = self._rng.get(), None  # recreated on the new device
+        self._comm = None
+        cupy.cuda.Device(index).use()
+
+    def memory_info(self) -> tuple[int, int]:
+        free, total = cupy.cuda.runtime.memGetInfo()
+        return int(free), int(total)
+
+    def communicator(self, mpi_comm):
+        """An NCCL communicator over the ranks of `mpi_comm` (rank 0 makes the unique id,
+        MPI carries it); its collectives run on the current stream."""
+        from dptrain.backend.cuda.nccl import NCCLComm
+
+        return NCCLComm(mpi_comm)
+
+
+runtime = Runtime()

@@ -1,0 +1,90 @@
+"""Launchers of kernels/softmax.cu: softmax and log_softmax along the last axis, their
+backward, and cross-entropy.
+
+Conventions (the .cu file's header has the kernel side):
+  * Contiguous (R, C) row blocks, one warp per row (WARPS rows per block of BLOCK threads);
+    fixed shuffle trees, so results are deterministic.
+  * Backward ops take the forward OUTPUT y and gy and return the input gradient (`=`).
+  * cross_entropy_forward(logits (N, C), int labels) -> (mean loss as a 0-d device array,
+    probs); cross_entropy_backward takes the 0-d loss gradient on the device, so neither
+    reads a value back to the host. A label outside [0, C) gives a NaN loss.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from dptrain.backend.cuda import launch
+
+SM = "softmax.cu"
+
+
+def _rows(op, *arrays):
+    launch.check_float(op, *arrays)
+    launch.check_contiguous(op, *arrays)
+    for a in arrays[1:]:
+        launch.check_shape(op, a, arrays[0].shape)
+    x = arrays[0]
+    if x.ndim == 0:
+        raise ValueError(f"cuda.{op}: needs at least one axis")
+    c = x.shape[-1]
+    r = x.size // c if c else 0
+    launch.check_int32(op, r, c)
+    return r, c
+
+
+def _row_op(op, kernel, log, first, *rest):
+    r, c = _rows(op, first, *rest)
+    out = launch.new(first.shape, first.dtype)
+    if first.size:
+        fn = launch.kernel(SM, kernel, launch.ctype(first.dtype), "true" if log else "false")
+        launch.grid_stride(fn, r, (out, first, *rest, np.int32(r), np.int32(c)), launch.WARPS)
+    return out
+
+
+def softmax(x):
+    return _row_op("softmax", "softmax_fwd_kernel", False, x)
+
+
+def softmax_backward(y, gy):
+    return _row_op("softmax_backward", "softmax_bwd_kernel", False, y, gy)
+
+
+def log_softmax(x):
+    return _row_op("log_softmax", "softmax_fwd_kernel", True, x)
+
+
+def log_softmax_backward(y, gy):
+    return _row_op("log_softmax_backward", "softmax_bwd_kernel", True, y, gy)
+
+
+def cross_entropy_forward(logits, labels):
+    """Mean cross-entropy of (N, C) logits against int labels: (loss as a 0-d array, softmax)."""
+    r, c = _rows("cross_entropy_forward", logits)
+    if logits.ndim != 2 or c == 0:
+        raise ValueError(f"cuda.cross_entropy_forward: logits must be (N, C>0), got {logits.shape}")
+    launch.check_int_labels("cross_entropy_forward", labels, r)
+    t, lt = launch.ctype(logits.dtype), launch.ctype(labels.dtype)
+    probs = launch.new(logits.shape, logits.dtype)
+    picked = launch.new((r,), logits.dtype)
+    loss = launch.new((), logits.dtype)
+    if r:
+        launch.grid_stride(launch.kernel(SM, "ce_rows_kernel", t, lt), r,
+                           (probs, picked, logits, labels, np.int32(r), np.int32(c)), launch.WARPS)
+    launch.kernel(SM, "ce_mean_kernel", t)((1,), (launch.block_threads(warps=True),),
+                                           (loss, picked, np.int32(r)))
+    return loss, probs
+
+
+def cross_entropy_backward(probs, labels, gloss):
+    """(probs - onehot(labels)) * gloss / N; gloss is the 0-d loss gradient on the device."""
+    r, c = _rows("cross_entropy_backward", probs)
+    launch.check_float("cross_entropy_backward", probs, gloss)
+    if gloss.size != 1:
+        raise ValueError(f"cuda.cross_entropy_backward: gloss must hold one value, got {gloss.shape}")
+    launch.check_int_labels("cross_entropy_backward", labels, r)
+    g = launch.new(probs.shape, probs.dtype)
+    if probs.size:
+        fn = launch.kernel(SM, "ce_bwd_kernel", launch.ctype(probs.dtype),
+                           launch.ctype(labels.dtype))
+        launch.grid_stride(fn, probs.size, (g, probs, labels, gloss, np.int32(r), np.int32(c)))
+    return g

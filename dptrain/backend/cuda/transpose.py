@@ -1,0 +1,162 @@
+"""Launchers of kernels/transpose.cu: data movement through strides.
+
+Conventions (the .cu file's header has the kernel side):
+  * Every op returns a new contiguous array, written with `=`, bit for bit (copies move raw
+    bits: one kernel per element size serves every dtype of that size).
+  * strided_copy(dst, src, src_strides) is the workhorse: dst and src are views whose first
+    element the kernel starts from, read and written through one Layout (shape, element
+    strides; 0 broadcasts, negative reverses). Axes of size 1 are dropped and neighbours
+    contiguous in both operands merged first (launch.collapse). 32-bit indices, asserted.
+  * Index arrays: one 1-D integer array picking rows (a batch of labels) runs take_rows;
+    host index arrays are bounds-checked and uploaded, device ones wrap modulo the row count
+    (no sync to check them). Other index arrays use CuPy's indexing (outside the hot path).
+  * getitem_backward sums repeated indices by gathering (index_add_kernel), in a fixed order.
+"""
+from __future__ import annotations
+
+import math
+
+import cupy
+import numpy as np
+
+from dptrain.backend.cuda import launch
+from dptrain.backend.cuda.elementwise import fill_
+
+TR = "transpose.cu"
+
+
+def strided_copy(dst, src, src_strides):
+    """dst[i] = src[i] for every index of dst.shape, src read with `src_strides` (elements;
+    0 broadcasts). Any dst strides. Exact: copies raw bits."""
+    n = dst.size
+    if n == 0:
+        return dst
+    if dst.dtype != src.dtype:
+        raise TypeError(f"cuda.copy: copy between {src.dtype} and {dst.dtype} needs astype first")
+    launch.check_int32("copy", n)
+    dims, (so, si) = launch.collapse(dst.shape, launch.estrides(dst), src_strides)
+    ctype = launch.bits(dst.itemsize)[0]
+    launch.grid_stride(launch.kernel(TR, "strided_copy_kernel", ctype), n,
+                       (dst, src, np.int32(n), launch.layout(dims, so, si)))
+    return dst
+
+
+def copy(a):
+    launch.check_arrays("copy", a)
+    return strided_copy(launch.new(a.shape, a.dtype), a, launch.estrides(a))
+
+
+def transpose(a, axes):
+    launch.check_arrays("transpose", a)
+    axes = tuple(range(a.ndim))[::-1] if axes is None else tuple(int(x) % a.ndim for x in axes)
+    if sorted(axes) != list(range(a.ndim)):
+        raise ValueError(f"cuda.transpose: axes {axes} are not a permutation of {a.ndim} axes")
+    st = launch.estrides(a)
+    out = launch.new(tuple(a.shape[i] for i in axes), a.dtype)
+    return strided_copy(out, a, [st[i] for i in axes])
+
+
+def _is_basic(index):
+    """Ints, slices, None and Ellipsis only: a[index] is a view (no index arrays)."""
+    items = index if isinstance(index, tuple) else (index,)
+    return all(
+        isinstance(i, (int, np.integer, slice, type(None), type(Ellipsis)))
+        and not isinstance(i, (bool, np.bool_))
+        for i in items
+    )
+
+
+def _device_index(index):
+    """The index with every array / list in it moved to the device (CuPy's indexing)."""
+    def move(i):
+        return cupy.asarray(i) if isinstance(i, (np.ndarray, list)) else i
+    return tuple(move(i) for i in index) if isinstance(index, tuple) else move(index)
+
+
+def _row_index(index, rows):
+    """The device index array when `index` picks whole rows of an array of `rows` rows with
+    one 1-D integer array (a batch of labels, say), else None. Host arrays are bounds-checked
+    and uploaded; device arrays cannot be checked without a sync (take_rows wraps)."""
+    i = index[0] if isinstance(index, tuple) and len(index) == 1 else index
+    if isinstance(i, np.ndarray) and i.ndim == 1 and i.dtype.kind == "i":
+        if i.size and not (-rows <= i.min() and i.max() < rows):
+            raise IndexError(f"cuda.getitem: index out of range for {rows} rows")
+        i = cupy.asarray(i.astype(np.int64))
+    if launch.is_cupy(i) and i.ndim == 1 and i.dtype.kind == "i" and i.itemsize in (4, 8):
+        return i if i.flags.c_contiguous else copy(i)
+    return None
+
+
+def getitem(a, index):
+    launch.check_arrays("getitem", a)
+    if _is_basic(index):
+        view = a[index]  # CuPy basic indexing: a view (metadata only); the copy is ours
+        return strided_copy(launch.new(view.shape, a.dtype), view, launch.estrides(view))
+    rows = _row_index(index, a.shape[0]) if a.ndim >= 1 and a.shape[0] > 0 else None
+    if rows is not None:
+        src = a if a.flags.c_contiguous else copy(a)
+        out = launch.new((rows.size,) + tuple(a.shape[1:]), a.dtype)
+        row = src.size // a.shape[0]
+        if out.size:
+            fn = launch.kernel(TR, "take_rows_kernel", launch.bits(a.itemsize)[0],
+                               launch.ctype(rows.dtype))
+            launch.grid_stride(fn, out.size, (out, src, rows, np.int32(rows.size),
+                                              np.int64(a.shape[0]), np.int64(row)))
+        return out
+    # Other index arrays: CuPy's indexing gathers (outside the training hot path).
+    res = a[_device_index(index)]
+    return res if res.flags.c_contiguous else copy(res)
+
+
+def getitem_backward(gy, shape, index):
+    """Gradient of getitem: zeros of `shape` with gy added at `index` (repeats accumulate)."""
+    launch.check_arrays("getitem_backward", gy)
+    shape = tuple(shape)
+    gx = launch.new(shape, gy.dtype)
+    if _is_basic(index):
+        fill_(gx, 0)
+        view = gx[index]
+        launch.check_shape("getitem_backward", gy, view.shape, "gy")
+        strided_copy(view, gy, launch.bstrides(gy, view.shape))
+        return gx
+    launch.check_float("getitem_backward", gy)
+    # CuPy indexing of an arange gives each gy element's flat target (index normalisation);
+    # our gather kernel then sums repeats in a fixed order (np.add.at's).
+    flat = cupy.arange(math.prod(shape), dtype=cupy.int64).reshape(shape)[_device_index(index)]
+    launch.check_shape("getitem_backward", gy, flat.shape, "gy")
+    flat = flat.reshape(-1) if flat.flags.c_contiguous else copy(flat).reshape(-1)
+    src = gy if gy.flags.c_contiguous else copy(gy)
+    launch.check_int32("getitem_backward", gx.size, src.size)
+    if gx.size:
+        fn = launch.kernel(TR, "index_add_kernel", launch.ctype(gy.dtype))
+        launch.grid_stride(fn, gx.size, (gx, src, flat, np.int32(src.size), np.int32(gx.size)))
+    return gx
+
+
+def concatenate(arrays, axis):
+    arrays = list(arrays)
+    launch.check_arrays("concatenate", *arrays)
+    first = arrays[0]
+    axis = int(axis) % first.ndim
+    for a in arrays[1:]:
+        if a.dtype != first.dtype or a.ndim != first.ndim or any(
+            a.shape[i] != first.shape[i] for i in range(first.ndim) if i != axis
+        ):
+            raise ValueError(f"cuda.concatenate: {a.shape} {a.dtype} does not match "
+                             f"{first.shape} {first.dtype} along axis {axis}")
+    shape = list(first.shape)
+    shape[axis] = sum(a.shape[axis] for a in arrays)
+    out = launch.new(tuple(shape), first.dtype)
+    start = 0
+    for a in arrays:
+        stop = start + a.shape[axis]
+        view = out[(slice(None),) * axis + (slice(start, stop),)]
+        strided_copy(view, a, launch.estrides(a))
+        start = stop
+    return out
+
+
+def broadcast_to(a, shape):
+    launch.check_arrays("broadcast_to", a)
+    shape = tuple(shape)
+    return strided_copy(launch.new(shape, a.dtype), a, launch.bstrides(a, shape))

@@ -1,0 +1,140 @@
+// common.cuh: what the kernel files share. Included by every .cu file here (the loader hashes
+// local headers into its cache key, so editing this one recompiles them all).
+//
+// Conventions
+//  * Grid-stride loops: every kernel loops so that any grid covers any size; the launcher caps
+//    the grid. GRID_STRIDE counts in long long, GRID_STRIDE_32 in int (where the launcher has
+//    asserted the count fits: strided kernels index through a Layout of int strides).
+//  * Warp-level helpers assume all 32 lanes of the warp call them (FULL_MASK).
+//  * Math helpers dispatch on the element type (float or double): NVRTC has no <cmath>
+//    overload set we can rely on.
+#pragma once
+
+#define FULL_MASK 0xffffffffu
+#define DP_MAX_DIMS 8
+
+#define GRID_STRIDE(i, n)                                                              \
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < (n);       \
+       i += (long long)gridDim.x * blockDim.x)
+
+#define GRID_STRIDE_32(i, n) \
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += gridDim.x * blockDim.x)
+
+// ----------------------------------------------------------------------------- strided layouts
+
+// A shape plus the element strides of two operands (s0 for the output or first operand, s1
+// for the input or second); stride 0 broadcasts, a negative stride reverses. Passed by value
+// (the launcher builds it as a NumPy structured array with these fields).
+struct Layout {
+  int ndim;
+  int shape[DP_MAX_DIMS];
+  int s0[DP_MAX_DIMS];
+  int s1[DP_MAX_DIMS];
+};
+
+// Offsets in both operands of row-major flat index i. Unrolled so the Layout stays in
+// parameter space (no local-memory copy).
+__device__ __forceinline__ void layout_offsets(int i, const Layout& L, int& o0, int& o1) {
+  o0 = 0;
+  o1 = 0;
+#pragma unroll
+  for (int d = DP_MAX_DIMS - 1; d >= 1; --d) {
+    if (d < L.ndim) {
+      const int n = L.shape[d];
+      const int q = i / n;
+      const int r = i - q * n;
+      o0 += r * L.s0[d];
+      o1 += r * L.s1[d];
+      i = q;
+    }
+  }
+  // Axis 0 needs no division: what is left of i is its index (0 when ndim == 0, where the
+  // zeroed strides make it vanish anyway).
+  o0 += i * L.s0[0];
+  o1 += i * L.s1[0];
+}
+
+// Offset (stride s0 only) of row-major flat index i.
+__device__ __forceinline__ int layout_offset(int i, const Layout& L) {
+  int o = 0;
+#pragma unroll
+  for (int d = DP_MAX_DIMS - 1; d >= 1; --d) {
+    if (d < L.ndim) {
+      const int n = L.shape[d];
+      const int q = i / n;
+      o += (i - q * n) * L.s0[d];
+      i = q;
+    }
+  }
+  return o + i * L.s0[0];  // axis 0: no division needed (s0[0] is 0 when ndim == 0)
+}
+
+// ----------------------------------------------------------------------------- math by type
+
+__device__ __forceinline__ float dp_exp(float x) { return expf(x); }
+__device__ __forceinline__ double dp_exp(double x) { return exp(x); }
+__device__ __forceinline__ float dp_log(float x) { return logf(x); }
+__device__ __forceinline__ double dp_log(double x) { return log(x); }
+__device__ __forceinline__ float dp_sqrt(float x) { return sqrtf(x); }
+__device__ __forceinline__ double dp_sqrt(double x) { return sqrt(x); }
+__device__ __forceinline__ float dp_tanh(float x) { return tanhf(x); }
+__device__ __forceinline__ double dp_tanh(double x) { return tanh(x); }
+__device__ __forceinline__ float dp_pow(float x, float p) { return powf(x, p); }
+__device__ __forceinline__ double dp_pow(double x, double p) { return pow(x, p); }
+
+template <typename T> __device__ __forceinline__ T neg_inf();
+template <> __device__ __forceinline__ float neg_inf<float>() { return __int_as_float((int)0xff800000u); }
+template <> __device__ __forceinline__ double neg_inf<double>() {
+  return __longlong_as_double((long long)0xfff0000000000000ull);
+}
+template <typename T> __device__ __forceinline__ T quiet_nan();
+template <> __device__ __forceinline__ float quiet_nan<float>() { return __int_as_float(0x7fc00000); }
+template <> __device__ __forceinline__ double quiet_nan<double>() {
+  return __longlong_as_double(0x7ff8000000000000ll);
+}
+
+// NaN-propagating max (np.max semantics): once a is NaN it stays NaN, and a NaN b replaces a.
+template <typename T> __device__ __forceinline__ T nan_max(T a, T b) { return (b > a || b != b) ? b : a; }
+
+// ----------------------------------------------------------------------------- reductions
+
+// Combining operations: identity() and combine(acc, value).
+struct SumOp {
+  template <typename A> __device__ static A identity() { return A(0); }
+  template <typename A> __device__ static A combine(A a, A b) { return a + b; }
+};
+struct MaxOp {
+  template <typename A> __device__ static A identity() { return neg_inf<A>(); }
+  template <typename A> __device__ static A combine(A a, A b) { return nan_max(a, b); }
+};
+
+// Tree over the G (power of two <= 32) lanes of a group; the result is valid in its lane 0.
+template <typename A, typename Op>
+__device__ __forceinline__ A group_reduce(A v, int G) {
+  for (int off = G / 2; off > 0; off >>= 1)
+    v = Op::template combine<A>(v, __shfl_down_sync(FULL_MASK, v, off, G));
+  return v;
+}
+
+// Butterfly over the whole warp: every lane gets the result.
+template <typename A, typename Op>
+__device__ __forceinline__ A warp_all_reduce(A v) {
+  for (int off = 16; off > 0; off >>= 1)
+    v = Op::template combine<A>(v, __shfl_xor_sync(FULL_MASK, v, off));
+  return v;
+}
+
+// Tree over the whole block (blockDim.x a multiple of 32, <= 1024); result valid in thread 0.
+template <typename A, typename Op>
+__device__ __forceinline__ A block_reduce(A v, A* shared) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  v = group_reduce<A, Op>(v, 32);
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = lane < nwarps ? shared[lane] : Op::template identity<A>();
+    v = group_reduce<A, Op>(v, 32);
+  }
+  __syncthreads();  // shared is reused by the caller's next iteration
+  return v;
+}
