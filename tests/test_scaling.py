@@ -307,7 +307,7 @@ def test_bench_inference_matches_evaluate(cache):
 
     from dptrain import backend, manual_seed
     from dptrain.bench import threads
-    from dptrain.data import get_dataset
+    from dptrain.data import DeviceLoader, get_dataset
     from dptrain.nn import build_model
     from dptrain.train import evaluate
 
@@ -319,7 +319,7 @@ def test_bench_inference_matches_evaluate(cache):
     manual_seed(3)
     model = build_model("cnn", val.image_shape, val.num_classes).to("cpu")
     be = backend.get("cpu")
-    want = evaluate(model, be.asarray(val.images), be.asarray(val.labels), val.mean, val.std)
+    want = evaluate(model, DeviceLoader(val, be, 16))
     assert metrics["val_loss"] == pytest.approx(want["val_loss"], rel=1e-5)
     assert metrics["val_accuracy"] == pytest.approx(want["val_accuracy"])
     assert np.isfinite(metrics["val_loss"]) and 0 <= metrics["val_accuracy"] <= 1

@@ -45,10 +45,11 @@ The runtime (``be.runtime``), with the CPU's trivial meaning in brackets:
   ``comm_timer() -> timer``                 ``timer.issue(fn, *args)`` issues a collective;
                                              ``timer.wait_begin()``/``wait_end()`` bracket the
                                              compute stream's wait for communication;
-                                             ``timer.read()`` -> mean exposed seconds per step
-                                             since the last read, or None where it cannot be
-                                             measured (a graph replay) [host clock around
-                                             every collective]
+                                             ``timer.read()`` -> exposed seconds per step
+                                             (GPU: the latest eager step; None under graph
+                                             replay, where events cannot be read back) [the
+                                             host clock around every collective, mean per
+                                             step since the last read]
   ``upload_(dst, host)``                    copy a host array into device array ``dst`` (same
                                              size), asynchronously on the current stream; the
                                              host array may be reused at once [a copy]

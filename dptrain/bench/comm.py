@@ -32,7 +32,7 @@ def main(argv=None) -> int:
 
     device = backend.resolve_device(args.device)
     be = backend.get(device)
-    world = dist.init(device, be)
+    world = dist.init(be)
     comm, n = world.comm, world.size
     rt = be.runtime
 

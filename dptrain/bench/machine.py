@@ -5,17 +5,12 @@ from __future__ import annotations
 def gpu_names() -> list[str]:
     """Names of the GPUs this process sees ([] without CuPy, a driver or a device).
 
-    The backend contract counts devices (``be.runtime.device_count()``) but does not name
-    them, so the name comes from the CUDA runtime through CuPy, imported only here.
+    The names come from the CUDA backend's vendor module (what benchmarks compare against).
     """
     try:
-        import cupy
+        from dptrain.backend.cuda import vendor
 
-        names = []
-        for i in range(cupy.cuda.runtime.getDeviceCount()):
-            name = cupy.cuda.runtime.getDeviceProperties(i)["name"]
-            names.append(name.decode() if isinstance(name, bytes) else str(name))
-        return names
+        return vendor.device_names()
     except Exception:  # no CuPy, no driver, no device
         return []
 
@@ -23,8 +18,8 @@ def gpu_names() -> list[str]:
 def gpu_software() -> str:
     """The GPU array library's version, for a result's header ("" where it is missing)."""
     try:
-        import cupy
+        from dptrain.backend.cuda import vendor
 
-        return f"cupy {cupy.__version__}"
+        return vendor.library_version()
     except Exception:
         return ""

@@ -51,21 +51,9 @@ FIELDS = ["section", "op", "shape", "precision", "ours_ms", "ours_rate", "unit",
 
 def gpu_time_ms(fn, warmup=3, repeat=20, budget_s=0.3) -> float:
     """Median of CUDA-event times of fn() on the current stream, after warm-up."""
-    import cupy
+    from dptrain.backend.cuda import vendor
 
-    for _ in range(warmup):
-        fn()
-    start, end = cupy.cuda.Event(), cupy.cuda.Event()
-    times = []
-    for i in range(repeat):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, end))
-        if i >= 2 and sum(times) > budget_s * 1e3:
-            break
-    return statistics.median(times)
+    return vendor.time_ms(fn, warmup, repeat, budget_s)
 
 
 class CpuTimer:
@@ -96,15 +84,6 @@ class CpuTimer:
 
 
 # ----------------------------------------------------------------------------- references
-
-
-def cupy_compute(prec):
-    """Make cupy.matmul (cuBLAS) use TF32 tensor cores or plain fp32."""
-    import cupy
-    from cupy._core import _routines_linalg as linalg
-
-    kind = linalg.COMPUTE_TYPE_TF32 if prec == "tf32" else linalg.COMPUTE_TYPE_FP32
-    cupy._core.set_compute_type(np.float32, kind)
 
 
 def load_torch(prec):
@@ -161,14 +140,6 @@ def _conv_shape(n, cin, cout, hw):
     return f"{n}x{cin}x{hw}x{hw}->{cout} k3"
 
 
-def _rel_error(got, want64) -> float:
-    """||got - want|| / ||want|| with want a float64 device array (a reference, so CuPy)."""
-    import cupy
-
-    diff = got.astype(cupy.float64) - want64
-    return float(cupy.linalg.norm(diff) / cupy.linalg.norm(want64))
-
-
 def _gemm_kernel_name(a, b, trans_b) -> str:
     """The GEMM kernel our matmul picks for these operands at the current precision."""
     try:
@@ -181,7 +152,7 @@ def _gemm_kernel_name(a, b, trans_b) -> str:
 
 def bench_gemm(table, be, cpu_timer, precisions, sizes):
     """Square GEMM in both layouts: a @ b, and a @ b^T (x @ W^T, the wgmma kernel's layout)."""
-    import cupy
+    from dptrain.backend.cuda import vendor
 
     rng = np.random.default_rng(0)
     for n in sizes:
@@ -191,16 +162,14 @@ def bench_gemm(table, be, cpu_timer, precisions, sizes):
         flops = 2.0 * n**3
         for op, trans_b in (("matmul", False), ("matmul_nt", True)):
             cpu_ms = cpu_timer(f"gemm.{op}", flops, lambda: cpu.matmul(a_h, b_h, trans_b=trans_b))
-            a64, b64 = a.astype(cupy.float64), b.astype(cupy.float64)
-            want = cupy.matmul(a64, b64.T if trans_b else b64)
-            del a64, b64
+            want = vendor.matmul64(a, b, trans_b=trans_b)
             for prec in precisions:
-                cupy_compute(prec)
+                vendor.cublas_precision(prec)
                 with be.runtime.precision_scope(prec):
                     kernel = _gemm_kernel_name(a, b, trans_b)
-                    err = _rel_error(be.matmul(a, b, trans_b=trans_b), want)
+                    err = vendor.rel_error(be.matmul(a, b, trans_b=trans_b), want)
                     ours = gpu_time_ms(lambda: be.matmul(a, b, trans_b=trans_b))
-                ref = gpu_time_ms(lambda: cupy.matmul(a, b.T if trans_b else b))
+                ref = gpu_time_ms(lambda: vendor.cublas_matmul(a, b, trans_b=trans_b))
                 table.add(section="gemm", op=op, shape=f"{n}x{n}x{n}", precision=prec,
                           ours_ms=ours, ours_rate=flops / ours / 1e6, unit="GFLOP/s",
                           ref="cuBLAS", ref_ms=ref, ref_rate=flops / ref / 1e6, cpu_ms=cpu_ms,
@@ -211,7 +180,7 @@ def bench_gemm(table, be, cpu_timer, precisions, sizes):
 
 def bench_fc(table, be, cpu_timer, precisions):
     """The CNN's linear layers: y = x W^T, dx = gy W, dW = gy^T x."""
-    import cupy
+    from dptrain.backend.cuda import vendor
 
     rng = np.random.default_rng(1)
     for name, fin, fout in CNN_FCS:
@@ -221,17 +190,17 @@ def bench_fc(table, be, cpu_timer, precisions):
         x, w, gy = be.asarray(x_h), be.asarray(w_h), be.asarray(gy_h)
         flops = 2.0 * BATCH * fin * fout
         cases = [
-            ("fwd", lambda: be.matmul(x, w, trans_b=True), lambda: cupy.matmul(x, w.T),
+            ("fwd", lambda: be.matmul(x, w, trans_b=True), lambda: vendor.cublas_matmul(x, w, trans_b=True),
              lambda: cpu.matmul(x_h, w_h, trans_b=True)),
-            ("bwd_data", lambda: be.matmul(gy, w), lambda: cupy.matmul(gy, w),
+            ("bwd_data", lambda: be.matmul(gy, w), lambda: vendor.cublas_matmul(gy, w),
              lambda: cpu.matmul(gy_h, w_h)),
-            ("bwd_wgt", lambda: be.matmul(gy, x, trans_a=True), lambda: cupy.matmul(gy.T, x),
+            ("bwd_wgt", lambda: be.matmul(gy, x, trans_a=True), lambda: vendor.cublas_matmul(gy, x, trans_a=True),
              lambda: cpu.matmul(gy_h, x_h, trans_a=True)),
         ]
         for kind, ours_fn, ref_fn, cpu_fn in cases:
             cpu_ms = cpu_timer(None, 1, cpu_fn)
             for prec in precisions:
-                cupy_compute(prec)
+                vendor.cublas_precision(prec)
                 with be.runtime.precision_scope(prec):
                     ours = gpu_time_ms(ours_fn)
                 ref = gpu_time_ms(ref_fn)
@@ -319,7 +288,7 @@ def _shape2d(n):
 
 def bench_elementwise(table, be, cpu_timer, sizes):
     """Our elementwise kernels; references: CuPy's own elementwise ops on the same arrays."""
-    import cupy
+    from dptrain.backend.cuda import vendor
 
     rng = np.random.default_rng(3)
     for n in sizes:
@@ -330,12 +299,12 @@ def bench_elementwise(table, be, cpu_timer, sizes):
         a2_h = a_h[: shape2d[0] * shape2d[1]].reshape(shape2d)
         a2 = be.asarray(a2_h)
         cases = [
-            ("add", 12 * n, lambda: be.add(a, b), lambda: a + b, lambda: cpu.add(a_h, b_h)),
-            ("mul", 12 * n, lambda: be.mul(a, b), lambda: a * b, lambda: cpu.mul(a_h, b_h)),
-            ("pow", 8 * n, lambda: be.pow_scalar(a, 2.5), lambda: a**np.float32(2.5),
+            ("add", 12 * n, lambda: be.add(a, b), lambda: vendor.add(a, b), lambda: cpu.add(a_h, b_h)),
+            ("mul", 12 * n, lambda: be.mul(a, b), lambda: vendor.mul(a, b), lambda: cpu.mul(a_h, b_h)),
+            ("pow", 8 * n, lambda: be.pow_scalar(a, 2.5), lambda: vendor.pow_scalar(a, 2.5),
              lambda: cpu.pow_scalar(a_h, 2.5)),
             ("transpose", 8 * a2_h.size, lambda: be.transpose(a2, (1, 0)),
-             lambda: cupy.ascontiguousarray(a2.T), lambda: cpu.transpose(a2_h, (1, 0))),
+             lambda: vendor.transpose2d(a2), lambda: cpu.transpose(a2_h, (1, 0))),
         ]
         for op, nbytes, ours_fn, ref_fn, cpu_fn in cases:
             try:

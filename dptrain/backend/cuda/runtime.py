@@ -136,6 +136,8 @@ class Runtime:
         cupy.cuda.runtime.deviceSynchronize()
 
     # -- capture and replay of a step
+    records_graphs = True
+
     def capture(self, step, warmup=2) -> CapturedStep:
         self.rng_state  # noqa: B018 - on the device before any capture: uploads cannot be captured
         return CapturedStep(step, warmup)
@@ -223,6 +225,10 @@ class Runtime:
         return cupy.cuda.runtime.getDeviceCount()
 
     def select_device(self, index: int) -> None:
+        count = self.device_count()
+        if not 0 <= index < count:
+            raise RuntimeError(f"no GPU {index}: this host has {count}; start at most {count} "
+                               f"ranks per host")
         if self._rng is not None and self._rng.device.id != index:
             self._host_rng, self._rng = self._rng.get(), None  # recreated on the new device
         self._comm = None
