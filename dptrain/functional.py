@@ -64,8 +64,8 @@ def avg_pool2d(x: Tensor, kernel_size, stride=None, padding=0) -> Tensor:
     return ops.AvgPool2d.apply(x, **_pool_args(x, kernel_size, stride, padding, "avg_pool2d"))
 
 
-def relu(x: Tensor) -> Tensor:
-    return ops.ReLU.apply(x)
+def relu(x: Tensor, *, workspace=None) -> Tensor:
+    return ops.ReLU.apply(x, workspace=workspace)
 
 
 def sigmoid(x: Tensor) -> Tensor:

@@ -104,12 +104,12 @@ class Sqrt(Function):
 
 
 class ReLU(Function):
-    def forward(self, a):
-        self.y = self.be.relu(a)
+    def forward(self, a, workspace=None):
+        self.y, self.workspace = self.be.relu(a), workspace
         return self.y
 
     def backward(self, gy):
-        return (self.be.relu_backward(self.y, gy),)
+        return (self.be.relu_backward(self.y, gy, workspace=self.workspace),)
 
 
 class Sigmoid(Function):

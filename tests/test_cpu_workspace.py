@@ -80,7 +80,7 @@ def test_kept_columns_are_not_reused_for_other_parameters_or_a_new_array():
 
 
 def _every_op_once(seed, ws_):
-    """Each workspace-taking op (and relu_backward) on fresh inputs; returns the results."""
+    """Each workspace-taking op on fresh inputs; returns the results."""
     out = []
     for xs, wshape, stride, padding in CONVS:
         x, w, b = _conv_case(seed, xs, wshape)
@@ -94,7 +94,7 @@ def _every_op_once(seed, ws_):
         y, idx = cpu.max_pool2d_forward(x, k, s, p, workspace=ws_)
         out += [y, idx, cpu.max_pool2d_backward(_rand(rng, y.shape), idx, xs, workspace=ws_)]
     y = cpu.relu(_rand(rng, (3, 4, 5, 6)))
-    out.append(cpu.relu_backward(y, _rand(rng, y.shape)))
+    out.append(cpu.relu_backward(y, _rand(rng, y.shape), workspace=ws_))
     return out
 
 

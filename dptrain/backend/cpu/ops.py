@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from dptrain.backend.cpu.runtime import runtime
+from dptrain.backend.cpu.workspace import checked, scratch
 
 name = "cpu"
 
@@ -151,9 +152,11 @@ def relu(a):
     return np.maximum(a, a.dtype.type(0))
 
 
-def relu_backward(y, gy):
-    gx = np.greater(y, 0, out=np.empty(y.shape, dtype=gy.dtype), casting="unsafe")
-    return np.multiply(gy, gx, out=gx)
+def relu_backward(y, gy, *, workspace=None):
+    """gy where y > 0, else 0. The mask is a scratch array of the workspace when one is given
+    (a fresh bool array each call can cost page faults; see NOTES.md)."""
+    mask = scratch(checked(workspace), "relu_mask", y.shape, np.bool_)
+    return gy * np.greater(y, 0, out=mask)
 
 
 def sigmoid(a):
