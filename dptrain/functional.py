@@ -32,13 +32,16 @@ def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
     return ops.Linear.apply(x, w) if b is None else ops.Linear.apply(x, w, b)
 
 
-def conv2d(x: Tensor, w: Tensor, b: Tensor | None = None, stride=1, padding=0) -> Tensor:
+def conv2d(x: Tensor, w: Tensor, b: Tensor | None = None, stride=1, padding=0, *,
+           workspace=None) -> Tensor:
+    """Convolution; `workspace` (``x.be.new_workspace()``) lets the backend reuse memory and
+    work between calls without changing any result (``nn.Conv2d`` keeps one across steps)."""
     _check_nchw(x, "conv2d")
     if x.shape[1] != w.shape[1]:
         raise ValueError(f"conv2d: input has {x.shape[1]} channels, weight expects {w.shape[1]}")
     stride, padding = _pair(stride, "stride"), _pair(padding, "padding")
     args = (x, w) if b is None else (x, w, b)
-    return ops.Conv2d.apply(*args, stride=stride, padding=padding)
+    return ops.Conv2d.apply(*args, stride=stride, padding=padding, workspace=workspace)
 
 
 def _pool_args(x, kernel_size, stride, padding, op):
@@ -51,16 +54,18 @@ def _pool_args(x, kernel_size, stride, padding, op):
     return dict(kernel=kernel, stride=stride, padding=padding)
 
 
-def max_pool2d(x: Tensor, kernel_size, stride=None, padding=0) -> Tensor:
-    return ops.MaxPool2d.apply(x, **_pool_args(x, kernel_size, stride, padding, "max_pool2d"))
+def max_pool2d(x: Tensor, kernel_size, stride=None, padding=0, *, workspace=None) -> Tensor:
+    """Max-pooling; `workspace` as in conv2d."""
+    args = _pool_args(x, kernel_size, stride, padding, "max_pool2d")
+    return ops.MaxPool2d.apply(x, **args, workspace=workspace)
 
 
 def avg_pool2d(x: Tensor, kernel_size, stride=None, padding=0) -> Tensor:
     return ops.AvgPool2d.apply(x, **_pool_args(x, kernel_size, stride, padding, "avg_pool2d"))
 
 
-def relu(x: Tensor) -> Tensor:
-    return ops.ReLU.apply(x)
+def relu(x: Tensor, *, workspace=None) -> Tensor:
+    return ops.ReLU.apply(x, workspace=workspace)
 
 
 def sigmoid(x: Tensor) -> Tensor:

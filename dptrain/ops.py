@@ -104,12 +104,12 @@ class Sqrt(Function):
 
 
 class ReLU(Function):
-    def forward(self, a):
-        self.y = self.be.relu(a)
+    def forward(self, a, workspace=None):
+        self.y, self.workspace = self.be.relu(a), workspace
         return self.y
 
     def backward(self, gy):
-        return (self.be.relu_backward(self.y, gy),)
+        return (self.be.relu_backward(self.y, gy, workspace=self.workspace),)
 
 
 class Sigmoid(Function):
@@ -260,30 +260,37 @@ class Linear(Function):
 
 
 class Conv2d(Function):
-    def forward(self, x, w, b=None, stride=(1, 1), padding=(0, 0)):
+    """Convolution. `workspace` (from ``be.new_workspace()``, owned by the caller, e.g. a
+    layer that keeps one across steps) is where the backend may reuse memory and work; without
+    one, this call makes its own, so its backward can still reuse its forward's work."""
+
+    def forward(self, x, w, b=None, stride=(1, 1), padding=(0, 0), workspace=None):
         self.x, self.w, self.stride, self.padding = x, w, stride, padding
-        return self.be.conv2d_forward(x, w, b, stride, padding)
+        self.workspace = self.be.new_workspace() if workspace is None else workspace
+        return self.be.conv2d_forward(x, w, b, stride, padding, workspace=self.workspace)
 
     def backward(self, gy):
-        be, x, w = self.be, self.x, self.w
+        be, x, w, ws = self.be, self.x, self.w, self.workspace
         gx = gw = gb = None
         if self.needs_grad[0]:
-            gx = be.conv2d_backward_data(gy, w, x.shape, self.stride, self.padding)
+            gx = be.conv2d_backward_data(gy, w, x.shape, self.stride, self.padding, workspace=ws)
         if self.needs_grad[1]:
-            gw = be.conv2d_backward_weight(x, gy, w.shape, self.stride, self.padding)
+            gw = be.conv2d_backward_weight(x, gy, w.shape, self.stride, self.padding,
+                                           workspace=ws)
         if len(self.needs_grad) > 2 and self.needs_grad[2]:
             gb = be.bias_grad(gy)
+        self.workspace = None  # not needed any more (a second backward works without it)
         return gx, gw, gb
 
 
 class MaxPool2d(Function):
-    def forward(self, x, kernel, stride, padding):
-        self.x_shape = x.shape
-        y, self.idx = self.be.max_pool2d_forward(x, kernel, stride, padding)
+    def forward(self, x, kernel, stride, padding, workspace=None):
+        self.x_shape, self.workspace = x.shape, workspace
+        y, self.idx = self.be.max_pool2d_forward(x, kernel, stride, padding, workspace=workspace)
         return y
 
     def backward(self, gy):
-        return (self.be.max_pool2d_backward(gy, self.idx, self.x_shape),)
+        return (self.be.max_pool2d_backward(gy, self.idx, self.x_shape, workspace=self.workspace),)
 
 
 class AvgPool2d(Function):

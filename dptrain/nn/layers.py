@@ -22,6 +22,19 @@ def _init_weight_and_bias(module, weight_shape, fan_in, bias):
     module.bias = Parameter(_uniform((weight_shape[0],), bound)) if bias else None
 
 
+class _Workspace:
+    """A layer's workspace (``be.new_workspace()``) for the backend of its inputs, made on
+    first use and kept across steps, so the backend's scratch memory outlives each call."""
+
+    def __init__(self):
+        self.be = self.workspace = None
+
+    def __call__(self, x):
+        if x.be is not self.be:
+            self.be, self.workspace = x.be, x.be.new_workspace()
+        return self.workspace
+
+
 class Linear(Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = True):
         super().__init__()
@@ -40,18 +53,21 @@ class Conv2d(Module):
         _init_weight_and_bias(
             self, (out_channels, in_channels, kh, kw), in_channels * kh * kw, bias
         )
+        self.workspace = _Workspace()
 
     def forward(self, x):
-        return F.conv2d(x, self.weight, self.bias, self.stride, self.padding)
+        return F.conv2d(x, self.weight, self.bias, self.stride, self.padding,
+                        workspace=self.workspace(x))
 
 
 class MaxPool2d(Module):
     def __init__(self, kernel_size, stride=None, padding=0):
         super().__init__()
         self.args = (kernel_size, stride, padding)
+        self.workspace = _Workspace()
 
     def forward(self, x):
-        return F.max_pool2d(x, *self.args)
+        return F.max_pool2d(x, *self.args, workspace=self.workspace(x))
 
 
 class AvgPool2d(Module):
@@ -64,8 +80,12 @@ class AvgPool2d(Module):
 
 
 class ReLU(Module):
+    def __init__(self):
+        super().__init__()
+        self.workspace = _Workspace()
+
     def forward(self, x):
-        return F.relu(x)
+        return F.relu(x, workspace=self.workspace(x))
 
 
 class Flatten(Module):

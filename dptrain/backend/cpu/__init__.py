@@ -1,8 +1,20 @@
 """The NumPy backend: the reference every other backend is tested against.
 
-``ops`` holds the array ops (one function per name in ``dptrain.backend.OPS``), ``runtime``
-the trivial runtime of a device that is the host itself.
+The array ops (one function per name in ``dptrain.backend.OPS``) live in ``ops`` and, for
+convolution and pooling, ``conv``; ``workspace`` holds the memory and work that a caller
+lets ops reuse between calls (``new_workspace()``); ``runtime`` is the trivial runtime of a
+device that is the host itself. No op keeps state of its own between calls.
 """
 from dptrain.backend.cpu.ops import *  # noqa: F401,F403 - the array ops, by name
 from dptrain.backend.cpu.ops import name  # noqa: F401
+from dptrain.backend.cpu.conv import (  # noqa: F401
+    avg_pool2d_backward,
+    avg_pool2d_forward,
+    conv2d_backward_data,
+    conv2d_backward_weight,
+    conv2d_forward,
+    max_pool2d_backward,
+    max_pool2d_forward,
+)
+from dptrain.backend.cpu.workspace import Workspace, new_workspace  # noqa: F401
 from dptrain.backend.cpu.runtime import runtime  # noqa: F401

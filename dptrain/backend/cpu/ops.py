@@ -1,43 +1,18 @@
-"""The NumPy backend: the reference every other backend is tested against.
+"""The NumPy backend's array ops, all but convolution and pooling (in ``conv.py``).
 
 Plain, vectorised NumPy. No Python loops over pixels or batch elements; the
 only loops run over kernel offsets (at most kH*kW iterations). Functions follow
-the contract in ``dptrain/backend/__init__.py``.
+the contract in ``dptrain/backend/__init__.py``; none keeps state between calls.
 """
 from __future__ import annotations
 
-import weakref
-
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from dptrain.backend.cpu.runtime import runtime
+from dptrain.backend.cpu.workspace import checked, scratch
 
 name = "cpu"
 
-
-class _Scratch:
-    """One reusable array per (name, shape, dtype) for large temporaries that no result aliases.
-
-    Allocating and freeing tens of MB of temporaries on every call made glibc hand heap
-    memory back to the OS and page-fault it in again (about 9,600 faults per training step
-    of the reference CNN, some 8% of its time); arrays that stay allocated avoid that.
-    Like the rest of this backend, not for use from several threads at once.
-    """
-
-    def __init__(self, size=32):
-        self.size, self.arrays = size, {}
-
-    def get(self, name, shape, dtype):
-        key = (name, tuple(shape), np.dtype(dtype))
-        if key not in self.arrays:
-            if len(self.arrays) >= self.size:
-                self.arrays.pop(next(iter(self.arrays)))
-            self.arrays[key] = np.empty(shape, dtype=dtype)
-        return self.arrays[key]
-
-
-_scratch = _Scratch()
 
 # ----------------------------------------------------------------------------- arrays
 
@@ -177,8 +152,11 @@ def relu(a):
     return np.maximum(a, a.dtype.type(0))
 
 
-def relu_backward(y, gy):
-    return gy * np.greater(y, 0, out=_scratch.get("relu_mask", y.shape, np.bool_))  # see _Scratch
+def relu_backward(y, gy, *, workspace=None):
+    """gy where y > 0, else 0. The mask is a scratch array of the workspace when one is given
+    (a fresh bool array each call can cost page faults; see NOTES.md)."""
+    mask = scratch(checked(workspace), "relu_mask", y.shape, np.bool_)
+    return gy * np.greater(y, 0, out=mask)
 
 
 def sigmoid(a):
@@ -268,268 +246,6 @@ def bias_grad(gy):
     return planes.reshape(n, c).sum(axis=0)
 
 
-# ----------------------------------------------------------------------------- convolution
-
-
-def _out_size(n, k, s, p):
-    return (n + 2 * p - k) // s + 1
-
-
-def _windows(x, kh, kw, stride, padding, pad_value=0.0):
-    """View of shape (N, C, Ho, Wo, kh, kw): the receptive field of each output pixel."""
-    (sh, sw), (ph, pw) = stride, padding
-    if ph or pw:
-        n, c, h, w = x.shape
-        xp = np.full((n, c, h + 2 * ph, w + 2 * pw), pad_value, dtype=x.dtype)  # np.pad is slower
-        xp[:, :, ph : ph + h, pw : pw + w] = x
-        x = xp
-    ho = (x.shape[2] - kh) // sh + 1
-    wo = (x.shape[3] - kw) // sw + 1
-    win = sliding_window_view(x, (kh, kw), axis=(2, 3))
-    return win[:, :, : (ho - 1) * sh + 1 : sh, : (wo - 1) * sw + 1 : sw]
-
-
-def _offsets(kh, kw, sh, sw, ho, wo):
-    """Slices that pick, for kernel offset (i, j), that element of every window."""
-    for i in range(kh):
-        for j in range(kw):
-            yield i, j, (slice(i, i + (ho - 1) * sh + 1, sh), slice(j, j + (wo - 1) * sw + 1, sw))
-
-
-def _im2col(x, kh, kw, stride, padding, out):
-    """Fill out, a (C*kh*kw, N*Ho*Wo) array, with receptive fields: one column per output pixel."""
-    win = _windows(x, kh, kw, stride, padding)
-    n, c, ho, wo = win.shape[:4]
-    np.copyto(out.reshape(c, kh, kw, n, ho, wo), win.transpose(1, 4, 5, 0, 2, 3))
-    return out, (ho, wo)
-
-
-class _ColsCache:
-    """The im2col matrix of the last few conv inputs, so backward-weight need not rebuild it.
-
-    Keyed by the input array's identity (checked through a weak reference), so a
-    new array at a recycled address never hits a stale entry. Matrices of entries that can
-    no longer hit (input gone, replaced, evicted) are kept as spares for the next im2col of
-    that shape, for the reason _Scratch gives (a fresh 42 MB im2col matrix costs as much in
-    page faults as it takes to fill).
-    """
-
-    def __init__(self, size=8):
-        self.size, self.entries, self.spares = size, {}, []
-
-    def get(self, x, key):
-        entry = self.entries.get((id(x), key))
-        return entry[1] if entry is not None and entry[0]() is x else None
-
-    def buffer(self, x, key, shape, dtype):
-        """An array to hold x's im2col matrix (contents undefined), recycled where possible."""
-        for k in [k for k, (ref, _) in self.entries.items() if ref() is None or k == (id(x), key)]:
-            self.spares.append(self.entries.pop(k)[1][0])
-        while len(self.entries) >= self.size:
-            self.spares.append(self.entries.pop(next(iter(self.entries)))[1][0])
-        del self.spares[: -self.size]
-        for i, spare in enumerate(self.spares):
-            if spare.shape == shape and spare.dtype == dtype:
-                return self.spares.pop(i)
-        return np.empty(shape, dtype=dtype)
-
-    def put(self, x, key, hit):
-        self.entries[(id(x), key)] = (weakref.ref(x), hit)
-
-
-_cols_cache = _ColsCache()
-
-
-def _cached_im2col(x, kh, kw, stride, padding, reuse):
-    """im2col of x; forward stores it (reuse=False), backward-weight reads it back (reuse=True).
-
-    Like any saved activation, x must not be modified in place between the two.
-    """
-    key = (kh, kw, stride, padding)
-    hit = _cols_cache.get(x, key) if reuse else None
-    if hit is None:
-        (sh, sw), (ph, pw) = stride, padding
-        n, c, h, w = x.shape
-        shape = (c * kh * kw, n * _out_size(h, kh, sh, ph) * _out_size(w, kw, sw, pw))
-        hit = _im2col(x, kh, kw, stride, padding, _cols_cache.buffer(x, key, shape, x.dtype))
-        _cols_cache.put(x, key, hit)
-    return hit
-
-
-
-# Below this many im2col rows (C_in*kh*kw) a conv GEMM is bound by writing its output, so it
-# runs as one GEMM per image, whose output is NCHW already. Above it one large GEMM is faster
-# (and hands work to OpenBLAS's threads once, not N times), even with the transposing copy
-# its (C_out, N*Ho*Wo) output needs.
-_PER_IMAGE_K = 64
-
-
-def _per_image(cols, n):
-    """(N, K, Ho*Wo) strided view of the (K, N*Ho*Wo) im2col matrix: one matrix per image."""
-    return cols.reshape(cols.shape[0], n, -1).transpose(1, 0, 2)
-
-
-def conv2d_forward(x, w, b, stride, padding):
-    n = x.shape[0]
-    cout, _, kh, kw = w.shape
-    cols, (ho, wo) = _cached_im2col(x, kh, kw, stride, padding, reuse=False)
-    w2 = w.reshape(cout, -1)
-    if cols.shape[0] < _PER_IMAGE_K:
-        y = np.matmul(w2, _per_image(cols, n))
-        if b is not None:
-            y += b.reshape(cout, 1)
-        return y.reshape(n, cout, ho, wo)
-    y_cf = np.matmul(w2, cols, out=_scratch.get("y", (cout, cols.shape[1]), x.dtype))
-    # (C_out, N, Ho, Wo) to NCHW in one pass, adding the bias on the way.
-    y_cf = y_cf.reshape(cout, n, ho, wo).transpose(1, 0, 2, 3)
-    y = np.empty((n, cout, ho, wo), dtype=x.dtype)
-    if b is None:
-        np.copyto(y, y_cf)
-    else:
-        np.add(y_cf, b.reshape(cout, 1, 1), out=y)
-    return y
-
-
-class _ChannelsFirst:
-    """gy (N, C, Ho, Wo) as the (C, N*Ho*Wo) matrix that matches _im2col's columns.
-
-    Backward-data builds it and keeps it for the backward-weight call that follows on the same
-    gy (checked through a weak reference); that call takes it and drops it.
-    """
-
-    def __init__(self):
-        self.kept = None
-
-    def __call__(self, gy, keep):
-        kept, self.kept = self.kept, None
-        if kept is not None and kept[0]() is gy:
-            return kept[1]
-        n, c = gy.shape[:2]
-        g = _scratch.get("gy_channels_first", (c, gy.size // c), gy.dtype)
-        np.copyto(g.reshape(c, n, -1), gy.reshape(n, c, -1).transpose(1, 0, 2))
-        if keep:
-            self.kept = (weakref.ref(gy), g)
-        return g
-
-
-_channels_first = _ChannelsFirst()
-
-
-def conv2d_backward_data(gy, w, x_shape, stride, padding):
-    n, c, h, wd = x_shape
-    cout, _, kh, kw = w.shape
-    (sh, sw), (ph, pw) = stride, padding
-    ho, wo = gy.shape[2:]
-    g = _channels_first(gy, keep=True)
-    dcols = _scratch.get("dcols", (c * kh * kw, g.shape[1]), gy.dtype)
-    np.matmul(w.reshape(cout, -1).T, g, out=dcols)
-    dcols = dcols.reshape(c, kh, kw, n, ho, wo)
-    # col2im, channels first like dcols so each slab adds without a transpose.
-    dxp = np.zeros((c, n, h + 2 * ph, wd + 2 * pw), dtype=gy.dtype)
-    for i, j, (rows, cols) in _offsets(kh, kw, sh, sw, ho, wo):
-        dxp[:, :, rows, cols] += dcols[:, i, j]
-    return np.ascontiguousarray(dxp[:, :, ph : ph + h, pw : pw + wd].transpose(1, 0, 2, 3))
-
-
-def conv2d_backward_weight(x, gy, w_shape, stride, padding):
-    _, _, kh, kw = w_shape
-    cols, _ = _cached_im2col(x, kh, kw, stride, padding, reuse=True)
-    if cols.shape[0] < _PER_IMAGE_K:  # per image, straight from NCHW gy, summed over the batch
-        n, cout = gy.shape[:2]
-        per_image = _per_image(cols, n).transpose(0, 2, 1)
-        return np.matmul(gy.reshape(n, cout, -1), per_image).sum(axis=0).reshape(w_shape)
-    dw = _gemm(_channels_first(gy, keep=False), cols.T)
-    return np.ascontiguousarray(dw).reshape(w_shape)
-
-
-# ----------------------------------------------------------------------------- pooling
-
-
-def max_pool2d_forward(x, kernel, stride, padding):
-    """Returns (y, idx): idx is the flat h*W+w position in x of each window's maximum (int32).
-
-    Ties go to the first maximum in window order (rows, then columns), as np.argmax picks.
-    """
-    if tuple(kernel) == (2, 2) and tuple(stride) == (2, 2) and tuple(padding) == (0, 0):
-        return _max_pool_2x2(x)
-    (kh, kw), (sh, sw), (ph, pw) = kernel, stride, padding
-    n, c, h, w = x.shape
-    ho, wo = _out_size(h, kh, sh, ph), _out_size(w, kw, sw, pw)
-    xp = np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)), constant_values=-np.inf) if ph or pw else x
-    # Running max over the kH*kW window offsets; an offset becomes the argmax only when it is
-    # strictly greater than everything before it, so ties keep the earliest. Offsets grow, so
-    # the argmax is the largest offset that raised the max (np.maximum, not a masked write:
-    # NumPy's boolean-mask assignment is several times slower).
-    offsets = _offsets(kh, kw, sh, sw, ho, wo)
-    _, _, (rows, cols) = next(offsets)
-    y = xp[:, :, rows, cols].copy()
-    arg = np.zeros((n, c, ho, wo), dtype=np.int32)
-    for i, j, (rows, cols) in offsets:
-        v = xp[:, :, rows, cols]
-        np.maximum(arg, (v > y) * np.int32(i * kw + j), out=arg)
-        np.maximum(y, v, out=y)
-    r = np.arange(ho, dtype=np.int32).reshape(ho, 1) * sh + arg // kw - ph
-    q = np.arange(wo, dtype=np.int32).reshape(1, wo) * sw + arg % kw - pw
-    return y, r * w + q
-
-
-def _max_pool_2x2(x):
-    """max_pool2d_forward for the common 2x2 window, stride 2, no padding."""
-    n, c, h, w = x.shape
-    ho, wo = h // 2, w // 2
-    x = x[:, :, : 2 * ho, : 2 * wo]  # an odd last row/column belongs to no window
-    # Max of each row's pair first, then of the window's two rows: the pair views merge
-    # into long strided loops, and a strict '>' at both steps keeps ties on the first
-    # element in row-major window order.
-    left, right = x[..., 0::2], x[..., 1::2]
-    row_max = np.maximum(left, right, out=_scratch.get("pool_row_max", left.shape, x.dtype))
-    row_right = np.greater(right, left, out=_scratch.get("pool_row_right", left.shape, np.bool_))
-    top, bottom = row_max[:, :, 0::2], row_max[:, :, 1::2]
-    y = np.maximum(top, bottom)
-    lower = np.greater(bottom, top, out=_scratch.get("pool_lower", y.shape, np.bool_))
-    # The winning row's column bit, lower ? b : a, as a ^ (lower & (a ^ b)): np.where is
-    # several times slower on bools.
-    a, b = row_right[:, :, 0::2], row_right[:, :, 1::2]
-    col = np.bitwise_xor(a, b, out=_scratch.get("pool_col", y.shape, np.bool_))
-    col &= lower
-    col ^= a
-    idx = np.multiply(lower, np.int32(w), out=np.empty(y.shape, dtype=np.int32))
-    idx += col
-    idx += 2 * w * np.arange(ho, dtype=np.int32).reshape(ho, 1)  # the window's top-left...
-    idx += np.arange(0, 2 * wo, 2, dtype=np.int32)  # ...element
-    return y, idx
-
-
-def max_pool2d_backward(gy, idx, x_shape):
-    n, c, h, w = x_shape
-    planes = np.arange(0, n * c * h * w, h * w, dtype=np.int64).reshape(n, c, 1, 1)
-    dx = np.zeros(n * c * h * w, dtype=gy.dtype)
-    flat = np.add(planes, idx, out=_scratch.get("pool_flat_idx", idx.shape, np.int64))
-    # add.at accumulates where overlapping windows pick the same element; it stays in
-    # gy's dtype (bincount would go through float64).
-    np.add.at(dx, flat.ravel(), gy.ravel())
-    return dx.reshape(x_shape)
-
-
-def avg_pool2d_forward(x, kernel, stride, padding):
-    """Average over each window, padding counted in the divisor (PyTorch's default)."""
-    kh, kw = kernel
-    win = _windows(x, kh, kw, stride, padding)
-    return np.ascontiguousarray(win.mean(axis=(4, 5), dtype=x.dtype))
-
-
-def avg_pool2d_backward(gy, x_shape, kernel, stride, padding):
-    n, c, h, w = x_shape
-    (kh, kw), (sh, sw), (ph, pw) = kernel, stride, padding
-    ho, wo = gy.shape[2:]
-    g = gy / gy.dtype.type(kh * kw)
-    dxp = np.zeros((n, c, h + 2 * ph, w + 2 * pw), dtype=gy.dtype)
-    for i in range(kh):
-        for j in range(kw):
-            dxp[:, :, i : i + (ho - 1) * sh + 1 : sh, j : j + (wo - 1) * sw + 1 : sw] += g
-    return np.ascontiguousarray(dxp[:, :, ph : ph + h, pw : pw + w])
-
-
 # ----------------------------------------------------------------------------- softmax family
 # All along the last axis; ops move the axis there first.
 
@@ -573,7 +289,6 @@ def count_correct(logits, labels):
 
 
 # ----------------------------------------------------------------------------- randomness
-
 
 
 def dropout_mask(shape, p, dtype=np.float32):
@@ -623,7 +338,3 @@ def gather_normalize(images, idx, mean, std):
     x -= np.float32(mean / std)
     return x
 
-
-def new_workspace():
-    """Nothing is reused yet: ops allocate what they need."""
-    return None

@@ -1,0 +1,245 @@
+"""Convolution and pooling on the CPU: im2col and GEMMs, col2im, strided max and average.
+
+The ops that take ``workspace=`` (see ``workspace.py``) draw their large temporaries from it
+when one is given, and a convolution's forward leaves its im2col columns there for the
+weight gradient of the same input. Results never alias workspace memory. Why each piece is
+shaped the way it is, with measurements, is in NOTES.md.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from dptrain.backend.cpu.ops import _gemm
+from dptrain.backend.cpu.workspace import checked, scratch
+
+# ----------------------------------------------------------------------------- convolution
+
+
+def _out_size(n, k, s, p):
+    return (n + 2 * p - k) // s + 1
+
+
+def _windows(x, kh, kw, stride, padding, pad_value=0.0):
+    """View of shape (N, C, Ho, Wo, kh, kw): the receptive field of each output pixel."""
+    (sh, sw), (ph, pw) = stride, padding
+    if ph or pw:
+        n, c, h, w = x.shape
+        xp = np.full((n, c, h + 2 * ph, w + 2 * pw), pad_value, dtype=x.dtype)  # np.pad is slower
+        xp[:, :, ph : ph + h, pw : pw + w] = x
+        x = xp
+    ho = (x.shape[2] - kh) // sh + 1
+    wo = (x.shape[3] - kw) // sw + 1
+    win = sliding_window_view(x, (kh, kw), axis=(2, 3))
+    return win[:, :, : (ho - 1) * sh + 1 : sh, : (wo - 1) * sw + 1 : sw]
+
+
+def _offsets(kh, kw, sh, sw, ho, wo):
+    """Slices that pick, for kernel offset (i, j), that element of every window."""
+    for i in range(kh):
+        for j in range(kw):
+            yield i, j, (slice(i, i + (ho - 1) * sh + 1, sh), slice(j, j + (wo - 1) * sw + 1, sw))
+
+
+def _im2col(x, kh, kw, stride, padding, workspace, name):
+    """x's receptive fields as a (C*kh*kw, N*Ho*Wo) matrix, one column per output pixel, in
+    the workspace's scratch array `name` (or a fresh array); returns it and (Ho, Wo)."""
+    win = _windows(x, kh, kw, stride, padding)
+    n, c, ho, wo = win.shape[:4]
+    out = scratch(workspace, name, (c * kh * kw, n * ho * wo), x.dtype)
+    np.copyto(out.reshape(c, kh, kw, n, ho, wo), win.transpose(1, 4, 5, 0, 2, 3))
+    return out, (ho, wo)
+
+
+def _cols_key(kh, kw, stride, padding):
+    """What, besides the input itself, an im2col matrix depends on."""
+    return kh, kw, tuple(stride), tuple(padding)
+
+
+# Below this many im2col rows (C_in*kh*kw) a conv GEMM is bound by writing its output, so it
+# runs as one GEMM per image, whose output is NCHW already. Above it one large GEMM is faster
+# (and hands work to OpenBLAS's threads once, not N times), even with the transposing copy
+# its (C_out, N*Ho*Wo) output needs.
+_PER_IMAGE_K = 64
+
+
+def _per_image(cols, n):
+    """(N, K, Ho*Wo) strided view of the (K, N*Ho*Wo) im2col matrix: one matrix per image."""
+    return cols.reshape(cols.shape[0], n, -1).transpose(1, 0, 2)
+
+
+def conv2d_forward(x, w, b, stride, padding, *, workspace=None):
+    """Cross-correlation of NCHW x with w (C_out, C_in, kH, kW), plus b (or None).
+
+    With a workspace, the im2col matrix of x stays there for conv2d_backward_weight of x.
+    """
+    workspace = checked(workspace)
+    n = x.shape[0]
+    cout, _, kh, kw = w.shape
+    cols, (ho, wo) = _im2col(x, kh, kw, stride, padding, workspace, "cols")
+    if workspace is not None:
+        workspace.remember("cols", x, _cols_key(kh, kw, stride, padding))
+    w2 = w.reshape(cout, -1)
+    if cols.shape[0] < _PER_IMAGE_K:
+        y = np.matmul(w2, _per_image(cols, n))
+        if b is not None:
+            y += b.reshape(cout, 1)
+        return y.reshape(n, cout, ho, wo)
+    y_cf = np.matmul(w2, cols, out=scratch(workspace, "y", (cout, cols.shape[1]), x.dtype))
+    # (C_out, N, Ho, Wo) to NCHW in one pass, adding the bias on the way.
+    y_cf = y_cf.reshape(cout, n, ho, wo).transpose(1, 0, 2, 3)
+    y = np.empty((n, cout, ho, wo), dtype=x.dtype)
+    if b is None:
+        np.copyto(y, y_cf)
+    else:
+        np.add(y_cf, b.reshape(cout, 1, 1), out=y)
+    return y
+
+
+def _channels_first(gy, workspace):
+    """gy (N, C, Ho, Wo) as the (C, N*Ho*Wo) matrix that matches _im2col's columns.
+
+    Backward-data builds it; with a workspace, the backward-weight call that follows on the
+    same gy finds it there.
+    """
+    if workspace is not None:
+        g = workspace.recall("gy_channels_first", gy, None)
+        if g is not None:
+            return g
+    n, c = gy.shape[:2]
+    g = scratch(workspace, "gy_channels_first", (c, gy.size // c), gy.dtype)
+    np.copyto(g.reshape(c, n, -1), gy.reshape(n, c, -1).transpose(1, 0, 2))
+    if workspace is not None:
+        workspace.remember("gy_channels_first", gy, None)
+    return g
+
+
+def conv2d_backward_data(gy, w, x_shape, stride, padding, *, workspace=None):
+    """Gradient of conv2d_forward with respect to x, of shape x_shape."""
+    workspace = checked(workspace)
+    n, c, h, wd = x_shape
+    cout, _, kh, kw = w.shape
+    (sh, sw), (ph, pw) = stride, padding
+    ho, wo = gy.shape[2:]
+    g = _channels_first(gy, workspace)
+    dcols = scratch(workspace, "dcols", (c * kh * kw, g.shape[1]), gy.dtype)
+    np.matmul(w.reshape(cout, -1).T, g, out=dcols)
+    dcols = dcols.reshape(c, kh, kw, n, ho, wo)
+    # col2im, channels first like dcols so each slab adds without a transpose.
+    dxp = np.zeros((c, n, h + 2 * ph, wd + 2 * pw), dtype=gy.dtype)
+    for i, j, (rows, cols) in _offsets(kh, kw, sh, sw, ho, wo):
+        dxp[:, :, rows, cols] += dcols[:, i, j]
+    return np.ascontiguousarray(dxp[:, :, ph : ph + h, pw : pw + wd].transpose(1, 0, 2, 3))
+
+
+def conv2d_backward_weight(x, gy, w_shape, stride, padding, *, workspace=None):
+    """Gradient of conv2d_forward with respect to w, of shape w_shape.
+
+    Reuses the im2col matrix that conv2d_forward left in the workspace only if it is that of
+    this very x (and kernel, stride, padding); otherwise builds it again.
+    """
+    workspace = checked(workspace)
+    _, _, kh, kw = w_shape
+    cols = None
+    if workspace is not None:
+        cols = workspace.recall("cols", x, _cols_key(kh, kw, stride, padding))
+    if cols is None:  # a different name, so the forward's columns of another input survive
+        cols, _ = _im2col(x, kh, kw, stride, padding, workspace, "cols_again")
+    if cols.shape[0] < _PER_IMAGE_K:  # per image, straight from NCHW gy, summed over the batch
+        n, cout = gy.shape[:2]
+        per_image = _per_image(cols, n).transpose(0, 2, 1)
+        return np.matmul(gy.reshape(n, cout, -1), per_image).sum(axis=0).reshape(w_shape)
+    dw = _gemm(_channels_first(gy, workspace), cols.T)
+    return np.ascontiguousarray(dw).reshape(w_shape)
+
+
+# ----------------------------------------------------------------------------- pooling
+
+
+def max_pool2d_forward(x, kernel, stride, padding, *, workspace=None):
+    """Returns (y, idx): idx is the flat h*W+w position in x of each window's maximum (int32).
+
+    Ties go to the first maximum in window order (rows, then columns), as np.argmax picks.
+    """
+    workspace = checked(workspace)
+    if tuple(kernel) == (2, 2) and tuple(stride) == (2, 2) and tuple(padding) == (0, 0):
+        return _max_pool_2x2(x, workspace)
+    (kh, kw), (sh, sw), (ph, pw) = kernel, stride, padding
+    n, c, h, w = x.shape
+    ho, wo = _out_size(h, kh, sh, ph), _out_size(w, kw, sw, pw)
+    xp = np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)), constant_values=-np.inf) if ph or pw else x
+    # Running max over the kH*kW window offsets; an offset becomes the argmax only when it is
+    # strictly greater than everything before it, so ties keep the earliest. Offsets grow, so
+    # the argmax is the largest offset that raised the max (np.maximum, not a masked write:
+    # NumPy's boolean-mask assignment is several times slower).
+    offsets = _offsets(kh, kw, sh, sw, ho, wo)
+    _, _, (rows, cols) = next(offsets)
+    y = xp[:, :, rows, cols].copy()
+    arg = np.zeros((n, c, ho, wo), dtype=np.int32)
+    for i, j, (rows, cols) in offsets:
+        v = xp[:, :, rows, cols]
+        np.maximum(arg, (v > y) * np.int32(i * kw + j), out=arg)
+        np.maximum(y, v, out=y)
+    r = np.arange(ho, dtype=np.int32).reshape(ho, 1) * sh + arg // kw - ph
+    q = np.arange(wo, dtype=np.int32).reshape(1, wo) * sw + arg % kw - pw
+    return y, r * w + q
+
+
+def _max_pool_2x2(x, workspace):
+    """max_pool2d_forward for the common 2x2 window, stride 2, no padding."""
+    n, c, h, w = x.shape
+    ho, wo = h // 2, w // 2
+    x = x[:, :, : 2 * ho, : 2 * wo]  # an odd last row/column belongs to no window
+    # Max of each row's pair first, then of the window's two rows: the pair views merge
+    # into long strided loops, and a strict '>' at both steps keeps ties on the first
+    # element in row-major window order.
+    left, right = x[..., 0::2], x[..., 1::2]
+    row_max = np.maximum(left, right, out=scratch(workspace, "pool_row_max", left.shape, x.dtype))
+    row_right = np.greater(right, left,
+                           out=scratch(workspace, "pool_row_right", left.shape, np.bool_))
+    top, bottom = row_max[:, :, 0::2], row_max[:, :, 1::2]
+    y = np.maximum(top, bottom)
+    lower = np.greater(bottom, top, out=scratch(workspace, "pool_lower", y.shape, np.bool_))
+    # The winning row's column bit, lower ? b : a, as a ^ (lower & (a ^ b)): np.where is
+    # several times slower on bools.
+    a, b = row_right[:, :, 0::2], row_right[:, :, 1::2]
+    col = np.bitwise_xor(a, b, out=scratch(workspace, "pool_col", y.shape, np.bool_))
+    col &= lower
+    col ^= a
+    idx = np.multiply(lower, np.int32(w), out=np.empty(y.shape, dtype=np.int32))
+    idx += col
+    idx += 2 * w * np.arange(ho, dtype=np.int32).reshape(ho, 1)  # the window's top-left...
+    idx += np.arange(0, 2 * wo, 2, dtype=np.int32)  # ...element
+    return y, idx
+
+
+def max_pool2d_backward(gy, idx, x_shape, *, workspace=None):
+    """Gradient of max_pool2d_forward: gy added at each window's argmax idx."""
+    workspace = checked(workspace)
+    n, c, h, w = x_shape
+    planes = np.arange(0, n * c * h * w, h * w, dtype=np.int64).reshape(n, c, 1, 1)
+    dx = np.zeros(n * c * h * w, dtype=gy.dtype)
+    flat = np.add(planes, idx, out=scratch(workspace, "pool_flat_idx", idx.shape, np.int64))
+    # add.at accumulates where overlapping windows pick the same element; it stays in
+    # gy's dtype (bincount would go through float64).
+    np.add.at(dx, flat.ravel(), gy.ravel())
+    return dx.reshape(x_shape)
+
+
+def avg_pool2d_forward(x, kernel, stride, padding):
+    """Average over each window, padding counted in the divisor (PyTorch's default)."""
+    kh, kw = kernel
+    win = _windows(x, kh, kw, stride, padding)
+    return np.ascontiguousarray(win.mean(axis=(4, 5), dtype=x.dtype))
+
+
+def avg_pool2d_backward(gy, x_shape, kernel, stride, padding):
+    n, c, h, w = x_shape
+    (kh, kw), (sh, sw), (ph, pw) = kernel, stride, padding
+    ho, wo = gy.shape[2:]
+    g = gy / gy.dtype.type(kh * kw)
+    dxp = np.zeros((n, c, h + 2 * ph, w + 2 * pw), dtype=gy.dtype)
+    for i in range(kh):
+        for j in range(kw):
+            dxp[:, :, i : i + (ho - 1) * sh + 1 : sh, j : j + (wo - 1) * sw + 1 : sw] += g
+    return np.ascontiguousarray(dxp[:, :, ph : ph + h, pw : pw + w])
