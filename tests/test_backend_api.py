@@ -54,3 +54,19 @@ def test_auto_device_follows_gpu_availability(monkeypatch):
         backend.resolve_device("cuda")
     monkeypatch.setattr(backend, "cuda_available", lambda: True)
     assert backend.resolve_device("auto") == "cuda"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("cupy") is None, reason="CuPy not installed")
+def test_both_backends_take_the_same_arguments():
+    """Callers pass the same arguments whatever the device: every op's parameter names agree
+    (CUDA may add keyword-only extras such as out=)."""
+    import inspect
+
+    import dptrain.backend.cuda as cuda
+
+    cpu = backend.get("cpu")
+    for name in backend.OPS:
+        ours = inspect.signature(getattr(cpu, name)).parameters
+        theirs = inspect.signature(getattr(cuda, name)).parameters
+        missing = [p for p in ours if p not in theirs]
+        assert not missing, f"cuda.{name} lacks {missing}"

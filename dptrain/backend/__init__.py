@@ -23,8 +23,9 @@ Conventions shared by all backends:
     linear weight (out, in).
   * No op keeps state between calls: where reusing work or memory pays (the CPU's im2col
     columns, from a convolution's forward to its weight gradient), the caller owns a
-    ``new_workspace()`` object and passes it as ``workspace=``; any call order gives the
-    same results.
+    ``new_workspace()`` object and passes it as ``workspace=`` (conv2d_*, max_pool2d_*,
+    relu_backward take it; a backend with nothing to reuse ignores it); any call order gives
+    the same results.
 
 The runtime (``be.runtime``), with the CPU's trivial meaning in brackets:
   ``current_stream()``, ``comm_stream()``   the stream ops launch on now; the one collectives

@@ -137,7 +137,7 @@ def relu(a):
     return _map1("relu", "Relu", a)
 
 
-def relu_backward(y, gy):
+def relu_backward(y, gy, *, workspace=None):
     return _map2("relu_backward", "ReluBack", y, gy)
 
 
