@@ -14,6 +14,8 @@ import time
 
 import numpy as np
 
+from dptrain.backend.runtime import RuntimeBase
+
 PRECISIONS = ("fp32",)
 
 
@@ -47,7 +49,7 @@ class CommTimer:
         return value
 
 
-class Runtime:
+class Runtime(RuntimeBase):
     name = "cpu"
     PRECISIONS = PRECISIONS
 
@@ -70,9 +72,6 @@ class Runtime:
         return self.host
 
     def wait(self, event, stream=None):
-        pass
-
-    def order(self, waiter, signaller):
         pass
 
     def synchronize(self):
@@ -100,15 +99,6 @@ class Runtime:
             raise ValueError(f"precision {name!r} is not available on the CPU (choose "
                              f"{', '.join(('auto',) + PRECISIONS)})")
         self.precision = "fp32"
-
-    @contextlib.contextmanager
-    def precision_scope(self, name: str):
-        old = self.precision
-        self.set_precision(name)
-        try:
-            yield
-        finally:
-            self.precision = old
 
     # -- random numbers
     def manual_seed(self, seed: int) -> None:

@@ -15,10 +15,11 @@
 """
 from __future__ import annotations
 
-import contextlib
 
 import cupy
 import numpy as np
+
+from dptrain.backend.runtime import RuntimeBase
 
 PRECISIONS = ("tf32", "fp32")
 
@@ -98,7 +99,7 @@ class CommTimer:
         return cupy.cuda.get_elapsed_time(self.events["begin"], self.events["end"]) / 1e3
 
 
-class Runtime:
+class Runtime(RuntimeBase):
     name = "cuda"
     PRECISIONS = PRECISIONS
 
@@ -128,9 +129,6 @@ class Runtime:
 
     def wait(self, event, stream=None):
         (cupy.cuda.get_current_stream() if stream is None else stream).wait_event(event)
-
-    def order(self, waiter, signaller):
-        _order(waiter, signaller)
 
     def synchronize(self):
         cupy.cuda.runtime.deviceSynchronize()
@@ -182,16 +180,6 @@ class Runtime:
         if name == "tf32" and self._capability() < 80:
             raise ValueError("tf32 needs a GPU of compute capability >= 8.0")
         self._precision = name
-
-    @contextlib.contextmanager
-    def precision_scope(self, name: str):
-        """``with runtime.precision_scope("fp32"): ...``: `name` inside, the previous after."""
-        old = self.precision
-        self.set_precision(name)
-        try:
-            yield
-        finally:
-            self._precision = old
 
     # -- random numbers: [seed, Philox counter offset] on the device
     @property
