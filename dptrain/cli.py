@@ -1,4 +1,7 @@
-"""Command line: ``python -m dptrain [train|bench] ...``; no subcommand means ``train``.
+"""Command line: ``python -m dptrain COMMAND ...``; no command means ``train``.
+
+Each command is a module with ``main(argv) -> int`` (``COMMANDS`` below): a new command adds
+one entry and its own module, so this file stays the dispatcher and the training flags.
 
 Bad input (an unknown model, a non-positive size, a weights file that does not
 fit) ends in one line naming the value at fault and exit code 2, never a traceback.
@@ -10,7 +13,11 @@ import sys
 
 from dptrain.errors import UsageError
 
-SUBCOMMANDS = ("train", "bench")
+# command -> (module with main(argv), one line for `python -m dptrain --help`)
+COMMANDS = {
+    "train": ("dptrain.cli", "train a model (the default when no command is given)"),
+    "bench": ("dptrain.bench", "benchmarks: `bench ops`, `bench train`, `bench comm`"),
+}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -115,6 +122,7 @@ def train_parser() -> argparse.ArgumentParser:
 
 
 def run_train(argv) -> int:
+    """`python -m dptrain train`."""
     from dptrain.train import TrainConfig, train
 
     args = train_parser().parse_args(argv)
@@ -122,26 +130,15 @@ def run_train(argv) -> int:
     return 0
 
 
-def run_bench(argv) -> int:
-    p = _Parser(prog="python -m dptrain bench", description="Benchmarks.")
-    p.add_argument("suite", choices=("ops", "train", "comm"),
-                   help="ops: kernels against references; train: training throughput against "
-                   "PyTorch; comm: gradient-exchange bandwidth (under mpirun)")
-    args, rest = p.parse_known_args(argv)
-    import importlib
-
-    return importlib.import_module(f"dptrain.bench.{args.suite}").main(rest) or 0
-
-
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help"):
-        print("usage: python -m dptrain [train|bench] [options]\n\n"
-              "  train   train a model (the default when no subcommand is given)\n"
-              "  bench   benchmarks: `bench ops`, `bench train`, `bench comm`\n\n"
-              "`python -m dptrain train --help` lists the training options.")
+        lines = [f"  {name:<7} {text}" for name, (_, text) in COMMANDS.items()]
+        print(f"usage: python -m dptrain [{'|'.join(COMMANDS)}] [options]\n\n"
+              + "\n".join(lines) + "\n\n`python -m dptrain COMMAND --help` lists a command's "
+              "options.")
         return 0
-    command = argv.pop(0) if argv and argv[0] in SUBCOMMANDS else "train"
+    command = argv.pop(0) if argv and argv[0] in COMMANDS else "train"
     from dptrain.dist import guarded
 
     return guarded(lambda: _run(command, argv))
@@ -149,7 +146,11 @@ def main(argv=None) -> int:
 
 def _run(command, argv) -> int:
     try:
-        return run_train(argv) if command == "train" else run_bench(argv)
+        if command == "train":
+            return run_train(argv)
+        import importlib
+
+        return importlib.import_module(COMMANDS[command][0]).main(argv) or 0
     except UsageError as exc:
         print(f"dptrain {command}: error: {exc}", file=sys.stderr)
         return 2

@@ -4,7 +4,24 @@ Suites run as ``python -m dptrain bench <suite>``, each a module with main(argv)
 (kernels against cuBLAS / cuDNN / CuPy and the NumPy backend), ``train`` (training-step
 throughput against PyTorch), ``comm`` (gradient-exchange bandwidth, under mpirun). Library
 modules the scaling scripts call: ``threads`` (the launch-shape sweep and its workloads),
-``machine`` (what a result records about the GPU). Imports of CuPy here are lazy, inside
-functions, and only for timing (CUDA events) and references (cuBLAS through CuPy); our own
-ops always run through the backend.
+``machine`` (what a result records about the GPU). Our ops run through the backend; the
+references they are measured against (cuBLAS, CuPy's kernels) and CUDA-event timing come
+from ``dptrain.backend.cuda.vendor``.
 """
+from __future__ import annotations
+
+SUITES = ("ops", "train", "comm")
+
+
+def main(argv) -> int:
+    """`python -m dptrain bench SUITE ...`: run one suite's main()."""
+    import importlib
+
+    from dptrain.cli import _Parser
+
+    p = _Parser(prog="python -m dptrain bench", description="Benchmarks.")
+    p.add_argument("suite", choices=SUITES,
+                   help="ops: kernels against references; train: training throughput against "
+                   "PyTorch; comm: gradient-exchange bandwidth (under mpirun)")
+    args, rest = p.parse_known_args(argv)
+    return importlib.import_module(f"dptrain.bench.{args.suite}").main(rest) or 0
