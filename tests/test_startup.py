@@ -27,7 +27,8 @@ _spec.loader.exec_module(loader)
 
 
 def test_cpu_prepare_builds_nothing():
-    assert backend.get("cpu").runtime.prepare() == {"files": 0, "built": 0, "seconds": 0.0}
+    assert backend.get("cpu").runtime.prepare() == {"files": 0, "built": 0, "seconds": 0.0,
+                                                    "workers": 0}
 
 
 def test_cache_key_names_the_architecture(monkeypatch):
@@ -215,3 +216,15 @@ def test_prepare_leaves_nothing_to_build_for_a_training_step():
         run()
     be.runtime.synchronize()
     assert cuda_loader.builds == built
+
+
+def test_bench_startup_reports_each_build(tmp_path):
+    from dptrain.bench import startup
+
+    out = []
+    assert startup.main(["--device", "cpu", "--workers", "2", "--no-train",
+                         "--json", str(tmp_path / "s.json")], echo=out.append) == 0
+    doc = json.loads((tmp_path / "s.json").read_text())
+    assert [b["cache"] for b in doc["build"]] == ["empty", "empty", "warm"]
+    assert all(b["files"] == 0 for b in doc["build"])  # nothing to compile on the CPU
+    assert out[0].startswith("kernel build, cpu") and len(out) == 2 + 3

@@ -175,13 +175,22 @@ def module(filename: str):
         return _modules[key]
 
 
+WORKERS_ENV = "DPTRAIN_COMPILE_WORKERS"
+
+
 def compile_all(workers: int | None = None) -> dict:
     """Build every kernel file the current GPU can run, `workers` files at a time (default:
-    one thread per file, at most the host's cores). Returns {"files", "built", "seconds"}."""
+    $DPTRAIN_COMPILE_WORKERS, else one thread per file, at most the host's cores).
+    Returns {"files", "built", "seconds", "workers"}."""
     import cupy
 
     device, arch = cupy.cuda.Device().id, device_arch()
     files = kernel_files(arch)
+    env = os.environ.get(WORKERS_ENV, "")
+    if not workers and env:
+        if not env.isdigit() or int(env) < 1:
+            raise ValueError(f"{WORKERS_ENV}={env!r}: expected a positive integer")
+        workers = int(env)
     workers = workers or max(1, min(len(files), os.cpu_count() or 1))
     before, start = builds, time.perf_counter()
 
@@ -197,7 +206,7 @@ def compile_all(workers: int | None = None) -> dict:
             for future in [pool.submit(build, name) for name in files]:
                 future.result()  # re-raises a compile error
     return {"files": len(files), "built": builds - before,
-            "seconds": time.perf_counter() - start}
+            "seconds": time.perf_counter() - start, "workers": workers}
 
 
 @functools.lru_cache(maxsize=None)
