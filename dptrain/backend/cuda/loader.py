@@ -195,8 +195,10 @@ def compile_all(workers: int | None = None) -> dict:
     before, start = builds, time.perf_counter()
 
     def build(name):
-        with cupy.cuda.Device(device):  # the current device is per thread in CUDA
-            module(name)
+        # The current device is per thread in CUDA; setting it also makes its primary context
+        # current here (CUDA >= 12), which loading the compiled module needs.
+        cupy.cuda.runtime.setDevice(device)
+        module(name)
 
     if workers == 1:
         for name in files:
