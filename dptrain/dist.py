@@ -96,13 +96,16 @@ class MPIComm:
 
 
 class World:
-    """rank, size, local_rank and the communicator for one device kind."""
+    """rank, size, local_rank and the communicator for one device kind; `host_comm` is the
+    MPI communicator of this host's ranks (None without MPI)."""
 
-    def __init__(self, rank=0, size=1, local_rank=0, local_size=1, comm=None, mpi_comm=None):
+    def __init__(self, rank=0, size=1, local_rank=0, local_size=1, comm=None, mpi_comm=None,
+                 host_comm=None):
         self.rank, self.size = rank, size
         self.local_rank, self.local_size = local_rank, local_size
         self.comm = comm if comm is not None else LocalComm()
         self.mpi_comm = mpi_comm
+        self.host_comm = host_comm
 
     @property
     def is_root(self) -> bool:
@@ -129,7 +132,7 @@ def init(be) -> World:
     except RuntimeError as exc:
         raise RuntimeError(f"rank {rank}: {exc} (this host runs {local_size} ranks)") from None
     comm = be.runtime.communicator(world) or MPIComm(world)
-    return World(rank, size, local_rank, local_size, comm, world)
+    return World(rank, size, local_rank, local_size, comm, world, node)
 
 
 def guarded(fn):

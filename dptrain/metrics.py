@@ -31,33 +31,48 @@ class MetricsLog:
 
 
 class Throughput:
-    """Images per second of training time. The clock runs from the first step; ``pause()`` /
-    ``resume()`` leave out what is not training (evaluation); ``window()`` closes the steps
-    counted since the last window and returns their rate."""
+    """Images per second of training time. The clock starts after the first `warmup_steps`
+    calls of ``step()`` (a run's eager warm-up steps and the capture of its graph, where
+    kernels may still compile: not training speed); ``pause()`` / ``resume()`` leave out what
+    is not training (evaluation); ``window()`` closes the steps counted since the last window
+    and returns their rate (None while no step has been counted yet)."""
 
-    def __init__(self, images_per_step: int):
+    def __init__(self, images_per_step: int, warmup_steps: int = 0):
         self.images_per_step = images_per_step
+        self.warmup_steps, self.steps_seen = int(warmup_steps), 0
         self.total_s, self.total_steps = 0.0, 0
         self.window_s, self.window_steps = 0.0, 0
+        self.running, self.paused = self.warmup_steps == 0, False
         self.started = self.began = time.perf_counter()
 
     def step(self):
-        self.window_steps += 1
+        self.steps_seen += 1
+        if self.running:
+            self.window_steps += 1
+        elif self.steps_seen >= self.warmup_steps:  # the clock starts now
+            self.running = True
+            self.started = time.perf_counter()
 
     def pause(self):
-        self.window_s += time.perf_counter() - self.started
+        if self.running and not self.paused:
+            self.window_s += time.perf_counter() - self.started
+        self.paused = True
 
     def resume(self):
+        self.paused = False
         self.started = time.perf_counter()
 
-    def window(self) -> float:
+    def window(self) -> float | None:
         """Images/s of the steps since the last window (the clock keeps running)."""
+        was_paused = self.paused
         self.pause()
-        rate = self.window_steps * self.images_per_step / self.window_s if self.window_s else 0.0
+        rate = (self.window_steps * self.images_per_step / self.window_s
+                if self.window_s and self.window_steps else None)
         self.total_s += self.window_s
         self.total_steps += self.window_steps
         self.window_s, self.window_steps = 0.0, 0
-        self.resume()
+        if not was_paused:
+            self.resume()
         return rate
 
     def wall(self) -> float:

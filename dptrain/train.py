@@ -8,6 +8,7 @@ the files a run leaves behind; it never asks which device it runs on.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -26,6 +27,7 @@ from dptrain.optim import OPTIMIZERS, LRSchedule
 from dptrain.progress import Progress
 from dptrain.random import manual_seed
 from dptrain.reducer import Reducer
+from dptrain.startup import first_on_host, process_age_s
 
 
 @dataclass
@@ -60,6 +62,10 @@ class TrainConfig:
     cache_dir: str | None = None
     progress: bool = True
 
+
+# capture() runs this many eager steps before it records the graph; the throughput meter
+# leaves out those and the capturing step (CAPTURE_WARMUP + 1 steps): see warmup_steps_excluded.
+CAPTURE_WARMUP = 2
 
 # A CPU run uses a subset so `make train` finishes in minutes; a GPU run the full default set.
 DEVICE_DEFAULTS = {
@@ -187,6 +193,9 @@ def train(cfg: TrainConfig, echo=print) -> dict:
     """Train as `cfg` says; returns the summary (rank 0 also writes LOGDIR/summary.json)."""
     cfg, device, be, world, train_set, val_set, model = _setup(cfg)
     root = world.is_root
+    started = time.perf_counter()
+    first_on_host(world, be.runtime.prepare)  # every kernel, built once per host, up front
+    prepare_s = time.perf_counter() - started
     flat = FlatParameters(model.parameters(), world.size, int(cfg.bucket_mb * 2**20))
     opt = build_optimizer(cfg, flat, flat.shard_segments(world.rank))
     reducer = Reducer(flat, world, model)
@@ -204,7 +213,7 @@ def train(cfg: TrainConfig, echo=print) -> dict:
     loader = DeviceLoader(train_set, be, cfg.batch_size)
     val_loader = DeviceLoader(val_set, be, cfg.batch_size)
     step_fn = TrainStep(model, opt, reducer, loader)
-    run_step = be.runtime.capture(step_fn) if cfg.cuda_graph else step_fn
+    run_step = be.runtime.capture(step_fn, warmup=CAPTURE_WARMUP) if cfg.cuda_graph else step_fn
     hooks = step_hooks(cfg, world, reducer, flat)
     log = MetricsLog(cfg.log_dir if root else None)
     if root:
@@ -213,8 +222,11 @@ def train(cfg: TrainConfig, echo=print) -> dict:
              f"{cfg.batch_size} per rank ({global_batch} global), {total_steps} steps")
 
     progress = Progress(total_steps, enabled=cfg.progress and root)
-    meter = Throughput(global_batch)
-    step, last_loss, last_eval = 0, float("nan"), {}
+    # images/s leaves out the warm-up and capture steps (at least one step stays timed)
+    excluded = min(CAPTURE_WARMUP + 1, max(total_steps - 1, 0))
+    meter = Throughput(global_batch, warmup_steps=excluded)
+    startup_s = process_age_s() if excluded == 0 else None  # process start to timed steps
+    step, since_log, last_loss, last_eval = 0, 0, float("nan"), {}
     comm_exposed = 0.0  # seconds of communication that compute waited for
     eval_every = cfg.eval_every or steps_per_epoch
     try:
@@ -226,17 +238,21 @@ def train(cfg: TrainConfig, echo=print) -> dict:
                 loader.set_batch(batches[local])
                 run_step()
                 step += 1
+                since_log += 1
+                if step == excluded:  # warm-up and capture done; the timed steps start here
+                    be.runtime.synchronize()
+                    startup_s = process_age_s()
                 meter.step()
                 for hook in hooks:
                     hook(step)
                 if step % cfg.log_every == 0 or step == total_steps:
-                    window_steps = meter.window_steps
+                    timed_steps = meter.window_steps
                     loss_sum, _ = step_fn.read_metrics(world.comm)
                     exposed = reducer.read_exposed_comm()
                     comm_exposed = None if exposed is None or comm_exposed is None else (
-                        comm_exposed + exposed * window_steps)
+                        comm_exposed + exposed * timed_steps)
                     rate = meter.window()
-                    last_loss = loss_sum / window_steps
+                    last_loss, since_log = loss_sum / since_log, 0
                     log.write({"step": step, "epoch": epoch, "loss": last_loss,
                                "lr": opt.lr, "images_per_s": rate})
                     progress.update(step, loss=last_loss, images_per_s=rate)
@@ -254,6 +270,8 @@ def train(cfg: TrainConfig, echo=print) -> dict:
         progress.close()
         log.close()
     reducer.sync_parameters()
+    if startup_s is None:  # no step ran
+        startup_s = process_age_s()
     wall = meter.wall()
     if cfg.save and root:
         save_weights(model, cfg.save)
@@ -270,6 +288,9 @@ def train(cfg: TrainConfig, echo=print) -> dict:
         "wall_s": wall,
         "train_s": train_time,
         "images_per_s": train_rate,
+        "warmup_steps_excluded": excluded,
+        "startup_s": startup_s,
+        "prepare_s": prepare_s,
         "images_per_s_per_rank": train_rate / world.size,
         "comm_exposed_s": comm_exposed,  # None: not measurable under graph replay
         "comm_exposed_fraction": (comm_exposed / train_time if comm_exposed is not None
@@ -278,6 +299,7 @@ def train(cfg: TrainConfig, echo=print) -> dict:
     }
     if root:
         log.summary(summary)
-        echo(f"dptrain: done: {step} steps in {wall:.1f} s ({train_rate:.0f} images/s training), "
+        echo(f"dptrain: done: {step} steps in {wall:.1f} s ({train_rate:.0f} images/s training, "
+             f"after {startup_s:.1f} s of start-up), "
              f"train_loss {last_loss:.4f}, val_accuracy {summary['val_accuracy']:.4f}")
     return summary

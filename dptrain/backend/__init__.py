@@ -37,6 +37,10 @@ The runtime (``be.runtime``), with the CPU's trivial meaning in brackets:
   ``order(waiter, signaller)``              ``waiter`` waits for all work issued so far on
                                              ``signaller`` [no-op]
   ``synchronize()``                         the host waits for all issued work [no-op]
+  ``prepare() -> dict``                     build every kernel ahead of the first step
+                                             (compiled in parallel, or loaded from the
+                                             on-disk cache): {"files", "built", "seconds"}
+                                             [nothing to build]
   ``capture(step, warmup=2) -> run``        ``run()`` calls ``step()`` eagerly ``warmup``
                                              times, then records it once as a CUDA graph and
                                              replays that; ``step`` takes no arguments, its
@@ -104,7 +108,7 @@ OPS = (
 )
 
 RUNTIME = (
-    "current_stream", "comm_stream", "on", "record", "wait", "order", "synchronize",
+    "current_stream", "comm_stream", "on", "record", "wait", "order", "synchronize", "prepare",
     "capture", "records_graphs", "comm_timer", "upload_",
     "PRECISIONS", "precision", "set_precision", "precision_scope",
     "manual_seed", "rng_state", "get_rng_state", "set_rng_state",

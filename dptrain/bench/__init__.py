@@ -2,7 +2,8 @@
 
 Suites run as ``python -m dptrain bench <suite>``, each a module with main(argv): ``ops``
 (kernels against cuBLAS / cuDNN / CuPy and the NumPy backend), ``train`` (training-step
-throughput against PyTorch), ``comm`` (gradient-exchange bandwidth, under mpirun). Library
+throughput against PyTorch), ``comm`` (gradient-exchange bandwidth, under mpirun), ``startup``
+(cold start: kernel compilation serial and parallel, time to the first step). Library
 modules the scaling scripts call: ``threads`` (the launch-shape sweep and its workloads),
 ``machine`` (what a result records about the GPU). Our ops run through the backend; the
 references they are measured against (cuBLAS, CuPy's kernels) and CUDA-event timing come
@@ -10,7 +11,7 @@ from ``dptrain.backend.cuda.vendor``.
 """
 from __future__ import annotations
 
-SUITES = ("ops", "train", "comm")
+SUITES = ("ops", "train", "comm", "startup")
 
 
 def main(argv) -> int:
@@ -22,6 +23,7 @@ def main(argv) -> int:
     p = _Parser(prog="python -m dptrain bench", description="Benchmarks.")
     p.add_argument("suite", choices=SUITES,
                    help="ops: kernels against references; train: training throughput against "
-                   "PyTorch; comm: gradient-exchange bandwidth (under mpirun)")
+                   "PyTorch; comm: gradient-exchange bandwidth (under mpirun); startup: "
+                   "kernel compilation and time to the first step, cold and warm cache")
     args, rest = p.parse_known_args(argv)
     return importlib.import_module(f"dptrain.bench.{args.suite}").main(rest) or 0

@@ -1,103 +1,73 @@
-"""`python -m dptrain bench train`: training-step throughput of the reference CNN, ours next
-to PyTorch's on the same device, inputs and batch, in the same run.
+"""`python -m dptrain bench train`: one training step of each model, ours next to PyTorch's,
+at each batch size and precision, in one run on one device.
 
-Both sides run the same step (forward, cross-entropy, backward, SGD with momentum) on
-data already on the device (ours also gathers and normalises its uint8 batch), eagerly
-and, on a GPU, replayed as a captured CUDA graph; we time `--steps` steps after `--warmup` steps and report the
-median over `--repeats` timed runs. PyTorch is optional: without it only our figures print.
+Rows, for every model of ``dptrain.nn.MODELS`` that builds for the image shape (or
+``--models``), every ``--batch-sizes`` and every precision the runtime offers
+(``be.runtime.PRECISIONS``, or ``--precisions``):
+  dptrain  graph     our TrainStep captured once and replayed (devices that record graphs)
+  dptrain  eager     the same step run op by op
+  pytorch  eager / graph / compile            in fp32 and tf32 (TF32 on or off)
+  pytorch  graph-autocast-cl                  bf16 and fp16 autocast + channels_last, in a
+                                              graph (always measured on a GPU: the mode to beat)
+Both sides start from the same weights (PyTorch's twin of our model gets our state_dict;
+models without a twin get no PyTorch rows), use the same optimizer (``--optimizer``: SGD
+with momentum 0.9, or AdamW), read uint8 images already on the device and gather and
+normalise them inside the step. Each is warmed up (``--warmup`` steps: kernels compiled,
+graphs captured), then ``--repeats`` runs of ``--steps`` steps are timed on the host clock
+around a device synchronisation; a row is the median.
+
+Columns: ms/step; images/s; ``vs best torch`` = PyTorch's fastest mode in the same precision
+(TF32 rows against PyTorch's TF32 modes, bf16 against its bf16 mode) divided by this row's
+time, so > 1 is faster than PyTorch's best; TFLOP/s from the FLOPs a training step needs
+(``dptrain.bench.flops``: 3x the forward's conv and matmul FLOPs, 138.5 MFLOP per 48x48
+image for the reference CNN); ``% floor`` = that rate over the device's dense peak in the
+row's precision (``PEAK_TFLOPS`` by GPU name, or ``--peak-tflops``). ``--profile`` adds, for
+each model, batch and precision, our eager step's time per op (CUDA events around each op,
+``dptrain.bench.profile``). ``--csv`` / ``--json`` write the rows (JSON adds the profiles);
+the table prints last. On the CPU only eager rows run (PyTorch's eager CPU step if torch
+is installed).
+
+    python -m dptrain bench train [--batch-sizes 64 256 1024] [--optimizer sgd|adamw]
+        [--models cnn] [--precisions tf32] [--profile] [--csv F.csv] [--json F.json]
 """
 from __future__ import annotations
 
-import argparse
+import csv
+import datetime
 import json
 import platform
 import statistics
+import sys
 import time
+import traceback
+from types import SimpleNamespace
 
 import numpy as np
 
+from dptrain.bench import flops as flop_count
+from dptrain.bench import machine, torch_step
+from dptrain.errors import UsageError
 
-def _ours(device, batch, image_shape, classes, steps, warmup, repeats, graph=False, seed=0):
-    """Our training step (TrainStep: gather, forward, backward, SGD) on uint8 images held on
-    the device, eagerly or replayed as a captured CUDA graph."""
-    from types import SimpleNamespace
+NUM_CLASSES = 7
+MEAN, STD = 0.5, 0.25
 
-    import dptrain as dp
-    from dptrain import backend, dist, nn
-    from dptrain.data import DeviceLoader
-    from dptrain.flat import FlatParameters
-    from dptrain.optim import SGD
-    from dptrain.reducer import Reducer
-    from dptrain.train import TrainStep
+# Dense tensor rates in TFLOP/s by GPU name (first match wins; SXM figures for H100/H200).
+PEAK_TFLOPS = (
+    ("H100 PCIe", {"fp32": 51.0, "tf32": 378.0, "bf16": 756.0, "fp16": 756.0}),
+    ("H100", {"fp32": 67.0, "tf32": 495.0, "bf16": 989.0, "fp16": 989.0}),
+    ("H200", {"fp32": 67.0, "tf32": 495.0, "bf16": 989.0, "fp16": 989.0}),
+    ("A100", {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0}),
+)
 
-    be = backend.get(device)
-    dp.manual_seed(seed)
-    model = nn.cnn(image_shape, classes).to(device)
-    flat = FlatParameters(model.parameters())
-    opt = SGD(flat, lr=0.01, momentum=0.9)
-    reducer = Reducer(flat, dist.World(comm=dist.LocalComm(be)))
-    rng = np.random.default_rng(seed)
-    data = SimpleNamespace(images=rng.integers(0, 256, (batch, *image_shape), dtype=np.uint8),
-                           labels=rng.integers(0, classes, batch), mean=0.5, std=0.25,
-                           num_classes=classes, image_shape=image_shape)
-    loader = DeviceLoader(data, be, batch)
-    step_fn = TrainStep(model, opt, reducer, loader)
-    run = be.runtime.capture(step_fn) if graph else step_fn
-    indices = np.arange(batch, dtype=np.int64)
-
-    def step():
-        opt.begin_step()
-        loader.set_batch(indices)
-        run()
-
-    def sync():
-        be.runtime.synchronize()
-
-    return _time(step, sync, steps, warmup, repeats)
+FIELDS = ["model", "batch", "precision", "impl", "mode", "ms", "images_per_s",
+          "vs_best_torch", "tflops", "pct_of_floor", "flops_per_image", "note"]
 
 
-def _torch(device, batch, image_shape, classes, steps, warmup, repeats, graph=False, seed=0):
-    import torch
-    import torch.nn as tnn
-
-    dev = device  # the same names in PyTorch
-    torch.manual_seed(seed)
-    c, h, w = image_shape
-    model = tnn.Sequential(
-        tnn.Conv2d(c, 32, 3, padding=1), tnn.ReLU(), tnn.MaxPool2d(2),
-        tnn.Conv2d(32, 64, 3, padding=1), tnn.ReLU(), tnn.MaxPool2d(2),
-        tnn.Conv2d(64, 128, 3, padding=1), tnn.ReLU(), tnn.MaxPool2d(2),
-        tnn.Flatten(), tnn.Linear(128 * (h // 8) * (w // 8), 256), tnn.ReLU(),
-        tnn.Linear(256, classes)).to(dev)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    x = torch.randn(batch, c, h, w, device=dev)
-    y = torch.randint(0, classes, (batch,), device=dev)
-
-    def eager():
-        opt.zero_grad(set_to_none=False)
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-
-    def sync():
-        if x.is_cuda:
-            torch.cuda.synchronize()
-
-    step = eager
-    if graph:  # whole-step capture, as in PyTorch's CUDA-graph recipe
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                eager()
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            eager()
-        step = g.replay
-    return _time(step, sync, steps, warmup, repeats), torch.__version__, torch.get_num_threads()
+# ----------------------------------------------------------------------------- timing
 
 
-def _time(step, sync, steps, warmup, repeats):
+def time_step(step, sync, steps, warmup, repeats) -> float:
+    """Median seconds per step over `repeats` runs of `steps` steps, after `warmup` steps."""
     for _ in range(warmup):
         step()
     sync()
@@ -111,46 +81,290 @@ def _time(step, sync, steps, warmup, repeats):
     return statistics.median(times)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dptrain bench train", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def _batch_data(batch, image_shape, seed):
+    rng = np.random.default_rng(seed)
+    return SimpleNamespace(images=rng.integers(0, 256, (batch, *image_shape), dtype=np.uint8),
+                           labels=rng.integers(0, NUM_CLASSES, batch), mean=MEAN, std=STD,
+                           num_classes=NUM_CLASSES, image_shape=tuple(image_shape))
+
+
+def our_step(be, model_name, state, data, optimizer, graph):
+    """(step, sync) of our TrainStep on `data` (uint8 images held on the device), starting
+    from the weights `state`, eager or captured and replayed."""
+    from dptrain import dist
+    from dptrain.data import DeviceLoader
+    from dptrain.flat import FlatParameters
+    from dptrain.nn import build_model
+    from dptrain.optim import SGD, AdamW
+    from dptrain.reducer import Reducer
+    from dptrain.train import CAPTURE_WARMUP, TrainStep
+
+    model = build_model(model_name, data.image_shape, NUM_CLASSES)
+    model.load_state_dict(state)
+    model.to(be.name)
+    flat = FlatParameters(model.parameters())
+    opt = (SGD(flat, lr=0.01, momentum=0.9) if optimizer == "sgd"
+           else AdamW(flat, lr=1e-3, weight_decay=0.01))
+    reducer = Reducer(flat, dist.World(comm=dist.LocalComm(be)))
+    loader = DeviceLoader(data, be, len(data.labels))
+    step_fn = TrainStep(model, opt, reducer, loader)
+    run = be.runtime.capture(step_fn, warmup=CAPTURE_WARMUP) if graph else step_fn
+    indices = np.arange(len(data.labels), dtype=np.int64)
+
+    def step():
+        opt.begin_step()
+        loader.set_batch(indices)
+        run()
+
+    return step, be.runtime.synchronize
+
+
+def profile_ours(be, model_name, state, data, optimizer, steps=3) -> list[dict]:
+    """Per-op device time of our eager step (mean of `steps` steps after two warm-up steps)."""
+    from dptrain.bench.profile import OpProfile
+
+    with OpProfile(be) as prof:
+        step, sync = our_step(be, model_name, state, data, optimizer, graph=False)
+        for _ in range(2):
+            step()
+        sync()
+        prof.reset()
+        for _ in range(steps):
+            step()
+        sync()
+        return prof.rows(steps)
+
+
+# ----------------------------------------------------------------------------- set-up
+
+
+def buildable_models(names, image_shape) -> dict:
+    """{name: None} for the models that build for `image_shape`, {name: reason} otherwise."""
+    from dptrain.nn import build_model
+
+    result = {}
+    for name in names:
+        try:
+            build_model(name, image_shape, NUM_CLASSES)
+            result[name] = None
+        except (ValueError, TypeError) as exc:
+            result[name] = str(exc)
+    return result
+
+
+def peak_tflops(text, gpu_name):
+    """{precision: TFLOP/s} from --peak-tflops ("495" for every precision, or
+    "tf32=495,bf16=989"), else from PEAK_TFLOPS by `gpu_name`; {} where unknown."""
+    if text:
+        try:
+            if "=" not in text:
+                return {p: float(text) for p in ("fp32", "tf32", "bf16", "fp16")}
+            return {k.strip(): float(v) for k, v in (item.split("=") for item in text.split(","))}
+        except ValueError:
+            raise UsageError(f"--peak-tflops {text!r}: expected a number or "
+                             f"precision=number pairs such as tf32=495,bf16=989") from None
+    for key, peaks in PEAK_TFLOPS:
+        if gpu_name and key in gpu_name:
+            return dict(peaks)
+    return {}
+
+
+def fill_derived(rows, peaks):
+    """vs_best_torch, tflops and pct_of_floor of every row (in place)."""
+    best = {}
+    for r in rows:
+        if r["impl"] == "pytorch" and r["ms"]:
+            key = (r["model"], r["batch"], r["precision"])
+            best[key] = min(best.get(key, float("inf")), r["ms"])
+    for r in rows:
+        ms = r["ms"]
+        ref = best.get((r["model"], r["batch"], r["precision"]))
+        r["vs_best_torch"] = ref / ms if ms and ref else None
+        r["tflops"] = r["flops_per_image"] * r["batch"] / (ms * 1e-3) / 1e12 if ms else None
+        peak = peaks.get(r["precision"])
+        r["pct_of_floor"] = 100 * r["tflops"] / peak if r["tflops"] and peak else None
+    return rows
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def _cell(value, fmt):
+    return "-" if value is None else format(value, fmt)
+
+
+def format_table(rows) -> str:
+    head = (f"{'model':<10} {'batch':>5} {'prec':>4} {'impl':<7} {'mode':<17} {'ms/step':>8} "
+            f"{'images/s':>10} {'vs best torch':>13} {'TFLOP/s':>8} {'% floor':>7}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(
+            f"{r['model']:<10} {r['batch']:>5} {r['precision']:>4} {r['impl']:<7} "
+            f"{r['mode']:<17} {_cell(r['ms'], '8.3f')} {_cell(r['images_per_s'], '10.0f')} "
+            f"{_cell(r['vs_best_torch'], '13.2f')} {_cell(r['tflops'], '8.3g')} "
+            f"{_cell(r['pct_of_floor'], '7.1f')}" + (f"  ({r['note']})" if r["note"] else ""))
+    return "\n".join(lines)
+
+
+def write_csv(path, rows):
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({k: r.get(k) for k in FIELDS})
+
+
+def write_json(path, header, rows, profiles):
+    with open(path, "w") as f:
+        json.dump({**header, "rows": rows, "profiles": profiles}, f, indent=1)
+        f.write("\n")
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def _parser():
+    from dptrain.cli import _Parser, _positive_int
+
+    p = _Parser(prog="python -m dptrain bench train", description=__doc__,
+                formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    p.add_argument("--batch-size", type=int, nargs="+", default=[64])
-    p.add_argument("--steps", type=int, default=10, help="steps per timed run")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--no-torch", action="store_true", help="skip the PyTorch baseline")
-    p.add_argument("--json", default=None, help="append results to this JSON-lines file")
-    args = p.parse_args(argv)
+    p.add_argument("--models", nargs="+", default=None,
+                   help="models to run (default: every model that builds for the images)")
+    p.add_argument("--batch-sizes", "--batch-size", dest="batch_sizes", type=_positive_int,
+                   nargs="+", default=[64, 256, 1024])
+    p.add_argument("--precisions", nargs="+", default=None,
+                   help="our precisions (default: every one the runtime offers)")
+    p.add_argument("--optimizer", default="sgd", choices=("sgd", "adamw"),
+                   help="sgd: momentum 0.9, lr 0.01; adamw: lr 1e-3, weight decay 0.01")
+    p.add_argument("--image-size", type=_positive_int, default=48,
+                   help="height and width of the 1-channel images")
+    p.add_argument("--steps", type=_positive_int, default=30, help="steps per timed run")
+    p.add_argument("--warmup", type=_positive_int, default=5, help="steps before timing")
+    p.add_argument("--repeats", type=_positive_int, default=5, help="timed runs (median)")
+    p.add_argument("--no-torch", action="store_true", help="no PyTorch rows")
+    p.add_argument("--peak-tflops", default=None,
+                   help="the device's dense peak, TFLOP/s: one number, or tf32=495,bf16=989")
+    p.add_argument("--profile", action="store_true",
+                   help="also time each op of our eager step (where the time goes)")
+    p.add_argument("--csv", default=None, help="write the rows to this CSV file")
+    p.add_argument("--json", default=None, help="write rows and profiles to this JSON file")
+    p.add_argument("--seed", type=int, default=0)
+    return p
 
-    from dptrain import backend
 
-    device = backend.resolve_device(args.device)
-    shape, classes = (1, 48, 48), 7
-    modes = ["eager", "graph"] if backend.get(device).runtime.records_graphs else ["eager"]
-    print(f"reference CNN training step, 48x48x1, {device}, {platform.node()}")
-    print(f"{'batch':>6} {'mode':>6} {'ours ms':>9} {'ours img/s':>11} {'torch ms':>9} "
-          f"{'torch img/s':>12} {'ours/torch':>10}")
-    for batch in args.batch_size:
-        for mode in modes:
-            timing = (args.steps, args.warmup, args.repeats, mode == "graph")
-            ours = _ours(device, batch, shape, classes, *timing)
-            record = {"device": device, "batch": batch, "mode": mode, "ours_ms": ours * 1e3,
-                      "ours_images_per_s": batch / ours, "date": time.strftime("%Y-%m-%d")}
-            torch_text = f"{'-':>9} {'-':>12} {'-':>10}"
-            if not args.no_torch:
+def main(argv=None, echo=print) -> int:
+    args = _parser().parse_args(argv)
+    from dptrain import backend, nn
+    from dptrain.bench.profile import format_rows
+    from dptrain.random import manual_seed
+
+    try:
+        device = backend.resolve_device(args.device)
+    except (ValueError, RuntimeError) as exc:
+        raise UsageError(str(exc)) from None
+    be = backend.get(device)
+    offered = tuple(be.runtime.PRECISIONS)
+    precisions = tuple(args.precisions or offered)
+    for p in precisions:
+        if p not in offered:
+            raise UsageError(f"--precisions {p}: the {device} runtime offers "
+                             f"{', '.join(offered)}")
+    image_shape = (1, args.image_size, args.image_size)
+    names = args.models or list(nn.MODELS)
+    unknown = [n for n in names if n not in nn.MODELS]
+    if unknown:
+        raise UsageError(f"--models {unknown[0]}: unknown model; choose from "
+                         f"{', '.join(nn.MODELS)}")
+    status = buildable_models(names, image_shape)
+    if args.models and any(status.values()):
+        bad = next(n for n, why in status.items() if why)
+        raise UsageError(f"--models {bad}: does not build for {image_shape}: {status[bad]}")
+    models = [n for n, why in status.items() if why is None]
+    graphs = be.runtime.records_graphs
+    use_torch = not args.no_torch and torch_step.available()
+    gpus = machine.gpu_names() if graphs else []
+    gpu = gpus[0] if gpus else ""
+    peaks = peak_tflops(args.peak_tflops, gpu)
+    from dptrain.train import CAPTURE_WARMUP
+
+    # warm-up covers the eager steps and the capture of a graph, so neither is timed
+    timing = (args.steps, max(args.warmup, CAPTURE_WARMUP + 1), args.repeats)
+
+    be.runtime.prepare()  # kernels built before anything is timed
+    rows, profiles = [], []
+    for model_name in models:
+        fpi = flop_count.training_flops_per_image(model_name, image_shape, NUM_CLASSES)
+        manual_seed(args.seed)
+        state = nn.build_model(model_name, image_shape, NUM_CLASSES).state_dict()
+        net = None
+        if use_torch:
+            our_cpu_model = nn.build_model(model_name, image_shape, NUM_CLASSES)
+            our_cpu_model.load_state_dict(state)
+            net = torch_step.twin(our_cpu_model)
+        for batch in args.batch_sizes:
+            data = _batch_data(batch, image_shape, args.seed)
+
+            def row(precision, impl, mode, seconds, note=""):
+                rows.append({"model": model_name, "batch": batch, "precision": precision,
+                             "impl": impl, "mode": mode,
+                             "ms": seconds * 1e3 if seconds else None,
+                             "images_per_s": batch / seconds if seconds else None,
+                             "flops_per_image": fpi, "note": note})
+
+            for precision in precisions:
+                with be.runtime.precision_scope(precision):
+                    for mode in (("graph", "eager") if graphs else ("eager",)):
+                        step, sync = our_step(be, model_name, state, data, args.optimizer,
+                                              graph=mode == "graph")
+                        row(precision, "dptrain", mode, time_step(step, sync, *timing))
+                        del step
+                    if args.profile:
+                        ops = profile_ours(be, model_name, state, data, args.optimizer)
+                        profiles.append({"model": model_name, "batch": batch,
+                                         "precision": precision, "ops": ops})
+            if net is None:
+                continue
+            torch_rows = [(p, m) for p in precisions if p in torch_step.MATMUL_PRECISIONS
+                          for m in (("eager", "graph", "compile") if graphs else ("eager",))]
+            if graphs:  # PyTorch's half-precision mode: the one to beat, whatever ours offers
+                torch_rows += [(p, "graph-autocast-cl") for p in torch_step.AUTOCAST_PRECISIONS
+                               if p in precisions or p == "bf16"]
+            for precision, mode in torch_rows:
                 try:
-                    theirs, version, threads = _torch(device, batch, shape, classes, *timing)
-                    record.update(torch_ms=theirs * 1e3, torch_images_per_s=batch / theirs,
-                                  torch_version=version, torch_threads=threads)
-                    torch_text = (f"{theirs * 1e3:9.2f} {batch / theirs:12.0f} "
-                                  f"{theirs / ours:10.2f}")
-                except ImportError:
-                    torch_text = f"{'(no torch)':>9}"
-            print(f"{batch:6d} {mode:>6} {ours * 1e3:9.2f} {batch / ours:11.0f} {torch_text}")
-            if args.json:
-                with open(args.json, "a") as f:
-                    f.write(json.dumps(record) + "\n")
+                    step, sync = torch_step.training_step(
+                        net, device, mode, precision, args.optimizer, data.images, data.labels,
+                        MEAN, STD)
+                    row(precision, "pytorch", mode, time_step(step, sync, *timing))
+                except Exception as exc:  # a mode PyTorch cannot run here: say so, go on
+                    traceback.print_exc(limit=2, file=sys.stderr)
+                    row(precision, "pytorch", mode, None,
+                        f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:80]}")
+                finally:
+                    step = sync = None
+
+    fill_derived(rows, peaks)
+    header = {"device": device, "gpu": gpu, "host": platform.node(),
+              "date": datetime.date.today().isoformat(), "software": machine.gpu_software(),
+              "torch": torch_step.version() if use_torch else None,
+              "optimizer": args.optimizer, "image_shape": list(image_shape),
+              "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
+              "peak_tflops": peaks, "command": "python -m dptrain bench train "
+              + " ".join(argv if argv is not None else sys.argv[1:])}
+    if args.csv:
+        write_csv(args.csv, rows)
+    if args.json:
+        write_json(args.json, header, rows, profiles)
+    for prof in profiles:
+        echo(format_rows(prof["ops"], f"\nour eager step, {prof['model']} batch {prof['batch']} "
+                         f"{prof['precision']}: device time per op (ms per step)"))
+    skipped = {n: why for n, why in status.items() if why}
+    echo(f"\ntraining step, {image_shape[1]}x{image_shape[2]}x1 images, {args.optimizer}, "
+         f"{device}{' (' + gpu + ')' if gpu else ''}, {header['date']}; median of "
+         f"{args.repeats} x {args.steps} steps"
+         + (f"; PyTorch {header['torch']}" if use_torch else "; no PyTorch")
+         + "".join(f"; skipped {n}: {why}" for n, why in skipped.items()))
+    echo(format_table(rows))
     return 0
 
 

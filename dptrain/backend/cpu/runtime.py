@@ -77,6 +77,10 @@ class Runtime(RuntimeBase):
     def synchronize(self):
         pass
 
+    # -- cold start: nothing to compile
+    def prepare(self) -> dict:
+        return {"files": 0, "built": 0, "seconds": 0.0, "workers": 0}
+
     # -- capture: nothing to record, the step runs again each call
     records_graphs = False
 

@@ -7,15 +7,33 @@ Every launcher in the cuda backend gets its kernels here (through ``launch.kerne
 The first request for a file compiles it with NVRTC through ``cupy.RawModule``
 (all of its template instantiations at once, listed in ``name_expressions``);
 later requests reuse the module. CuPy caches the compiled binary on disk
-(~/.cupy/kernel_cache), so a second process start skips NVRTC too.
+(``$CUPY_CACHE_DIR``, default ~/.cupy/kernel_cache), so a second process start skips NVRTC.
+
+Cold start: ``compile_all()`` (what ``runtime.prepare()`` calls) builds every file this GPU
+can run ahead of the first step, one thread per file. Threads, not processes, because
+CuPy's binding calls ``nvrtcCompileProgram`` with the GIL released (``with nogil`` in
+cupy_backends/cuda/libs/nvrtc.pyx; the installed binary brackets the call with
+PyEval_SaveThread / PyEval_RestoreThread), NVRTC is documented thread-safe, and a thread's
+module is loaded straight into this process's CUDA context: a process pool would pay a
+CuPy import and a CUDA context per worker and hand its results back through the disk.
+``python -m dptrain bench startup`` measures one worker against many on a fresh cache.
+
+Cache identity: CuPy 14.2 names a cached binary by a hash of (GPU architecture, options,
+NVRTC version, source, name expressions): the architecture is in its key already. The
+source handed to CuPy also carries the digest of our headers (so editing a .cuh
+recompiles), and ``cache_key(filename, arch)`` is our own key of a file's build (source,
+headers, options, architecture), by which the in-process table of modules is kept.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import hashlib
 import os
 import re
 import shutil
+import threading
+import time
 from pathlib import Path
 
 KERNEL_DIR_ENV = "DPTRAIN_KERNEL_DIR"
@@ -75,25 +93,122 @@ def name_expressions(source: str) -> list[str]:
     return names
 
 
-@functools.lru_cache(maxsize=None)
-def module(filename: str):
-    import cupy
+def _headers_digest() -> str:
+    headers = "".join(h.read_text() for h in sorted(kernel_dir().glob("*.cuh")))
+    return hashlib.sha256(headers.encode()).hexdigest()
 
-    path = kernel_dir() / filename
-    source = path.read_text()
-    # CuPy caches compiled code by source text and options only, so fold the local headers'
+
+def source_and_options(filename: str) -> tuple[str, tuple[str, ...]]:
+    """What NVRTC compiles for kernels/`filename`: the source and the compiler options."""
+    source = (kernel_dir() / filename).read_text()
+    # CuPy caches compiled code by source text and options, so fold the local headers'
     # text into the source: editing a header (common.cuh, gemm_tiles.cuh) then recompiles
     # the files that include it.
-    headers = "".join(h.read_text() for h in sorted(kernel_dir().glob("*.cuh")))
-    source += f"\n// headers: {hashlib.sha256(headers.encode()).hexdigest()}\n"
+    source += f"\n// headers: {_headers_digest()}\n"
     options = (
         "--std=c++17",
         f"-I{cuda_include_dir()}",
         f"-I{kernel_dir()}",
     ) + file_options(source)
-    mod = cupy.RawModule(code=source, options=options, name_expressions=name_expressions(source))
-    mod.compile()
-    return mod
+    return source, options
+
+
+def cache_key(filename: str, arch: str) -> str:
+    """The identity of kernels/`filename` built for GPU architecture `arch` (compute
+    capability digits, "90"): a digest of its source, the headers, the options and `arch`."""
+    source, options = source_and_options(filename)
+    text = "\0".join((filename, source, *options, f"arch={arch}"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+_ARCH_OPTION = re.compile(r"^-(?:arch|-gpu-architecture)=sm_(\d+)a$")
+
+
+def runs_on(filename: str, arch: str) -> bool:
+    """False for a file that asks for an architecture-specific target (``-arch=sm_90a``)
+    other than `arch`: its code runs on that architecture only."""
+    _, options = source_and_options(filename)
+    wanted = [m.group(1) for m in map(_ARCH_OPTION.match, options) if m]
+    return all(w == arch for w in wanted)
+
+
+def kernel_files(arch: str) -> list[str]:
+    """Every kernels/*.cu that a GPU of architecture `arch` can run."""
+    return [p.name for p in sorted(kernel_dir().glob("*.cu")) if runs_on(p.name, arch)]
+
+
+def device_arch() -> str:
+    """The current GPU's compute capability as digits ("90" for an H100 / H200)."""
+    import cupy
+
+    return str(cupy.cuda.Device().compute_capability)
+
+
+# Modules built in this process, by cache_key; `builds` counts them (compiled by NVRTC or
+# loaded from CuPy's disk cache): after compile_all(), a training step builds none.
+_modules: dict[str, object] = {}
+_locks: dict[str, threading.Lock] = {}
+_table_lock = threading.Lock()
+builds = 0
+
+
+def module(filename: str):
+    """The compiled module of kernels/`filename` for the current GPU (built on first use)."""
+    global builds
+    key = cache_key(filename, device_arch())
+    mod = _modules.get(key)
+    if mod is not None:
+        return mod
+    with _table_lock:
+        lock = _locks.setdefault(key, threading.Lock())
+    with lock:  # one build per key, even when threads ask at once
+        if key not in _modules:
+            import cupy
+
+            source, options = source_and_options(filename)
+            mod = cupy.RawModule(code=source, options=options,
+                                 name_expressions=name_expressions(source))
+            mod.compile()
+            with _table_lock:
+                _modules[key] = mod
+                builds += 1
+        return _modules[key]
+
+
+WORKERS_ENV = "DPTRAIN_COMPILE_WORKERS"
+
+
+def compile_all(workers: int | None = None) -> dict:
+    """Build every kernel file the current GPU can run, `workers` files at a time (default:
+    $DPTRAIN_COMPILE_WORKERS, else one thread per file, at most the host's cores).
+    Returns {"files", "built", "seconds", "workers"}."""
+    import cupy
+
+    device, arch = cupy.cuda.Device().id, device_arch()
+    files = kernel_files(arch)
+    env = os.environ.get(WORKERS_ENV, "")
+    if not workers and env:
+        if not env.isdigit() or int(env) < 1:
+            raise ValueError(f"{WORKERS_ENV}={env!r}: expected a positive integer")
+        workers = int(env)
+    workers = workers or max(1, min(len(files), os.cpu_count() or 1))
+    before, start = builds, time.perf_counter()
+
+    def build(name):
+        # The current device is per thread in CUDA; setting it also makes its primary context
+        # current here (CUDA >= 12), which loading the compiled module needs.
+        cupy.cuda.runtime.setDevice(device)
+        module(name)
+
+    if workers == 1:
+        for name in files:
+            build(name)
+    else:
+        with concurrent.futures.ThreadPoolExecutor(workers, "dptrain-nvrtc") as pool:
+            for future in [pool.submit(build, name) for name in files]:
+                future.result()  # re-raises a compile error
+    return {"files": len(files), "built": builds - before,
+            "seconds": time.perf_counter() - start, "workers": workers}
 
 
 @functools.lru_cache(maxsize=None)

@@ -8,6 +8,7 @@
 * ``comm_timer()`` times the compute stream's wait for communication with two CUDA events.
 * Precision of the matrix kernels: "tf32" (compute capability >= 8.0) or "fp32"; the GEMM and
   convolution launchers read ``runtime.precision`` and keep it in their plan keys.
+* ``prepare()`` compiles every kernel file ahead of the first step (loader.compile_all).
 * Random numbers: ``rng_state`` is a device uint64 array [seed, offset] that the dropout
   kernels read and advance on the device, so a replayed graph draws fresh numbers. It is
   created on first use, on the device current then (after ``select_device``); until then
@@ -132,6 +133,14 @@ class Runtime(RuntimeBase):
 
     def synchronize(self):
         cupy.cuda.runtime.deviceSynchronize()
+
+    # -- cold start
+    def prepare(self) -> dict:
+        """Build every kernel file this GPU runs before the first step, in parallel threads
+        (NVRTC, or CuPy's disk cache when warm): {"files", "built", "seconds"}."""
+        from dptrain.backend.cuda import loader
+
+        return loader.compile_all()
 
     # -- capture and replay of a step
     records_graphs = True

@@ -28,6 +28,32 @@ def time_ms(fn, warmup=3, repeat=20, budget_s=0.3) -> float:
     return statistics.median(times)
 
 
+class EventSpans:
+    """Device time of spans of work on the current stream, for per-op profiles: ``begin()``
+    and ``end(name)`` record a CUDA event pair around the launches in between; ``read()``
+    waits for the device and returns [(name, milliseconds)] in issue order. No host sync
+    until read()."""
+
+    def __init__(self):
+        self.pairs, self.open = [], None
+
+    def begin(self):
+        self.open = cupy.cuda.Event()
+        self.open.record()
+
+    def end(self, name):
+        stop = cupy.cuda.Event()
+        stop.record()
+        self.pairs.append((name, self.open, stop))
+        self.open = None
+
+    def read(self) -> list:
+        if not self.pairs:
+            return []
+        self.pairs[-1][2].synchronize()
+        return [(name, cupy.cuda.get_elapsed_time(a, b)) for name, a, b in self.pairs]
+
+
 def cublas_precision(precision: str) -> None:
     """Make cuBLAS (cublas_matmul) use TF32 tensor cores ("tf32") or plain fp32."""
     kind = _linalg.COMPUTE_TYPE_TF32 if precision == "tf32" else _linalg.COMPUTE_TYPE_FP32

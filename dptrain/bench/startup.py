@@ -1,0 +1,99 @@
+"""`python -m dptrain bench startup`: what a cold start costs, each figure from a fresh process.
+
+1. Kernel build (``be.runtime.prepare()``) on an empty kernel cache with 1 worker thread and
+   with each ``--workers`` count, then on the cache the last one left (warm): whether
+   threads compile in parallel, and what a warm start still pays.
+2. Training (``python -m dptrain train``, ``--train-steps`` steps) on an empty kernel cache,
+   then again on that cache: ``startup_s`` (process start to the first timed step),
+   ``prepare_s`` and ``images_per_s`` of each; the two rates should agree within noise.
+A first training run on a cache of its own generates the dataset beforehand, so neither
+measured run pays for it. Every process gets its kernel cache through ``CUPY_CACHE_DIR``.
+
+    python -m dptrain bench startup [--device auto] [--workers 4 16] [--train-steps 300]
+                                    [--json F.json]
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+_PREPARE = ("import json, sys; from dptrain import backend; "
+            "print(json.dumps(backend.get(sys.argv[1]).runtime.prepare()))")
+
+
+def _env(cache, extra=None):
+    root = str(Path(__file__).resolve().parents[2])
+    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    return dict(os.environ, PYTHONPATH=path, CUPY_CACHE_DIR=str(cache), **(extra or {}))
+
+
+def prepare_in_fresh_process(device, cache, workers) -> dict:
+    env = _env(cache, {"DPTRAIN_COMPILE_WORKERS": str(workers)})
+    out = subprocess.run([sys.executable, "-c", _PREPARE, device], env=env, check=True,
+                         capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def train_in_fresh_process(device, cache, data_cache, log_dir, steps) -> dict:
+    cmd = [sys.executable, "-m", "dptrain", "train", "--device", device, "--max-steps",
+           str(steps), "--epochs", "1000", "--train-images", "16384", "--val-images", "1024",
+           "--no-progress", "--log-every", "50", "--cache-dir", str(data_cache),
+           "--log-dir", str(log_dir)]
+    subprocess.run(cmd, env=_env(cache), check=True, capture_output=True, text=True)
+    return json.loads((Path(log_dir) / "summary.json").read_text())
+
+
+def main(argv=None, echo=print) -> int:
+    from dptrain import backend
+    from dptrain.cli import _Parser, _positive_int
+
+    p = _Parser(prog="python -m dptrain bench startup", description=__doc__,
+                formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--workers", type=_positive_int, nargs="+",
+                   default=[min(16, os.cpu_count() or 1)], help="thread counts to compare with 1")
+    p.add_argument("--train-steps", type=_positive_int, default=300,
+                   help="steps of each training run")
+    p.add_argument("--no-train", action="store_true", help="only the kernel build")
+    p.add_argument("--json", default=None, help="write the results to this JSON file")
+    args = p.parse_args(argv)
+    device = backend.resolve_device(args.device)
+
+    result = {"device": device, "build": [], "train": []}
+    with tempfile.TemporaryDirectory(prefix="dptrain-startup-") as tmp:
+        tmp = Path(tmp)
+        for i, workers in enumerate([1, *args.workers]):
+            r = prepare_in_fresh_process(device, tmp / f"kernels{i}", workers)
+            result["build"].append({"cache": "empty", **r})
+        r = prepare_in_fresh_process(device, tmp / f"kernels{len(args.workers)}", args.workers[-1])
+        result["build"].append({"cache": "warm", **r})
+        if not args.no_train:
+            train_in_fresh_process(device, tmp / "kernels-data", tmp / "data", tmp / "L0",
+                                   args.train_steps)  # generates the dataset
+            for name in ("empty", "warm"):
+                s = train_in_fresh_process(device, tmp / "kernels-train", tmp / "data",
+                                           tmp / f"L-{name}", args.train_steps)
+                result["train"].append({"cache": name, **{k: s[k] for k in (
+                    "startup_s", "prepare_s", "images_per_s", "steps", "warmup_steps_excluded")}})
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    echo(f"kernel build, {device}: each line a fresh process")
+    echo(f"  {'cache':<6} {'workers':>7} {'files':>5} {'built':>5} {'seconds':>8}")
+    for r in result["build"]:
+        echo(f"  {r['cache']:<6} {r['workers']:>7} {r['files']:>5} {r['built']:>5} "
+             f"{r['seconds']:8.2f}")
+    if result["train"]:
+        echo(f"training, {args.train_steps} steps: each line a fresh process")
+        echo(f"  {'cache':<6} {'startup_s':>9} {'prepare_s':>9} {'images/s':>10}")
+        for r in result["train"]:
+            echo(f"  {r['cache']:<6} {r['startup_s']:9.2f} {r['prepare_s']:9.2f} "
+                 f"{r['images_per_s']:10.0f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
