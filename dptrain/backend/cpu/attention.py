@@ -176,6 +176,8 @@ def check_masked_softmax_args(op, shape, causal, key_lengths):
 
 def masked_softmax(x, causal=False, key_lengths=None, scale=1.0):
     """softmax(scale * x) over the last axis with masked keys at probability 0 (see above)."""
+    if key_lengths is not None:
+        key_lengths = np.asarray(key_lengths)
     check_masked_softmax_args("masked_softmax", x.shape, causal, key_lengths)
     z = x * x.dtype.type(scale)
     keep = _keep_mask(x.shape, causal, key_lengths)
