@@ -139,7 +139,10 @@ def _both(a, b):
     return as_tensor(a, like), as_tensor(b, like)
 
 
-def matmul(a: Tensor, b: Tensor) -> Tensor:
+def matmul(a: Tensor, b: Tensor, *, trans_a: bool = False, trans_b: bool = False) -> Tensor:
+    """a @ b over the last two axes (either operand transposed first); batch axes broadcast."""
+    if trans_a or trans_b:
+        return ops.MatMul.apply(a, b, trans_a=trans_a, trans_b=trans_b)
     return ops.MatMul.apply(a, b)
 
 
@@ -194,6 +197,53 @@ def concatenate(tensors, axis: int = 0) -> Tensor:
     if not tensors:
         raise ValueError("concatenate needs at least one tensor")
     return ops.Concatenate.apply(*tensors, axis=axis)
+
+
+# ----------------------------------------------------------------------------- transformer
+
+
+def broadcast_to(x: Tensor, shape) -> Tensor:
+    """x broadcast to `shape` (NumPy's rules), e.g. a class token repeated over the batch."""
+    return ops.BroadcastTo.apply(x, shape=tuple(int(s) for s in shape))
+
+
+def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5) -> Tensor:
+    """Layer norm over the last axis: (x - mean) / sqrt(var + eps) * weight + bias."""
+    if weight.shape != x.shape[-1:] or bias.shape != x.shape[-1:]:
+        raise ValueError(f"layer_norm: weight {weight.shape} and bias {bias.shape} must be "
+                         f"({x.shape[-1]},) for input {x.shape}")
+    return ops.LayerNorm.apply(x, weight, bias, eps=float(eps))
+
+
+def gelu(x: Tensor) -> Tensor:
+    """The exact GELU, x * Phi(x) (PyTorch's default, approximate='none')."""
+    return ops.GELU.apply(x)
+
+
+def _lengths(key_lengths):
+    return key_lengths.data if isinstance(key_lengths, Tensor) else key_lengths
+
+
+def masked_softmax(x: Tensor, causal: bool = False, key_lengths=None,
+                   scale: float = 1.0) -> Tensor:
+    """softmax(scale * x) over the last axis (keys) of x (B, ..., Tq, Tk); `causal` masks key
+    j > query i, `key_lengths` (B,) ints keep keys j < key_lengths[b]. Masked keys get 0; a
+    row with no key left is all zeros. Flags, not a mask tensor."""
+    return ops.MaskedSoftmax.apply(x, causal=bool(causal), key_lengths=_lengths(key_lengths),
+                                   scale=float(scale))
+
+
+def scaled_dot_product_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False,
+                                 key_lengths=None, scale: float | None = None,
+                                 dropout_p: float = 0.0, training: bool = True) -> Tensor:
+    """softmax(q k^T * scale, masked) v over the last two axes; q (..., Tq, E), k (..., Tk, E),
+    v (..., Tk, Ev); scale defaults to 1/sqrt(E); dropout on the attention weights."""
+    if q.shape[-1] != k.shape[-1] or k.shape[-2] != v.shape[-2]:
+        raise ValueError(f"scaled_dot_product_attention: q {q.shape}, k {k.shape} and v "
+                         f"{v.shape} do not fit")
+    scale = 1.0 / float(np.sqrt(q.shape[-1])) if scale is None else scale
+    weights = masked_softmax(matmul(q, k, trans_b=True), causal, key_lengths, scale)
+    return matmul(dropout(weights, dropout_p, training), v)
 
 
 # ----------------------------------------------------------------------------- Tensor methods

@@ -222,16 +222,28 @@ class Concatenate(Function):
 
 
 class MatMul(Function):
-    def forward(self, a, b):
+    """op(a) @ op(b) over the last two axes, op transposing where trans_a / trans_b say; batch
+    axes broadcast, and each gradient is summed back to its operand's shape."""
+
+    def forward(self, a, b, trans_a=False, trans_b=False):
         if a.ndim < 2 or b.ndim < 2:
             raise ValueError(f"matmul needs operands of at least 2 dims, got {a.shape} @ {b.shape}")
-        self.a, self.b = a, b
+        self.a, self.b, self.ta, self.tb = a, b, trans_a, trans_b
+        if trans_a or trans_b:
+            return self.be.matmul(a, b, trans_a=trans_a, trans_b=trans_b)
         return self.be.matmul(a, b)
 
     def backward(self, gy):
-        be, a, b = self.be, self.a, self.b
-        ga = be.sum_to_shape(be.matmul(gy, b, trans_b=True), a.shape) if self.needs_grad[0] else None
-        gb = be.sum_to_shape(be.matmul(a, gy, trans_a=True), b.shape) if self.needs_grad[1] else None
+        be, a, b, ta, tb = self.be, self.a, self.b, self.ta, self.tb
+        ga = gb = None
+        if self.needs_grad[0]:  # d op(a) = gy @ op(b)^T
+            ga = (be.matmul(b, gy, trans_a=tb, trans_b=True) if ta
+                  else be.matmul(gy, b, trans_b=not tb))
+            ga = be.sum_to_shape(ga, a.shape)
+        if self.needs_grad[1]:  # d op(b) = op(a)^T @ gy
+            gb = (be.matmul(gy, a, trans_a=True, trans_b=ta) if tb
+                  else be.matmul(a, gy, trans_a=not ta))
+            gb = be.sum_to_shape(gb, b.shape)
         return ga, gb
 
 
@@ -342,3 +354,52 @@ class Dropout(Function):
 
     def backward(self, gy):
         return (self.be.mul(gy, self.mask),)
+
+
+# ----------------------------------------------------------------------------- transformer
+
+
+class BroadcastTo(Function):
+    """a broadcast to `shape` (a copy); the gradient sums back to a's shape."""
+
+    def forward(self, a, shape):
+        self.shape = a.shape
+        return self.be.broadcast_to(a, shape)
+
+    def backward(self, gy):
+        return (self.be.sum_to_shape(gy, self.shape),)
+
+
+class LayerNorm(Function):
+    """Layer norm over the last axis, with weight and bias (D,); saves mean and rstd."""
+
+    def forward(self, x, weight, bias, eps=1e-5):
+        self.x, self.weight = x, weight
+        y, self.mean, self.rstd = self.be.layer_norm_forward(x, weight, bias, eps)
+        return y
+
+    def backward(self, gy):
+        return self.be.layer_norm_backward(gy, self.x, self.weight, self.mean, self.rstd)
+
+
+class GELU(Function):
+    """x * Phi(x), the exact (erf) form."""
+
+    def forward(self, x):
+        self.x = x
+        return self.be.gelu(x)
+
+    def backward(self, gy):
+        return (self.be.gelu_backward(self.x, gy),)
+
+
+class MaskedSoftmax(Function):
+    """softmax(scale * x) over the last axis, keys masked by flags (causal, key_lengths)."""
+
+    def forward(self, x, causal=False, key_lengths=None, scale=1.0):
+        self.scale = scale
+        self.y = self.be.masked_softmax(x, causal=causal, key_lengths=key_lengths, scale=scale)
+        return self.y
+
+    def backward(self, gy):
+        return (self.be.masked_softmax_backward(self.y, gy, scale=self.scale),)

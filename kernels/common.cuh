@@ -20,6 +20,12 @@
 #define GRID_STRIDE_32(i, n) \
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += gridDim.x * blockDim.x)
 
+// The row loop of warp-per-row kernels: warp w of the grid takes rows w, w + nwarps, ...
+// (uniform within the warp, so its lanes can shuffle together).
+#define FOR_EACH_ROW(row, R)                                                          \
+  for (int row = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; row < (R);             \
+       row += (gridDim.x * blockDim.x) >> 5)
+
 // ----------------------------------------------------------------------------- strided layouts
 
 // A shape plus the element strides of two operands (s0 for the output or first operand, s1
@@ -81,6 +87,8 @@ __device__ __forceinline__ float dp_tanh(float x) { return tanhf(x); }
 __device__ __forceinline__ double dp_tanh(double x) { return tanh(x); }
 __device__ __forceinline__ float dp_pow(float x, float p) { return powf(x, p); }
 __device__ __forceinline__ double dp_pow(double x, double p) { return pow(x, p); }
+__device__ __forceinline__ float dp_erf(float x) { return erff(x); }
+__device__ __forceinline__ double dp_erf(double x) { return erf(x); }
 
 template <typename T> __device__ __forceinline__ T neg_inf();
 template <> __device__ __forceinline__ float neg_inf<float>() { return __int_as_float((int)0xff800000u); }

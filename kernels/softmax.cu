@@ -34,11 +34,6 @@ __device__ __forceinline__ void row_lse(const T* x, int C, int lane, T& mx, T& l
   lse = dp_log(sum);
 }
 
-// The row loop: warp w of the grid takes rows w, w + nwarps, ... (uniform within the warp).
-#define FOR_EACH_ROW(row, R)                                                          \
-  for (int row = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; row < (R);             \
-       row += (gridDim.x * blockDim.x) >> 5)
-
 // y = softmax(x) (LOG = false) or log_softmax(x) (LOG = true).
 template <typename T, bool LOG>
 __global__ void softmax_fwd_kernel(T* y, const T* x, int R, int C) {

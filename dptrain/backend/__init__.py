@@ -97,6 +97,9 @@ OPS = (
     # softmax family
     "softmax", "softmax_backward", "log_softmax", "log_softmax_backward",
     "cross_entropy_forward", "cross_entropy_backward", "count_correct",
+    # transformer ops (layer norm over the last axis, exact GELU, attention's masked softmax)
+    "layer_norm_forward", "layer_norm_backward", "gelu", "gelu_backward",
+    "masked_softmax", "masked_softmax_backward",
     # randomness (state in be.runtime)
     "dropout_mask",
     # optimizers (flat buffers, in place)

@@ -4,8 +4,13 @@ from dptrain.nn.layers import (
 )
 from dptrain.nn.models import MODELS, build_model, cnn, mlp
 from dptrain.nn.module import Module, Parameter
+from dptrain.nn.attention import MultiHeadAttention
+from dptrain.nn.transformer import GELU, LayerNorm, TransformerEncoderLayer
+from dptrain.nn.vit import VisionTransformer, vit
 
 __all__ = [
     "Module", "Parameter", "Linear", "Conv2d", "MaxPool2d", "AvgPool2d", "ReLU", "Flatten",
     "Dropout", "Sequential", "MODELS", "build_model", "cnn", "mlp",
+    "MultiHeadAttention", "LayerNorm", "GELU", "TransformerEncoderLayer", "VisionTransformer",
+    "vit",
 ]

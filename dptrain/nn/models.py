@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dptrain.nn.layers import Conv2d, Flatten, Linear, MaxPool2d, ReLU, Sequential
+from dptrain.nn.vit import vit
 
 
 def cnn(image_shape=(1, 48, 48), num_classes=7, widths=(32, 64, 128), hidden=256):
@@ -31,6 +32,7 @@ def mlp(image_shape=(1, 48, 48), num_classes=7, hidden=(512, 256)):
 
 
 MODELS = {"cnn": cnn, "mlp": mlp}
+MODELS["vit"] = vit  # dptrain/nn/vit.py
 
 
 def build_model(name: str, image_shape, num_classes: int):

@@ -16,5 +16,13 @@ from dptrain.backend.cpu.conv import (  # noqa: F401
     max_pool2d_backward,
     max_pool2d_forward,
 )
+from dptrain.backend.cpu.attention import (  # noqa: F401
+    gelu,
+    gelu_backward,
+    layer_norm_backward,
+    layer_norm_forward,
+    masked_softmax,
+    masked_softmax_backward,
+)
 from dptrain.backend.cpu.workspace import Workspace, new_workspace  # noqa: F401
 from dptrain.backend.cpu.runtime import runtime  # noqa: F401

@@ -6,6 +6,7 @@ NVRTC; every op's arithmetic runs in our kernels. One launcher module per kernel
 beside its .cu file and headed by that layer's conventions:
 
     arrays.py       creation, host transfers, copy_, astype
+    attention.py    attention.cu: layer norm, GELU, attention's masked softmax
     elementwise.py  elementwise.cu: maps, broadcasting binaries, activations, fill_
     transpose.py    transpose.cu: copies through strides, getitem, concatenate, broadcast_to
     reduce.py       reduce.cu: sum, max, their gradients, bias_grad, count_correct
@@ -26,6 +27,10 @@ design and measurements: NOTES.md beside this file.
 """
 from dptrain.backend.cuda.arrays import (  # noqa: F401
     asarray, astype, copy_, empty, full, set_scalar_, to_numpy, zeros,
+)
+from dptrain.backend.cuda.attention import (  # noqa: F401
+    gelu, gelu_backward, layer_norm_backward, layer_norm_forward, masked_softmax,
+    masked_softmax_backward,
 )
 from dptrain.backend.cuda.conv2d import (  # noqa: F401
     conv2d_backward_data, conv2d_backward_weight, conv2d_forward,

@@ -3,7 +3,10 @@ convolutions (conv2d.py) share.
 
 Conventions (the .cu files' headers have the kernel side):
   * float32 only; operands C-contiguous (checked with launch.check_f32); the result is a new
-    array or `out=`, written with `=`. Batch axes: equal, or one side 2-D (or all ones).
+    array or `out=`, written with `=`. Batch axes broadcast as NumPy's: equal batch shapes and
+    one side 2-D (or all ones) run the kernels directly; any other pair (e.g. (2,1,4,3) @
+    (5,3,6)) first materialises each operand over the broadcast batch shape (broadcast_to)
+    and then runs the equal-batch kernel, so every batch element is the same product.
   * Precision: runtime.precision, "tf32" (tensor cores, fp32 accumulate; operands rounded to
     tf32) or "fp32" (FFMA). It is part of every plan key.
   * Plans: the checks and the launch configuration (grid, block, split-K, shared memory) are
@@ -34,6 +37,7 @@ import numpy as np
 from dptrain.backend.cuda import launch
 from dptrain.backend.cuda.launch import i32
 from dptrain.backend.cuda.runtime import runtime
+from dptrain.backend.cuda.transpose import broadcast_to
 
 WGMMA_ENV = "DPTRAIN_WGMMA"  # "0" turns the Hopper wgmma path off
 _WGMMA_DEFAULT = True  # on where it applies, unless the environment says "0"
@@ -117,18 +121,39 @@ def reducer(file, splits, batch, m, n, ldc, sc, bias_mode):
 # ----------------------------------------------------------------------------- matmul
 
 
-def _batch_shape(ba: tuple, bb: tuple) -> tuple:
-    """Result batch shape for the cases we support: equal, or one side all ones / absent."""
+def _direct_batch_shape(ba: tuple, bb: tuple):
+    """Result batch shape where the kernels take the operands as they are (equal batch
+    shapes, or one side all ones / absent); None where general broadcasting is needed."""
     if ba == bb:
         return ba
     if math.prod(bb) == 1 and len(bb) <= len(ba):
         return ba
     if math.prod(ba) == 1 and len(ba) <= len(bb):
         return bb
-    raise NotImplementedError(
-        f"cuda.matmul: batch shapes {ba} and {bb} need general broadcasting; supported are "
-        "equal batch shapes and a 2-D (or all-ones batch) operand against a batched one"
-    )
+    return None
+
+
+def _batch_shape(ba: tuple, bb: tuple) -> tuple:
+    shape = _direct_batch_shape(ba, bb)
+    if shape is None:  # matmul() broadcasts first: only a direct call of a plan gets here
+        raise NotImplementedError(f"cuda.matmul: batch shapes {ba} and {bb} need broadcasting")
+    return shape
+
+
+def _broadcast_batches(a, b):
+    """(a, b) ready for the kernels: unchanged where their batch shapes are supported
+    directly, else each materialised over the broadcast batch shape (NumPy's rules)."""
+    if a.ndim < 2 or b.ndim < 2:
+        return a, b  # the plan reports it
+    ba, bb = tuple(a.shape[:-2]), tuple(b.shape[:-2])
+    if _direct_batch_shape(ba, bb) is not None:
+        return a, b
+    batch = launch.broadcast_shape("matmul", ba, bb)
+    if ba != batch:
+        a = broadcast_to(a, batch + tuple(a.shape[-2:]))
+    if bb != batch:
+        b = broadcast_to(b, batch + tuple(b.shape[-2:]))
+    return a, b
 
 
 def _wgmma_enabled() -> bool:
@@ -161,6 +186,8 @@ def _matmul_plan(a, b, trans_a, trans_b, bias):
 
 def matmul_kernel(a, b, trans_a=False, trans_b=False, *, bias=None) -> str:
     """The name of the kernel that matmul(a, b, trans_a, trans_b, bias=bias) launches."""
+    if _direct_batch_shape(tuple(a.shape[:-2]), tuple(b.shape[:-2])) is None:
+        a, b = _broadcast_batches(a, b)
     return _matmul_plan(a, b, trans_a, trans_b, bias).kernel
 
 
@@ -169,6 +196,8 @@ def matmul(a, b, trans_a=False, trans_b=False, *, bias=None, out=None):
 
     `bias` (N,) is added to every row of the result (y = x W^T + b in one pass).
     """
+    if a.ndim > 2 and b.ndim > 2 and a.shape[:-2] != b.shape[:-2]:
+        a, b = _broadcast_batches(a, b)
     return _matmul_plan(a, b, trans_a, trans_b, bias)(a, b, bias, out)
 
 

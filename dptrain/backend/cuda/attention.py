@@ -1,0 +1,146 @@
+"""Launchers of kernels/attention.cu: layer norm over the last axis, the exact GELU, and the
+masked softmax of scaled dot-product attention, each with its backward.
+
+Conventions (the .cu file's header has the kernel side; the NumPy reference with the same
+signatures is dptrain/backend/cpu/attention.py):
+  * Float32 or float64, contiguous inputs; outputs are new arrays written with `=`.
+  * Row ops run one warp per row with fixed shuffle trees; layer norm's weight and bias
+    gradients are column sums by reduce.cu (double accumulation, fixed order): every result
+    is deterministic, no atomics.
+  * masked_softmax takes the mask as flags: `causal` and `key_lengths` (a (B,) int32/int64
+    device array; a host array is uploaded, which synchronises: pass device arrays inside a
+    captured step). No mask tensor is built.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from dptrain.backend.cpu.attention import check_masked_softmax_args
+from dptrain.backend.cuda import launch
+from dptrain.backend.cuda.arrays import asarray
+from dptrain.backend.cuda.reduce import sum as _sum
+
+AT = "attention.cu"
+
+
+def _rows(op, x):
+    launch.check_float(op, x)
+    launch.check_contiguous(op, x)
+    if x.ndim == 0:
+        raise ValueError(f"cuda.{op}: needs at least one axis")
+    c = x.shape[-1]
+    r = x.size // c if c else 0
+    launch.check_int32(op, r, c)
+    return r, c
+
+
+def _check_vector(op, name, v, d, like):
+    launch.check_float(op, like, v)
+    launch.check_contiguous(op, v)
+    if tuple(v.shape) != (d,):
+        raise ValueError(f"cuda.{op}: {name} has shape {tuple(v.shape)}, expected ({d},)")
+
+
+# ----------------------------------------------------------------------------- layer norm
+
+
+def layer_norm_forward(x, weight, bias, eps=1e-5):
+    """(y, mean, rstd): layer norm of x over its last axis; mean, rstd of shape x.shape[:-1]."""
+    r, d = _rows("layer_norm_forward", x)
+    _check_vector("layer_norm_forward", "weight", weight, d, x)
+    _check_vector("layer_norm_forward", "bias", bias, d, x)
+    y = launch.new(x.shape, x.dtype)
+    mean = launch.new(x.shape[:-1], x.dtype)
+    rstd = launch.new(x.shape[:-1], x.dtype)
+    if x.size:
+        fn = launch.kernel(AT, "layer_norm_fwd_kernel", launch.ctype(x.dtype))
+        launch.grid_stride(fn, r, (y, mean, rstd, x, weight, bias, np.int32(r), np.int32(d),
+                                   x.dtype.type(eps)), launch.WARPS)
+    return y, mean, rstd
+
+
+def layer_norm_backward(gy, x, weight, mean, rstd):
+    """(gx, gweight, gbias) of layer_norm_forward, from its saved mean and rstd."""
+    r, d = _rows("layer_norm_backward", x)
+    launch.check_float("layer_norm_backward", x, gy, mean, rstd)
+    launch.check_contiguous("layer_norm_backward", gy, mean, rstd)
+    launch.check_shape("layer_norm_backward", gy, x.shape, "gy")
+    launch.check_shape("layer_norm_backward", mean, x.shape[:-1], "mean")
+    launch.check_shape("layer_norm_backward", rstd, x.shape[:-1], "rstd")
+    _check_vector("layer_norm_backward", "weight", weight, d, x)
+    gx = launch.new(x.shape, x.dtype)
+    gyxhat = launch.new((r, d), x.dtype)
+    if x.size:
+        fn = launch.kernel(AT, "layer_norm_bwd_kernel", launch.ctype(x.dtype))
+        launch.grid_stride(fn, r, (gx, gyxhat, gy, x, weight, mean, rstd, np.int32(r),
+                                   np.int32(d)), launch.WARPS)
+    return gx, _sum(gyxhat, axis=0), _sum(gy.reshape(r, d), axis=0)
+
+
+# ----------------------------------------------------------------------------- GELU
+
+
+def _flat(op, kernel, *arrays):
+    launch.check_float(op, *arrays)
+    launch.check_contiguous(op, *arrays)
+    for a in arrays[1:]:
+        launch.check_shape(op, a, arrays[0].shape)
+    out = launch.new(arrays[0].shape, arrays[0].dtype)
+    n = arrays[0].size
+    if n:
+        fn = launch.kernel(AT, kernel, launch.ctype(arrays[0].dtype))
+        launch.grid_stride(fn, n, (out, *arrays, np.int64(n)))
+    return out
+
+
+def gelu(x):
+    """x * Phi(x), the exact (erf) GELU."""
+    return _flat("gelu", "gelu_fwd_kernel", x)
+
+
+def gelu_backward(x, gy):
+    """gy * (Phi(x) + x phi(x)), from the forward input x."""
+    return _flat("gelu_backward", "gelu_bwd_kernel", x, gy)
+
+
+# ----------------------------------------------------------------------------- masked softmax
+
+
+def masked_softmax(x, causal=False, key_lengths=None, scale=1.0):
+    """softmax(scale * x) over the last axis, keys masked by `causal` (key j > query i) and
+    `key_lengths` (keys j >= key_lengths[b] of batch element b) at probability exactly 0."""
+    r, c = _rows("masked_softmax", x)
+    if key_lengths is not None:
+        if not launch.is_cupy(key_lengths):
+            key_lengths = asarray(np.asarray(key_lengths))
+        if key_lengths.dtype.kind != "i" or key_lengths.itemsize not in (4, 8):
+            raise TypeError(f"cuda.masked_softmax: key_lengths must be int32 or int64, "
+                            f"got {key_lengths.dtype}")
+        launch.check_contiguous("masked_softmax", key_lengths)
+    check_masked_softmax_args("cuda.masked_softmax", x.shape, causal, key_lengths)
+    y = launch.new(x.shape, x.dtype)
+    if x.size:
+        tq = x.shape[-2] if x.ndim >= 2 else 1
+        per_batch = r // x.shape[0] if key_lengths is not None else 1
+        lengths = key_lengths if key_lengths is not None else y
+        ltype = launch.ctype(key_lengths.dtype) if key_lengths is not None else "int"
+        fn = launch.kernel(AT, "masked_softmax_fwd_kernel", launch.ctype(x.dtype), ltype)
+        launch.grid_stride(fn, r, (y, x, lengths, np.int32(r), np.int32(c), np.int32(tq),
+                                   np.int32(per_batch), np.int32(bool(causal)),
+                                   np.int32(key_lengths is not None), x.dtype.type(scale)),
+                           launch.WARPS)
+    return y
+
+
+def masked_softmax_backward(y, gy, scale=1.0):
+    """scale * y * (gy - sum(gy * y)) over the last axis, from the forward output y."""
+    r, c = _rows("masked_softmax_backward", y)
+    launch.check_float("masked_softmax_backward", y, gy)
+    launch.check_contiguous("masked_softmax_backward", gy)
+    launch.check_shape("masked_softmax_backward", gy, y.shape, "gy")
+    gx = launch.new(y.shape, y.dtype)
+    if y.size:
+        fn = launch.kernel(AT, "masked_softmax_bwd_kernel", launch.ctype(y.dtype))
+        launch.grid_stride(fn, r, (gx, y, gy, np.int32(r), np.int32(c), y.dtype.type(scale)),
+                           launch.WARPS)
+    return gx
