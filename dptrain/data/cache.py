@@ -94,7 +94,7 @@ def _check(stem: str, size: int, image_shape) -> dict:
             raise CorruptEntry(f"{path}: {nbytes} bytes, the manifest says {want.get('bytes')}")
         if sha256_file(path) != want.get("sha256"):
             raise CorruptEntry(f"{path}: checksum mismatch (the file was changed or damaged)")
-    if tuple(manifest.get("image_shape", ())) != tuple(image_shape):
+    if image_shape is not None and tuple(manifest.get("image_shape", ())) != tuple(image_shape):
         raise CorruptEntry(f"{manifest_path}: image shape {manifest.get('image_shape')}, "
                            f"expected {list(image_shape)}")
     return manifest
@@ -116,8 +116,9 @@ def load_entry(cache_dir: str, name: str, n: int, image_shape, prefix: bool = Tr
 
     With ``prefix`` the smallest entry of at least ``n`` rows serves (its first ``n`` rows);
     without it only an entry of exactly ``n``. ``images`` is a read-only memory map of
-    shape (n, *image_shape), uint8."""
-    image_shape = tuple(int(d) for d in image_shape)
+    shape (n, *image_shape), uint8; ``image_shape=None`` takes the entry's own."""
+    if image_shape is not None:
+        image_shape = tuple(int(d) for d in image_shape)
     sizes = [s for s in cached_sizes(cache_dir, name) if (s >= n if prefix else s == n)]
     for size in sizes:
         stem = entry_stem(cache_dir, name, size)
@@ -125,9 +126,10 @@ def load_entry(cache_dir: str, name: str, n: int, image_shape, prefix: bool = Tr
             manifest = _check(stem, size, image_shape)
             images = np.load(stem + _IMAGES, mmap_mode="r", allow_pickle=False)
             labels = np.load(stem + _LABELS, allow_pickle=False)
-            if images.shape != (size,) + image_shape or images.dtype != np.uint8:
+            want = tuple(manifest.get("image_shape", ())) if image_shape is None else image_shape
+            if images.shape != (size,) + want or images.dtype != np.uint8:
                 raise CorruptEntry(f"{stem + _IMAGES}: {images.dtype} {images.shape}, expected "
-                                   f"uint8 {(size,) + image_shape}")
+                                   f"uint8 {(size,) + want}")
             if labels.shape != (size,) or labels.dtype != np.int64:
                 raise CorruptEntry(f"{stem + _LABELS}: {labels.dtype} {labels.shape}, expected "
                                    f"int64 ({size},)")

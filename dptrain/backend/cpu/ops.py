@@ -363,10 +363,11 @@ _GOLDEN, _MIX1, _MIX2 = (np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4
 
 
 def _splitmix64(z):
-    z = np.asarray(z, np.uint64) + _GOLDEN  # uint64 arrays wrap modulo 2**64
-    z = (z ^ (z >> np.uint64(30))) * _MIX1
-    z = (z ^ (z >> np.uint64(27))) * _MIX2
-    return z ^ (z >> np.uint64(31))
+    with np.errstate(over="ignore"):  # uint64 arithmetic wraps modulo 2**64, as intended
+        z = np.asarray(z, np.uint64) + _GOLDEN
+        z = (z ^ (z >> np.uint64(30))) * _MIX1
+        z = (z ^ (z >> np.uint64(27))) * _MIX2
+        return z ^ (z >> np.uint64(31))
 
 
 def augment_draws(seed, counter, index, pad):
@@ -374,8 +375,9 @@ def augment_draws(seed, counter, index, pad):
     definition kernels/data.cu computes bit for bit. h = splitmix64(splitmix64(splitmix64(
     seed) + counter) + index); dy = (h & 0xFFFFFF) % (2*pad+1), dx = ((h >> 24) & 0xFFFFFF)
     % (2*pad+1), flip = (h >> 48) & 1."""
-    base = _splitmix64(_splitmix64(np.uint64(seed)) + np.uint64(counter))
-    h = _splitmix64(np.asarray(index, np.uint64) + base)
+    with np.errstate(over="ignore"):
+        base = _splitmix64(_splitmix64(np.uint64(seed)) + np.uint64(counter))
+        h = _splitmix64(np.asarray(index, np.uint64) + base)
     span, low = np.uint64(2 * pad + 1), np.uint64(0xFFFFFF)
     return ((h & low) % span).astype(np.int64), (((h >> np.uint64(24)) & low) % span).astype(
         np.int64), ((h >> np.uint64(48)) & np.uint64(1)).astype(bool)
@@ -400,7 +402,8 @@ def augment_crop_flip(x, state, pad, first=0, stride=1):
                          f"{state.shape}")
     B, C, H, W = x.shape
     seed, counter = int(state[0]), int(state[1])
-    index = np.uint64(first) + np.arange(B, dtype=np.uint64) * np.uint64(stride)
+    with np.errstate(over="ignore"):
+        index = np.uint64(first) + np.arange(B, dtype=np.uint64) * np.uint64(stride)
     dy, dx, flip = augment_draws(seed, counter, index, pad)
     i = np.arange(H)[None, :] + (dy - pad)[:, None]  # (B, H) source rows
     j = np.arange(W)[None, :]
