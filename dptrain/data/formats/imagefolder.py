@@ -52,9 +52,14 @@ def split_dirs(data_dir: str):
 
 
 def _images_under(folder: str) -> list[str]:
+    """Image files below ``folder`` in torchvision's order: folders sorted by path, files
+    sorted by name within each (hidden ones skipped; symbolic links to folders not followed)."""
     found = []
+    walk = []
     for root, dirs, files in os.walk(folder):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        walk.append((root, files))
+    for root, files in sorted(walk):
         found.extend(os.path.join(root, f) for f in sorted(files)
                      if not f.startswith(".") and f.lower().endswith(EXTENSIONS))
     return found
