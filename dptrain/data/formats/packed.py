@@ -14,16 +14,19 @@ A packed dataset is a directory:
 ``write`` puts every array file in place first (each written to a temporary name and
 renamed) and the header last, so a directory with a header is complete. ``load`` checks
 the header, each file's size and SHA-256 (``verify=True``), dtype, shape and label range,
-and memory-maps the images, so a million 48x48 images open in the time it takes to hash
-them once. ``python -m dptrain data pack SRC OUT`` writes one, ``data info OUT`` shows it.
+and memory-maps the images. A file is hashed on its first load only: a stamp in the cache
+directory remembers its size, modification time and inode, so later runs open a million
+48x48 images (2.3 GB) in well under a second. ``python -m dptrain data pack SRC OUT`` writes one, ``data info OUT`` shows it.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 
 import numpy as np
 
+from dptrain.data import cache as disk_cache
 from dptrain.data.cache import sha256_file
 from dptrain.data.formats.common import ImageDataset, check_options, subset_rows, val_split
 from dptrain.errors import UsageError
@@ -95,7 +98,37 @@ def read_header(path: str) -> dict:
     return header
 
 
-def _file(folder: str, meta: dict, verify: bool) -> str:
+def _stamp_path(cache_dir: str, path: str) -> str:
+    digest = hashlib.sha256(os.path.abspath(path).encode()).hexdigest()[:20]
+    return os.path.join(cache_dir, "verified", f"{digest}.json")
+
+
+def _already_verified(cache_dir, path: str, sha: str) -> bool:
+    """Whether this file, unchanged since (same size, mtime and inode), was hashed to ``sha``."""
+    if cache_dir is None:
+        return False
+    st = os.stat(path)
+    try:
+        with open(_stamp_path(cache_dir, path)) as f:
+            stamp = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return stamp == {"sha256": sha, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+                     "ino": st.st_ino}
+
+
+def _remember_verified(cache_dir, path: str, sha: str) -> None:
+    if cache_dir is None:
+        return
+    st = os.stat(path)
+    stamp = {"sha256": sha, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "ino": st.st_ino}
+    try:
+        atomic_write(_stamp_path(cache_dir, path), lambda f: f.write(json.dumps(stamp).encode()))
+    except OSError:
+        pass  # a read-only cache costs a hash next time, nothing else
+
+
+def _file(folder: str, meta: dict, verify: bool, cache_dir=None) -> str:
     name = meta["file"]
     if os.path.basename(name) != name:
         raise UsageError(f"{os.path.join(folder, HEADER)}: file name {name!r} leaves the folder")
@@ -107,21 +140,26 @@ def _file(folder: str, meta: dict, verify: bool) -> str:
     if nbytes != meta["bytes"]:
         raise UsageError(f"{path}: {nbytes} bytes, the header says {meta['bytes']} (truncated or "
                          f"replaced)")
-    if verify and sha256_file(path) != meta["sha256"]:
-        raise UsageError(f"{path}: SHA-256 does not match the header (the file is damaged)")
+    if verify and not _already_verified(cache_dir, path, meta["sha256"]):
+        if sha256_file(path) != meta["sha256"]:
+            raise UsageError(f"{path}: SHA-256 does not match the header (the file is damaged)")
+        _remember_verified(cache_dir, path, meta["sha256"])
     return path
 
 
-def load_split(path: str, split: str, verify: bool = True):
-    """(images read-only memory map uint8 (n, C, H, W), labels int64, header) of a split."""
+def load_split(path: str, split: str, verify: bool = True, cache_dir: str | None = None):
+    """(images read-only memory map uint8 (n, C, H, W), labels int64, header) of a split.
+
+    ``verify`` hashes each file against the header; with ``cache_dir``, a file hashed once
+    is not hashed again while its size, modification time and inode stay the same."""
     folder = _dir(path)
     header = read_header(path)
     entry = header["splits"].get(split)
     if entry is None:
         raise UsageError(f"{path}: no {split!r} split")
     count, shape = int(entry["count"]), tuple(header["image_shape"])
-    images_path = _file(folder, entry["images"], verify)
-    labels_path = _file(folder, entry["labels"], verify)
+    images_path = _file(folder, entry["images"], verify, cache_dir)
+    labels_path = _file(folder, entry["labels"], verify, cache_dir)
     try:
         images = np.load(images_path, mmap_mode="r", allow_pickle=False)
         labels = np.load(labels_path, allow_pickle=False)
@@ -147,6 +185,7 @@ def packed_dataset(split, n_images=None, seed=0, cache_dir=None, data_dir=None, 
     """A split of a packed dataset (``--dataset packed --data-dir OUT``). Its own val split
     when it has one of at least one image, else ``val_fraction`` of the train split."""
     check_options(channels, image_size, on_bad_image, val_fraction)
+    cache_dir = cache_dir or disk_cache.default_cache_dir()
     if not data_dir:
         raise UsageError("--dataset packed needs --data-dir PATH (a `data pack` output)")
     header = read_header(data_dir)
@@ -158,9 +197,9 @@ def packed_dataset(split, n_images=None, seed=0, cache_dir=None, data_dir=None, 
                          f"flags)")
     own_val = int(header["splits"].get("val", {}).get("count", 0)) > 0
     if split == "val" and own_val:
-        images, labels, _ = load_split(data_dir, "val", verify)
+        images, labels, _ = load_split(data_dir, "val", verify, cache_dir)
     else:
-        images, labels, _ = load_split(data_dir, "train", verify)
+        images, labels, _ = load_split(data_dir, "train", verify, cache_dir)
         if not own_val:
             train_rows, val_rows = val_split(len(labels), val_fraction, seed)
             rows = train_rows if split == "train" else val_rows
