@@ -277,7 +277,7 @@ def test_default_cache_dir_from_environment(tmp_path, monkeypatch):
 
 
 def test_registry():
-    assert DATASETS["synthetic"] is SyntheticDataset
+    assert {"synthetic", "imagefolder", "mnist", "cifar10", "fer2013", "packed"} <= set(DATASETS)
     data = get_dataset("synthetic", "val", 30, seed=0, cache=False)
     assert isinstance(data, SyntheticDataset) and len(data) == 30
     with pytest.raises(ValueError, match="unknown dataset 'nope'; choose one of .*synthetic"):
