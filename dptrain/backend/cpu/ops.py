@@ -358,15 +358,14 @@ def gather_normalize(images, idx, mean, std):
 
 
 # splitmix64 (Steele, Lea, Flood, OOPSLA'14): the augmentation's counter-based hash.
-_GOLDEN, _MIX1, _MIX2 = (np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9),
-                         np.uint64(0x94D049BB133111EB))
+_GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 
 
 def _splitmix64(z):
     with np.errstate(over="ignore"):  # uint64 arithmetic wraps modulo 2**64, as intended
-        z = np.asarray(z, np.uint64) + _GOLDEN
-        z = (z ^ (z >> np.uint64(30))) * _MIX1
-        z = (z ^ (z >> np.uint64(27))) * _MIX2
+        z = np.asarray(z, np.uint64) + np.uint64(_GOLDEN)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(_MIX1)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(_MIX2)
         return z ^ (z >> np.uint64(31))
 
 
