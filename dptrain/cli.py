@@ -17,6 +17,7 @@ from dptrain.errors import UsageError
 COMMANDS = {
     "train": ("dptrain.cli", "train a model (the default when no command is given)"),
     "bench": ("dptrain.bench", "benchmarks: `bench ops`, `bench train`, `bench comm`"),
+    "data": ("dptrain.data.commands", "datasets: `data pack SRC OUT`, `data info`, `data synth`"),
 }
 
 
@@ -66,7 +67,24 @@ def train_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("model and data")
     g.add_argument("--model", default="cnn", choices=sorted(MODELS), help="network to train")
     g.add_argument("--dataset", default="synthetic", choices=sorted(DATASETS),
-                   help="dataset (synthetic: built-in 48x48 shapes, generated on the fly)")
+                   help="dataset (synthetic: built-in 48x48 shapes, generated on the fly; "
+                   "imagefolder, mnist, cifar10, fer2013, packed: read from --data-dir)")
+    g.add_argument("--data-dir", default=None, metavar="PATH",
+                   help="the dataset's files (a folder of class folders, the MNIST/CIFAR-10 "
+                   "files, the FER-2013 CSV, a `data pack` output)")
+    g.add_argument("--channels", type=int, default=None, choices=(1, 3),
+                   help="1: grayscale, 3: RGB (default: the dataset's own)")
+    g.add_argument("--image-size", type=_positive_int, default=None, metavar="S",
+                   help="resize images to SxS (needed when an image folder mixes sizes)")
+    g.add_argument("--val-fraction", type=_non_negative_float, default=0.1,
+                   help="share held out for validation when the dataset has no test split")
+    g.add_argument("--on-bad-image", default="error", choices=("error", "skip"),
+                   help="an unreadable image file: stop with its name, or skip it (counted)")
+    g.add_argument("--augment", action="store_true",
+                   help="random crop (zero padding) and horizontal flip of training batches, "
+                   "on the device")
+    g.add_argument("--augment-pad", type=_non_negative_int, default=4, metavar="P",
+                   help="padding of the --augment crop, pixels")
     g.add_argument("--train-images", type=_positive_int, default=None,
                    help=f"training images (default {cpu['train_images']} on CPU, "
                    f"{gpu['train_images']} on GPU)")

@@ -17,7 +17,7 @@ import dptrain.functional as F
 from dptrain import backend, dist
 from dptrain.autograd import Tensor, no_grad
 from dptrain.checkpoint import load_weights, save_weights
-from dptrain.data import DeviceLoader, StrideSampler, get_dataset
+from dptrain.data import DeviceLoader, StrideSampler, fixed_size, get_dataset
 from dptrain.debug import step_hooks
 from dptrain.errors import UsageError
 from dptrain.flat import FlatParameters
@@ -61,6 +61,13 @@ class TrainConfig:
     verify_replicas: bool = False  # debug: check every step that all ranks hold equal parameters
     cache_dir: str | None = None
     progress: bool = True
+    data_dir: str | None = None  # datasets read from files: where they are
+    channels: int | None = None  # 1 or 3; None: the dataset's own
+    image_size: int | None = None  # resize images to this square size
+    val_fraction: float = 0.1  # held out when a dataset has no test split of its own
+    on_bad_image: str = "error"  # or "skip"
+    augment: bool = False  # random crop (zero padding augment_pad) and flip, on the device
+    augment_pad: int = 4
 
 
 # capture() runs this many eager steps before it records the graph; the throughput meter
@@ -76,6 +83,8 @@ DEVICE_DEFAULTS = {
 
 def defaults_for(cfg: TrainConfig, device: str) -> TrainConfig:
     for key, value in DEVICE_DEFAULTS[device].items():
+        if key.endswith("_images") and fixed_size(cfg.dataset):
+            continue  # a dataset read from files: all of it unless asked otherwise
         if getattr(cfg, key) is None:
             setattr(cfg, key, value)
     return cfg
@@ -152,9 +161,14 @@ def _load_datasets(cfg: TrainConfig, world):
     """The train and val splits. Under mpirun the first rank of each host builds (and caches)
     them while the others wait, then everyone loads the cache: one generation per host, and
     the cached images are shared read-only memory maps."""
+    options = dict(data_dir=cfg.data_dir, channels=cfg.channels, image_size=cfg.image_size,
+                   val_fraction=cfg.val_fraction, on_bad_image=cfg.on_bad_image)
+
     def load():
-        return (get_dataset(cfg.dataset, "train", cfg.train_images, cfg.seed, cfg.cache_dir),
-                get_dataset(cfg.dataset, "val", cfg.val_images, cfg.seed, cfg.cache_dir))
+        return (get_dataset(cfg.dataset, "train", cfg.train_images, cfg.seed, cfg.cache_dir,
+                            **options),
+                get_dataset(cfg.dataset, "val", cfg.val_images, cfg.seed, cfg.cache_dir,
+                            **options))
 
     if world.mpi_comm is None or world.size == 1:
         return load()
@@ -210,7 +224,9 @@ def train(cfg: TrainConfig, echo=print) -> dict:
     schedule = LRSchedule(cfg.lr, cfg.lr_schedule, total_steps, cfg.warmup_steps)
     global_batch = cfg.batch_size * world.size
 
-    loader = DeviceLoader(train_set, be, cfg.batch_size)
+    loader = DeviceLoader(train_set, be, cfg.batch_size, augment=cfg.augment,
+                          augment_pad=cfg.augment_pad, augment_seed=cfg.seed,
+                          shard=(world.rank, world.size))
     val_loader = DeviceLoader(val_set, be, cfg.batch_size)
     step_fn = TrainStep(model, opt, reducer, loader)
     run_step = be.runtime.capture(step_fn, warmup=CAPTURE_WARMUP) if cfg.cuda_graph else step_fn

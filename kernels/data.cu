@@ -1,8 +1,11 @@
 // data.cu: device-side batch assembly and randomness. Launchers: dptrain/backend/cuda/data.py.
 //
 // Conventions
-//  * gather_normalize: out[b] = float(images[idx[b]]) * scale - shift, with scale = 1/(255*std)
-//    and shift = mean/std rounded to float32 on the host, as the CPU backend does. The multiply
+//  * gather_normalize: out[b] = float(images[idx[b]]) * scale[c] - shift[c], with scale =
+//    1/(255*std) and shift = mean/std per channel c (one channel: the same pair everywhere),
+//    rounded to float32 on the host, as the CPU backend does; they travel by value in a
+//    ChannelAffine (at most DP_MAX_CHANNELS channels). Element r of a row (chw elements) is
+//    in channel (r / hw) where hw = H*W. The multiply
 //    and the subtract are rounded separately (__fmul_rn / __fsub_rn: no fused multiply-add) so
 //    the result equals NumPy's bit for bit. A row index outside [0, M) yields NaN rows. `=`.
 //  * Random state lives on the device: state = [seed, offset] (unsigned 64-bit), the runtime's
@@ -12,20 +15,67 @@
 //    to the offset on the device, so no two draws share random numbers, also when a captured
 //    CUDA graph replays them. A uniform u in [0, 1) comes from the top 24 bits; keep when
 //    u >= p. Outputs are written with `=`: scale (= 1/(1-p) rounded to T on the host) or 0.
+//  * augment_crop_flip: out of place on a float batch (B, C, H, W); state = [seed, counter]
+//    (unsigned 64-bit), owned by the caller (the device loader), advanced by one after each
+//    call by rng_advance_kernel. Image b's draws: h = splitmix64(idx + splitmix64(splitmix64(
+//    seed) + counter)) with idx = first + b * stride (all mod 2^64); dy = (h & 0xFFFFFF) %
+//    (2*pad+1), dx = ((h >> 24) & 0xFFFFFF) % (2*pad+1), flip = (h >> 48) & 1 -- the same
+//    integer arithmetic as the CPU backend's augment_draws, so both draw the same crops.
+//    out[b,c,i,j] = x[b, c, i+dy-pad, j'+dx-pad], j' = flip ? W-1-j : j; 0 outside. `=`.
 
 #include "common.cuh"
 
+#define DP_MAX_CHANNELS 16
+
+// Per-channel scale and shift, passed by value (dptrain/backend/cuda/data.py: CHANNEL_AFFINE).
+struct ChannelAffine {
+  float scale[DP_MAX_CHANNELS];
+  float shift[DP_MAX_CHANNELS];
+};
+
 template <typename L>
 __global__ void gather_normalize_kernel(float* out, const unsigned char* images, const L* idx,
-                                        int B, long long M, long long chw, float scale,
-                                        float shift) {
+                                        int B, long long M, long long chw, long long hw,
+                                        ChannelAffine a) {
   GRID_STRIDE(i, (long long)B * chw) {
     const long long b = i / chw;
     const long long r = i - b * chw;
+    const int c = (int)(r / hw);
     const long long row = (long long)idx[b];
     out[i] = (row >= 0 && row < M)
-                 ? __fsub_rn(__fmul_rn(float(images[row * chw + r]), scale), shift)
+                 ? __fsub_rn(__fmul_rn(float(images[row * chw + r]), a.scale[c]), a.shift[c])
                  : quiet_nan<float>();
+  }
+}
+
+// splitmix64 (Steele, Lea, Flood, OOPSLA'14), all arithmetic modulo 2^64.
+__device__ __forceinline__ unsigned long long splitmix64(unsigned long long z) {
+  z += 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+template <typename T>
+__global__ void augment_crop_flip_kernel(T* out, const T* x, long long B, int C, int H, int W,
+                                         int pad, const unsigned long long* state,
+                                         unsigned long long first, unsigned long long stride) {
+  const unsigned long long base = splitmix64(splitmix64(state[0]) + state[1]);
+  const unsigned long long span = 2ull * (unsigned long long)pad + 1ull;
+  GRID_STRIDE(i, B * C * H * W) {
+    long long t = i;
+    const int j = (int)(t % W);
+    t /= W;
+    const int r = (int)(t % H);
+    t /= H;  // t = b * C + c
+    const long long b = t / C;
+    const unsigned long long h = splitmix64(first + (unsigned long long)b * stride + base);
+    const int dy = (int)((h & 0xFFFFFFull) % span);
+    const int dx = (int)(((h >> 24) & 0xFFFFFFull) % span);
+    const bool flip = ((h >> 48) & 1ull) != 0ull;
+    const int sr = r + dy - pad;
+    const int sc = (flip ? W - 1 - j : j) + dx - pad;
+    out[i] = (sr >= 0 && sr < H && sc >= 0 && sc < W) ? x[(t * H + sr) * W + sc] : T(0);
   }
 }
 
@@ -92,3 +142,4 @@ __global__ void rng_advance_kernel(unsigned long long* state, unsigned long long
 
 // instantiate: gather_normalize_kernel<int>; gather_normalize_kernel<long long>
 // instantiate: dropout_mask_kernel<float>; dropout_mask_kernel<double>; rng_advance_kernel
+// instantiate: augment_crop_flip_kernel<float>; augment_crop_flip_kernel<double>

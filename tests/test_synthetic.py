@@ -176,7 +176,7 @@ def test_cache_round_trip(tmp_path):
     first = SyntheticDataset("train", 600, seed=1, cache_dir=str(tmp_path))
     assert not first.from_cache
     files = sorted(os.listdir(tmp_path))
-    assert len(files) == 2 and all(f.endswith(".npy") for f in files)  # no temporaries left
+    assert len(files) == 3 and all(f.endswith((".npy", "-entry.json")) for f in files)  # no temporaries
     again = SyntheticDataset("train", 600, seed=1, cache_dir=str(tmp_path))
     assert again.from_cache
     np.testing.assert_array_equal(again.images, first.images)
@@ -210,7 +210,8 @@ def test_cache_names_and_labels_are_stable(tmp_path):
     """Existing caches keep working: the entry names and the integer-hashed labels of a
     seed are pinned (the pixels use float maths whose last bits may vary by platform)."""
     SyntheticDataset("train", 40, seed=2, cache_dir=str(tmp_path))
-    assert sorted(os.listdir(tmp_path)) == ["synthetic-f51919fea2-seed2-train-n40-images.npy",
+    assert sorted(os.listdir(tmp_path)) == ["synthetic-f51919fea2-seed2-train-n40-entry.json",
+                                            "synthetic-f51919fea2-seed2-train-n40-images.npy",
                                             "synthetic-f51919fea2-seed2-train-n40-labels.npy"]
     labels = S.labels_for(123, np.arange(700))
     assert hashlib.sha256(labels.tobytes()).hexdigest()[:16] == "09dce121071370a2"
@@ -276,7 +277,7 @@ def test_default_cache_dir_from_environment(tmp_path, monkeypatch):
 
 
 def test_registry():
-    assert DATASETS["synthetic"] is SyntheticDataset
+    assert {"synthetic", "imagefolder", "mnist", "cifar10", "fer2013", "packed"} <= set(DATASETS)
     data = get_dataset("synthetic", "val", 30, seed=0, cache=False)
     assert isinstance(data, SyntheticDataset) and len(data) == 30
     with pytest.raises(ValueError, match="unknown dataset 'nope'; choose one of .*synthetic"):
@@ -343,6 +344,6 @@ def test_make_synthetic_cli(tmp_path, capsys, script):
     assert cli.main(args) == 0
     out = capsys.readouterr().out
     assert "train: 300 images generated and cached" in out and png.exists()
-    assert len(os.listdir(tmp_path / "c")) == 4
+    assert len(os.listdir(tmp_path / "c")) == 6  # two entries of three files
     cli.main(args[:-2])
     assert "loaded from the cache" in capsys.readouterr().out

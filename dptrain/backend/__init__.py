@@ -21,6 +21,9 @@ Conventions shared by all backends:
     live in small device arrays, so a captured CUDA graph reads the current value.
   * Layouts follow PyTorch: NCHW activations, conv weight (C_out, C_in, kH, kW),
     linear weight (out, in).
+  * Augmentation draws come from a counter-based hash (splitmix64 of seed, step counter and
+    image index) over a small uint64 device array [seed, counter] that the caller owns and
+    ``augment_crop_flip`` advances itself, so both backends draw the same crops and flips.
   * No op keeps state between calls: where reusing work or memory pays (the CPU's im2col
     columns, from a convolution's forward to its weight gradient), the caller owns a
     ``new_workspace()`` object and passes it as ``workspace=`` (conv2d_*, max_pool2d_*,
@@ -105,7 +108,7 @@ OPS = (
     # optimizers (flat buffers, in place)
     "sgd_step_", "adamw_step_",
     # data
-    "gather_normalize",
+    "gather_normalize", "augment_crop_flip",
     # reusable memory and work, owned by the caller (see above)
     "new_workspace",
 )

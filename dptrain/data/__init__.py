@@ -2,13 +2,15 @@
 
 The package's shape, from disk to the device:
 
-* **Datasets** (``synthetic.py``; a new one adds a module and an entry in ``DATASETS``).
-  A dataset object offers what the rest reads, whatever its source:
-  ``images`` uint8 (n, C, H, W) (often a read-only memory map), ``labels`` int64 (n,),
-  ``num_classes``, ``image_shape`` (C, H, W), ``mean``/``std`` of [0,1]-scaled pixels,
-  and ``len()``. ``DATASETS`` maps a name to a factory
-  ``(split, n_images, seed, cache_dir, **options)`` returning one; for a dataset of fixed
-  size, ``n_images=None`` means all of it.
+* **Datasets** (``synthetic.py``, and ``formats/``: one module per file format; a new one
+  adds a module and an entry in ``DATASETS``). A dataset object offers what the rest
+  reads, whatever its source: ``images`` uint8 (n, C, H, W) (often a read-only memory
+  map), ``labels`` int64 (n,), ``num_classes``, ``class_names``, ``image_shape`` (C, H, W),
+  ``mean``/``std`` of [0,1]-scaled pixels (scalars, or one per channel), and ``len()``.
+  ``DATASETS`` maps a name to a factory ``(split, n_images, seed, cache_dir, **options)``
+  returning one (options: ``data_dir``, ``channels``, ``image_size``, ``val_fraction``,
+  ``on_bad_image``); for a dataset read from files (``fixed_size``), ``n_images=None``
+  means all of its split, a number a seeded random subset.
 * **Cache** (``cache.py``): entries of ``.npy`` files named by what determines their
   content, written atomically, loaded as memory maps shared by the ranks of a host.
 * **Generation** (``parallel.py``): a dataset whose rows can be made independently renders
@@ -22,13 +24,42 @@ The package's shape, from disk to the device:
 """
 from __future__ import annotations
 
+from dptrain.errors import UsageError
+
+from .formats import cifar10, fer2013, imagefolder, mnist
+from .formats.common import factory as _file_factory
+from .formats.packed import packed_dataset
 from .loader import DeviceLoader
 from .sampler import StrideSampler
 from .synthetic import SyntheticDataset, SyntheticSpec
 
+
+def synthetic_dataset(split, n_images, seed=0, cache_dir=None, data_dir=None, channels=None,
+                      image_size=None, val_fraction=None, on_bad_image=None, **options):
+    """The built-in shapes (48x48, one channel); generated, so it reads no files."""
+    if data_dir is not None:
+        raise UsageError(f"--data-dir {data_dir}: the synthetic dataset reads no files "
+                         f"(choose --dataset imagefolder, mnist, ... for files)")
+    if channels not in (None, 1) or image_size not in (None, 48):
+        raise UsageError("--channels/--image-size: the synthetic dataset is 48x48 grayscale "
+                         "(pack it with `data synth` and train on other data to change that)")
+    return SyntheticDataset(split, n_images, seed=seed, cache_dir=cache_dir, **options)
+
+
 DATASETS = {
-    "synthetic": SyntheticDataset,
+    "synthetic": synthetic_dataset,
+    "imagefolder": _file_factory(imagefolder),
+    "mnist": _file_factory(mnist),
+    "cifar10": _file_factory(cifar10),
+    "fer2013": _file_factory(fer2013),
+    "packed": packed_dataset,
 }
+
+
+def fixed_size(name: str) -> bool:
+    """Whether dataset ``name`` is read from files (its size is theirs: ``n_images=None``
+    means all), rather than generated to any size."""
+    return bool(getattr(DATASETS.get(name), "fixed_size", False))
 
 
 def get_dataset(name: str, split: str, n_images: int | None, seed: int = 0,
@@ -42,5 +73,5 @@ def get_dataset(name: str, split: str, n_images: int | None, seed: int = 0,
     return factory(split, n_images, seed=seed, cache_dir=cache_dir, **options)
 
 
-__all__ = ["DATASETS", "get_dataset", "DeviceLoader", "StrideSampler", "SyntheticDataset",
+__all__ = ["DATASETS", "get_dataset", "fixed_size", "DeviceLoader", "StrideSampler", "SyntheticDataset",
            "SyntheticSpec"]

@@ -25,6 +25,14 @@ Two modes, chosen once, give bitwise identical batches:
 ``max_device_bytes=None`` means: resident if the images take at most half of the free
 device memory that ``be.runtime.memory_info()`` reports, or when it reports none (0).
 
+With ``augment=True``, ``batch()`` also applies ``be.augment_crop_flip``: a random crop
+with ``augment_pad`` pixels of padding and a horizontal flip, drawn per image and step on
+the device from the loader's state, a device uint64 array [seed, counter] that the op
+advances itself; so a replayed graph draws a new crop and flip each step, with no host
+work. The padding is zeros after normalisation (the training set's mean pixel). Image b
+of rank r of N is drawn as position r + N*b of the global batch, so N ranks augment
+exactly as one process at the same global batch. ``gather()`` never augments.
+
 ``gather(indices)`` serves evaluation: any number of indices, eagerly; in streaming mode
 in chunks of at most ``batch_size`` rows through a staging buffer of its own, so it never
 disturbs the training batch.
@@ -42,14 +50,31 @@ def _positive_int(name, value) -> int:
     return int(value)
 
 
+def _normalisation(name, value, image_shape):
+    """A scalar as float; per-channel values (one per channel of ``image_shape``) as a tuple
+    of floats."""
+    arr = np.asarray(value, np.float64)
+    if arr.ndim == 0:
+        return float(arr)
+    channels = image_shape[0] if image_shape else 0
+    if arr.shape != (channels,):
+        raise ValueError(f"DeviceLoader: {name} must be a scalar or one value per channel "
+                         f"({channels}), got shape {arr.shape}")
+    return tuple(float(v) for v in arr)
+
+
 class DeviceLoader:
     """Batches of a dataset on the device of backend ``be``, normalised to float32.
 
     ``dataset`` offers ``images`` uint8 (n, C, H, W), ``labels`` int (n,),
-    ``num_classes``, ``mean`` and ``std`` (of [0,1]-scaled pixels).
+    ``num_classes``, ``mean`` and ``std`` (of [0,1]-scaled pixels: scalars, or one value
+    per channel). ``augment``, ``augment_pad``, ``augment_seed`` and ``shard`` = (rank,
+    world size) set up ``batch()``'s augmentation (see the module's notes).
     """
 
-    def __init__(self, dataset, be, batch_size: int, max_device_bytes: int | None = None):
+    def __init__(self, dataset, be, batch_size: int, max_device_bytes: int | None = None,
+                 augment: bool = False, augment_pad: int = 4, augment_seed: int = 0,
+                 shard: tuple = (0, 1)):
         self.be = be
         self._batch_size = _positive_int("batch_size", batch_size)
         images, labels = dataset.images, np.asarray(dataset.labels)
@@ -62,7 +87,20 @@ class DeviceLoader:
         self._num_images = int(images.shape[0])
         self._image_shape = tuple(int(d) for d in images.shape[1:])
         self._num_classes = int(dataset.num_classes)
-        self._mean, self._std = float(dataset.mean), float(dataset.std)
+        self._mean = _normalisation("mean", dataset.mean, self._image_shape)
+        self._std = _normalisation("std", dataset.std, self._image_shape)
+        self._augment = bool(augment)
+        if self._augment:
+            if isinstance(augment_pad, bool) or not isinstance(augment_pad, (int, np.integer)) \
+                    or augment_pad < 0:
+                raise ValueError(f"DeviceLoader: augment_pad must be an integer >= 0, got "
+                                 f"{augment_pad!r}")
+            if len(self._image_shape) != 3:
+                raise ValueError(f"DeviceLoader: augment needs images (n, C, H, W), got "
+                                 f"{(self._num_images,) + self._image_shape}")
+            self._augment_pad = int(augment_pad)
+            self._shard = (int(shard[0]), int(shard[1]))
+            self._augment_state = be.asarray(np.array([int(augment_seed) % 2**64, 0], np.uint64))
         self.nbytes = self._num_images * math.prod(self._image_shape)  # the images, uint8
         self._resident = self._fits(max_device_bytes)
 
@@ -106,6 +144,18 @@ class DeviceLoader:
     @property
     def std(self) -> float:
         return self._std
+
+    @property
+    def augment(self) -> bool:
+        return self._augment
+
+    def get_augment_state(self) -> np.ndarray:
+        """The augmentation's [seed, counter] as host uint64 (2,) (reads the device)."""
+        return np.array(self.be.to_numpy(self._augment_state), np.uint64)
+
+    def set_augment_state(self, state) -> None:
+        """Restore a state from ``get_augment_state`` (an upload, outside a captured step)."""
+        self.be.runtime.upload_(self._augment_state, np.asarray(state, np.uint64).reshape(2))
 
     @property
     def resident(self) -> bool:
@@ -159,6 +209,9 @@ class DeviceLoader:
             raise RuntimeError(f"{self!r}.batch: no batch chosen yet; call set_batch first")
         be = self.be
         x = be.gather_normalize(self._images, self._rows, self._mean, self._std)
+        if self._augment:
+            x = be.augment_crop_flip(x, self._augment_state, self._augment_pad,
+                                     self._shard[0], self._shard[1])
         y = be.getitem(self._labels, self._indices)
         return x, y
 

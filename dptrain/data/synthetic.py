@@ -428,7 +428,7 @@ class SyntheticDataset:
     ranks on one host then share one copy in the page cache.
     """
     num_classes = NUM_CLASSES
-    classes = CLASSES
+    classes = class_names = CLASSES
     image_shape = (1, SIZE, SIZE)
 
     def __init__(self, split: str, n_images: int, seed: int = 0, cache_dir: str | None = None,

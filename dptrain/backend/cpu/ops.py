@@ -331,10 +331,86 @@ def adamw_step_(param, grad, m, v, hyper, beta1, beta2, eps, weight_decay):
 # ----------------------------------------------------------------------------- data
 
 
+def _channel_affine(images, mean, std):
+    """float32 (scale, shift) of x * scale - shift = (x / 255 - mean) / std: scalars, or per
+    channel (length C of images (M, C, ...)) shaped to broadcast over a batch."""
+    mean, std = np.asarray(mean, np.float64), np.asarray(std, np.float64)
+    if mean.ndim == 0 and std.ndim == 0:
+        return np.float32(1.0 / (255.0 * std)), np.float32(mean / std)
+    c = images.shape[1] if images.ndim >= 2 else -1
+    if mean.shape not in ((), (c,)) or std.shape not in ((), (c,)):
+        raise ValueError(f"gather_normalize: mean and std must be scalars or of length "
+                         f"C={c}, got shapes {mean.shape} and {std.shape}")
+    mean, std = np.broadcast_to(mean, (c,)), np.broadcast_to(std, (c,))
+    where = (c,) + (1,) * (images.ndim - 2)
+    return ((1.0 / (255.0 * std)).astype(np.float32).reshape(where),
+            (mean / std).astype(np.float32).reshape(where))
+
+
 def gather_normalize(images, idx, mean, std):
-    """Rows idx of a uint8 (M, C, H, W) image array as float32, scaled to [0,1] then (x-mean)/std."""
+    """Rows idx of a uint8 (M, C, H, W) image array as float32, scaled to [0,1] then
+    (x-mean)/std; mean and std are scalars or per-channel sequences of length C."""
+    scale, shift = _channel_affine(images, mean, std)
     x = images[idx].astype(np.float32)
-    x *= np.float32(1.0 / (255.0 * std))
-    x -= np.float32(mean / std)
+    x *= scale
+    x -= shift
     return x
+
+
+# splitmix64 (Steele, Lea, Flood, OOPSLA'14): the augmentation's counter-based hash.
+_GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+
+
+def _splitmix64(z):
+    with np.errstate(over="ignore"):  # uint64 arithmetic wraps modulo 2**64, as intended
+        z = np.asarray(z, np.uint64) + np.uint64(_GOLDEN)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(_MIX1)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(_MIX2)
+        return z ^ (z >> np.uint64(31))
+
+
+def augment_draws(seed, counter, index, pad):
+    """(dy, dx, flip) for images ``index`` (uint64 array) at step ``counter``: the
+    definition kernels/data.cu computes bit for bit. h = splitmix64(splitmix64(splitmix64(
+    seed) + counter) + index); dy = (h & 0xFFFFFF) % (2*pad+1), dx = ((h >> 24) & 0xFFFFFF)
+    % (2*pad+1), flip = (h >> 48) & 1."""
+    with np.errstate(over="ignore"):
+        base = _splitmix64(_splitmix64(np.uint64(seed)) + np.uint64(counter))
+        h = _splitmix64(np.asarray(index, np.uint64) + base)
+    span, low = np.uint64(2 * pad + 1), np.uint64(0xFFFFFF)
+    return ((h & low) % span).astype(np.int64), (((h >> np.uint64(24)) & low) % span).astype(
+        np.int64), ((h >> np.uint64(48)) & np.uint64(1)).astype(bool)
+
+
+def augment_crop_flip(x, state, pad, first=0, stride=1):
+    """Random crop with zero padding and horizontal flip of a float batch x (B, C, H, W),
+    out of place; ``state`` is a uint64 array [seed, counter] that this call advances by
+    one (counter += 1), so each call draws anew.
+
+    Image b is cropped at offset (dy, dx) in [0, 2*pad] of x[b] padded by ``pad`` zeros on
+    every side, then flipped left-right when ``flip``: out[b, c, i, j] = x[b, c, i + dy - pad,
+    j' + dx - pad] with j' = W-1-j when flipped (else j), 0 outside the image. The draws for
+    image b are ``augment_draws(seed, counter, first + b * stride, pad)``: a rank passing its
+    position in the global batch draws what one process would for that image."""
+    if x.ndim != 4:
+        raise ValueError(f"augment_crop_flip: x must be (B, C, H, W), got shape {x.shape}")
+    if isinstance(pad, bool) or not isinstance(pad, (int, np.integer)) or pad < 0:
+        raise ValueError(f"augment_crop_flip: pad must be an integer >= 0, got {pad!r}")
+    if state.dtype != np.uint64 or state.shape != (2,):
+        raise ValueError(f"augment_crop_flip: state must be uint64 (2,), got {state.dtype} "
+                         f"{state.shape}")
+    B, C, H, W = x.shape
+    seed, counter = int(state[0]), int(state[1])
+    with np.errstate(over="ignore"):
+        index = np.uint64(first) + np.arange(B, dtype=np.uint64) * np.uint64(stride)
+    dy, dx, flip = augment_draws(seed, counter, index, pad)
+    i = np.arange(H)[None, :] + (dy - pad)[:, None]  # (B, H) source rows
+    j = np.arange(W)[None, :]
+    j = np.where(flip[:, None], W - 1 - j, j) + (dx - pad)[:, None]  # (B, W) source columns
+    inside = ((i >= 0) & (i < H))[:, :, None] & ((j >= 0) & (j < W))[:, None, :]
+    b = np.arange(B)[:, None, None]
+    out = x[b, :, np.clip(i, 0, H - 1)[:, :, None], np.clip(j, 0, W - 1)[:, None, :]]
+    out = np.where(inside[..., None], out, x.dtype.type(0))  # (B, H, W, C)
+    state[1] = np.uint64(counter + 1 & 0xFFFFFFFFFFFFFFFF)
+    return np.ascontiguousarray(out.transpose(0, 3, 1, 2))
 

@@ -13,7 +13,7 @@ beside its .cu file and headed by that layer's conventions:
     softmax.py      softmax.cu: softmax, log_softmax, cross-entropy
     pool.py         pool.cu: max and average pooling
     optim.py        optim.cu: SGD and AdamW over flat buffers
-    data.py         data.cu: gather_normalize, dropout_mask
+    data.py         data.cu: gather_normalize, augment_crop_flip, dropout_mask
     gemm.py         gemm.cu, gemm_wgmma.cu: matmul (and the plans conv2d shares)
     conv2d.py       conv2d.cu: implicit-GEMM convolutions
     launch.py       the one way to check arguments and launch; loader.py compiles the .cu files
@@ -35,7 +35,9 @@ from dptrain.backend.cuda.attention import (  # noqa: F401
 from dptrain.backend.cuda.conv2d import (  # noqa: F401
     conv2d_backward_data, conv2d_backward_weight, conv2d_forward,
 )
-from dptrain.backend.cuda.data import dropout_mask, gather_normalize  # noqa: F401
+from dptrain.backend.cuda.data import (  # noqa: F401
+    augment_crop_flip, dropout_mask, gather_normalize,
+)
 from dptrain.backend.cuda.elementwise import (  # noqa: F401
     add, add_, bias_add, div, exp, fill_, log, mul, neg, pow_scalar, pow_scalar_backward, relu,
     relu_backward, scale, sigmoid, sigmoid_backward, sqrt, sub, tanh, tanh_backward,

@@ -2,8 +2,16 @@
 
 Conventions (the .cu file's header has the kernel side):
   * gather_normalize(images uint8 (M, ...), idx, mean, std) -> float32 rows idx, scaled to
-    [0, 1] then (x - mean) / std, bit for bit as the CPU backend computes them. Host indices
-    are uploaded (outside a captured step); a device index outside [0, M) gives a NaN row.
+    [0, 1] then (x - mean) / std, bit for bit as the CPU backend computes them. mean and std
+    are scalars, or per-channel sequences of length C for images (M, C, ...) (at most
+    MAX_CHANNELS); they reach the kernel by value, so a captured step holds them. Host
+    indices are uploaded (outside a captured step); a device index outside [0, M) gives a
+    NaN row.
+  * augment_crop_flip(x float (B, C, H, W), state uint64 [seed, counter] on the device, pad,
+    first=0, stride=1) -> random crop with zero padding and horizontal flip, out of place,
+    the same draws as the CPU backend (a splitmix64 hash of seed, counter and image index:
+    kernels/data.cu). A one-thread kernel then adds 1 to the counter on the device, so a
+    replayed graph draws a new crop and flip each step.
   * dropout_mask(shape, p) keeps each element with probability 1 - p and scales it by
     1 / (1 - p) (inverted dropout). Philox4x32-10 keyed by the seed; the seed and the counter
     offset live in runtime.rng_state on the device. After each draw a one-thread kernel adds
@@ -23,6 +31,31 @@ from dptrain.backend.cuda.runtime import runtime
 from dptrain.backend.cuda.transpose import copy
 
 DATA = "data.cu"
+MAX_CHANNELS = 16  # DP_MAX_CHANNELS in kernels/data.cu
+
+# struct ChannelAffine (kernels/data.cu): per-channel float32 scale and shift.
+CHANNEL_AFFINE = np.dtype([("scale", np.float32, (MAX_CHANNELS,)),
+                           ("shift", np.float32, (MAX_CHANNELS,))])
+
+
+def _channel_affine(images, mean, std):
+    """(channels, ChannelAffine struct) of x * scale - shift = (x / 255 - mean) / std, the
+    float32 values the CPU backend uses."""
+    mean, std = np.asarray(mean, np.float64), np.asarray(std, np.float64)
+    if mean.ndim == 0 and std.ndim == 0:
+        channels = 1
+    else:
+        channels = images.shape[1] if images.ndim >= 2 else -1
+        if mean.shape not in ((), (channels,)) or std.shape not in ((), (channels,)):
+            raise ValueError(f"cuda.gather_normalize: mean and std must be scalars or of "
+                             f"length C={channels}, got shapes {mean.shape} and {std.shape}")
+        if channels > MAX_CHANNELS:
+            raise ValueError(f"cuda.gather_normalize: at most {MAX_CHANNELS} channels with "
+                             f"per-channel mean/std, got {channels}")
+    scale = np.broadcast_to(1.0 / (255.0 * std), (channels,)).astype(np.float32)
+    shift = np.broadcast_to(mean / std, (channels,)).astype(np.float32)
+    return channels, launch.struct(CHANNEL_AFFINE, scale=np.pad(scale, (0, MAX_CHANNELS - channels)),
+                                   shift=np.pad(shift, (0, MAX_CHANNELS - channels)))
 
 
 def gather_normalize(images, idx, mean, std):
@@ -40,12 +73,38 @@ def gather_normalize(images, idx, mean, std):
     chw = math.prod(images.shape[1:])
     out = launch.new((idx.size,) + tuple(images.shape[1:]), np.float32)
     launch.check_int32("gather_normalize", idx.size)
+    channels, affine = _channel_affine(images, mean, std)
+    hw = chw // channels if channels > 1 else max(chw, 1)
     if out.size:
-        mean, std = float(mean), float(std)
         launch.grid_stride(launch.kernel(DATA, "gather_normalize_kernel", launch.ctype(idx.dtype)),
                            out.size,
                            (out, images, idx, np.int32(idx.size), np.int64(m), np.int64(chw),
-                            np.float32(1.0 / (255.0 * std)), np.float32(mean / std)))
+                            np.int64(hw), affine))
+    return out
+
+
+def augment_crop_flip(x, state, pad, first=0, stride=1):
+    """Random crop (zero padding ``pad``) and horizontal flip of x (B, C, H, W), out of
+    place; advances state[1] by one on the device."""
+    launch.check_arrays("augment_crop_flip", x, state)
+    if x.ndim != 4 or x.dtype not in launch.FLOATS:
+        raise TypeError(f"cuda.augment_crop_flip: x must be float32/float64 (B, C, H, W), got "
+                        f"{x.dtype} {x.shape}")
+    if state.dtype != np.uint64 or state.shape != (2,):
+        raise ValueError(f"cuda.augment_crop_flip: state must be uint64 (2,), got {state.dtype} "
+                         f"{state.shape}")
+    if isinstance(pad, bool) or not isinstance(pad, (int, np.integer)) or pad < 0:
+        raise ValueError(f"cuda.augment_crop_flip: pad must be an integer >= 0, got {pad!r}")
+    x = x if x.flags.c_contiguous else copy(x)
+    B, C, H, W = x.shape
+    launch.check_int32("augment_crop_flip", C, H + pad, W + pad)
+    out = launch.new(x.shape, x.dtype)
+    if out.size:
+        launch.grid_stride(launch.kernel(DATA, "augment_crop_flip_kernel", launch.ctype(x.dtype)),
+                           out.size,
+                           (out, x, np.int64(B), np.int32(C), np.int32(H), np.int32(W),
+                            np.int32(pad), state, np.uint64(first), np.uint64(stride)))
+    launch.kernel(DATA, "rng_advance_kernel")((1,), (1,), (state, np.uint64(1)))
     return out
 
 
