@@ -42,7 +42,8 @@ class Watchdog:
         self.stream = stream or sys.stderr
         self.rank, self.size = world.rank, world.size
         self.seq, self.region = 0, None  # region: (what, step, seq, start time)
-        self.heard = {}  # rank -> (seq, step, time heard)
+        self.last_step = -1  # the step of the latest watched point
+        self.heard = {}  # rank -> (seq, step, inside a watched point, time heard)
         self.comm, self.named_ranks = None, False
         self._stop = threading.Event()
         self._thread = None
@@ -63,7 +64,7 @@ class Watchdog:
                 self.comm = mpi_comm.Dup()
                 self.named_ranks = True
         now = time.monotonic()
-        self.heard = {r: (0, -1, now) for r in range(self.size) if r != self.rank}
+        self.heard = {r: (0, -1, False, now) for r in range(self.size) if r != self.rank}
         self._thread = threading.Thread(target=self._run, name="dptrain-watchdog", daemon=True)
         self._thread.start()
         return self
@@ -87,6 +88,7 @@ class Watchdog:
             yield
             return
         self.seq += 1
+        self.last_step = step
         self.region = (what, step, self.seq, time.monotonic())
         try:
             yield
@@ -113,8 +115,7 @@ class Watchdog:
 
         region = self.region
         seq = region[2] if region else self.seq
-        step = region[1] if region else -1
-        msg = np.array([seq, step], dtype=np.int64)
+        msg = np.array([seq, self.last_step, region is not None], dtype=np.int64)
         self._sends = [r for r in self._sends if not r.Test()]
         for peer in range(self.size):
             if peer != self.rank:
@@ -124,11 +125,11 @@ class Watchdog:
     def _drain(self, MPI=None):
         if MPI is None:
             from mpi4py import MPI
-        status, buf = MPI.Status(), np.empty(2, dtype=np.int64)
+        status, buf = MPI.Status(), np.empty(3, dtype=np.int64)
         while self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=_TAG, status=status):
             source = status.Get_source()
             self.comm.Recv(buf, source=source, tag=_TAG)
-            self.heard[source] = (int(buf[0]), int(buf[1]), time.monotonic())
+            self.heard[source] = (int(buf[0]), int(buf[1]), bool(buf[2]), time.monotonic())
 
     def _hang_message(self, region) -> str:
         what, step, seq, start = region
@@ -140,14 +141,17 @@ class Watchdog:
                               "MPI_THREAD_MULTIPLE)"
             return head
         now = time.monotonic()
-        late = sorted(r for r, (s, _, _) in self.heard.items() if s < seq)
+        late = sorted(r for r, (s, *_) in self.heard.items() if s < seq)
         if not late:
             return head + "; every rank reached it, so the collective itself did not complete"
         parts = []
         for r in late:
-            s, st, t = self.heard[r]
-            seen = f"last heard {now - t:.0f} s ago" + (f" at step {st}" if st >= 0 else "")
-            parts.append(f"{r} ({seen})")
+            _, st, inside, t = self.heard[r]
+            quiet = now - t
+            seen = (f"silent for {quiet:.0f} s" if quiet > 2 * self.interval + 1
+                    else "alive, " + ("inside an earlier collective" if inside
+                                      else "busy outside any collective"))
+            parts.append(f"{r} ({seen}" + (f", last at step {st})" if st >= 0 else ")"))
         noun = "rank" if len(late) == 1 else "ranks"
         return head + f"; {noun} {', '.join(parts)} did not arrive"
 
