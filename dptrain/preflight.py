@@ -20,20 +20,23 @@ def _first_existing(path: Path) -> Path:
     return path
 
 
-def _probe_dir(flag: str, directory: Path) -> None:
-    """`directory` exists or can be made, is a directory, and accepts a new file."""
+def _probe_dir(flag: str, directory: Path, shown: Path | None = None) -> None:
+    """`directory` exists or can be made, is a directory, and accepts a new file. Errors
+    name `shown` (the flag's value), default `directory`."""
+    shown = directory if shown is None else shown
     if directory.exists() and not directory.is_dir():
-        raise UsageError(f"{flag} {directory}: not a directory")
+        what = "not a directory" if shown == directory else f"{directory} is not a directory"
+        raise UsageError(f"{flag} {shown}: {what}")
     base = _first_existing(directory)
     if not base.is_dir():
-        raise UsageError(f"{flag} {directory}: {base} is a file, not a directory")
+        raise UsageError(f"{flag} {shown}: {base} is a file, not a directory")
     try:
         directory.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(dir=directory, prefix=".dptrain-probe.", suffix=".tmp")
         os.close(fd)
         os.unlink(probe)
     except OSError as exc:
-        raise UsageError(f"{flag} {directory}: cannot write there "
+        raise UsageError(f"{flag} {shown}: cannot write in {directory} "
                          f"({exc.strerror or exc})") from None
 
 
@@ -43,7 +46,7 @@ def check_file_target(flag: str, path) -> None:
         raise UsageError(f"{flag} {path}: is a directory, not a file")
     if path.exists() and not os.access(path, os.W_OK):
         raise UsageError(f"{flag} {path}: the file is not writable")
-    _probe_dir(flag, path.parent)
+    _probe_dir(flag, path.parent, shown=path)
     remove_stale_temporaries(path)
 
 
