@@ -9,9 +9,10 @@ fit) ends in one line naming the value at fault and exit code 2, never a traceba
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
-from dptrain.errors import UsageError
+from dptrain.errors import RunStopped, UsageError
 
 # command -> (module with main(argv), one line for `python -m dptrain --help`)
 COMMANDS = {
@@ -29,7 +30,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _number(kind, allow_zero):
-    """An argparse type: a number of `kind` (int or float) that is positive, or >= 0."""
+    """An argparse type: a finite number of `kind` (int or float) that is positive, or >= 0."""
     noun = "an integer" if kind is int else "a number"
     bound = "non-negative" if allow_zero else "positive"
 
@@ -38,12 +39,16 @@ def _number(kind, allow_zero):
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
-        if value < 0 or (value == 0 and not allow_zero) or value != value:
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+        if value < 0 or (value == 0 and not allow_zero):
             raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
         return value
 
     return parse
 
+
+DEFAULT_BATCH = 64  # images per step per process
 
 _positive_int = _number(int, allow_zero=False)
 _non_negative_int = _number(int, allow_zero=True)
@@ -56,6 +61,7 @@ def train_parser() -> argparse.ArgumentParser:
     from dptrain.nn import MODELS
     from dptrain.optim import OPTIMIZERS, LRSchedule
     from dptrain.train import DEVICE_DEFAULTS
+    from dptrain.watchdog import DEFAULT_TIMEOUT
 
     cpu, gpu = DEVICE_DEFAULTS["cpu"], DEVICE_DEFAULTS["cuda"]
     p = _Parser(
@@ -100,7 +106,8 @@ def train_parser() -> argparse.ArgumentParser:
                    f"{gpu['epochs']} on GPU)")
     g.add_argument("--max-steps", type=_positive_int, default=None,
                    help="stop after this many steps, whatever the epochs")
-    g.add_argument("--batch-size", type=_positive_int, default=64, help="images per step per process")
+    g.add_argument("--batch-size", type=_positive_int, default=None,
+                   help=f"images per step per process (default {DEFAULT_BATCH})")
     g.add_argument("--global-batch-size", type=_positive_int, default=None,
                    help="images per step over all processes (instead of --batch-size)")
     g.add_argument("--no-drop-last", dest="drop_last", action="store_false",
@@ -114,7 +121,8 @@ def train_parser() -> argparse.ArgumentParser:
     g.add_argument("--momentum", type=_non_negative_float, default=0.9, help="SGD momentum")
     g.add_argument("--nesterov", action="store_true", help="Nesterov momentum (SGD)")
     g.add_argument("--weight-decay", type=_non_negative_float, default=5e-4)
-    g.add_argument("--seed", type=int, default=0, help="seeds data order, dataset and init")
+    g.add_argument("--seed", type=_non_negative_int, default=0,
+                   help="seeds data order, dataset and init")
     g = p.add_argument_group("device")
     g.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                    help="auto: the GPU when CuPy and a GPU are present, else the CPU")
@@ -133,6 +141,25 @@ def train_parser() -> argparse.ArgumentParser:
     g.add_argument("--log-every", type=_positive_int, default=20, help="log every N steps")
     g.add_argument("--no-progress", dest="progress", action="store_false",
                    help="no progress bar")
+    g.add_argument("--skip-nonfinite", type=_non_negative_int, default=0, metavar="N",
+                   help="skip up to N steps whose loss or gradient is NaN or infinite (their "
+                   "update is not applied); 0: stop at the first with exit code 3")
+    g = p.add_argument_group("checkpoints and failures")
+    g.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                   help="write exact-resume checkpoints here (model, optimizer, step, RNG "
+                   "states); SIGINT/SIGTERM then stop after a step and write one")
+    g.add_argument("--checkpoint-every", type=_non_negative_int, default=0, metavar="N",
+                   help="write a checkpoint every N steps (0: only when stopped by a signal)")
+    g.add_argument("--keep-checkpoints", type=_positive_int, default=3, metavar="K",
+                   help="keep the newest K checkpoints")
+    g.add_argument("--resume", default=None, metavar="auto|PATH",
+                   help="continue a run: auto = the newest usable checkpoint in "
+                   "--checkpoint-dir (a fresh start if none), or a checkpoint directory")
+    g.add_argument("--collective-timeout", type=_non_negative_float, default=DEFAULT_TIMEOUT,
+                   metavar="SECONDS",
+                   help="abort the job, naming the ranks that did not arrive, when a collective "
+                   "or a step has not finished after this long (0: never)")
+    g = p.add_argument_group("testing")
     g.add_argument("--verify-replicas", action="store_true",
                    help="check after every step that all ranks hold identical parameters "
                    "(slow; for testing)")
@@ -143,7 +170,13 @@ def run_train(argv) -> int:
     """`python -m dptrain train`."""
     from dptrain.train import TrainConfig, train
 
-    args = train_parser().parse_args(argv)
+    parser = train_parser()
+    args = parser.parse_args(argv)
+    if args.global_batch_size is not None and args.batch_size is not None:
+        parser.error(f"--global-batch-size {args.global_batch_size} and --batch-size "
+                     f"{args.batch_size}: give one of them")
+    if args.batch_size is None:
+        args.batch_size = DEFAULT_BATCH
     train(TrainConfig(**vars(args)), echo=lambda text: print(text, flush=True))
     return 0
 
@@ -172,6 +205,9 @@ def _run(command, argv) -> int:
     except UsageError as exc:
         print(f"dptrain {command}: error: {exc}", file=sys.stderr)
         return 2
+    except RunStopped as exc:
+        print(f"dptrain {command}: {exc}", file=sys.stderr)
+        return exc.exit_code
     except KeyboardInterrupt:
         print("dptrain: interrupted", file=sys.stderr)
         return 130

@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
+import time
 
 FAULT_ENV = "DPTRAIN_FAULT"  # "RANK:STEP": that rank raises after that step
+STALL_ENV = "DPTRAIN_STALL"  # "RANK:STEP:SECONDS": that rank sleeps after that step
+KILL_ENV = "DPTRAIN_KILL"  # "RANK:STEP": that rank SIGKILLs itself after that step
 
 
 def verify_replicas(flat, world, step):
@@ -36,4 +40,18 @@ def step_hooks(cfg, world, reducer, flat) -> list:
                 raise RuntimeError(f"injected fault on rank {world.rank} at step {step} "
                                    f"({FAULT_ENV})")
         hooks.append(inject)
+    stall = os.environ.get(STALL_ENV)
+    if stall:
+        rank, at, seconds = stall.split(":")
+
+        def sleep(step):  # stands for a rank that stops answering before a collective
+            if f"{rank}:{at}" == f"{world.rank}:{step}":
+                time.sleep(float(seconds))
+        hooks.append(sleep)
+    kill = os.environ.get(KILL_ENV)
+    if kill:
+        def die(step):  # a crash no handler sees: the process just ends
+            if kill == f"{world.rank}:{step}":
+                os.kill(os.getpid(), signal.SIGKILL)
+        hooks.append(die)
     return hooks

@@ -15,6 +15,10 @@ stream (the reducer picks the communication stream with ``runtime.on``):
     all_reduce(buf, op)          in place, op "sum" or "mean"
     broadcast(buf, root=0)       in place
     barrier()
+    check()                      raise if the communicator recorded an asynchronous error
+                                 (NCCL); a no-op elsewhere. Safe to call from another thread
+    abort(code=1)                end its in-flight and future operations (NCCL: abort the
+                                 communicator; MPI: abort the job with `code`)
 Buffers are 1-D and contiguous; in-place use (recv inside send at this rank's
 offset, send inside recv at this rank's offset) is allowed, as NCCL allows it.
 """
@@ -60,6 +64,12 @@ class LocalComm:
     def barrier(self):
         pass
 
+    def check(self):
+        pass
+
+    def abort(self, code=1):
+        pass
+
 
 class MPIComm:
     """Collectives over MPI on NumPy arrays (the CPU backend)."""
@@ -93,6 +103,12 @@ class MPIComm:
 
     def barrier(self):
         self.comm.Barrier()
+
+    def check(self):
+        pass  # MPI reports errors where a call returns
+
+    def abort(self, code=1):
+        self.comm.Abort(code)
 
 
 class World:

@@ -2,28 +2,52 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 
+from dptrain.fileio import atomic_write
+
+
+def strict(value):
+    """`value` with every NaN or infinity replaced by None, for strict JSON (null)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict(v) for v in value]
+    return value
+
+
+def dumps(record, **kwargs) -> str:
+    """Strict JSON: non-finite numbers become null (never a bare NaN)."""
+    return json.dumps(strict(record), allow_nan=False, **kwargs)
+
 
 class MetricsLog:
-    """metrics.jsonl (one object per line) and summary.json under the log directory."""
+    """metrics.jsonl (one object per line) and summary.json under the log directory, in
+    strict JSON. A summary.json of an earlier run in the same directory is removed at the
+    start, so it never sits beside this run's metrics."""
 
-    def __init__(self, log_dir: str | None):
+    def __init__(self, log_dir: str | None, append: bool = False):
         self.dir = Path(log_dir) if log_dir else None
         self.file = None
         if self.dir:
             self.dir.mkdir(parents=True, exist_ok=True)
-            self.file = open(self.dir / "metrics.jsonl", "w")
+            (self.dir / "summary.json").unlink(missing_ok=True)
+            # A resumed run appends to the metrics of the run it continues.
+            self.file = open(self.dir / "metrics.jsonl", "a" if append else "w")
 
     def write(self, record: dict):
         if self.file:
-            self.file.write(json.dumps(record) + "\n")
+            self.file.write(dumps(record) + "\n")
             self.file.flush()
 
     def summary(self, record: dict):
         if self.dir:
-            (self.dir / "summary.json").write_text(json.dumps(record, indent=2) + "\n")
+            atomic_write(self.dir / "summary.json",
+                         lambda f: f.write((dumps(record, indent=2) + "\n").encode()))
 
     def close(self):
         if self.file:

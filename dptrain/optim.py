@@ -5,7 +5,13 @@ shard of each bucket; the whole buffer in a single process) and keeps state only
 for them (ZeRO-1).
 Per-step scalars (learning rate, Adam's bias corrections) go into a small device
 array ``hyper`` before each update, so the update itself reads no host values
-and can be replayed from a captured CUDA graph.
+and can be replayed from a captured CUDA graph. Slot ``SKIP_SLOT`` of ``hyper`` is
+written on the device (by the non-finite check of dptrain.nonfinite): non-zero skips
+the update. A skipped step still counts in ``steps`` (AdamW's bias correction).
+
+For checkpoints, ``gather_state`` collects the full state from every rank's shards
+(name -> per-parameter arrays, independent of the world size) and ``scatter_state``
+puts such a state back into this rank's shards, whatever world size wrote it.
 """
 from __future__ import annotations
 
@@ -14,6 +20,8 @@ import math
 import numpy as np
 
 from dptrain.flat import FlatParameters
+
+SKIP_SLOT = 3  # hyper[SKIP_SLOT] != 0: the optimizer kernels leave param and state untouched
 
 
 class Optimizer:
@@ -71,6 +79,48 @@ class Optimizer:
         self.steps, self.lr = int(state["steps"]), float(state["lr"])
         for k, v in self.state_arrays().items():
             self.be.copy_(v, self.be.asarray(np.asarray(state[k], dtype=self.flat.dtype)))
+
+    # -- state for checkpoints: the whole state, gathered from every rank's shard
+    def gather_state(self, comm, named_params) -> dict:
+        """Every rank's shard of each state buffer, all-gathered over `comm` (a collective:
+        every rank calls it) and cut per parameter: {state name: {param name: host array}}.
+        The result does not depend on the world size or the bucket layout."""
+        flat, be = self.flat, self.be
+        out = {}
+        for key, shard in self.state_arrays().items():
+            full = be.zeros((flat.numel,), flat.dtype)
+            offset = 0
+            for bucket, (start, stop) in zip(flat.buckets, self.segments):
+                be.copy_(full[start:stop], shard[offset : offset + stop - start])
+                offset += stop - start
+                if comm.size > 1:  # in place: this rank's slice is its own shard
+                    comm.all_gather(full[start:stop], full[bucket.start : bucket.stop])
+            host = be.to_numpy(full)
+            out[key] = {name: host[flat.offsets[id(p)] : flat.offsets[id(p)] + p.size]
+                        .reshape(p.shape).copy() for name, p in named_params}
+        return out
+
+    def scatter_state(self, state: dict, named_params, source="checkpoint"):
+        """Write a state from gather_state (any world size) into this rank's shards, in
+        place (the buffers a captured step reads stay where they are)."""
+        flat, be = self.flat, self.be
+        mine = self.state_arrays()
+        if set(mine) != set(state):
+            raise ValueError(f"{source}: optimizer state holds {sorted(state) or 'nothing'}, "
+                             f"this optimizer needs {sorted(mine) or 'nothing'}")
+        for key, shard in mine.items():
+            full = np.zeros(flat.numel, dtype=flat.dtype)
+            for name, p in named_params:
+                if name not in state[key]:
+                    raise ValueError(f"{source}: optimizer state {key} lacks {name}")
+                value = np.asarray(state[key][name])
+                if value.shape != tuple(p.shape):
+                    raise ValueError(f"{source}: optimizer state {key} of {name} has shape "
+                                     f"{value.shape}, the model expects {tuple(p.shape)}")
+                start = flat.offsets[id(p)]
+                full[start : start + p.size] = value.reshape(-1)
+            host = np.concatenate([full[start:stop] for start, stop in self.segments])
+            be.runtime.upload_(shard, host)
 
 
 class SGD(Optimizer):

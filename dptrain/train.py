@@ -8,6 +8,7 @@ the files a run leaves behind; it never asks which device it runs on.
 """
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -17,17 +18,23 @@ import dptrain.functional as F
 from dptrain import backend, dist
 from dptrain.autograd import Tensor, no_grad
 from dptrain.checkpoint import load_weights, save_weights
+from dptrain.checkpoints import Checkpointing
 from dptrain.data import DeviceLoader, StrideSampler, fixed_size, get_dataset
 from dptrain.debug import step_hooks
 from dptrain.errors import UsageError
 from dptrain.flat import FlatParameters
+from dptrain.errors import RunStopped
 from dptrain.metrics import MetricsLog, Throughput
 from dptrain.nn import build_model
+from dptrain.nonfinite import NonFiniteGuard
 from dptrain.optim import OPTIMIZERS, LRSchedule
+from dptrain.preflight import check_outputs
 from dptrain.progress import Progress
 from dptrain.random import manual_seed
 from dptrain.reducer import Reducer
 from dptrain.startup import first_on_host, process_age_s
+from dptrain.stopping import StopRequests, signal_name
+from dptrain.watchdog import DEFAULT_TIMEOUT, Watchdog
 
 
 @dataclass
@@ -68,6 +75,12 @@ class TrainConfig:
     on_bad_image: str = "error"  # or "skip"
     augment: bool = False  # random crop (zero padding augment_pad) and flip, on the device
     augment_pad: int = 4
+    checkpoint_dir: str | None = None  # exact-resume checkpoints (dptrain.checkpoints)
+    checkpoint_every: int = 0  # steps; 0 = only when stopped by a signal
+    keep_checkpoints: int = 3
+    resume: str | None = None  # "auto" (newest usable in checkpoint_dir) or a checkpoint
+    skip_nonfinite: int = 0  # bad steps to skip before stopping; 0 = stop at the first
+    collective_timeout: float = DEFAULT_TIMEOUT  # seconds; 0 = no watchdog
 
 
 # capture() runs this many eager steps before it records the graph; the throughput meter
@@ -93,8 +106,9 @@ def defaults_for(cfg: TrainConfig, device: str) -> TrainConfig:
 class TrainStep:
     """One optimisation step on the loader's current batch, metrics summed on the device."""
 
-    def __init__(self, model, optimizer, reducer, loader):
+    def __init__(self, model, optimizer, reducer, loader, guard=None):
         self.model, self.opt, self.reducer, self.loader = model, optimizer, reducer, loader
+        self.guard = guard  # the non-finite check: decides on the device if the update applies
         self.be = optimizer.be
         self.loss_sum = self.be.zeros((), optimizer.flat.dtype)
         self.correct_sum = self.be.zeros((), np.float32)
@@ -108,6 +122,8 @@ class TrainStep:
         loss = F.cross_entropy(logits, Tensor(y))
         loss.backward()  # buckets start their reduce-scatter as their gradients complete
         self.reducer.finish_backward()
+        if self.guard is not None:
+            self.guard(loss.data)
         self.opt.update()  # this rank's shard only; gathered at the start of the next step
         be.add_(self.loss_sum, loss.data)
         be.add_(self.correct_sum, be.count_correct(logits.data, y))
@@ -184,6 +200,8 @@ def _setup(cfg: TrainConfig):
         be = backend.get(device)
         world = dist.init(be)  # selects this rank's device before anything is allocated
         cfg = defaults_for(cfg, device)
+        if world.is_root:
+            check_outputs(cfg)  # --save, --log-dir, --checkpoint-dir: writable, before training
         if cfg.global_batch_size is not None:
             if cfg.global_batch_size % world.size:
                 raise ValueError(f"--global-batch-size {cfg.global_batch_size} does not divide "
@@ -224,14 +242,20 @@ def train(cfg: TrainConfig, echo=print) -> dict:
     schedule = LRSchedule(cfg.lr, cfg.lr_schedule, total_steps, cfg.warmup_steps)
     global_batch = cfg.batch_size * world.size
 
+    # Exact resume: restores parameters, optimizer shards, step and RNG states in place.
+    ckpt = Checkpointing(cfg, world, model, opt, reducer, steps_per_epoch, echo=echo,
+                         warn=lambda text: print(text, file=sys.stderr, flush=True))
+    first_step = ckpt.resume()
+
     loader = DeviceLoader(train_set, be, cfg.batch_size, augment=cfg.augment,
                           augment_pad=cfg.augment_pad, augment_seed=cfg.seed,
                           shard=(world.rank, world.size))
     val_loader = DeviceLoader(val_set, be, cfg.batch_size)
-    step_fn = TrainStep(model, opt, reducer, loader)
+    guard = NonFiniteGuard(opt, world.comm, cfg.skip_nonfinite)
+    step_fn = TrainStep(model, opt, reducer, loader, guard)
     run_step = be.runtime.capture(step_fn, warmup=CAPTURE_WARMUP) if cfg.cuda_graph else step_fn
     hooks = step_hooks(cfg, world, reducer, flat)
-    log = MetricsLog(cfg.log_dir if root else None)
+    log = MetricsLog(cfg.log_dir if root else None, append=first_step > 0)
     if root:
         echo(f"dptrain: {cfg.model} on {cfg.dataset} ({len(train_set.labels)} train / "
              f"{len(val_set.labels)} val images), {device} x {world.size}, batch "
@@ -239,23 +263,29 @@ def train(cfg: TrainConfig, echo=print) -> dict:
 
     progress = Progress(total_steps, enabled=cfg.progress and root)
     # images/s leaves out the warm-up and capture steps (at least one step stays timed)
-    excluded = min(CAPTURE_WARMUP + 1, max(total_steps - 1, 0))
+    excluded = min(CAPTURE_WARMUP + 1, max(total_steps - first_step - 1, 0))
     meter = Throughput(global_batch, warmup_steps=excluded)
     startup_s = process_age_s() if excluded == 0 else None  # process start to timed steps
-    step, since_log, last_loss, last_eval = 0, 0, float("nan"), {}
+    step, ran, since_log, last_loss, last_eval = first_step, 0, 0, float("nan"), {}
     comm_exposed = 0.0  # seconds of communication that compute waited for
     eval_every = cfg.eval_every or steps_per_epoch
+    watchdog = Watchdog(world, cfg.collective_timeout).start()
+    watch = watchdog.watch
+    stops = StopRequests(world).install()
+    stopped = 0
     try:
-        for epoch in range(cfg.epochs):
+        for epoch in range(first_step // steps_per_epoch, cfg.epochs):
             batches = sampler.epoch_batches(epoch)
-            for local in range(min(steps_per_epoch, total_steps - step)):
+            first = step - epoch * steps_per_epoch  # > 0 only in the epoch a resume lands in
+            for local in range(first, min(steps_per_epoch, first + total_steps - step)):
                 opt.lr = schedule(step)
                 opt.begin_step()
                 loader.set_batch(batches[local])
-                run_step()
-                step += 1
-                since_log += 1
-                if step == excluded:  # warm-up and capture done; the timed steps start here
+                with watch("training step", step + 1):
+                    run_step()
+                    stopped = stops.poll()
+                step, ran, since_log = step + 1, ran + 1, since_log + 1
+                if ran == excluded:  # warm-up and capture done; the timed steps start here
                     be.runtime.synchronize()
                     startup_s = process_age_s()
                 meter.step()
@@ -263,26 +293,46 @@ def train(cfg: TrainConfig, echo=print) -> dict:
                     hook(step)
                 if step % cfg.log_every == 0 or step == total_steps:
                     timed_steps = meter.window_steps
-                    loss_sum, _ = step_fn.read_metrics(world.comm)
+                    with watch("metrics all-reduce", step):
+                        loss_sum, _ = step_fn.read_metrics(world.comm)
+                    skipped = guard.read(step)  # stops the run on a non-finite step
                     exposed = reducer.read_exposed_comm()
                     comm_exposed = None if exposed is None or comm_exposed is None else (
                         comm_exposed + exposed * timed_steps)
                     rate = meter.window()
                     last_loss, since_log = loss_sum / since_log, 0
-                    log.write({"step": step, "epoch": epoch, "loss": last_loss,
-                               "lr": opt.lr, "images_per_s": rate})
+                    record = {"step": step, "epoch": epoch, "loss": last_loss, "lr": opt.lr,
+                              "images_per_s": rate}
+                    log.write({**record, "skipped_steps": skipped} if skipped else record)
                     progress.update(step, loss=last_loss, images_per_s=rate)
                 if step % eval_every == 0 or step == total_steps:
                     meter.pause()  # evaluation is not training time
-                    reducer.sync_parameters()
-                    last_eval = evaluate(model, val_loader, world=world)
+                    with watch("evaluation", step):
+                        reducer.sync_parameters()
+                        last_eval = evaluate(model, val_loader, world=world)
                     log.write({"step": step, "epoch": epoch, **last_eval})
                     progress.note(f"step {step}: val_loss {last_eval['val_loss']:.4f} "
                                   f"val_accuracy {last_eval['val_accuracy']:.4f}")
                     meter.resume()
-            if step >= total_steps:
+                if ckpt.due(step) or (stopped and ckpt.enabled):
+                    guard.read(step)  # never checkpoint past a non-finite step
+                    with watch("checkpoint gather", step):
+                        path = ckpt.save(step)
+                    if path is not None and stopped:
+                        progress.note(f"step {step}: checkpoint {path}")
+                if stopped:
+                    break
+            if step >= total_steps or stopped:
                 break
+        if stopped:
+            where = f"; checkpoint in {cfg.checkpoint_dir}" if ckpt.enabled else ""
+            raise RunStopped(f"stopped by {signal_name(stopped)} after step {step}{where}",
+                             exit_code=128 + stopped)
+        guard.read(step)
+        stops.close()
     finally:
+        stops.close(complete=False)
+        watchdog.stop()
         progress.close()
         log.close()
     reducer.sync_parameters()
@@ -315,7 +365,8 @@ def train(cfg: TrainConfig, echo=print) -> dict:
     }
     if root:
         log.summary(summary)
+        accuracy = summary["val_accuracy"]
         echo(f"dptrain: done: {step} steps in {wall:.1f} s ({train_rate:.0f} images/s training, "
-             f"after {startup_s:.1f} s of start-up), "
-             f"train_loss {last_loss:.4f}, val_accuracy {summary['val_accuracy']:.4f}")
+             f"after {startup_s:.1f} s of start-up), train_loss {last_loss:.4f}, val_accuracy "
+             f"{'n/a' if accuracy is None else format(accuracy, '.4f')}")
     return summary

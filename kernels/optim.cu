@@ -5,8 +5,10 @@
 //  * param, grad and state buffers are contiguous, of one length n, updated in place (`_` ops).
 //  * Values that change from step to step live in the device array `hyper` and are read here,
 //    so a captured CUDA graph sees the current ones: sgd hyper = [lr], adamw hyper =
-//    [lr, 1 - beta1**t, 1 - beta2**t]. Constant coefficients arrive as kernel arguments,
-//    rounded to T on the host exactly as the CPU backend rounds them (e.g. 1 - beta1 in double, then T).
+//    [lr, 1 - beta1**t, 1 - beta2**t]. hyper[3] is the skip flag written on the device by the
+//    non-finite check (guard.cu): non-zero leaves param and state untouched. Constant
+//    coefficients arrive as kernel arguments, rounded to T on the host exactly as the CPU
+//    backend rounds them (e.g. 1 - beta1 in double, then T).
 //  * Formulas follow the CPU backend (PyTorch's SGD and AdamW) operation by operation.
 
 #include "common.cuh"
@@ -16,6 +18,7 @@
 template <typename T>
 __global__ void sgd_kernel(T* param, const T* grad, T* buf, const T* hyper, long long n,
                            T momentum, T weight_decay, int nesterov) {
+  if (hyper[3] != T(0)) return;  // a skipped step: uniform over the grid
   const T lr = hyper[0];
   GRID_STRIDE(i, n) {
     const T p = param[i];
@@ -35,6 +38,7 @@ template <typename T>
 __global__ void adamw_kernel(T* param, const T* grad, T* m, T* v, const T* hyper, long long n,
                              T beta1, T one_minus_beta1, T beta2, T one_minus_beta2, T eps,
                              T weight_decay) {
+  if (hyper[3] != T(0)) return;  // a skipped step: uniform over the grid
   const T lr = hyper[0], bc1 = hyper[1], bc2 = hyper[2];
   const T decay = T(1) - lr * weight_decay;
   GRID_STRIDE(i, n) {

@@ -107,6 +107,8 @@ OPS = (
     "dropout_mask",
     # optimizers (flat buffers, in place)
     "sgd_step_", "adamw_step_",
+    # training guard: flag[0] = 1 if it is non-zero or x holds a NaN/inf (empty x: normalise)
+    "nonfinite_flag_",
     # data
     "gather_normalize", "augment_crop_flip",
     # reusable memory and work, owned by the caller (see above)

@@ -301,10 +301,15 @@ def dropout_mask(shape, p, dtype=np.float32):
 # ----------------------------------------------------------------------------- optimizers
 # Flat buffers, updated in place. `hyper` is a small device array whose slots the
 # optimizer rewrites each step (lr, bias corrections), so a captured graph sees them.
+# Slot 3 is the skip flag, written on the device by the non-finite check: when it is
+# non-zero the update leaves param and state untouched.
+SKIP_SLOT = 3
 
 
 def sgd_step_(param, grad, buf, hyper, momentum, weight_decay, nesterov):
     """PyTorch SGD: d = g + wd*p; buf = m*buf + d; d = d + m*buf (nesterov) or buf; p -= lr*d."""
+    if hyper[SKIP_SLOT] != 0:
+        return param
     lr = hyper[0]
     d = grad + param.dtype.type(weight_decay) * param if weight_decay else grad
     if momentum:
@@ -316,7 +321,9 @@ def sgd_step_(param, grad, buf, hyper, momentum, weight_decay, nesterov):
 
 
 def adamw_step_(param, grad, m, v, hyper, beta1, beta2, eps, weight_decay):
-    """AdamW with decoupled weight decay; hyper = [lr, 1 - beta1**t, 1 - beta2**t]."""
+    """AdamW with decoupled weight decay; hyper = [lr, 1 - beta1**t, 1 - beta2**t, skip]."""
+    if hyper[SKIP_SLOT] != 0:
+        return param
     t = param.dtype.type
     lr, bc1, bc2 = hyper[0], hyper[1], hyper[2]
     param *= 1 - lr * t(weight_decay)
@@ -326,6 +333,14 @@ def adamw_step_(param, grad, m, v, hyper, beta1, beta2, eps, weight_decay):
     v += t(1 - beta2) * grad * grad
     param -= lr * (m / bc1) / (np.sqrt(v / bc2) + t(eps))
     return param
+
+
+def nonfinite_flag_(flag, x):
+    """flag (one element) = 1 if it is non-zero or x holds a NaN or an infinity, else 0;
+    an empty x only normalises the flag. In place."""
+    bad = flag.reshape(-1)[0] != 0 or not np.isfinite(x).all()
+    flag.reshape(-1)[0] = 1 if bad else 0
+    return flag
 
 
 # ----------------------------------------------------------------------------- data

@@ -43,6 +43,7 @@ from dptrain.backend.cuda.elementwise import (  # noqa: F401
     relu_backward, scale, sigmoid, sigmoid_backward, sqrt, sub, tanh, tanh_backward,
 )
 from dptrain.backend.cuda.gemm import matmul, matmul_kernel  # noqa: F401
+from dptrain.backend.cuda.guard import nonfinite_flag_  # noqa: F401
 from dptrain.backend.cuda.launch import launch_shape  # noqa: F401
 from dptrain.backend.cuda.optim import adamw_step_, sgd_step_  # noqa: F401
 from dptrain.backend.cuda.pool import (  # noqa: F401

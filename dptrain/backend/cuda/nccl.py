@@ -5,6 +5,8 @@
     all_reduce(buf, op)          in place, op "sum" or "mean"
     broadcast(buf, root=0)       in place
     barrier()                    over the MPI communicator (host side)
+    check()                      raise if NCCL recorded an asynchronous error (any thread)
+    abort(code=1)                abort the NCCL communicator (the caller ends the job)
 
 Buffers are 1-D and contiguous; in-place use (recv inside send at this rank's offset, send
 inside recv at this rank's offset) is allowed, as NCCL allows it. Every collective runs on
@@ -65,3 +67,15 @@ class NCCLComm:
 
     def barrier(self):
         self.mpi_comm.Barrier()
+
+    def check(self):
+        """Raise RuntimeError if NCCL has an asynchronous error (ncclCommGetAsyncError):
+        a remote rank failed or the network broke. Cheap, host-only, any thread."""
+        try:
+            self.comm.check_async_error()
+        except RuntimeError as exc:  # cupy's NcclError is a RuntimeError
+            raise RuntimeError(f"NCCL asynchronous error: {exc}") from None
+
+    def abort(self, code=1):
+        """Abort the communicator: pending and future NCCL calls return instead of hanging."""
+        self.comm.abort()

@@ -1,0 +1,200 @@
+"""What a checkpoint holds, and putting it back: exact resume of a training run.
+
+Saved (a collective: every rank takes part, rank 0 writes):
+  * the model's ``state_dict()`` (parameters, and buffers where the model has them), after
+    the last step's shards were all-gathered;
+  * the optimizer's whole state, all-gathered from the ZeRO-1 shards and cut per parameter,
+    so it can be re-sharded onto any world size; its step count (AdamW's bias correction);
+  * the step, the epoch and the position in the epoch (the data order itself is a pure
+    function of the seed and the epoch; the learning rate a pure function of the step);
+  * every random state: each rank's device generator (dropout), the init generator;
+  * the configuration, checked on resume against the settings that must not change.
+
+Restored in place: parameters through ``load_state_dict`` (copies into the flat buffer),
+optimizer state through ``runtime.upload_`` into the existing shards, random state through
+``set_rng_state``, so a step already captured as a graph keeps reading the same buffers.
+
+At the same world size the continued run is bitwise the uninterrupted one. At another world
+size with the same global batch, data order, learning rate and every state carry over
+exactly, but each rank's gradient is averaged over a different split of the batch, so the
+run matches the uninterrupted one to float rounding, not bitwise; dropout's generator is
+taken from rank 0 then.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import numpy as np
+
+from dptrain.checkpoints.store import CheckpointError, CheckpointStore, load
+from dptrain.errors import UsageError
+from dptrain.random import init_rng
+
+# Settings a resumed run must share with the checkpoint (flag name, config field).
+MUST_MATCH = (("--model", "model"), ("--dataset", "dataset"), ("--train-images", "train_images"),
+              ("--seed", "seed"), ("--optimizer", "optimizer"))
+MODEL, OPTIM = "model.npz", "optimizer.npz"
+
+
+def to_json(value):
+    """RNG states and the like as JSON: arrays become {"ndarray": [...], "dtype": ...}."""
+    if isinstance(value, np.ndarray):
+        return {"ndarray": value.tolist(), "dtype": str(value.dtype)}
+    if isinstance(value, dict):
+        return {k: to_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_json(v) for v in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def from_json(value):
+    if isinstance(value, dict):
+        if set(value) == {"ndarray", "dtype"}:
+            return np.array(value["ndarray"], dtype=value["dtype"])
+        return {k: from_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [from_json(v) for v in value]
+    return value
+
+
+class Checkpointing:
+    """The loop's view of checkpoints: ``resume()`` once before training, ``due(step)`` and
+    ``save(step)`` after steps. Every rank calls each of them at the same step."""
+
+    def __init__(self, cfg, world, model, optimizer, reducer, steps_per_epoch, echo=print,
+                 warn=None):
+        self.cfg, self.world, self.model, self.opt = cfg, world, model, optimizer
+        self.reducer, self.steps_per_epoch = reducer, steps_per_epoch
+        self.be = optimizer.be
+        self.echo = echo
+        self.warn = warn or echo
+        self.every = cfg.checkpoint_every or 0
+        self.store = CheckpointStore(cfg.checkpoint_dir, cfg.keep_checkpoints) \
+            if cfg.checkpoint_dir else None
+        self.named = list(model.named_parameters())
+        self.last_saved = None
+        if self.store is not None and world.is_root:
+            self.store.clean()
+
+    @property
+    def enabled(self) -> bool:
+        return self.store is not None
+
+    def due(self, step: int) -> bool:
+        return self.store is not None and self.every > 0 and step % self.every == 0
+
+    # -- saving
+    def _rng_states(self):
+        mine = to_json(self.be.runtime.get_rng_state())
+        if self.world.size > 1 and self.world.mpi_comm is not None:
+            return self.world.mpi_comm.allgather(mine)
+        return [mine]
+
+    def save(self, step: int):
+        """Gather everything (a collective) and let rank 0 write checkpoint `step`."""
+        if self.store is None or self.last_saved == step:
+            return None
+        self.reducer.sync_parameters()
+        model_state = {k: np.asarray(v) for k, v in self.model.state_dict().items()}
+        optim = self.opt.gather_state(self.world.comm, self.named)
+        rng = self._rng_states()
+        self.last_saved = step
+        if not self.world.is_root:
+            return None
+        meta = {
+            "world_size": self.world.size,
+            "global_batch_size": self.cfg.batch_size * self.world.size,
+            "state": {
+                "step": step,
+                "epoch": step // self.steps_per_epoch,
+                "position": step % self.steps_per_epoch,
+                "steps_per_epoch": self.steps_per_epoch,
+                "optimizer_steps": self.opt.steps,
+                "rng": {"device": rng, "init": to_json(init_rng().bit_generator.state)},
+            },
+            "config": asdict(self.cfg),
+        }
+        files = {MODEL: model_state,
+                 OPTIM: {f"{key}:{name}": a for key, per in optim.items() for name, a in per.items()}}
+        path = self.store.write(step, files, meta)
+        self.store.prune()
+        return path
+
+    # -- resuming
+    def _find(self):
+        """Rank 0: (path, manifest, files) to resume from, or None for a fresh start."""
+        cfg = self.cfg
+        if cfg.resume == "auto":
+            found = self.store.latest(warn=lambda m: self.warn(f"dptrain: warning: {m}"))
+            if found is None:
+                self.echo(f"dptrain: no usable checkpoint in {cfg.checkpoint_dir}; starting "
+                          f"from step 0")
+            return found
+        try:
+            return (cfg.resume, *load(cfg.resume))
+        except CheckpointError as exc:
+            raise UsageError(f"--resume {cfg.resume}: {exc}") from None
+
+    def resume(self) -> int:
+        """Restore the state of the checkpoint --resume names; returns the step to go on
+        from (0 when there is nothing to resume)."""
+        cfg, world = self.cfg, self.world
+        if not cfg.resume:
+            return 0
+        if cfg.resume == "auto" and self.store is None:
+            raise UsageError("--resume auto needs --checkpoint-dir (where to look)")
+        found = None
+        if world.is_root:
+            try:
+                found = ("ok", self._find())
+            except UsageError as exc:
+                found = ("error", str(exc))
+        if world.size > 1 and world.mpi_comm is not None:
+            found = world.mpi_comm.bcast(found, root=0)
+        if found[0] == "error":
+            raise UsageError(found[1])
+        if found[1] is None:
+            return 0
+        path, manifest, files = found[1]
+        return self._restore(path, manifest, files)
+
+    def _restore(self, path, manifest, files) -> int:
+        cfg, world = self.cfg, self.world
+        where = f"--resume {path}"
+        saved = manifest.get("config", {})
+        for flag, key in MUST_MATCH:
+            if key in saved and saved[key] != getattr(cfg, key):
+                raise UsageError(f"{where}: the checkpoint was trained with {flag} {saved[key]}, "
+                                 f"this run has {flag} {getattr(cfg, key)}")
+        global_batch = cfg.batch_size * world.size
+        if manifest.get("global_batch_size") != global_batch:
+            raise UsageError(f"{where}: the checkpoint was trained at global batch "
+                             f"{manifest.get('global_batch_size')}, this run has {global_batch} "
+                             f"({world.size} ranks x --batch-size {cfg.batch_size})")
+        state = manifest["state"]
+        if state.get("steps_per_epoch") != self.steps_per_epoch:
+            raise UsageError(f"{where}: {state.get('steps_per_epoch')} steps per epoch in the "
+                             f"checkpoint, {self.steps_per_epoch} in this run")
+        try:
+            self.model.load_state_dict(files[MODEL], source=where)
+            per = {}
+            for full, a in files[OPTIM].items():
+                key, _, name = full.partition(":")
+                per.setdefault(key, {})[name] = a
+            self.opt.scatter_state(per, self.named, source=where)
+        except (KeyError, ValueError) as exc:
+            raise UsageError(f"{where}: {exc}") from None
+        self.opt.steps = int(state["optimizer_steps"])
+        rng = from_json(state["rng"])
+        device = rng["device"]
+        self.be.runtime.set_rng_state(
+            device[world.rank] if len(device) == world.size else device[0])
+        init_rng().bit_generator.state = rng["init"]
+        self.last_saved = int(state["step"])  # no need to write it again
+        step = int(state["step"])
+        if world.is_root:
+            self.echo(f"dptrain: resumed from {path} at step {step} (epoch {state['epoch']}, "
+                      f"written by {manifest.get('world_size')} rank(s))")
+        return step

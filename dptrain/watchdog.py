@@ -1,0 +1,170 @@
+"""The watchdog: a host-synchronising point (a collective, a metric read, a step on the CPU)
+that does not finish within ``--collective-timeout`` seconds ends the whole job, naming what
+hung, the step, and the ranks that never arrived.
+
+The loop wraps each such point in ``with watchdog.watch(what, step):``, which only stores
+(what, step, a sequence number, the time) for a thread to read: nothing is added to the
+device step. The thread, every ``interval`` seconds:
+
+  * sends this rank's progress (sequence number, step) to every other rank with nonblocking
+    point-to-point messages on a duplicate of the world communicator, and receives theirs
+    (plain MPI-1 calls: the same under Open MPI and MPICH; it needs MPI_THREAD_MULTIPLE,
+    mpi4py's default, else ranks cannot be named);
+  * polls the communicator's asynchronous error check (``comm.check()``: NCCL's
+    ncclCommGetAsyncError; a no-op over MPI);
+  * when the watched point has run past the timeout: prints one line naming it, the step and
+    the ranks whose last progress is behind this one (they never entered it), then aborts
+    the communicator (``comm.abort()``) and the MPI job (exit code ``EXIT_CODE``).
+
+A rank that is stopped (SIGSTOP) or sleeping before a collective stops advancing its
+sequence number, so the ranks waiting for it name it.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+
+EXIT_CODE = 4
+DEFAULT_TIMEOUT = 300.0  # seconds: a few minutes (PyTorch's NCCL default is 10)
+_TAG = 7301
+
+
+class Watchdog:
+    def __init__(self, world, timeout: float = DEFAULT_TIMEOUT, interval: float | None = None,
+                 stream=None):
+        self.world, self.timeout = world, float(timeout or 0)
+        self.interval = interval or max(0.05, min(1.0, self.timeout / 5))
+        self.stream = stream or sys.stderr
+        self.rank, self.size = world.rank, world.size
+        self.seq, self.region = 0, None  # region: (what, step, seq, start time)
+        self.last_step = -1  # the step of the latest watched point
+        self.heard = {}  # rank -> (seq, step, inside a watched point, time heard)
+        self.comm, self.named_ranks = None, False
+        self._stop = threading.Event()
+        self._thread = None
+        self._sends = []
+
+    @property
+    def active(self) -> bool:
+        return self.timeout > 0
+
+    def start(self):
+        if not self.active:
+            return self
+        mpi_comm = self.world.mpi_comm
+        if mpi_comm is not None and self.size > 1:
+            from mpi4py import MPI
+
+            if MPI.Query_thread() == MPI.THREAD_MULTIPLE:
+                self.comm = mpi_comm.Dup()
+                self.named_ranks = True
+        now = time.monotonic()
+        self.heard = {r: (0, -1, False, now) for r in range(self.size) if r != self.rank}
+        self._thread = threading.Thread(target=self._run, name="dptrain-watchdog", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self):
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join()
+        self._thread = None
+        if self.comm is not None:
+            self._drain()
+            for req in self._sends:  # small eager messages: complete locally
+                req.Wait()
+            self._sends = []
+
+    @contextlib.contextmanager
+    def watch(self, what: str, step: int):
+        """Watch the block: it must finish within the timeout on this rank."""
+        if not self.active:
+            yield
+            return
+        self.seq += 1
+        self.last_step = step
+        self.region = (what, step, self.seq, time.monotonic())
+        try:
+            yield
+        finally:
+            self.region = None
+
+    # -- the thread
+    def _run(self):
+        while not self._stop.wait(self.interval):
+            try:
+                if self.comm is not None:
+                    self._exchange()
+                self.world.comm.check()
+            except Exception as exc:  # noqa: BLE001 - an asynchronous communicator error
+                region = self.region
+                where = f" during {region[0]} at step {region[1]}" if region else ""
+                self._fire(f"communicator error on rank {self.rank}{where}: {exc}")
+            region = self.region
+            if region is not None and time.monotonic() - region[3] > self.timeout:
+                self._fire(self._hang_message(region))
+
+    def _exchange(self):
+        from mpi4py import MPI
+
+        region = self.region
+        seq = region[2] if region else self.seq
+        msg = np.array([seq, self.last_step, region is not None], dtype=np.int64)
+        self._sends = [r for r in self._sends if not r.Test()]
+        for peer in range(self.size):
+            if peer != self.rank:
+                self._sends.append(self.comm.Isend(msg.copy(), dest=peer, tag=_TAG))
+        self._drain(MPI)
+
+    def _drain(self, MPI=None):
+        if MPI is None:
+            from mpi4py import MPI
+        status, buf = MPI.Status(), np.empty(3, dtype=np.int64)
+        while self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=_TAG, status=status):
+            source = status.Get_source()
+            self.comm.Recv(buf, source=source, tag=_TAG)
+            self.heard[source] = (int(buf[0]), int(buf[1]), bool(buf[2]), time.monotonic())
+
+    def _hang_message(self, region) -> str:
+        what, step, seq, start = region
+        head = (f"{what} at step {step} has not finished after {self.timeout:g} s on rank "
+                f"{self.rank}")
+        if not self.named_ranks:
+            if self.size > 1:
+                return head + " (the ranks that did not arrive cannot be named: MPI lacks " \
+                              "MPI_THREAD_MULTIPLE)"
+            return head
+        now = time.monotonic()
+        late = sorted(r for r, (s, *_) in self.heard.items() if s < seq)
+        if not late:
+            return head + "; every rank reached it, so the collective itself did not complete"
+        parts = []
+        for r in late:
+            _, st, inside, t = self.heard[r]
+            quiet = now - t
+            seen = (f"silent for {quiet:.0f} s" if quiet > 2 * self.interval + 1
+                    else "alive, " + ("inside an earlier collective" if inside
+                                      else "busy outside any collective"))
+            parts.append(f"{r} ({seen}" + (f", last at step {st})" if st >= 0 else ")"))
+        noun = "rank" if len(late) == 1 else "ranks"
+        return head + f"; {noun} {', '.join(parts)} did not arrive"
+
+    def _fire(self, message: str):
+        try:
+            self.stream.write(f"dptrain: watchdog: {message}; aborting the job\n")
+            self.stream.flush()
+        except Exception:  # noqa: BLE001
+            pass
+        try:
+            self.world.comm.abort(EXIT_CODE)
+        finally:
+            mpi_comm = self.world.mpi_comm
+            if mpi_comm is not None:
+                mpi_comm.Abort(EXIT_CODE)
+            os._exit(EXIT_CODE)

@@ -1,0 +1,126 @@
+"""Exact resume: a run continued from a checkpoint is the uninterrupted run, bitwise at the
+same world size (1 and 2 ranks, under real mpirun), to rounding at another world size; the
+same after a SIGKILL at a random step followed by --resume auto."""
+import json
+import random
+
+import numpy as np
+import pytest
+
+from mpilaunch import HAVE_MPI, run
+
+ARGS = ["--device", "cpu", "--model", "mlp", "--train-images", "256", "--val-images", "32",
+        "--epochs", "2", "--global-batch-size", "16", "--max-steps", "20", "--log-every", "1",
+        "--eval-every", "100", "--no-progress", "--seed", "5"]
+needs_mpi = pytest.mark.skipif(not HAVE_MPI, reason="needs mpirun and mpi4py")
+
+
+def losses(log_dir):
+    lines = (log_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
+
+
+def weights(path):
+    with np.load(path) as w:
+        return {k: w[k] for k in w.files}
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")
+
+
+def _full_run(ranks, tmp, cache):
+    out = run(ranks, ARGS + ["--log-dir", str(tmp / "full"), "--save", str(tmp / "full.npz"),
+                             "--checkpoint-dir", str(tmp / "ck"), "--checkpoint-every", "10"],
+              cache)
+    assert out.returncode == 0, out.stderr
+    return losses(tmp / "full"), weights(tmp / "full.npz")
+
+
+@pytest.mark.parametrize("ranks", [0, pytest.param(2, marks=needs_mpi)])
+def test_resume_from_step_10_is_bitwise_the_full_run(ranks, tmp_path, cache):
+    full_losses, full_w = _full_run(ranks, tmp_path, cache)
+    assert sorted(full_losses) == list(range(1, 21))
+    out = run(ranks, ARGS + ["--log-dir", str(tmp_path / "again"), "--save",
+                             str(tmp_path / "again.npz"), "--resume",
+                             str(tmp_path / "ck" / "step-00000010")], cache)
+    assert out.returncode == 0, out.stderr
+    assert "resumed from" in out.stdout and "at step 10" in out.stdout
+    again = losses(tmp_path / "again")
+    assert sorted(again) == list(range(11, 21))
+    assert all(again[s] == full_losses[s] for s in again), (again, full_losses)
+    resumed_w = weights(tmp_path / "again.npz")
+    for name, ref in full_w.items():
+        assert np.array_equal(resumed_w[name], ref), name
+
+
+@pytest.mark.parametrize("ranks", [0, pytest.param(2, marks=needs_mpi)])
+def test_sigkill_then_resume_auto_is_bitwise_the_full_run(ranks, tmp_path, cache):
+    full_losses, full_w = _full_run(ranks, tmp_path / "ref", cache)
+    kill_at = random.Random().randint(4, 17)
+    ck = tmp_path / "ck"
+    args = ARGS + ["--checkpoint-dir", str(ck), "--checkpoint-every", "3"]
+    killed = run(ranks, args, cache, DPTRAIN_KILL=f"{ranks - 1 if ranks else 0}:{kill_at}")
+    assert killed.returncode != 0, killed.stdout
+    last = (kill_at - 1) // 3 * 3  # the kill comes before that step's checkpoint
+    assert (ck / f"step-{last:08d}" / "manifest.json").is_file()
+    out = run(ranks, args + ["--resume", "auto", "--log-dir", str(tmp_path / "L"),
+                             "--save", str(tmp_path / "w.npz")], cache)
+    assert out.returncode == 0, out.stderr
+    assert f"at step {last}" in out.stdout, (kill_at, out.stdout)
+    again = losses(tmp_path / "L")
+    assert all(again[s] == full_losses[s] for s in again) and min(again) == last + 1
+    for name, ref in full_w.items():
+        assert np.array_equal(weights(tmp_path / "w.npz")[name], ref), (name, kill_at)
+    assert not list(ck.rglob("*.tmp"))
+    assert len([p for p in ck.iterdir() if p.name.startswith("step-")]) <= 3  # keep 3
+
+
+@needs_mpi
+def test_resume_two_ranks_onto_one_matches_to_rounding(tmp_path, cache):
+    full_losses, full_w = _full_run(2, tmp_path, cache)
+    out = run(0, ARGS + ["--log-dir", str(tmp_path / "one"), "--save", str(tmp_path / "one.npz"),
+                         "--resume", str(tmp_path / "ck" / "step-00000010")], cache)
+    assert out.returncode == 0, out.stderr
+    assert "written by 2 rank(s)" in out.stdout
+    one = losses(tmp_path / "one")
+    for s in range(11, 21):
+        assert abs(one[s] - full_losses[s]) <= 1e-5 * max(1.0, abs(full_losses[s])), s
+    w = weights(tmp_path / "one.npz")
+    for name, ref in full_w.items():
+        rel = np.abs(w[name] - ref).max() / (np.abs(ref).max() + 1e-12)
+        assert rel <= 1e-5, (name, rel)
+
+
+def test_resume_refuses_another_model_or_global_batch(tmp_path, cache):
+    _full_run(0, tmp_path, cache)
+    ck = str(tmp_path / "ck" / "step-00000010")
+    other = [a if a != "mlp" else "cnn" for a in ARGS]
+    out = run(0, other + ["--resume", ck], cache)
+    assert out.returncode == 2 and "--model mlp" in out.stderr, out.stderr
+    bigger = [a if a != "16" else "32" for a in ARGS]
+    out = run(0, bigger + ["--resume", ck], cache)
+    assert out.returncode == 2 and "global batch 16" in out.stderr, out.stderr
+
+
+def test_sigterm_stops_after_a_step_with_a_checkpoint(tmp_path, cache):
+    import signal
+    import time
+
+    from mpilaunch import start
+
+    ck = tmp_path / "ck"
+    args = [a if a != "20" else "100000" for a in ARGS]
+    args = [a if a != "2" else "10000" for a in args]
+    proc = start(0, args + ["--checkpoint-dir", str(ck), "--log-dir", str(tmp_path / "L")], cache)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (tmp_path / "L" / "metrics.jsonl").exists():
+        time.sleep(0.2)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "stopped by SIGTERM after step" in err
+    step = int(err.split("after step ")[1].split(";")[0])
+    assert (ck / f"step-{step:08d}" / "manifest.json").is_file()

@@ -1,0 +1,117 @@
+"""Failures end the job instead of hanging it: a SIGKILLed rank ends the job within 10 s with
+no process left; a rank that stops answering (SIGSTOP, or sleeping before a collective) trips
+the watchdog within the timeout + 10 s, and the message names it."""
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from mpilaunch import HAVE_MPI, run, start
+
+pytestmark = pytest.mark.skipif(not HAVE_MPI, reason="needs mpirun and mpi4py")
+ARGS = ["--device", "cpu", "--model", "mlp", "--train-images", "256", "--val-images", "32",
+        "--epochs", "1000", "--global-batch-size", "16", "--log-every", "1", "--no-progress",
+        "--collective-timeout", "4"]
+
+
+def _ranks_of(proc):
+    """PIDs of the dptrain ranks the launcher started (its descendants running Python)."""
+    out = subprocess.run(["ps", "-o", "pid=,ppid=,args=", "-e"], capture_output=True,
+                         text=True).stdout
+    children, args_of = {}, {}
+    for line in out.splitlines():
+        pid, ppid, args = (line.strip().split(None, 2) + [""])[:3]
+        children.setdefault(int(ppid), []).append(int(pid))
+        args_of[int(pid)] = args
+    found, todo = [], [proc.pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            todo.append(child)
+            if "-m dptrain" in args_of[child] and "mpirun" not in args_of[child] \
+                    and "prterun" not in args_of[child] and "mpiexec" not in args_of[child]:
+                found.append(child)
+    return sorted(found)
+
+
+@pytest.fixture
+def job(cache):
+    """Start a 2-rank job; whatever happens, none of its processes outlives the test."""
+    procs = []
+
+    def launch(**extra_env):
+        procs.append(start(2, ARGS, cache, **extra_env))
+        return procs[-1]
+    yield launch
+    for proc in procs:
+        for pid in _ranks_of(proc):
+            os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def _wait_for_ranks(proc, n=2, timeout=60):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        pids = _ranks_of(proc)
+        if len(pids) == n:
+            return pids
+        time.sleep(0.2)
+    raise AssertionError("the ranks did not start")
+
+
+def _wait_training(proc):
+    """Until rank 0 announces the run (set-up is over), then a second of steps."""
+    line = proc.stdout.readline()
+    assert "steps" in line, line
+    time.sleep(1.0)
+
+
+def _finish(proc, timeout):
+    t0 = time.time()
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"the job did not end within {timeout} s") from None
+    return time.time() - t0, out, err
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("cache")
+    warm = run(0, ARGS + ["--max-steps", "1"], cache)  # builds the cached dataset
+    assert warm.returncode == 0, warm.stderr
+    return cache
+
+
+def test_sigkill_of_one_rank_ends_the_job(job):
+    proc = job()
+    pids = _wait_for_ranks(proc)
+    _wait_training(proc)
+    os.kill(pids[1], signal.SIGKILL)
+    took, _, err = _finish(proc, timeout=10)
+    assert proc.returncode != 0
+    assert not _ranks_of(proc), "a rank survived the job"
+
+
+def test_sigstopped_rank_trips_the_watchdog(job):
+    proc = job()
+    pids = _wait_for_ranks(proc)
+    _wait_training(proc)
+    os.kill(pids[1], signal.SIGSTOP)
+    took, _, err = _finish(proc, timeout=4 + 10)
+    assert proc.returncode != 0
+    assert "watchdog" in err and "rank 1 (" in err and "did not arrive" in err, err[-2000:]
+    assert not _ranks_of(proc)
+
+
+def test_rank_sleeping_before_a_collective_is_named(cache):
+    t0 = time.time()
+    result = run(2, ARGS, cache, timeout=120, DPTRAIN_STALL="1:3:600")
+    assert result.returncode != 0
+    line = next(l for l in result.stderr.splitlines() if "watchdog" in l)
+    assert "at step 3" in line or "at step 4" in line, line
+    assert "rank 1 (" in line and "did not arrive" in line and "on rank 0" in line, line
+    assert time.time() - t0 < 60
