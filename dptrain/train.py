@@ -15,12 +15,12 @@ import numpy as np
 import dptrain.functional as F
 from dptrain import backend, dist
 from dptrain.autograd import Tensor, no_grad
-from dptrain.checkpoint import load_weights, save_weights
+from dptrain.checkpoint import load_weights, save_weights, weights_metadata
 from dptrain.data import DeviceLoader, StrideSampler, get_dataset
 from dptrain.debug import step_hooks
 from dptrain.errors import UsageError
 from dptrain.flat import FlatParameters
-from dptrain.metrics import MetricsLog, Throughput
+from dptrain.metrics import MetricsLog, Throughput, fresh_log_dir
 from dptrain.nn import build_model
 from dptrain.optim import OPTIMIZERS, LRSchedule
 from dptrain.progress import Progress
@@ -46,7 +46,7 @@ class TrainConfig:
     weight_decay: float = 5e-4
     optimizer: str = "adamw"
     lr_schedule: str = "cosine"
-    warmup_steps: int = 60  # AdamW at full rate from step 0 can stall at chance level
+    warmup_steps: int | None = None  # None: a fraction of the run, capped (LRSchedule)
     seed: int = 0
     device: str = "auto"
     precision: str = "auto"
@@ -59,6 +59,8 @@ class TrainConfig:
     verify_replicas: bool = False  # debug: check every step that all ranks hold equal parameters
     cache_dir: str | None = None
     progress: bool = True
+    overwrite: bool = False  # write into a log_dir that holds files already
+    torch: bool = False  # then train the PyTorch twin into LOG_DIR/torch (dptrain.torch_twin)
 
 
 # A CPU run uses a subset so `make train` finishes in minutes; a GPU run the full default set.
@@ -98,10 +100,10 @@ class TrainStep:
         be.add_(self.correct_sum, be.count_correct(logits.data, y))
 
     def read_metrics(self, comm) -> tuple[float, float]:
-        """(sum of losses averaged over ranks, correct on this rank) since the last read.
-
-        Every rank calls this at the same step (it is a collective); it synchronises."""
+        """(sum of losses averaged over ranks, correct predictions summed over ranks) since
+        the last read. Every rank calls this at the same step (collectives); it synchronises."""
         comm.all_reduce(self.loss_sum.reshape(1), "mean")
+        comm.all_reduce(self.correct_sum.reshape(1), "sum")
         loss, correct = float(self.be.to_numpy(self.loss_sum)), float(
             self.be.to_numpy(self.correct_sum))
         self.be.fill_(self.loss_sum, 0.0)
@@ -199,7 +201,12 @@ def train(cfg: TrainConfig, echo=print) -> dict:
     if cfg.max_steps is not None:
         total_steps = min(total_steps, cfg.max_steps)
     schedule = LRSchedule(cfg.lr, cfg.lr_schedule, total_steps, cfg.warmup_steps)
+    cfg.warmup_steps = schedule.warmup_steps
     global_batch = cfg.batch_size * world.size
+    if root and cfg.log_dir:
+        cfg.log_dir, moved = fresh_log_dir(cfg.log_dir, cfg.overwrite)
+        if moved:
+            echo(f"dptrain: note: {moved}")
 
     loader = DeviceLoader(train_set, be, cfg.batch_size)
     val_loader = DeviceLoader(val_set, be, cfg.batch_size)
@@ -207,10 +214,13 @@ def train(cfg: TrainConfig, echo=print) -> dict:
     run_step = be.runtime.capture(step_fn) if cfg.cuda_graph else step_fn
     hooks = step_hooks(cfg, world, reducer, flat)
     log = MetricsLog(cfg.log_dir if root else None)
+    log.config(asdict(cfg))
     if root:
         echo(f"dptrain: {cfg.model} on {cfg.dataset} ({len(train_set.labels)} train / "
              f"{len(val_set.labels)} val images), {device} x {world.size}, batch "
              f"{cfg.batch_size} per rank ({global_batch} global), {total_steps} steps")
+        if schedule.fit_warning():
+            echo(f"dptrain: warning: {schedule.fit_warning()}")
 
     progress = Progress(total_steps, enabled=cfg.progress and root)
     meter = Throughput(global_batch)
@@ -227,19 +237,21 @@ def train(cfg: TrainConfig, echo=print) -> dict:
                 run_step()
                 step += 1
                 meter.step()
+                progress.advance(step)
                 for hook in hooks:
                     hook(step)
                 if step % cfg.log_every == 0 or step == total_steps:
                     window_steps = meter.window_steps
-                    loss_sum, _ = step_fn.read_metrics(world.comm)
+                    loss_sum, correct = step_fn.read_metrics(world.comm)
                     exposed = reducer.read_exposed_comm()
                     comm_exposed = None if exposed is None or comm_exposed is None else (
                         comm_exposed + exposed * window_steps)
                     rate = meter.window()
                     last_loss = loss_sum / window_steps
+                    accuracy = correct / (window_steps * global_batch)
                     log.write({"step": step, "epoch": epoch, "loss": last_loss,
-                               "lr": opt.lr, "images_per_s": rate})
-                    progress.update(step, loss=last_loss, images_per_s=rate)
+                               "accuracy": accuracy, "lr": opt.lr, "images_per_s": rate})
+                    progress.update(step, loss=last_loss, acc=accuracy, images_per_s=rate)
                 if step % eval_every == 0 or step == total_steps:
                     meter.pause()  # evaluation is not training time
                     reducer.sync_parameters()
@@ -256,7 +268,7 @@ def train(cfg: TrainConfig, echo=print) -> dict:
     reducer.sync_parameters()
     wall = meter.wall()
     if cfg.save and root:
-        save_weights(model, cfg.save)
+        save_weights(model, cfg.save, weights_metadata(cfg.model, train_set, cfg.dataset))
     train_time, train_rate = meter.total_s, meter.rate
     summary = {
         "train_loss": last_loss,
@@ -280,4 +292,8 @@ def train(cfg: TrainConfig, echo=print) -> dict:
         log.summary(summary)
         echo(f"dptrain: done: {step} steps in {wall:.1f} s ({train_rate:.0f} images/s training), "
              f"train_loss {last_loss:.4f}, val_accuracy {summary['val_accuracy']:.4f}")
+        if cfg.torch:
+            from dptrain.torch_twin import train_twin
+
+            train_twin(cfg, device, global_batch, echo)
     return summary
