@@ -12,11 +12,12 @@ RUN_FILES = ("metrics.jsonl", "summary.json", "config.json")
 
 
 def fresh_log_dir(log_dir, overwrite: bool = False) -> tuple[str, str | None]:
-    """Where a run logs: ``log_dir`` itself when it is new, empty, or ``overwrite`` is set;
-    else the first free ``log_dir-1``, ``log_dir-2``, ... Returns (directory, a note saying
-    so or None), so an earlier run's files are never silently replaced."""
+    """Where a run logs: ``log_dir`` itself when it holds no run's files (RUN_FILES) or
+    ``overwrite`` is set; else the first free ``log_dir-1``, ``log_dir-2``, ... Returns
+    (directory, a note saying so or None), so an earlier run's files are never silently
+    replaced."""
     path = Path(log_dir)
-    if overwrite or not path.is_dir() or not any(path.iterdir()):
+    if overwrite or not path.is_dir() or not any((path / name).exists() for name in RUN_FILES):
         return str(log_dir), None
     n = 1
     while (candidate := path.with_name(f"{path.name}-{n}")).exists():
