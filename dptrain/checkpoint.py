@@ -2,11 +2,17 @@
 
 ``read_weights`` trusts nothing in the file: it is opened without pickle, every member's
 CRC is checked, and each array must be a finite real floating-point array; any failure is one
-line naming the file and the array. An array named ``__meta__`` is reserved for metadata
-about the weights and is not a parameter: it is skipped here.
+line naming the file and the array.
+
+A weights file may also carry what is needed to use it without its training run: the model's
+name, image shape and class count, the class names and the input normalisation (mean/std of
+[0,1]-scaled pixels, a number or one per channel). They are JSON, stored as a uint8 array under
+the reserved name ``__meta__`` in the same archive (``read_metadata``); ``read_weights`` and
+loading into a model skip it, and files without it load as before.
 """
 from __future__ import annotations
 
+import json
 import zipfile
 from pathlib import Path
 
@@ -15,11 +21,37 @@ import numpy as np
 from dptrain.errors import UsageError
 from dptrain.fileio import atomic_write
 
-META = "__meta__"  # reserved array name: metadata, not a parameter
+META_KEY = "__meta__"  # reserved array name: metadata, not a parameter
 
 
-def save_weights(model, path) -> None:
-    atomic_write(Path(path), lambda f: np.savez(f, **model.state_dict()))
+def save_weights(model, path, meta: dict | None = None) -> None:
+    arrays = dict(model.state_dict())
+    if meta is not None:
+        arrays[META_KEY] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
+    atomic_write(Path(path), lambda f: np.savez(f, **arrays))
+
+
+def weights_metadata(model_name: str, dataset, dataset_name: str | None = None) -> dict:
+    """What a weights file records about its model and data: enough to classify raw images."""
+    def plain(value):
+        value = np.asarray(value, dtype=np.float64)
+        return float(value) if value.ndim == 0 else value.tolist()
+
+    names = class_names(dataset)
+    return {"format": "dptrain-weights", "version": 1, "model": model_name,
+            "image_shape": [int(d) for d in dataset.image_shape],
+            "num_classes": int(dataset.num_classes), "class_names": names,
+            "mean": plain(dataset.mean), "std": plain(dataset.std), "dataset": dataset_name}
+
+
+def class_names(dataset) -> list[str]:
+    """The dataset's class names (``class_names``, else ``classes``), else "0", "1", ..."""
+    names = getattr(dataset, "class_names", None)
+    if names is None:
+        names = getattr(dataset, "classes", None)
+    if names is None or len(names) != int(dataset.num_classes):
+        return [str(i) for i in range(int(dataset.num_classes))]
+    return [str(name) for name in names]
 
 
 def _check_array(where: str, name: str, value: np.ndarray) -> None:
@@ -57,7 +89,7 @@ def read_weights(path, flag: str = "--load") -> dict:
     state = {}
     with archive:
         for name in archive.files:
-            if name == META:
+            if name == META_KEY:
                 continue
             try:
                 value = archive[name]
@@ -73,13 +105,43 @@ def read_weights(path, flag: str = "--load") -> dict:
     return state
 
 
-def load_weights(model, path) -> None:
-    state = read_weights(path)
+def load_weights(model, path, flag: str = "--load") -> None:
+    state = read_weights(path, flag)
     for name, p in model.named_parameters():  # e.g. float64 values beyond float32's range
         if name in state and not np.isfinite(state[name].astype(p.dtype)).all():
-            raise UsageError(f"--load {path}: array {name!r} does not fit the model's "
+            raise UsageError(f"{flag} {path}: array {name!r} does not fit the model's "
                              f"{np.dtype(p.dtype)} (values overflow to infinity)")
     try:
-        model.load_state_dict(state, source=f"--load {path}")
+        model.load_state_dict(state, source=f"{flag} {path}")
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+
+
+def _open(path, flag):
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"{flag} {path}: no such file")
+    try:
+        archive = np.load(path, allow_pickle=False)
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError) as exc:
+        raise UsageError(f"{flag} {path}: not a .npz weights file ({exc})") from None
+    if not isinstance(archive, np.lib.npyio.NpzFile):
+        raise UsageError(f"{flag} {path}: not a .npz weights file (a single array)")
+    return archive
+
+
+def read_metadata(path, flag: str = "--load") -> dict | None:
+    """The metadata a weights file carries, or None for a file written without it."""
+    with _open(path, flag) as archive:
+        if META_KEY not in archive.files:
+            return None
+        raw = archive[META_KEY]
+    try:
+        meta = json.loads(np.asarray(raw, dtype=np.uint8).tobytes().decode())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise UsageError(f"{flag} {path}: unreadable {META_KEY} ({exc})") from None
+    if not isinstance(meta, dict):
+        raise UsageError(f"{flag} {path}: {META_KEY} is not a JSON object")
+    return meta
+
+

@@ -17,6 +17,8 @@ from dptrain.errors import RunStopped, UsageError
 # command -> (module with main(argv), one line for `python -m dptrain --help`)
 COMMANDS = {
     "train": ("dptrain.cli", "train a model (the default when no command is given)"),
+    "eval": ("dptrain.evaluation", "accuracy, per-class accuracy and confusion matrix of weights"),
+    "plot": ("dptrain.plot", "loss and accuracy curves of one or several runs, as a PNG"),
     "bench": ("dptrain.bench", "benchmarks: `bench ops`, `bench train`, `bench comm`"),
     "data": ("dptrain.data.commands", "datasets: `data pack SRC OUT`, `data info`, `data synth`"),
 }
@@ -27,6 +29,27 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows "(default: X)" where it tells something: not for switches, not for None, and not
+    where the help text already states its default."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if ("default" in text or action.default in (None, argparse.SUPPRESS)
+                or action.nargs == 0 or not action.option_strings):
+            return text
+        return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
+
+
+Parser = _Parser
+
+
+def version() -> str:
+    from dptrain import __version__
+
+    return f"dptrain {__version__}"
 
 
 def _number(kind, allow_zero):
@@ -54,6 +77,7 @@ _positive_int = _number(int, allow_zero=False)
 _non_negative_int = _number(int, allow_zero=True)
 _positive_float = _number(float, allow_zero=False)
 _non_negative_float = _number(float, allow_zero=True)
+positive_int_arg, non_negative_int_arg = _positive_int, _non_negative_int
 
 
 def train_parser() -> argparse.ArgumentParser:
@@ -68,8 +92,12 @@ def train_parser() -> argparse.ArgumentParser:
         prog="python -m dptrain train",
         description="Train a CNN on one process (GPU when available, else CPU). Rank 0 shows "
         "progress and writes LOGDIR/metrics.jsonl and LOGDIR/summary.json.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
+    p.add_argument("--version", action="version", version=version())
+    p.add_argument("--config", default=None, metavar="FILE.toml",
+                   help="take any of these options from a TOML file (keys as the options, "
+                   "without the dashes: batch-size = 128); options given here override it")
     g = p.add_argument_group("model and data")
     g.add_argument("--model", default="cnn", choices=sorted(MODELS), help="network to train")
     g.add_argument("--dataset", default="synthetic", choices=sorted(DATASETS),
@@ -113,14 +141,19 @@ def train_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-drop-last", dest="drop_last", action="store_false",
                    help="pad the last ragged batch of an epoch with wrapped-around images "
                    "instead of dropping it")
-    g.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZERS))
+    g.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZERS),
+                   help="sgd: momentum SGD; adamw: Adam with decoupled weight decay")
     g.add_argument("--lr", type=_positive_float, default=2e-3, help="peak learning rate")
-    g.add_argument("--lr-schedule", default="cosine", choices=LRSchedule.KINDS)
-    g.add_argument("--warmup-steps", type=_non_negative_int, default=60,
-                   help="steps of linear learning-rate warmup")
+    g.add_argument("--lr-schedule", default="cosine", choices=LRSchedule.KINDS,
+                   help="decay after the warmup")
+    g.add_argument("--warmup-steps", type=_non_negative_int, default=None,
+                   help=f"steps of linear learning-rate warmup (default: "
+                   f"{LRSchedule.AUTO_WARMUP_FRACTION:.0%}% of the run, at most "
+                   f"{LRSchedule.AUTO_WARMUP_MAX} steps)")
     g.add_argument("--momentum", type=_non_negative_float, default=0.9, help="SGD momentum")
     g.add_argument("--nesterov", action="store_true", help="Nesterov momentum (SGD)")
-    g.add_argument("--weight-decay", type=_non_negative_float, default=5e-4)
+    g.add_argument("--weight-decay", type=_non_negative_float, default=5e-4,
+                   help="weight decay (decoupled for adamw, added to the gradient for sgd)")
     g.add_argument("--seed", type=_non_negative_int, default=0,
                    help="seeds data order, dataset and init")
     g = p.add_argument_group("device")
@@ -133,7 +166,11 @@ def train_parser() -> argparse.ArgumentParser:
     g.add_argument("--precision", default="auto", choices=("auto", "tf32", "fp32"),
                    help="GPU matrix precision (auto: TF32 where the GPU has it)")
     g = p.add_argument_group("output")
-    g.add_argument("--log-dir", default=None, help="write metrics.jsonl and summary.json here")
+    g.add_argument("--log-dir", default=None,
+                   help="write metrics.jsonl, summary.json and config.json here; a directory "
+                   "that holds files already is left alone and DIR-1, DIR-2, ... used instead")
+    g.add_argument("--overwrite", action="store_true",
+                   help="write into an existing --log-dir, replacing its files")
     g.add_argument("--save", default=None, metavar="PATH", help="final weights (.npz)")
     g.add_argument("--load", default=None, metavar="PATH", help="initial weights (.npz)")
     g.add_argument("--eval-every", type=_non_negative_int, default=0,
@@ -141,6 +178,9 @@ def train_parser() -> argparse.ArgumentParser:
     g.add_argument("--log-every", type=_positive_int, default=20, help="log every N steps")
     g.add_argument("--no-progress", dest="progress", action="store_false",
                    help="no progress bar")
+    g.add_argument("--torch", action="store_true",
+                   help="then train the same model in PyTorch from the same initial weights on "
+                   "the same batches, into LOGDIR/torch/metrics.jsonl (needs torch)")
     g.add_argument("--skip-nonfinite", type=_non_negative_int, default=0, metavar="N",
                    help="skip up to N steps whose loss or gradient is NaN or infinite (their "
                    "update is not applied); 0: stop at the first with exit code 3")
@@ -170,14 +210,22 @@ def run_train(argv) -> int:
     """`python -m dptrain train`."""
     from dptrain.train import TrainConfig, train
 
+    from dptrain.config import apply_config
+
     parser = train_parser()
-    args = parser.parse_args(argv)
-    if args.global_batch_size is not None and args.batch_size is not None:
-        parser.error(f"--global-batch-size {args.global_batch_size} and --batch-size "
-                     f"{args.batch_size}: give one of them")
-    if args.batch_size is None:
-        args.batch_size = DEFAULT_BATCH
-    train(TrainConfig(**vars(args)), echo=lambda text: print(text, flush=True))
+    apply_config(parser, argv)
+    args = vars(parser.parse_args(argv))
+    args.pop("config")
+    if args["global_batch_size"] is not None and args["batch_size"] is not None:
+        parser.error(f"--global-batch-size {args['global_batch_size']} and --batch-size "
+                     f"{args['batch_size']}: give one of them")
+    if args["batch_size"] is None:
+        args["batch_size"] = DEFAULT_BATCH
+    if args["torch"]:
+        from dptrain.torch_twin import require_torch
+
+        require_torch()
+    train(TrainConfig(**args), echo=lambda text: print(text, flush=True))
     return 0
 
 
@@ -188,6 +236,9 @@ def main(argv=None) -> int:
         print(f"usage: python -m dptrain [{'|'.join(COMMANDS)}] [options]\n\n"
               + "\n".join(lines) + "\n\n`python -m dptrain COMMAND --help` lists a command's "
               "options.")
+        return 0
+    if argv and argv[0] == "--version":
+        print(version())
         return 0
     command = argv.pop(0) if argv and argv[0] in COMMANDS else "train"
     from dptrain.dist import guarded

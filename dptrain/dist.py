@@ -38,6 +38,29 @@ def launched_by_mpi() -> bool:
     return any(var in os.environ for var in _LAUNCHER_VARS)
 
 
+# Launchers that start processes without MPI: (name, rank, world size, local rank variables).
+_FOREIGN_LAUNCHERS = (("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK"),
+                      ("Slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"))
+
+
+def check_foreign_launcher(mpi_size: int) -> None:
+    """Stop when torchrun or Slurm started several processes that MPI sees as worlds of one:
+    each would train alone into the same files. dptrain's ranks find each other through MPI,
+    so they need an MPI launcher (srun can be one, through PMI)."""
+    for name, rank_var, size_var, _ in _FOREIGN_LAUNCHERS:
+        try:
+            size = int(os.environ.get(size_var, "1"))
+        except ValueError:
+            continue
+        if size > 1 and rank_var in os.environ and mpi_size == 1:
+            how = ("srun --mpi=pmix (or pmi2) python -m dptrain ..., or mpirun -n "
+                   f"{size} python -m dptrain ... inside the allocation" if name == "Slurm" else
+                   f"mpirun -n {size} python -m dptrain ... (or mpiexec -n {size})")
+            raise RuntimeError(f"{size_var}={size}: started by {name} as {size} processes, but "
+                               f"MPI sees a world of one; dptrain's ranks talk over MPI: launch "
+                               f"with {how}")
+
+
 class LocalComm:
     """A world of one: collectives are copies or nothing."""
 
@@ -131,6 +154,7 @@ class World:
 def init(be) -> World:
     """Build the world for backend `be`, selecting this rank's device first."""
     if not launched_by_mpi():
+        check_foreign_launcher(1)
         return World(comm=LocalComm(be))
     try:
         from mpi4py import MPI
@@ -142,6 +166,7 @@ def init(be) -> World:
     node = world.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
     local_rank, local_size = node.Get_rank(), node.Get_size()
     if size == 1:
+        check_foreign_launcher(1)
         return World(comm=LocalComm(be), mpi_comm=world)
     try:
         be.runtime.select_device(local_rank)  # raises when the host has too few devices

@@ -1,4 +1,4 @@
-"""What a run reports: metrics.jsonl and summary.json, and the training throughput."""
+"""What a run reports: metrics.jsonl, config.json and summary.json, and the training throughput."""
 from __future__ import annotations
 
 import json
@@ -25,29 +25,58 @@ def dumps(record, **kwargs) -> str:
     return json.dumps(strict(record), allow_nan=False, **kwargs)
 
 
+# The files a run writes into its log directory.
+RUN_FILES = ("metrics.jsonl", "summary.json", "config.json")
+
+
+def fresh_log_dir(log_dir, overwrite: bool = False) -> tuple[str, str | None]:
+    """Where a run logs: ``log_dir`` itself when it holds no run's files (RUN_FILES) or
+    ``overwrite`` is set; else the first free ``log_dir-1``, ``log_dir-2``, ... Returns
+    (directory, a note saying so or None), so an earlier run's files are never silently
+    replaced."""
+    path = Path(log_dir)
+    if overwrite or not path.is_dir() or not any((path / name).exists() for name in RUN_FILES):
+        return str(log_dir), None
+    n = 1
+    while (candidate := path.with_name(f"{path.name}-{n}")).exists():
+        n += 1
+    return str(candidate), (f"--log-dir {log_dir} holds an earlier run; writing to {candidate} "
+                            "instead (--overwrite reuses it)")
+
+
+def _dump(path: Path, record: dict) -> None:
+    text = dumps(record, indent=2) + "\n"
+    atomic_write(path, lambda f: f.write(text.encode()))
+
+
 class MetricsLog:
-    """metrics.jsonl (one object per line) and summary.json under the log directory, in
-    strict JSON. A summary.json of an earlier run in the same directory is removed at the
-    start, so it never sits beside this run's metrics."""
+    """metrics.jsonl (one object per line, each with its wall-clock ``time``, Unix seconds),
+    config.json and summary.json under the log directory, in strict JSON. Files of an earlier
+    run there are replaced (a resumed run appends to the metrics of the run it continues): the
+    new run's summary.json never sits beside an old one."""
 
     def __init__(self, log_dir: str | None, append: bool = False):
         self.dir = Path(log_dir) if log_dir else None
         self.file = None
         if self.dir:
             self.dir.mkdir(parents=True, exist_ok=True)
-            (self.dir / "summary.json").unlink(missing_ok=True)
-            # A resumed run appends to the metrics of the run it continues.
+            for name in RUN_FILES[1:]:
+                (self.dir / name).unlink(missing_ok=True)
             self.file = open(self.dir / "metrics.jsonl", "a" if append else "w")
 
     def write(self, record: dict):
         if self.file:
-            self.file.write(dumps(record) + "\n")
+            self.file.write(dumps({**record, "time": round(time.time(), 3)}) + "\n")
             self.file.flush()
+
+    def config(self, record: dict):
+        """The run's effective configuration (flags, config file and defaults resolved)."""
+        if self.dir:
+            _dump(self.dir / "config.json", record)
 
     def summary(self, record: dict):
         if self.dir:
-            atomic_write(self.dir / "summary.json",
-                         lambda f: f.write((dumps(record, indent=2) + "\n").encode()))
+            _dump(self.dir / "summary.json", record)
 
     def close(self):
         if self.file:

@@ -17,20 +17,30 @@ class Progress:
                                 mininterval=1.0, file=sys.stderr)
             except ImportError:
                 pass
-        self.done = 0
+        self.done, self.text = 0, ""
 
-    def update(self, step: int, **stats):
+    def advance(self, step: int):
+        """Move to `step` (called every step: on a slow device the bar moves with each one;
+        tqdm redraws at most once a second, the fallback prints every 5 seconds)."""
         if not self.enabled:
             return
-        text = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                         for k, v in stats.items())
         if self.bar is not None:
             self.bar.update(step - self.done)
-            self.bar.set_postfix_str(text, refresh=False)
         elif time.monotonic() - self.last_print > 5 or step == self.total:
-            print(f"step {step}/{self.total}: {text}", file=sys.stderr, flush=True)
+            print(f"step {step}/{self.total}" + (f": {self.text}" if self.text else ""),
+                  file=sys.stderr, flush=True)
             self.last_print = time.monotonic()
         self.done = step
+
+    def update(self, step: int, **stats):
+        """Move to `step` and show `stats` (the latest metrics) beside the bar."""
+        if not self.enabled:
+            return
+        self.text = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                              for k, v in stats.items())
+        if self.bar is not None:
+            self.bar.set_postfix_str(self.text, refresh=False)
+        self.advance(step)
 
     def note(self, text: str):
         if not self.enabled:

@@ -17,14 +17,13 @@ import numpy as np
 import dptrain.functional as F
 from dptrain import backend, dist
 from dptrain.autograd import Tensor, no_grad
-from dptrain.checkpoint import load_weights, save_weights
+from dptrain.checkpoint import load_weights, save_weights, weights_metadata
 from dptrain.checkpoints import Checkpointing
 from dptrain.data import DeviceLoader, StrideSampler, fixed_size, get_dataset
 from dptrain.debug import step_hooks
-from dptrain.errors import UsageError
+from dptrain.errors import RunStopped, UsageError
 from dptrain.flat import FlatParameters
-from dptrain.errors import RunStopped
-from dptrain.metrics import MetricsLog, Throughput
+from dptrain.metrics import MetricsLog, Throughput, fresh_log_dir
 from dptrain.nn import build_model
 from dptrain.nonfinite import NonFiniteGuard
 from dptrain.optim import OPTIMIZERS, LRSchedule
@@ -55,7 +54,7 @@ class TrainConfig:
     weight_decay: float = 5e-4
     optimizer: str = "adamw"
     lr_schedule: str = "cosine"
-    warmup_steps: int = 60  # AdamW at full rate from step 0 can stall at chance level
+    warmup_steps: int | None = None  # None: a fraction of the run, capped (LRSchedule)
     seed: int = 0
     device: str = "auto"
     precision: str = "auto"
@@ -81,6 +80,8 @@ class TrainConfig:
     resume: str | None = None  # "auto" (newest usable in checkpoint_dir) or a checkpoint
     skip_nonfinite: int = 0  # bad steps to skip before stopping; 0 = stop at the first
     collective_timeout: float = DEFAULT_TIMEOUT  # seconds; 0 = no watchdog
+    overwrite: bool = False  # write into a log_dir that holds files already
+    torch: bool = False  # then train the PyTorch twin into LOG_DIR/torch (dptrain.torch_twin)
 
 
 # capture() runs this many eager steps before it records the graph; the throughput meter
@@ -129,10 +130,10 @@ class TrainStep:
         be.add_(self.correct_sum, be.count_correct(logits.data, y))
 
     def read_metrics(self, comm) -> tuple[float, float]:
-        """(sum of losses averaged over ranks, correct on this rank) since the last read.
-
-        Every rank calls this at the same step (it is a collective); it synchronises."""
+        """(sum of losses averaged over ranks, correct predictions summed over ranks) since
+        the last read. Every rank calls this at the same step (collectives); it synchronises."""
         comm.all_reduce(self.loss_sum.reshape(1), "mean")
+        comm.all_reduce(self.correct_sum.reshape(1), "sum")
         loss, correct = float(self.be.to_numpy(self.loss_sum)), float(
             self.be.to_numpy(self.correct_sum))
         self.be.fill_(self.loss_sum, 0.0)
@@ -240,7 +241,13 @@ def train(cfg: TrainConfig, echo=print) -> dict:
     if cfg.max_steps is not None:
         total_steps = min(total_steps, cfg.max_steps)
     schedule = LRSchedule(cfg.lr, cfg.lr_schedule, total_steps, cfg.warmup_steps)
+    cfg.warmup_steps = schedule.warmup_steps
     global_batch = cfg.batch_size * world.size
+    if root and cfg.log_dir:
+        # a resumed run continues in its own log directory
+        cfg.log_dir, moved = fresh_log_dir(cfg.log_dir, cfg.overwrite or bool(cfg.resume))
+        if moved:
+            echo(f"dptrain: note: {moved}")
 
     # Exact resume: restores parameters, optimizer shards, step and RNG states in place.
     ckpt = Checkpointing(cfg, world, model, opt, reducer, steps_per_epoch, echo=echo,
@@ -256,10 +263,13 @@ def train(cfg: TrainConfig, echo=print) -> dict:
     run_step = be.runtime.capture(step_fn, warmup=CAPTURE_WARMUP) if cfg.cuda_graph else step_fn
     hooks = step_hooks(cfg, world, reducer, flat)
     log = MetricsLog(cfg.log_dir if root else None, append=first_step > 0)
+    log.config(asdict(cfg))
     if root:
         echo(f"dptrain: {cfg.model} on {cfg.dataset} ({len(train_set.labels)} train / "
              f"{len(val_set.labels)} val images), {device} x {world.size}, batch "
              f"{cfg.batch_size} per rank ({global_batch} global), {total_steps} steps")
+        if schedule.fit_warning():
+            echo(f"dptrain: warning: {schedule.fit_warning()}")
 
     progress = Progress(total_steps, enabled=cfg.progress and root)
     # images/s leaves out the warm-up and capture steps (at least one step stays timed)
@@ -289,22 +299,25 @@ def train(cfg: TrainConfig, echo=print) -> dict:
                     be.runtime.synchronize()
                     startup_s = process_age_s()
                 meter.step()
+                progress.advance(step)
                 for hook in hooks:
                     hook(step)
                 if step % cfg.log_every == 0 or step == total_steps:
                     timed_steps = meter.window_steps
                     with watch("metrics all-reduce", step):
-                        loss_sum, _ = step_fn.read_metrics(world.comm)
+                        loss_sum, correct = step_fn.read_metrics(world.comm)
                     skipped = guard.read(step)  # stops the run on a non-finite step
                     exposed = reducer.read_exposed_comm()
                     comm_exposed = None if exposed is None or comm_exposed is None else (
                         comm_exposed + exposed * timed_steps)
                     rate = meter.window()
-                    last_loss, since_log = loss_sum / since_log, 0
-                    record = {"step": step, "epoch": epoch, "loss": last_loss, "lr": opt.lr,
-                              "images_per_s": rate}
+                    last_loss = loss_sum / since_log
+                    accuracy = correct / (since_log * global_batch)
+                    since_log = 0
+                    record = {"step": step, "epoch": epoch, "loss": last_loss,
+                              "accuracy": accuracy, "lr": opt.lr, "images_per_s": rate}
                     log.write({**record, "skipped_steps": skipped} if skipped else record)
-                    progress.update(step, loss=last_loss, images_per_s=rate)
+                    progress.update(step, loss=last_loss, acc=accuracy, images_per_s=rate)
                 if step % eval_every == 0 or step == total_steps:
                     meter.pause()  # evaluation is not training time
                     with watch("evaluation", step):
@@ -340,7 +353,7 @@ def train(cfg: TrainConfig, echo=print) -> dict:
         startup_s = process_age_s()
     wall = meter.wall()
     if cfg.save and root:
-        save_weights(model, cfg.save)
+        save_weights(model, cfg.save, weights_metadata(cfg.model, train_set, cfg.dataset))
     train_time, train_rate = meter.total_s, meter.rate
     summary = {
         "train_loss": last_loss,
@@ -369,4 +382,8 @@ def train(cfg: TrainConfig, echo=print) -> dict:
         echo(f"dptrain: done: {step} steps in {wall:.1f} s ({train_rate:.0f} images/s training, "
              f"after {startup_s:.1f} s of start-up), train_loss {last_loss:.4f}, val_accuracy "
              f"{'n/a' if accuracy is None else format(accuracy, '.4f')}")
+        if cfg.torch:
+            from dptrain.torch_twin import train_twin
+
+            train_twin(cfg, device, global_batch, echo)
     return summary

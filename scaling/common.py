@@ -103,7 +103,7 @@ def resolve_device(device: str, gpus: list[str]) -> str:
 
 def cap_counts(counts: list[int], device: str, gpus: list[str], dry_run: bool) -> list[int]:
     """GPU counts this machine can run: a CUDA sweep stops at the GPUs present. A CPU sweep
-    runs any count (ranks share the cores; mpirun is told to oversubscribe)."""
+    runs any count (ranks share the cores; the launcher is told to oversubscribe)."""
     if device != "cuda":
         return counts
     if not gpus:
@@ -163,44 +163,15 @@ def note(text: str) -> None:
 # ----------------------------------------------------------------------------- launching
 
 
-def find_mpirun(dry_run: bool) -> str:
-    found = shutil.which("mpirun") or shutil.which("mpiexec")
-    if found:
-        return found
-    if dry_run:
-        return "mpirun"
-    raise ScalingError("mpirun not found on PATH (install Open MPI, or pip install "
-                       "'dptrain[mpi-bundled]')")
+def find_launcher(choice: str, dry_run: bool):
+    """The MPI launcher (Open MPI's mpirun, MPICH's mpiexec or srun; dptrain.launch), with
+    the flavour-specific flags and variables it needs."""
+    from dptrain.launch import LaunchError, find_launcher as find
 
-
-def mpi_env(device: str) -> dict:
-    """Variables mpirun needs beyond the caller's environment."""
-    env = {}
-    if hasattr(os, "geteuid") and os.geteuid() == 0:
-        # Open MPI refuses to start as root unless told twice; only then.
-        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    if device == "cpu":
-        # One core per rank, as one GPU per rank: no BLAS thread pools fighting each other.
-        # Open MPI 4 reads the first oversubscribe variable, Open MPI 5 (PRRTE) the second.
-        env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1",
-                   OMPI_MCA_rmaps_base_oversubscribe="1",
-                   PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe")
-    else:
-        env["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast stays off (see launch/run_local.sh)
-    # The caller's own setting wins.
-    return {k: v for k, v in env.items() if k not in os.environ}
-
-
-def mpirun_command(mpirun: str, ranks: int, device: str, program: list[str],
-                   extra: list[str] = ()) -> list[str]:
-    """`mpirun -n RANKS ... program`. On the CPU the ranks may outnumber the cores; on GPUs
-    each rank is left unbound (its host thread launches kernels, NCCL adds threads)."""
-    cmd = [mpirun, "-n", str(ranks)]
-    if device == "cpu":
-        cmd.append("--oversubscribe")
-    else:
-        cmd += ["--bind-to", "none", "-x", "NCCL_NVLS_ENABLE"]
-    return cmd + list(extra) + list(program)
+    try:
+        return find(choice, dry_run)
+    except LaunchError as exc:
+        raise ScalingError(str(exc)) from None
 
 
 def torchrun_command(ranks: int, module_args: list[str]) -> list[str]:
@@ -587,7 +558,11 @@ def add_sweep_args(p, name: str, per_gpu_default: str) -> None:
                    help="extra options for every run, e.g. --train-args=\"--optimizer sgd "
                    "--lr 0.05\" (dptrain train and torch_ddp.py accept the same names)")
     g.add_argument("--mpi-args", default="",
-                   help="extra options for mpirun, e.g. --mpi-args=\"--map-by numa\"")
+                   help="extra options for the launcher, e.g. --mpi-args=\"--map-by numa\"")
+    g.add_argument("--launcher", default="auto",
+                   help="mpirun, mpiexec, srun or a path (auto: srun inside a Slurm allocation, "
+                   "else mpirun, else mpiexec); its flavour (Open MPI, MPICH/Hydra, srun) is read "
+                   "from its --version and picks the flags (default %(default)s)")
     g = p.add_argument_group("output")
     g.add_argument("--out", default=f"runs/scaling/{name}",
                    help="output directory (default %(default)s)")
@@ -610,7 +585,7 @@ class Sweep:
         self.device = resolve_device(args.device, self.gpus)
         self.counts = cap_counts(self.counts, self.device, self.gpus, self.dry_run)
         self.out = check_out_dir(Path(args.out), self.dry_run)
-        self.mpirun = find_mpirun(self.dry_run)
+        self.launcher = find_launcher(args.launcher, self.dry_run)
         self.extra = shlex.split(args.train_args)
         if args.torch and not self.dry_run and importlib.util.find_spec("torch") is None:
             raise ScalingError("--torch: PyTorch is not installed here")
@@ -632,10 +607,9 @@ class Sweep:
             train.append("--no-progress")  # a progress bar is for a terminal
         train += self.extra
         if framework == "ours":
-            cmd = mpirun_command(self.mpirun, gpus, self.device,
-                                 [sys.executable, "-m", "dptrain", "train", *train],
-                                 shlex.split(self.args.mpi_args))
-            env = mpi_env(self.device)
+            cmd = self.launcher.command(gpus, [sys.executable, "-m", "dptrain", "train", *train],
+                                        self.device, shlex.split(self.args.mpi_args))
+            env = self.launcher.env(self.device)
         else:
             cmd, env = torchrun_command(gpus, train), torch_env(self.device)
         return Run(framework, mode, gpus, images, batch, cmd, env, log_dir)

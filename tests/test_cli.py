@@ -32,7 +32,8 @@ def test_documented_run_writes_metrics_summary_and_weights(tmp_path):
     steps = [r for r in records if "loss" in r]
     evals = [r for r in records if "val_accuracy" in r]
     assert steps and evals
-    assert set(steps[0]) == {"step", "epoch", "loss", "lr", "images_per_s"}
+    assert set(steps[0]) == {"step", "epoch", "loss", "accuracy", "lr", "images_per_s", "time"}
+    assert 0 <= steps[0]["accuracy"] <= 1 and steps[0]["time"] > 1.5e9
     assert {"val_loss", "val_accuracy"} <= set(evals[-1])
     summary = json.loads((logs / "summary.json").read_text())
     for key in ("train_loss", "val_accuracy", "steps", "images", "world_size", "device",

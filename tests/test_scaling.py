@@ -8,19 +8,18 @@ import importlib.util
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from mpilaunch import LAUNCHER, needs_mpi
+
 ROOT = Path(__file__).resolve().parent.parent
-MPIRUN = shutil.which("mpirun") or shutil.which("mpiexec")
-HAVE_MPI = MPIRUN is not None and importlib.util.find_spec("mpi4py") is not None
 HAVE_MPL = importlib.util.find_spec("matplotlib") is not None
-needs_mpi = pytest.mark.skipif(not HAVE_MPI, reason="needs mpirun and mpi4py "
-                               "(pip install '.[mpi-bundled]')")
+# The launcher's flag that lets CPU ranks outnumber the cores ("" where it is the default).
+OVERSUBSCRIBE = " --oversubscribe" if LAUNCHER is None or LAUNCHER.flavour == "openmpi" else ""
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +64,9 @@ def test_strong_cpu_smoke(tmp_path, cache):
                                "--val-images", "32", "--batch-size", "16",
                                "--global-batch-size", "32", "--out", str(out), "--quiet"], cache)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "mpirun -n 1 --oversubscribe" in result.stdout
-    assert "mpirun -n 2 --oversubscribe" in result.stdout
+    launcher = os.path.basename(LAUNCHER.program)
+    assert f"{launcher} -n 1{OVERSUBSCRIBE} " in result.stdout
+    assert f"{launcher} -n 2{OVERSUBSCRIBE} " in result.stdout
     rows = read_csv(out / "strong.csv")
     assert [(r["mode"], r["gpus"]) for r in rows] == [
         ("per-gpu batch 16", "1"), ("per-gpu batch 16", "2"),
@@ -149,15 +149,16 @@ def test_dry_run_prints_commands_and_creates_nothing(tmp_path, cache, name, extr
     text = result.stdout
     if name in ("strong", "weak"):
         assert "make_synthetic.py" in text
+        launcher = os.path.basename(LAUNCHER.program) if LAUNCHER else "mpirun"
         for n in (1, 2):
-            assert f"mpirun -n {n} " in text and f"--nproc_per_node={n}" in text
+            assert f"{launcher} -n {n} " in text and f"--nproc_per_node={n}" in text
         assert "-m dptrain train" in text and "-m scaling.torch_ddp" in text
         assert f"--device {device}" in text
         if device == "cpu":
-            assert "--oversubscribe" in text and "--bind-to" not in text
+            assert OVERSUBSCRIBE in text and "bind-to" not in text
             assert "warm-up" not in text
         else:
-            assert "--bind-to none" in text and "--oversubscribe" not in text
+            assert "bind-to none" in text and "--oversubscribe" not in text
             assert "warm-up: " in text  # kernels compiled before the first timed run
     if name == "strong":
         assert "--global-batch-size" in text and "--batch-size" in text
@@ -206,21 +207,43 @@ def test_scaling_arithmetic():
     assert [r["speedup"] for r in weak[:3]] == pytest.approx([2, 4 * 10 / 6, 20])
 
 
-def test_mpi_env_sets_run_as_root_only_as_root(monkeypatch):
-    from scaling import common
+def test_launch_env_sets_run_as_root_only_as_root_under_open_mpi(monkeypatch):
+    from dptrain.launch import Launcher
 
     for var in ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "OMP_NUM_THREADS",
-                "NCCL_NVLS_ENABLE"):
+                "NCCL_NVLS_ENABLE", "OMPI_MCA_rmaps_base_oversubscribe"):
         monkeypatch.delenv(var, raising=False)
+    ompi, mpich = Launcher("mpirun", "openmpi"), Launcher("mpiexec", "mpich")
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
-    env = common.mpi_env("cpu")
+    env = ompi.env("cpu")
     assert "OMPI_ALLOW_RUN_AS_ROOT" not in env and env["OMP_NUM_THREADS"] == "1"
     monkeypatch.setattr(os, "geteuid", lambda: 0)
-    env = common.mpi_env("cuda")
+    env = ompi.env("cuda")
     assert env["OMPI_ALLOW_RUN_AS_ROOT"] == env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] == "1"
     assert env["NCCL_NVLS_ENABLE"] == "0" and "OMP_NUM_THREADS" not in env
-    cmd = common.mpirun_command("mpirun", 4, "cuda", ["python", "-m", "dptrain", "train"])
-    assert cmd[:3] == ["mpirun", "-n", "4"] and "--oversubscribe" not in cmd
+    env = mpich.env("cpu")
+    assert not any(k.startswith(("OMPI_", "PRTE_")) for k in env) and env["OMP_NUM_THREADS"] == "1"
+
+
+def test_launch_commands_per_flavour():
+    from dptrain.launch import Launcher, flavour_of
+
+    prog = ["python", "-m", "dptrain", "train"]
+    assert Launcher("mpirun", "openmpi").command(4, prog, "cpu") == [
+        "mpirun", "-n", "4", "--oversubscribe", *prog]
+    assert Launcher("mpirun", "openmpi").command(4, prog, "cuda") == [
+        "mpirun", "-n", "4", "--bind-to", "none", "-x", "NCCL_NVLS_ENABLE", *prog]
+    assert Launcher("mpiexec", "mpich").command(2, prog, "cpu") == ["mpiexec", "-n", "2", *prog]
+    assert Launcher("mpiexec", "mpich").command(2, prog, "cuda") == [
+        "mpiexec", "-n", "2", "-bind-to", "none", *prog]
+    assert Launcher("srun", "srun").command(2, prog, "cpu", ["--mpi=pmix"]) == [
+        "srun", "-n", "2", "--kill-on-bad-exit=1", "--mpi=pmix", *prog]
+    assert flavour_of("mpirun (Open MPI) 5.0.8\n") == "openmpi"
+    assert flavour_of("prterun (Open MPI) 5.0.3") == "openmpi"
+    assert flavour_of("HYDRA build details:\n    Version: 4.2.0") == "mpich"
+    assert flavour_of("Intel(R) MPI Library for Linux* OS, Version 2021.10") == "mpich"
+    assert flavour_of("slurm 23.11.4", "/usr/bin/srun") == "srun"
+    assert flavour_of("something else") is None
 
 
 def test_threads_gpu_outputs_from_recorded_rows(tmp_path):

@@ -25,5 +25,7 @@ def main(argv) -> int:
                    help="ops: kernels against references; train: training throughput against "
                    "PyTorch; comm: gradient-exchange bandwidth (under mpirun); startup: "
                    "kernel compilation and time to the first step, cold and warm cache")
-    args, rest = p.parse_known_args(argv)
-    return importlib.import_module(f"dptrain.bench.{args.suite}").main(rest) or 0
+    if argv and argv[0] in SUITES:  # the suite parses the rest, --help included
+        return importlib.import_module(f"dptrain.bench.{argv[0]}").main(list(argv[1:])) or 0
+    p.parse_args(argv)  # --help, or a one-line error naming the missing or unknown suite
+    return 2
