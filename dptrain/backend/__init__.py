@@ -99,6 +99,9 @@ OPS = (
     "sgd_step_", "adamw_step_",
     # data
     "gather_normalize",
+    # batch normalisation (per channel: axis 1)
+    "batch_norm_mean", "batch_norm_var", "batch_norm_forward", "batch_norm_update_",
+    "batch_norm_backward_reduce", "batch_norm_backward_data",
     # reusable memory and work, owned by the caller (see above)
     "new_workspace",
 )

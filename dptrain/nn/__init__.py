@@ -4,8 +4,12 @@ from dptrain.nn.layers import (
 )
 from dptrain.nn.models import MODELS, build_model, cnn, mlp
 from dptrain.nn.module import Module, Parameter
+from dptrain.nn.norm import BatchNorm2d, sync_batch_norm
+from dptrain.nn.pooling import AdaptiveAvgPool2d
+from dptrain.nn.resnet import BasicBlock, ResNet, resnet18
 
 __all__ = [
     "Module", "Parameter", "Linear", "Conv2d", "MaxPool2d", "AvgPool2d", "ReLU", "Flatten",
     "Dropout", "Sequential", "MODELS", "build_model", "cnn", "mlp",
+    "BatchNorm2d", "sync_batch_norm", "AdaptiveAvgPool2d", "BasicBlock", "ResNet", "resnet18",
 ]
