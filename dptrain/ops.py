@@ -382,13 +382,14 @@ class BatchNorm(Function):
     def backward(self, gy):
         be = self.be
         sums = be.batch_norm_backward_reduce(gy, self.x, self.mean, self.var, self.eps)
-        gw = be.getitem(sums, 1) if self.needs_grad[1] else None  # copies: sums may change
+        gw = be.getitem(sums, 1) if self.needs_grad[1] else None  # this rank's own sums
         gb = be.getitem(sums, 0) if self.needs_grad[2] else None
         gx = None
         if self.needs_grad[0]:
             if not self.training:  # the statistics are constants: dx = gy * weight * invstd
                 sums = be.zeros(sums.shape, sums.dtype)
-            elif self.comm:
+            elif self.comm:  # all ranks' sums, in a copy (gw and gb may be views of sums)
+                sums = be.copy(sums)
                 self.comm.all_reduce(sums.reshape(-1), "sum")
             gx = be.batch_norm_backward_data(gy, self.x, self.mean, self.var, self.weight, sums,
                                              self.eps, self.count)

@@ -1,6 +1,8 @@
 """Batch normalisation, global average pooling and residual addition on the CPU backend:
 float64 gradient checks, forward values and running estimates against NumPy formulas,
 module buffers in state_dict."""
+import threading
+
 import numpy as np
 import pytest
 
@@ -156,6 +158,76 @@ def test_buffers_are_saved_loaded_and_not_trained():
     del state["1.running_mean"]
     with pytest.raises(ValueError, match="missing 1.running_mean"):
         fresh.load_state_dict(state)
+
+
+class _ThreadComm:
+    """Ranks as threads of one process: all_reduce sums the ranks' buffers (a barrier each
+    side), so sync-BN can be checked exactly, in float64, without MPI."""
+
+    def __init__(self, size):
+        self.size, self.barrier, self.slots = size, threading.Barrier(size), [None] * size
+
+    def rank(self, r):
+        outer = self
+
+        class View:
+            size = outer.size
+
+            def all_reduce(self, buf, op="sum"):
+                outer.slots[r] = buf.copy()
+                outer.barrier.wait()
+                total = sum(outer.slots)
+                outer.barrier.wait()
+                buf[...] = total / (outer.size if op == "mean" else 1)
+
+        return View()
+
+
+def _tiny_resnet():
+    dp.manual_seed(1)
+    model = nn.resnet18((1, 12, 12), 5, widths=(4, 4, 4, 4))
+    for t in model.parameters() + model.buffers():
+        if t.dtype.kind == "f":
+            t.data = t.data.astype(np.float64)
+    return model
+
+
+def _sgd(model, lr=0.1):
+    for p in model.parameters():
+        p.data -= lr * p.grad.data
+        p.grad = None
+
+
+def test_sync_bn_of_two_ranks_equals_the_global_batch_in_float64():
+    """Three SGD steps of a small ResNet: two ranks (threads) with sync-BN, gradients averaged
+    as the reducer does, against one process on the union of their batches."""
+    x, y = randn(3, 8, 1, 12, 12), rng.integers(0, 5, (3, 8))
+    one = _tiny_resnet()
+    for s in range(3):
+        F.cross_entropy(one(dp.tensor(x[s])), dp.tensor(y[s])).backward()
+        _sgd(one)
+    comm, ranks = _ThreadComm(2), [_tiny_resnet(), _tiny_resnet()]
+    for r, model in enumerate(ranks):
+        assert nn.sync_batch_norm(model, comm.rank(r)) == 20
+    for s in range(3):
+        def work(r):
+            out = ranks[r](dp.tensor(x[s][r::2]))  # stride sharding, as the sampler does
+            F.cross_entropy(out, dp.tensor(y[s][r::2])).backward()
+
+        threads = [threading.Thread(target=work, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for p0, p1 in zip(ranks[0].parameters(), ranks[1].parameters()):
+            mean = (p0.grad.data + p1.grad.data) / 2
+            p0.grad.data, p1.grad.data = mean, mean.copy()
+        for model in ranks:
+            _sgd(model)
+    want, got = one.state_dict(), ranks[0].state_dict()
+    for name, ref in want.items():
+        np.testing.assert_allclose(got[name], ref, rtol=1e-10, atol=1e-12, err_msg=name)
+    assert int(got["bn1.num_batches_tracked"]) == 3
 
 
 def test_sync_batch_norm_reaches_every_layer():
