@@ -196,7 +196,7 @@ def concatenate(tensors, axis: int = 0) -> Tensor:
     return ops.Concatenate.apply(*tensors, axis=axis)
 
 
-# ----------------------------------------------------------------------------- normalisation and global pooling
+# ----------------------------------------------------------------------------- normalisation, global pooling
 
 
 def batch_norm(x: Tensor, weight: Tensor, bias: Tensor, running=None, training: bool = True,
@@ -205,8 +205,8 @@ def batch_norm(x: Tensor, weight: Tensor, bias: Tensor, running=None, training: 
     updated in place in training and used in eval; ``comm``: all-reduce the batch statistics
     over its ranks (sync-BN). See ops.BatchNorm."""
     if x.ndim < 2 or weight.shape != (x.shape[1],) or bias.shape != (x.shape[1],):
-        raise ValueError(f"batch_norm: input {x.shape} needs weight and bias of shape "
-                         f"({x.shape[1] if x.ndim > 1 else '?'},), got {weight.shape}, {bias.shape}")
+        raise ValueError(f"batch_norm: input {x.shape} needs a channel axis 1 and weight and "
+                         f"bias of its size, got {weight.shape}, {bias.shape}")
     if not training and running is None:
         raise ValueError("batch_norm: eval mode needs the running estimates")
     arrays = None if running is None else tuple(t.data for t in running)
@@ -215,10 +215,11 @@ def batch_norm(x: Tensor, weight: Tensor, bias: Tensor, running=None, training: 
 
 
 def adaptive_avg_pool2d(x: Tensor, output_size=1) -> Tensor:
-    """Global average pooling (output_size 1 only): the mean over H and W, kept as (N, C, 1, 1)."""
+    """Global average pooling (output_size 1 only): the mean over H and W, as (N, C, 1, 1)."""
     _check_nchw(x, "adaptive_avg_pool2d")
     if _pair(output_size, "output_size") != (1, 1):
-        raise ValueError(f"adaptive_avg_pool2d: only output_size 1 is supported, got {output_size!r}")
+        raise ValueError(f"adaptive_avg_pool2d: only output_size 1 is supported, "
+                         f"got {output_size!r}")
     return mean(x, axis=(2, 3), keepdims=True)
 
 

@@ -112,7 +112,8 @@ __global__ void bn_backward_data_kernel(T* dx, const T* gy, const T* x, const T*
     const int c = (int)((i / S) % C);
     const T invstd = inv_std(var[c], eps);
     const T xhat = (x[i] - mean[c]) * invstd;
-    dx[i] = (gy[i] - sums[c] * inv_count - xhat * (sums[C + c] * inv_count)) * (weight[c] * invstd);
+    dx[i] = (gy[i] - sums[c] * inv_count - xhat * (sums[C + c] * inv_count)) *
+            (weight[c] * invstd);
   }
 }
 
