@@ -73,6 +73,20 @@ def _number(kind, allow_zero):
 
 DEFAULT_BATCH = 64  # images per step per process
 
+
+def _widths(text):
+    """An argparse type: comma-separated positive layer widths, e.g. 1024,1024."""
+    parts = [p.strip() for p in text.split(",")]
+    try:
+        widths = tuple(int(p) for p in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of "
+                                         f"integers") from None
+    if not widths or min(widths) < 1:
+        raise argparse.ArgumentTypeError(f"widths must be positive, got {text!r}")
+    return widths
+
+
 _positive_int = _number(int, allow_zero=False)
 _non_negative_int = _number(int, allow_zero=True)
 _positive_float = _number(float, allow_zero=False)
@@ -100,6 +114,8 @@ def train_parser() -> argparse.ArgumentParser:
                    "without the dashes: batch-size = 128); options given here override it")
     g = p.add_argument_group("model and data")
     g.add_argument("--model", default="cnn", choices=sorted(MODELS), help="network to train")
+    g.add_argument("--hidden", type=_widths, default=None, metavar="W1,W2,...",
+                   help="--model mlp: widths of the hidden layers (any number; default 512,256)")
     g.add_argument("--dataset", default="synthetic", choices=sorted(DATASETS),
                    help="dataset (synthetic: built-in 48x48 shapes, generated on the fly; "
                    "imagefolder, mnist, cifar10, fer2013, packed: read from --data-dir)")
@@ -159,6 +175,9 @@ def train_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("device")
     g.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                    help="auto: the GPU when CuPy and a GPU are present, else the CPU")
+    g.add_argument("--sync-bn", action="store_true",
+                   help="batch normalisation uses the statistics of all ranks' batches "
+                   "(all-reduced inside the step) instead of each rank's own")
     g.add_argument("--bucket-mb", type=_positive_float, default=4.0,
                    help="gradient bucket size for the reduce-scatter (MB)")
     g.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",

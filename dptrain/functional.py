@@ -244,6 +244,31 @@ def scaled_dot_product_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool =
     scale = 1.0 / float(np.sqrt(q.shape[-1])) if scale is None else scale
     weights = masked_softmax(matmul(q, k, trans_b=True), causal, key_lengths, scale)
     return matmul(dropout(weights, dropout_p, training), v)
+# ----------------------------------------------------------------------------- normalisation, global pooling
+
+
+def batch_norm(x: Tensor, weight: Tensor, bias: Tensor, running=None, training: bool = True,
+               momentum: float = 0.1, eps: float = 1e-5, comm=None) -> Tensor:
+    """Batch normalisation over axis 1. ``running``: (mean, var, num_batches_tracked) Tensors,
+    updated in place in training and used in eval; ``comm``: all-reduce the batch statistics
+    over its ranks (sync-BN). See ops.BatchNorm."""
+    if x.ndim < 2 or weight.shape != (x.shape[1],) or bias.shape != (x.shape[1],):
+        raise ValueError(f"batch_norm: input {x.shape} needs a channel axis 1 and weight and "
+                         f"bias of its size, got {weight.shape}, {bias.shape}")
+    if not training and running is None:
+        raise ValueError("batch_norm: eval mode needs the running estimates")
+    arrays = None if running is None else tuple(t.data for t in running)
+    return ops.BatchNorm.apply(x, weight, bias, running=arrays, training=training,
+                               momentum=momentum, eps=eps, comm=comm)
+
+
+def adaptive_avg_pool2d(x: Tensor, output_size=1) -> Tensor:
+    """Global average pooling (output_size 1 only): the mean over H and W, as (N, C, 1, 1)."""
+    _check_nchw(x, "adaptive_avg_pool2d")
+    if _pair(output_size, "output_size") != (1, 1):
+        raise ValueError(f"adaptive_avg_pool2d: only output_size 1 is supported, "
+                         f"got {output_size!r}")
+    return mean(x, axis=(2, 3), keepdims=True)
 
 
 # ----------------------------------------------------------------------------- Tensor methods

@@ -403,3 +403,53 @@ class MaskedSoftmax(Function):
 
     def backward(self, gy):
         return (self.be.masked_softmax_backward(self.y, gy, scale=self.scale),)
+# ----------------------------------------------------------------------------- normalisation
+
+
+class BatchNorm(Function):
+    """Batch normalisation over axis 1 of x (NCHW or (N, C)) with weight and bias (C,).
+
+    Training: normalise with the batch's statistics; with ``comm`` (a communicator of more
+    than one rank, sync-BN) they are the statistics of all ranks' batches, all-reduced in the
+    forward (the mean, then the variance about it) and again in the backward (the sums the
+    input gradient needs), on the current stream, so the step stays capturable. ``running``
+    (mean, var, num_batches_tracked arrays) is then updated in place on the device. Eval:
+    normalise with ``running``'s estimates. The weight and bias gradients are this rank's own
+    sums (the reducer averages them like every gradient); the input gradient is that of the
+    sum of all ranks' losses, which the reducer's mean turns into the global batch's."""
+
+    def forward(self, x, weight, bias, running=None, training=True, momentum=0.1, eps=1e-5,
+                comm=None):
+        be = self.be
+        self.comm = comm if comm is not None and comm.size > 1 else None
+        self.count = (x.size // x.shape[1]) * (self.comm.size if self.comm else 1)
+        self.training, self.eps = training, eps
+        if training:
+            mean = be.batch_norm_mean(x)
+            if self.comm:
+                self.comm.all_reduce(mean, "mean")  # equal counts: the mean of the means
+            var = be.batch_norm_var(x, mean)
+            if self.comm:
+                self.comm.all_reduce(var, "mean")
+            if running is not None:
+                be.batch_norm_update_(*running, mean, var, momentum, self.count)
+        else:
+            mean, var = running[0], running[1]
+        self.x, self.weight, self.mean, self.var = x, weight, mean, var
+        return be.batch_norm_forward(x, mean, var, weight, bias, eps)
+
+    def backward(self, gy):
+        be = self.be
+        sums = be.batch_norm_backward_reduce(gy, self.x, self.mean, self.var, self.eps)
+        gw = be.getitem(sums, 1) if self.needs_grad[1] else None  # this rank's own sums
+        gb = be.getitem(sums, 0) if self.needs_grad[2] else None
+        gx = None
+        if self.needs_grad[0]:
+            if not self.training:  # the statistics are constants: dx = gy * weight * invstd
+                sums = be.zeros(sums.shape, sums.dtype)
+            elif self.comm:  # all ranks' sums, in a copy (gw and gb may be views of sums)
+                sums = be.copy(sums)
+                self.comm.all_reduce(sums.reshape(-1), "sum")
+            gx = be.batch_norm_backward_data(gy, self.x, self.mean, self.var, self.weight, sums,
+                                             self.eps, self.count)
+        return gx, gw, gb

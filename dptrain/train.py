@@ -24,7 +24,7 @@ from dptrain.debug import step_hooks
 from dptrain.errors import RunStopped, UsageError
 from dptrain.flat import FlatParameters
 from dptrain.metrics import MetricsLog, Throughput, fresh_log_dir
-from dptrain.nn import build_model
+from dptrain.nn import build_model, sync_batch_norm
 from dptrain.nonfinite import NonFiniteGuard
 from dptrain.optim import OPTIMIZERS, LRSchedule
 from dptrain.preflight import check_outputs
@@ -39,6 +39,7 @@ from dptrain.watchdog import DEFAULT_TIMEOUT, Watchdog
 @dataclass
 class TrainConfig:
     model: str = "cnn"
+    hidden: tuple | None = None  # --model mlp: hidden layer widths (None: the model's default)
     dataset: str = "synthetic"
     train_images: int | None = None  # None: the device's default (see defaults_for)
     val_images: int | None = None
@@ -64,6 +65,7 @@ class TrainConfig:
     eval_every: int = 0  # steps; 0 = at the end of every epoch
     log_every: int = 20
     cuda_graph: bool = True  # GPU: capture the step once, replay it every step
+    sync_bn: bool = False  # batch norm statistics all-reduced over the ranks inside the step
     verify_replicas: bool = False  # debug: check every step that all ranks hold equal parameters
     cache_dir: str | None = None
     progress: bool = True
@@ -166,6 +168,14 @@ def evaluate(model, loader, world=None, batch_size=1000) -> dict:
     return {"val_loss": total_loss / n, "val_accuracy": total_correct / n}
 
 
+def broadcast_buffers(model, comm, root: int = 0):
+    """Give every rank rank `root`'s buffers (batch norm's running estimates): at the start,
+    like the parameters, and before evaluating or saving, where per-rank statistics may have
+    drifted apart (as PyTorch's DDP does with its buffers)."""
+    for buf in model.buffers():
+        comm.broadcast(buf.data.reshape(-1), root)
+
+
 def build_optimizer(cfg: TrainConfig, flat: FlatParameters, segments):
     cls = OPTIMIZERS[cfg.optimizer]
     if cls.__name__ == "SGD":
@@ -211,7 +221,10 @@ def _setup(cfg: TrainConfig):
         be.runtime.set_precision(cfg.precision)
         manual_seed(cfg.seed)
         train_set, val_set = _load_datasets(cfg, world)
-        model = build_model(cfg.model, train_set.image_shape, train_set.num_classes).to(device)
+        model = build_model(cfg.model, train_set.image_shape, train_set.num_classes,
+                            hidden=cfg.hidden).to(device)
+        if cfg.sync_bn:
+            sync_batch_norm(model, world.comm)
         if cfg.batch_size * world.size > len(train_set.labels):
             raise ValueError(f"--batch-size {cfg.batch_size} x {world.size} ranks is larger than "
                              f"the {len(train_set.labels)} training images")
@@ -233,6 +246,7 @@ def train(cfg: TrainConfig, echo=print) -> dict:
     opt = build_optimizer(cfg, flat, flat.shard_segments(world.rank))
     reducer = Reducer(flat, world, model)
     reducer.broadcast_parameters()
+    broadcast_buffers(model, world.comm)
 
     sampler = StrideSampler(len(train_set.labels), cfg.batch_size, world.size, world.rank,
                             seed=cfg.seed, drop_last=cfg.drop_last)
@@ -322,6 +336,7 @@ def train(cfg: TrainConfig, echo=print) -> dict:
                     meter.pause()  # evaluation is not training time
                     with watch("evaluation", step):
                         reducer.sync_parameters()
+                        broadcast_buffers(model, world.comm)  # evaluate with rank 0's estimates
                         last_eval = evaluate(model, val_loader, world=world)
                     log.write({"step": step, "epoch": epoch, **last_eval})
                     progress.note(f"step {step}: val_loss {last_eval['val_loss']:.4f} "
@@ -349,6 +364,7 @@ def train(cfg: TrainConfig, echo=print) -> dict:
         progress.close()
         log.close()
     reducer.sync_parameters()
+    broadcast_buffers(model, world.comm)
     if startup_s is None:  # no step ran
         startup_s = process_age_s()
     wall = meter.wall()

@@ -111,6 +111,9 @@ OPS = (
     "nonfinite_flag_",
     # data
     "gather_normalize", "augment_crop_flip",
+    # batch normalisation (per channel: axis 1)
+    "batch_norm_mean", "batch_norm_var", "batch_norm_forward", "batch_norm_update_",
+    "batch_norm_backward_reduce", "batch_norm_backward_data",
     # reusable memory and work, owned by the caller (see above)
     "new_workspace",
 )

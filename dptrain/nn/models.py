@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dptrain.nn.layers import Conv2d, Flatten, Linear, MaxPool2d, ReLU, Sequential
+from dptrain.nn.resnet import resnet18
 from dptrain.nn.vit import vit
 
 
@@ -21,8 +22,11 @@ def cnn(image_shape=(1, 48, 48), num_classes=7, widths=(32, 64, 128), hidden=256
 
 
 def mlp(image_shape=(1, 48, 48), num_classes=7, hidden=(512, 256)):
-    """A multilayer perceptron on the flattened image."""
-    features = image_shape[0] * image_shape[1] * image_shape[2]
+    """A multilayer perceptron on the flattened input (of any shape): Linear-ReLU per width in
+    `hidden` (any number of layers, none included), then Linear to the classes."""
+    features = 1
+    for d in image_shape:
+        features *= int(d)
     layers = [Flatten()]
     for width in hidden:
         layers += [Linear(features, width), ReLU()]
@@ -31,11 +35,17 @@ def mlp(image_shape=(1, 48, 48), num_classes=7, hidden=(512, 256)):
     return Sequential(*layers)
 
 
-MODELS = {"cnn": cnn, "mlp": mlp}
-MODELS["vit"] = vit  # dptrain/nn/vit.py
+MODELS = {"cnn": cnn, "mlp": mlp, "resnet18": resnet18, "vit": vit}
 
 
-def build_model(name: str, image_shape, num_classes: int):
+def build_model(name: str, image_shape, num_classes: int, hidden=None):
+    """Model `name` for images of `image_shape`; `hidden` (widths of the hidden layers, the
+    --hidden flag) applies to the mlp only."""
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
-    return MODELS[name](image_shape=tuple(image_shape), num_classes=num_classes)
+    options = {}
+    if hidden is not None:
+        if name != "mlp":
+            raise ValueError(f"--hidden applies to --model mlp, not {name}")
+        options["hidden"] = tuple(hidden)
+    return MODELS[name](image_shape=tuple(image_shape), num_classes=num_classes, **options)

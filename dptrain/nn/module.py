@@ -17,10 +17,15 @@ class Parameter(Tensor):
 
 
 class Module:
-    """Holds parameters and sub-modules as attributes; names follow attribute paths."""
+    """Holds parameters, buffers and sub-modules as attributes; names follow attribute paths.
+
+    Buffers (``register_buffer``) are tensors a module keeps without training them, such as
+    batch normalisation's running estimates: saved and loaded with the weights and moved with
+    ``to()``, but not given to the optimizer."""
 
     def __init__(self):
         object.__setattr__(self, "_params", OrderedDict())
+        object.__setattr__(self, "_buffers", OrderedDict())
         object.__setattr__(self, "_modules", OrderedDict())
         object.__setattr__(self, "training", True)
         object.__setattr__(self, "_pre_hooks", [])
@@ -28,6 +33,10 @@ class Module:
     def __setattr__(self, name, value):
         if isinstance(value, Parameter):
             self._params[name] = value
+        elif name in self._buffers:
+            if not isinstance(value, Tensor):
+                raise TypeError(f"buffer {name!r} must be a Tensor, got {type(value).__name__}")
+            self._buffers[name] = value
         elif isinstance(value, Module):
             self._modules[name] = value
         object.__setattr__(self, name, value)
@@ -55,6 +64,28 @@ class Module:
     def parameters(self):
         return [p for _, p in self.named_parameters()]
 
+    def register_buffer(self, name: str, value):
+        """Keep `value` (a Tensor or array, not trained) as buffer `name`, saved in state_dict."""
+        tensor = value if isinstance(value, Tensor) else Tensor(np.asarray(value))
+        self._buffers[name] = tensor
+        object.__setattr__(self, name, tensor)
+
+    def named_buffers(self, prefix: str = ""):
+        for name, b in self._buffers.items():
+            yield prefix + name, b
+        for name, m in self._modules.items():
+            yield from m.named_buffers(prefix + name + ".")
+
+    def buffers(self):
+        return [b for _, b in self.named_buffers()]
+
+    def _named_state(self, prefix: str = ""):
+        """Parameters then buffers of each module, depth first: PyTorch's state_dict order."""
+        yield from ((prefix + n, p) for n, p in self._params.items())
+        yield from ((prefix + n, b) for n, b in self._buffers.items())
+        for name, m in self._modules.items():
+            yield from m._named_state(prefix + name + ".")
+
     def modules(self):
         yield self
         for m in self._modules.values():
@@ -73,20 +104,21 @@ class Module:
         return self.train(False)
 
     def to(self, device: str):
-        """Move every parameter's data to `device` (before an optimizer flattens them)."""
+        """Move every parameter and buffer to `device` (before an optimizer flattens them)."""
         be = backend.get(device)
-        for p in self.parameters():
+        for p in self.parameters() + self.buffers():
             if p.device != device:
                 p.data = be.asarray(p.numpy())
         return self
 
-    # -- weights as name -> array
+    # -- weights (parameters and buffers) as name -> array
     def state_dict(self) -> "OrderedDict[str, np.ndarray]":
-        return OrderedDict((name, p.numpy().copy()) for name, p in self.named_parameters())
+        return OrderedDict((name, t.numpy().copy()) for name, t in self._named_state())
 
     def load_state_dict(self, state, source: str = "state_dict"):
-        """Copy arrays into the parameters in place; names and shapes must match exactly."""
-        params = dict(self.named_parameters())
+        """Copy arrays into the parameters and buffers in place; names and shapes must match
+        exactly."""
+        params = dict(self._named_state())
         missing = sorted(set(params) - set(state))
         unexpected = sorted(set(state) - set(params))
         if missing or unexpected:

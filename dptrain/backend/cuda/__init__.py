@@ -16,6 +16,7 @@ beside its .cu file and headed by that layer's conventions:
     data.py         data.cu: gather_normalize, augment_crop_flip, dropout_mask
     gemm.py         gemm.cu, gemm_wgmma.cu: matmul (and the plans conv2d shares)
     conv2d.py       conv2d.cu: implicit-GEMM convolutions
+    norm.py         norm.cu: batch normalisation (statistics, forward, running estimates, backward)
     launch.py       the one way to check arguments and launch; loader.py compiles the .cu files
     runtime.py      streams, capture, timing, uploads, precision, RNG state, devices
     nccl.py         the NCCL communicator
@@ -45,6 +46,10 @@ from dptrain.backend.cuda.elementwise import (  # noqa: F401
 from dptrain.backend.cuda.gemm import matmul, matmul_kernel  # noqa: F401
 from dptrain.backend.cuda.guard import nonfinite_flag_  # noqa: F401
 from dptrain.backend.cuda.launch import launch_shape  # noqa: F401
+from dptrain.backend.cuda.norm import (  # noqa: F401
+    batch_norm_backward_data, batch_norm_backward_reduce, batch_norm_forward, batch_norm_mean,
+    batch_norm_update_, batch_norm_var,
+)
 from dptrain.backend.cuda.optim import adamw_step_, sgd_step_  # noqa: F401
 from dptrain.backend.cuda.pool import (  # noqa: F401
     avg_pool2d_backward, avg_pool2d_forward, max_pool2d_backward, max_pool2d_forward,

@@ -35,7 +35,8 @@ class NCCLComm:
         self.ops = {"sum": nccl.NCCL_SUM, "mean": self.avg}
         self.dtypes = {np.dtype(np.float32): nccl.NCCL_FLOAT32,
                        np.dtype(np.float64): nccl.NCCL_FLOAT64,
-                       np.dtype(np.float16): nccl.NCCL_FLOAT16}
+                       np.dtype(np.float16): nccl.NCCL_FLOAT16,
+                       np.dtype(np.int64): nccl.NCCL_INT64}  # batch norm's batch counter
 
     def _dtype(self, array):
         try:

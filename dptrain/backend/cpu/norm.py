@@ -1,0 +1,87 @@
+"""The NumPy backend's batch-normalisation ops (the reference for kernels/norm.cu).
+
+Conventions, shared with the CUDA launchers (dptrain/backend/cuda/norm.py):
+  * x is NCHW (any ndim >= 2: axis 1 is the channel, every other axis is reduced); the
+    per-channel arrays (mean, var, weight, bias) are (C,).
+  * Statistics are two passes: ``batch_norm_mean`` then ``batch_norm_var`` about a given
+    mean (the biased variance, as batch normalisation uses), so the two can be all-reduced
+    between passes (sync-BN: the mean of equal-count ranks' means is the global mean).
+    Sums accumulate in float64.
+  * ``invstd = 1 / sqrt(var + eps)``, ``xhat = (x - mean) * invstd``,
+    ``y = xhat * weight + bias``.
+  * Backward: ``batch_norm_backward_reduce`` gives the (2, C) sums [sum gy, sum gy * xhat]
+    (the bias and weight gradients); ``batch_norm_backward_data`` takes such sums over
+    ``count`` elements (all-reduced over ranks for sync-BN) and returns
+    ``dx = weight * invstd * (gy - sums[0] / count - xhat * sums[1] / count)``.
+  * ``batch_norm_update_`` updates the running estimates in place (PyTorch's rule, the
+    unbiased variance over ``count`` elements) and adds one to the int64 batch counter.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def _axes(x):
+    return (0,) + tuple(range(2, x.ndim))
+
+
+def _channel(v, x):
+    """Per-channel (C,) array shaped to broadcast against x."""
+    return v.reshape((1, -1) + (1,) * (x.ndim - 2))
+
+
+def _count(x):
+    return x.size // x.shape[1] if x.shape[1] else 0
+
+
+def batch_norm_mean(x):
+    """Per-channel mean of x over every axis but 1."""
+    return (x.sum(axis=_axes(x), dtype=np.float64) / max(_count(x), 1)).astype(x.dtype)
+
+
+def batch_norm_var(x, mean):
+    """Per-channel mean of (x - mean)^2 over every axis but 1 (the biased variance)."""
+    d = x.astype(np.float64) - _channel(mean, x)
+    return ((d * d).sum(axis=_axes(x)) / max(_count(x), 1)).astype(x.dtype)
+
+
+def _invstd(var, eps):
+    return (1.0 / np.sqrt(var.astype(np.float64) + eps)).astype(var.dtype)
+
+
+def batch_norm_forward(x, mean, var, weight, bias, eps):
+    """y = (x - mean) / sqrt(var + eps) * weight + bias, per channel."""
+    scale = _invstd(var, eps) * weight
+    return (x - _channel(mean, x)) * _channel(scale, x) + _channel(bias, x)
+
+
+def batch_norm_update_(running_mean, running_var, num_batches_tracked, mean, var, momentum,
+                       count):
+    """running = (1 - momentum) * running + momentum * batch (var unbiased over `count`),
+    in place; num_batches_tracked (int64, 0-d) += 1."""
+    t = running_mean.dtype.type
+    unbiased = var * t(count / max(count - 1, 1))
+    running_mean *= t(1 - momentum)
+    running_mean += t(momentum) * mean
+    running_var *= t(1 - momentum)
+    running_var += t(momentum) * unbiased
+    num_batches_tracked += 1
+    return running_mean
+
+
+def batch_norm_backward_reduce(gy, x, mean, var, eps):
+    """(2, C): [sum of gy, sum of gy * xhat] per channel (bias and weight gradients)."""
+    xhat = (x.astype(np.float64) - _channel(mean, x)) * _channel(_invstd(var, eps), x)
+    g = gy.astype(np.float64)
+    sums = np.stack([g.sum(axis=_axes(x)), (g * xhat).sum(axis=_axes(x))])
+    return sums.astype(gy.dtype)
+
+
+def batch_norm_backward_data(gy, x, mean, var, weight, sums, eps, count):
+    """dx = weight * invstd * (gy - sums[0] / count - xhat * sums[1] / count)."""
+    invstd = _invstd(var, eps)
+    t = gy.dtype.type
+    xhat = (x - _channel(mean, x)) * _channel(invstd, x)
+    mean_gy = _channel(sums[0] * t(1.0 / count), x)
+    mean_gy_xhat = _channel(sums[1] * t(1.0 / count), x)
+    return (gy - mean_gy - xhat * mean_gy_xhat) * _channel(weight * invstd, x)

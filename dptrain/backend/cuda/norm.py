@@ -1,0 +1,143 @@
+"""Launchers of kernels/norm.cu: batch normalisation, forward, running estimates, backward.
+
+Conventions (the .cu file's header has the kernel side; dptrain/backend/cpu/norm.py is the
+reference with the same signatures):
+  * x is contiguous (N, C, ...): axis 1 the channel, the rest reduced; per-channel arrays
+    (mean, var, weight, bias) contiguous (C,), sums (2, C), all of x's float dtype.
+  * Channel reductions (batch_norm_mean, batch_norm_var, batch_norm_backward_reduce): one
+    block per channel, double accumulation, a fixed tree: deterministic, no atomics.
+  * Outputs are new arrays written with `=`; batch_norm_update_ works in place and adds one
+    to the int64 0-d num_batches_tracked on the device (no host sync).
+  * Host scalars (eps, momentum, count) are cast to the element type; they are constants of a
+    layer, so a captured graph that bakes them in stays right.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from dptrain.backend.cuda import launch
+
+NORM = "norm.cu"
+
+
+def _geometry(op, x):
+    """(N, C, S) of x, checked: float, contiguous, at least 2-D, 32-bit per-channel counts."""
+    launch.check_float(op, x)
+    launch.check_contiguous(op, x)
+    if x.ndim < 2:
+        raise ValueError(f"cuda.{op}: x must have a channel axis (N, C, ...), got {x.shape}")
+    n, c = int(x.shape[0]), int(x.shape[1])
+    s = math.prod(int(d) for d in x.shape[2:])
+    launch.check_int32(op, n * s, x.size)
+    return n, c, s
+
+
+def _per_channel(op, c, x, **arrays):
+    for name, a in arrays.items():
+        launch.check_float(op, x, a)
+        launch.check_contiguous(op, a)
+        launch.check_shape(op, a, (c,), name)
+
+
+def _channel_grid(fn, c, args):
+    """One block per channel (at most the grid-stride cap); whole warps for the block tree."""
+    threads = launch.block_threads(warps=True)
+    _, cap = launch.current_launch_shape()
+    grid = max(1, min(c, cap or launch.sm_count() * launch.BLOCKS_PER_SM))
+    fn((grid,), (threads,), args)
+
+
+def batch_norm_mean(x):
+    """Per-channel mean of x over every axis but 1."""
+    n, c, s = _geometry("batch_norm_mean", x)
+    mean = launch.new((c,), x.dtype)
+    if c:
+        if n * s == 0:
+            raise ValueError(f"cuda.batch_norm_mean: no elements per channel in {x.shape}")
+        fn = launch.kernel(NORM, "bn_mean_kernel", launch.ctype(x.dtype))
+        _channel_grid(fn, c, (mean, x, np.int32(n), np.int32(c), np.int32(s)))
+    return mean
+
+
+def batch_norm_var(x, mean):
+    """Per-channel mean of (x - mean)^2 over every axis but 1 (the biased variance)."""
+    n, c, s = _geometry("batch_norm_var", x)
+    _per_channel("batch_norm_var", c, x, mean=mean)
+    var = launch.new((c,), x.dtype)
+    if c:
+        if n * s == 0:
+            raise ValueError(f"cuda.batch_norm_var: no elements per channel in {x.shape}")
+        fn = launch.kernel(NORM, "bn_var_kernel", launch.ctype(x.dtype))
+        _channel_grid(fn, c, (var, x, mean, np.int32(n), np.int32(c), np.int32(s)))
+    return var
+
+
+def batch_norm_forward(x, mean, var, weight, bias, eps):
+    """y = (x - mean) / sqrt(var + eps) * weight + bias, per channel."""
+    n, c, s = _geometry("batch_norm_forward", x)
+    _per_channel("batch_norm_forward", c, x, mean=mean, var=var, weight=weight, bias=bias)
+    y = launch.new(x.shape, x.dtype)
+    if y.size:
+        t = x.dtype.type
+        fn = launch.kernel(NORM, "bn_forward_kernel", launch.ctype(x.dtype))
+        launch.grid_stride(fn, y.size, (y, x, mean, var, weight, bias, t(eps), np.int64(y.size),
+                                        np.int32(c), np.int32(s)))
+    return y
+
+
+def batch_norm_update_(running_mean, running_var, num_batches_tracked, mean, var, momentum,
+                       count):
+    """running = (1 - momentum) * running + momentum * batch (var unbiased over `count`),
+    in place; num_batches_tracked (int64, 0-d) += 1."""
+    op = "batch_norm_update_"
+    c = int(running_mean.shape[0]) if running_mean.ndim == 1 else -1
+    if c < 0:
+        raise ValueError(f"cuda.{op}: running_mean must be (C,), got {running_mean.shape}")
+    _per_channel(op, c, running_mean, running_var=running_var, mean=mean, var=var)
+    launch.check_arrays(op, num_batches_tracked)
+    if num_batches_tracked.dtype != np.int64 or num_batches_tracked.size != 1:
+        raise ValueError(f"cuda.{op}: num_batches_tracked must be one int64, got "
+                         f"{num_batches_tracked.dtype} {num_batches_tracked.shape}")
+    t = running_mean.dtype.type
+    fn = launch.kernel(NORM, "bn_update_running_kernel", launch.ctype(running_mean.dtype))
+    launch.grid_stride(fn, max(c, 1), (running_mean, running_var, num_batches_tracked, mean, var,
+                                       t(1 - momentum), t(momentum),
+                                       t(count / max(count - 1, 1)), np.int32(c)))
+    return running_mean
+
+
+def batch_norm_backward_reduce(gy, x, mean, var, eps):
+    """(2, C): [sum of gy, sum of gy * xhat] per channel (bias and weight gradients)."""
+    op = "batch_norm_backward_reduce"
+    n, c, s = _geometry(op, x)
+    launch.check_float(op, x, gy)
+    launch.check_contiguous(op, gy)
+    launch.check_shape(op, gy, x.shape, "gy")
+    _per_channel(op, c, x, mean=mean, var=var)
+    sums = launch.new((2, c), x.dtype)
+    if c:
+        fn = launch.kernel(NORM, "bn_backward_reduce_kernel", launch.ctype(x.dtype))
+        _channel_grid(fn, c, (sums, gy, x, mean, var, x.dtype.type(eps), np.int32(n),
+                              np.int32(c), np.int32(s)))
+    return sums
+
+
+def batch_norm_backward_data(gy, x, mean, var, weight, sums, eps, count):
+    """dx = weight * invstd * (gy - sums[0] / count - xhat * sums[1] / count)."""
+    op = "batch_norm_backward_data"
+    n, c, s = _geometry(op, x)
+    launch.check_float(op, x, gy, sums)
+    launch.check_contiguous(op, gy, sums)
+    launch.check_shape(op, gy, x.shape, "gy")
+    launch.check_shape(op, sums, (2, c), "sums")
+    _per_channel(op, c, x, mean=mean, var=var, weight=weight)
+    dx = launch.new(x.shape, x.dtype)
+    if dx.size:
+        t = x.dtype.type
+        fn = launch.kernel(NORM, "bn_backward_data_kernel", launch.ctype(x.dtype))
+        launch.grid_stride(fn, dx.size, (dx, gy, x, mean, var, weight, sums, t(eps),
+                                         t(1.0 / count), np.int64(dx.size), np.int32(c),
+                                         np.int32(s)))
+    return dx

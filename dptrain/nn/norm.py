@@ -1,0 +1,46 @@
+"""Batch normalisation layers (PyTorch's names, defaults and state_dict entries)."""
+from __future__ import annotations
+
+import numpy as np
+
+from dptrain import functional as F
+from dptrain.autograd import Tensor
+from dptrain.nn.module import Module, Parameter
+
+
+class BatchNorm2d(Module):
+    """Normalise each channel of NCHW input: batch statistics in training (updating the
+    running estimates on the device), the running estimates in eval.
+
+    Parameters ``weight`` (ones) and ``bias`` (zeros); buffers ``running_mean`` (zeros),
+    ``running_var`` (ones) and ``num_batches_tracked`` (int64), as torch.nn.BatchNorm2d.
+    ``comm``: None for per-rank statistics; a communicator (``sync_batch_norm``) makes the
+    statistics those of all its ranks' batches (sync-BN)."""
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float = 0.1):
+        super().__init__()
+        if not 0.0 <= momentum <= 1.0:
+            raise ValueError(f"BatchNorm2d: momentum must be in [0, 1], got {momentum}")
+        self.num_features, self.eps, self.momentum = num_features, eps, momentum
+        self.weight = Parameter(np.ones(num_features, np.float32))
+        self.bias = Parameter(np.zeros(num_features, np.float32))
+        self.register_buffer("running_mean", Tensor(np.zeros(num_features, np.float32)))
+        self.register_buffer("running_var", Tensor(np.ones(num_features, np.float32)))
+        self.register_buffer("num_batches_tracked", Tensor(np.zeros((), np.int64)))
+        self.comm = None
+
+    def forward(self, x):
+        if x.ndim != 4:
+            raise ValueError(f"BatchNorm2d expects NCHW input, got shape {x.shape}")
+        running = (self.running_mean, self.running_var, self.num_batches_tracked)
+        return F.batch_norm(x, self.weight, self.bias, running, self.training, self.momentum,
+                            self.eps, comm=self.comm)
+
+
+def sync_batch_norm(model: Module, comm) -> int:
+    """Make every BatchNorm2d of `model` all-reduce its batch statistics over `comm`'s ranks
+    (inside the step, on the current stream); returns how many layers it changed."""
+    layers = [m for m in model.modules() if isinstance(m, BatchNorm2d)]
+    for layer in layers:
+        layer.comm = comm
+    return len(layers)

@@ -1,0 +1,98 @@
+"""ResNet-18 with torchvision's module names and weight layouts, so weights move both ways.
+
+``resnet18(image_shape, num_classes)``: basic blocks [2, 2, 2, 2] of 64-128-256-512
+channels; each stage after the first halves the resolution with a stride-2 3x3 convolution
+and a 1x1 stride-2 projection shortcut (conv + BN, torchvision's ``downsample.0`` / ``.1``).
+Stem: for images up to 64 px a 3x3 stride-1 convolution without max-pool (the CIFAR-style
+small-image stem); above, ImageNet's 7x7 stride-2 convolution and 3x3 stride-2 max-pool.
+The state_dict names are torchvision's (``conv1.weight``, ``bn1.running_mean``,
+``layer1.0.conv1.weight``, ..., ``layer2.0.downsample.0.weight``, ``fc.weight``); only
+``conv1``'s shape depends on the stem and the input channels.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from dptrain import functional as F
+from dptrain.nn.layers import Conv2d, Linear, MaxPool2d, ReLU, Sequential
+from dptrain.nn.module import Module, Parameter
+from dptrain.nn.norm import BatchNorm2d
+from dptrain.nn.pooling import AdaptiveAvgPool2d
+from dptrain.random import init_rng
+
+SMALL_IMAGE_MAX = 64  # inputs up to this many pixels a side get the 3x3 stem, no max-pool
+
+
+def _conv(in_channels, out_channels, kernel, stride=1, padding=0):
+    """A bias-free convolution with torchvision's ResNet init: kaiming normal, fan_out, ReLU."""
+    conv = Conv2d(in_channels, out_channels, kernel, stride=stride, padding=padding, bias=False)
+    std = math.sqrt(2.0 / (out_channels * kernel * kernel))
+    conv.weight = Parameter((init_rng().standard_normal(conv.weight.shape) * std)
+                            .astype(np.float32))
+    return conv
+
+
+class BasicBlock(Module):
+    """relu(bn2(conv2(relu(bn1(conv1(x))))) + shortcut(x)); shortcut is x itself, or
+    ``downsample`` (1x1 conv + BN) where the stride or the channel count changes."""
+
+    def __init__(self, in_channels, channels, stride=1):
+        super().__init__()
+        self.conv1 = _conv(in_channels, channels, 3, stride, 1)
+        self.bn1 = BatchNorm2d(channels)
+        self.relu = ReLU()
+        self.conv2 = _conv(channels, channels, 3, 1, 1)
+        self.bn2 = BatchNorm2d(channels)
+        self.downsample = None
+        if stride != 1 or in_channels != channels:
+            self.downsample = Sequential(_conv(in_channels, channels, 1, stride),
+                                         BatchNorm2d(channels))
+
+    def forward(self, x):
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        shortcut = x if self.downsample is None else self.downsample(x)
+        return self.relu(out + shortcut)  # residual addition: its gradient reaches both paths
+
+
+class ResNet(Module):
+    def __init__(self, image_shape, num_classes, blocks=(2, 2, 2, 2),
+                 widths=(64, 128, 256, 512)):
+        super().__init__()
+        channels, height, width = image_shape
+        self.small_stem = max(height, width) <= SMALL_IMAGE_MAX
+        if self.small_stem:
+            self.conv1 = _conv(channels, widths[0], 3, 1, 1)
+        else:
+            self.conv1 = _conv(channels, widths[0], 7, 2, 3)
+        self.bn1 = BatchNorm2d(widths[0])
+        self.relu = ReLU()
+        self.maxpool = None if self.small_stem else MaxPool2d(3, 2, 1)
+        in_channels = widths[0]
+        for stage, (count, out) in enumerate(zip(blocks, widths)):
+            stride = 1 if stage == 0 else 2
+            layers = [BasicBlock(in_channels, out, stride)]
+            layers += [BasicBlock(out, out) for _ in range(count - 1)]
+            setattr(self, f"layer{stage + 1}", Sequential(*layers))
+            in_channels = out
+        self.stages = len(blocks)
+        self.avgpool = AdaptiveAvgPool2d(1)
+        self.fc = Linear(in_channels, num_classes)
+
+    def forward(self, x):
+        x = self.relu(self.bn1(self.conv1(x)))
+        if self.maxpool is not None:
+            x = self.maxpool(x)
+        for stage in range(self.stages):
+            x = getattr(self, f"layer{stage + 1}")(x)
+        return self.fc(F.flatten(self.avgpool(x), 1))
+
+
+def resnet18(image_shape=(3, 32, 32), num_classes=10, widths=(64, 128, 256, 512)):
+    """ResNet-18 (torchvision's names and layouts); `widths` other than the default are for
+    quick tests only."""
+    if len(image_shape) != 3 or min(image_shape) < 1:
+        raise ValueError(f"resnet18: image shape must be (C, H, W), got {tuple(image_shape)}")
+    return ResNet(tuple(int(v) for v in image_shape), num_classes, (2, 2, 2, 2), tuple(widths))

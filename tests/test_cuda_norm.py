@@ -1,0 +1,147 @@
+"""GPU (marked `gpu`): the batch-norm kernels (kernels/norm.cu) against the NumPy reference on
+fresh random inputs of odd sizes with poisoned outputs, their determinism, and a ResNet-18
+training step replayed as a CUDA graph equal bitwise to the eager step."""
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import dptrain as dp
+from dptrain import backend, dist, nn
+from dptrain.backend import cpu
+from dptrain.data import DeviceLoader
+from dptrain.flat import FlatParameters
+from dptrain.optim import SGD
+from dptrain.reducer import Reducer
+from dptrain.train import TrainStep
+
+pytestmark = pytest.mark.gpu
+F32, F64 = np.float32, np.float64
+RTOL = {np.dtype(F32): 1e-5, np.dtype(F64): 1e-11}
+SHAPES = [(5, 3, 7, 9), (3, 17, 1, 1), (2, 64, 13, 11), (7, 5), (1, 33, 31, 3), (300, 2, 9, 7)]
+
+
+@pytest.fixture
+def cu(monkeypatch):
+    """The cuda backend with every output allocation poisoned (all bits set) before use."""
+    import dptrain.backend.cuda as cuda
+    from dptrain.backend.cuda import launch
+
+    real = launch.new
+
+    def poisoned(shape, dtype):
+        out = real(shape, dtype)
+        if out.nbytes:
+            out.data.memset_async(0xFF, out.nbytes)
+        return out
+
+    monkeypatch.setattr(launch, "new", poisoned)
+    return cuda
+
+
+@pytest.fixture
+def rng():
+    seed = np.random.SeedSequence().entropy % 2**63  # fresh inputs each run
+    print(f"input seed: {seed}")
+    return np.random.default_rng(seed)
+
+
+def close(cu, got, ref, rtol=None):
+    got, ref = cu.to_numpy(got), np.asarray(ref)
+    assert got.shape == ref.shape and got.dtype == ref.dtype, (got.shape, got.dtype, ref.dtype)
+    assert not np.isnan(got).any(), "NaN: an unwritten element?"
+    rtol = RTOL[ref.dtype] if rtol is None else rtol
+    err = np.linalg.norm(got.astype(F64) - ref.astype(F64)) / max(np.linalg.norm(ref), 1e-30)
+    assert err <= rtol, f"relative error {err:.3g} > {rtol:g}"
+
+
+def _inputs(rng, shape, dtype):
+    c = shape[1]
+    x = (rng.standard_normal(shape) * rng.uniform(0.5, 3, (1, c) + (1,) * (len(shape) - 2))
+         + rng.uniform(-2, 2, (1, c) + (1,) * (len(shape) - 2))).astype(dtype)
+    gy = rng.standard_normal(shape).astype(dtype)
+    w, b = rng.standard_normal(c).astype(dtype), rng.standard_normal(c).astype(dtype)
+    return x, gy, w, b
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [F32, F64])
+def test_batch_norm_ops_match_numpy(cu, rng, shape, dtype):
+    x, gy, w, b = _inputs(rng, shape, dtype)
+    dx, dgy, dw, db = (cu.asarray(a) for a in (x, gy, w, b))
+    eps = 1e-5
+    # statistics: float64 references rounded back, so float32 is judged against the exact sum
+    mean = cpu.batch_norm_mean(x.astype(F64)).astype(dtype)
+    var = cpu.batch_norm_var(x.astype(F64), mean.astype(F64)).astype(dtype)
+    close(cu, cu.batch_norm_mean(dx), mean)
+    dmean = cu.asarray(mean)
+    close(cu, cu.batch_norm_var(dx, dmean), var)
+    dvar = cu.asarray(var)
+    close(cu, cu.batch_norm_forward(dx, dmean, dvar, dw, db, eps),
+          cpu.batch_norm_forward(x, mean, var, w, b, eps))
+    sums = cpu.batch_norm_backward_reduce(gy.astype(F64), x.astype(F64), mean.astype(F64),
+                                          var.astype(F64), eps).astype(dtype)
+    close(cu, cu.batch_norm_backward_reduce(dgy, dx, dmean, dvar, eps), sums)
+    count = x.size // shape[1] * 3  # as if all-reduced over 3 ranks
+    close(cu, cu.batch_norm_backward_data(dgy, dx, dmean, dvar, dw, cu.asarray(sums), eps, count),
+          cpu.batch_norm_backward_data(gy, x, mean, var, w, sums, eps, count))
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+def test_batch_norm_update_matches_numpy(cu, rng, dtype):
+    c = 37
+    rm, rv = rng.standard_normal(c).astype(dtype), rng.uniform(0.5, 2, c).astype(dtype)
+    mean, var = rng.standard_normal(c).astype(dtype), rng.uniform(0.5, 2, c).astype(dtype)
+    drm, drv, dnb = cu.asarray(rm), cu.asarray(rv), cu.asarray(np.array(4, np.int64))
+    nb = np.array(4, np.int64)
+    cpu.batch_norm_update_(rm, rv, nb, mean, var, 0.1, 123)
+    cu.batch_norm_update_(drm, drv, dnb, cu.asarray(mean), cu.asarray(var), 0.1, 123)
+    close(cu, drm, rm)
+    close(cu, drv, rv)
+    assert int(cu.to_numpy(dnb)) == int(nb) == 5
+
+
+def test_batch_norm_reductions_are_deterministic(cu, rng):
+    x, gy, w, b = _inputs(rng, (64, 96, 17, 17), F32)
+    dx, dgy = cu.asarray(x), cu.asarray(gy)
+
+    def run():
+        mean = cu.batch_norm_mean(dx)
+        var = cu.batch_norm_var(dx, mean)
+        return [cu.to_numpy(a) for a in (mean, var,
+                                         cu.batch_norm_backward_reduce(dgy, dx, mean, var, 1e-5))]
+
+    first = run()
+    for _ in range(3):
+        for f, a in zip(first, run()):
+            np.testing.assert_array_equal(a, f)
+
+
+def _resnet_train(graph, steps=4, seed=3):
+    be = backend.get("cuda")
+    dp.manual_seed(seed)
+    model = nn.resnet18((1, 32, 32), 5).to("cuda")
+    flat = FlatParameters(model.parameters())
+    opt = SGD(flat, lr=0.05, momentum=0.9)
+    reducer = Reducer(flat, dist.World(comm=dist.LocalComm(be)), model)
+    rng = np.random.default_rng(seed)
+    data = SimpleNamespace(images=rng.integers(0, 256, (64, 1, 32, 32), dtype=np.uint8),
+                           labels=rng.integers(0, 5, 64), mean=0.5, std=0.25, num_classes=5,
+                           image_shape=(1, 32, 32))
+    loader = DeviceLoader(data, be, 16)
+    step = TrainStep(model, opt, reducer, loader)
+    run = be.runtime.capture(step) if graph else step
+    for _ in range(steps):
+        opt.begin_step()
+        loader.set_batch(rng.permutation(64)[:16])
+        run()
+    return {k: v for k, v in model.state_dict().items()}
+
+
+def test_resnet18_graph_replay_equals_eager_bitwise():
+    """The captured step (BN statistics, running estimates and the batch counter updated on
+    the device inside the graph) replays exactly like the eager step."""
+    eager, graph = _resnet_train(graph=False), _resnet_train(graph=True)
+    assert int(graph["bn1.num_batches_tracked"]) == 4
+    for name, value in eager.items():
+        assert np.array_equal(graph[name], value), f"{name} differs after replay"
