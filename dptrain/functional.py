@@ -244,6 +244,8 @@ def scaled_dot_product_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool =
     scale = 1.0 / float(np.sqrt(q.shape[-1])) if scale is None else scale
     weights = masked_softmax(matmul(q, k, trans_b=True), causal, key_lengths, scale)
     return matmul(dropout(weights, dropout_p, training), v)
+
+
 # ----------------------------------------------------------------------------- normalisation, global pooling
 
 

@@ -403,6 +403,8 @@ class MaskedSoftmax(Function):
 
     def backward(self, gy):
         return (self.be.masked_softmax_backward(self.y, gy, scale=self.scale),)
+
+
 # ----------------------------------------------------------------------------- normalisation
 
 

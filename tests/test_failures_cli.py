@@ -90,7 +90,7 @@ def _npz(path, **arrays):
 @pytest.mark.parametrize("kind", ["int8", "complex64", "nan", "inf", "object", "flipped"])
 def test_load_rejects_bad_arrays_naming_file_and_array(tmp_path, cache, good_weights, kind):
     with np.load(good_weights) as w:
-        state = {k: w[k] for k in w.files}
+        state = {k: w[k] for k in w.files if k != "__meta__"}
     name = sorted(state)[0]
     path = tmp_path / "bad.npz"
     if kind == "flipped":
@@ -116,7 +116,7 @@ def test_load_rejects_bad_arrays_naming_file_and_array(tmp_path, cache, good_wei
 
 def test_load_ignores_reserved_meta_array(tmp_path, cache, good_weights):
     with np.load(good_weights) as w:
-        state = {k: w[k] for k in w.files}
+        state = {k: w[k] for k in w.files if k != "__meta__"}
     path = _npz(tmp_path / "meta.npz", **state, __meta__=np.frombuffer(b'{"v": 1}', np.uint8))
     result = run_cli(*SMALL, "--model", "mlp", "--max-steps", "1", "--load", str(path),
                      cache=cache)
@@ -151,17 +151,25 @@ def test_restart_removes_stale_temporaries_and_old_summary(tmp_path, cache):
     other.write_bytes(b"not ours")
     (logs / "summary.json").write_text('{"old": true}')
     result = run_cli(*SMALL, "--model", "mlp", "--max-steps", "1", "--save", str(target),
-                     "--log-dir", str(logs), "--eval-every", "0", cache=cache)
+                     "--log-dir", str(logs), "--eval-every", "0", "--overwrite", cache=cache)
     assert result.returncode == 0, result.stderr
     assert not any(p.exists() for p in stale) and other.exists()
     assert "old" not in json.loads((logs / "summary.json").read_text())
 
 
 def test_interrupted_rerun_leaves_no_old_summary(tmp_path, cache):
+    """A rerun into a log dir that holds a run goes to a new one (LOGDIR-1) and leaves the old
+    run whole; with --overwrite it reuses the dir and the old summary goes at the start."""
     logs = tmp_path / "L"
     logs.mkdir()
     (logs / "summary.json").write_text('{"old": true}')
-    result = run_cli(*SMALL, "--model", "mlp", "--optimizer", "sgd", "--lr", "1e6",
-                     "--warmup-steps", "0", "--log-dir", str(logs), cache=cache)
+    blow_up = (*SMALL, "--model", "mlp", "--optimizer", "sgd", "--lr", "1e6",
+               "--warmup-steps", "0", "--log-dir", str(logs))
+    result = run_cli(*blow_up, cache=cache)
     assert result.returncode == 3  # ended before writing a summary of its own
+    assert json.loads((logs / "summary.json").read_text()) == {"old": True}
+    assert (tmp_path / "L-1" / "metrics.jsonl").exists()
+    assert not (tmp_path / "L-1" / "summary.json").exists()
+    result = run_cli(*blow_up, "--overwrite", cache=cache)
+    assert result.returncode == 3
     assert not (logs / "summary.json").exists()

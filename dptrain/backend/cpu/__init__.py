@@ -24,6 +24,7 @@ from dptrain.backend.cpu.attention import (  # noqa: F401
     layer_norm_forward,
     masked_softmax,
     masked_softmax_backward,
+)
 from dptrain.backend.cpu.norm import (  # noqa: F401
     batch_norm_backward_data,
     batch_norm_backward_reduce,
