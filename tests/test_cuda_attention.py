@@ -78,6 +78,9 @@ def test_layer_norm(cu, rng, shape, dtype):
     # backward from the device's own saved statistics, against the float64 reference
     ref = cpu.layer_norm_backward(*f64(gy, x, w), mean, rstd)
     got = cu.layer_norm_backward(cu.asarray(gy), cu.asarray(x), cu.asarray(w), dmean, drstd)
+    if d == 1:  # one feature: gx is exactly 0, so only an absolute bound means anything
+        assert np.abs(cu.to_numpy(got[0])).max() <= (1e-4 if dtype == F32 else 1e-12)
+        got, ref = got[1:], ref[1:]
     for g, r in zip(got, ref):
         assert_close(cu, g, r, dtype)
 

@@ -71,6 +71,7 @@ def _run(cmd, tmp, timeout=900):
 
 TRAIN = [sys.executable, "-m", "dptrain", "train", "--model", "cnn", "--train-images", "6000",
          "--val-images", "2000", "--epochs", "2", "--batch-size", "64", "--seed", "5",
+         "--warmup-steps", "60",
          "--no-progress"]
 
 
