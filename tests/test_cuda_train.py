@@ -1,5 +1,6 @@
 """Training on the GPU: the step allocates nothing new per step, single-GPU training matches
 the CPU run, and N GPUs over NCCL match one GPU. Marked `gpu`; the NCCL test needs 2 GPUs."""
+import gc
 import json
 import os
 import subprocess
@@ -54,6 +55,7 @@ def test_training_step_memory_is_flat():
         loader.set_batch(rng.integers(0, 512, 64))
         step()
         be.runtime.synchronize()
+        gc.collect()  # garbage of earlier tests is not this step's
         used.append(pool.used_bytes())
     assert max(used[10:]) == min(used[10:]), f"pool grew: {used[10]} -> {max(used[10:])}"
     assert np.isfinite(step.read_metrics(reducer.comm)[0])
