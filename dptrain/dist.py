@@ -151,6 +151,30 @@ class World:
         return self.rank == 0
 
 
+SIMULATED_HOSTS_ENV = "DPTRAIN_SIMULATED_HOSTS"  # tests: "a,a,b,b" = rank r's host name
+
+
+def host_communicator(world):
+    """The ranks of this rank's host, as an MPI communicator (rank order kept).
+
+    The one place that decides which ranks share a host: the local rank (which picks the
+    GPU), the once-per-host work (dataset generation, kernel compilation) and the per-host
+    caches all follow it. Normally it is MPI's shared-memory split; a test can instead name
+    every rank's host in DPTRAIN_SIMULATED_HOSTS (comma-separated, one entry per rank), so
+    one machine plays several hosts."""
+    from mpi4py import MPI
+
+    simulated = os.environ.get(SIMULATED_HOSTS_ENV)
+    if not simulated:
+        return world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
+    hosts = [h.strip() for h in simulated.split(",")]
+    if len(hosts) != world.Get_size() or not all(hosts):
+        raise RuntimeError(f"{SIMULATED_HOSTS_ENV}={simulated!r}: expected {world.Get_size()} "
+                           f"comma-separated host names, one per rank")
+    order = sorted(set(hosts), key=hosts.index)  # hosts in order of their first rank
+    return world.Split(order.index(hosts[world.Get_rank()]), key=world.Get_rank())
+
+
 def init(be) -> World:
     """Build the world for backend `be`, selecting this rank's device first."""
     if not launched_by_mpi():
@@ -163,7 +187,7 @@ def init(be) -> World:
                            "(pip install 'dptrain[mpi]')") from None
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
-    node = world.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    node = host_communicator(world)
     local_rank, local_size = node.Get_rank(), node.Get_size()
     if size == 1:
         check_foreign_launcher(1)

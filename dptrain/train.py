@@ -197,11 +197,7 @@ def _load_datasets(cfg: TrainConfig, world):
                 get_dataset(cfg.dataset, "val", cfg.val_images, cfg.seed, cfg.cache_dir,
                             **options))
 
-    if world.mpi_comm is None or world.size == 1:
-        return load()
-    sets = load() if world.local_rank == 0 else None
-    world.mpi_comm.Barrier()
-    return sets if sets is not None else load()
+    return first_on_host(world, load)
 
 
 def _setup(cfg: TrainConfig):

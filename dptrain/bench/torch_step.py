@@ -42,6 +42,8 @@ def twin(model):
 
     from dptrain import nn
 
+    if isinstance(model, nn.ResNet):
+        return _resnet_twin(model)
     if not isinstance(model, nn.Sequential):
         return None
     layers = []
@@ -68,6 +70,31 @@ def twin(model):
     net = tnn.Sequential(*layers)
     net.load_state_dict({k: torch.from_numpy(np.ascontiguousarray(v))
                          for k, v in model.state_dict().items()})
+    return net
+
+
+def _resnet_twin(model):
+    """torchvision's resnet18 with our stem (input channels; for small images a 3x3 stride-1
+    conv and no max-pool) and our weights: the state_dict names are torchvision's. None when
+    torchvision is missing or the model is not the [2, 2, 2, 2] layout."""
+    import numpy as np
+    import torch
+    import torch.nn as tnn
+
+    try:
+        from torchvision.models import resnet18
+    except ImportError:
+        return None
+    cout, cin, kh, kw = model.conv1.weight.shape
+    net = resnet18(num_classes=model.fc.out_features)
+    net.conv1 = tnn.Conv2d(cin, cout, (kh, kw), 1 if kh == 3 else 2, kh // 2, bias=False)
+    if model.maxpool is None:
+        net.maxpool = tnn.Identity()
+    try:
+        net.load_state_dict({k: torch.from_numpy(np.ascontiguousarray(v))
+                             for k, v in model.state_dict().items()})
+    except RuntimeError:
+        return None
     return net
 
 
