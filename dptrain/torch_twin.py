@@ -27,37 +27,14 @@ def require_torch() -> None:
 
 
 def torch_model(torch, model, source: str):
-    """The PyTorch twin of one of our Sequential models, holding a copy of its weights."""
-    from dptrain.nn import layers as L
+    """The PyTorch twin of one of our models, holding a copy of its weights (the twins live
+    in dptrain.bench.torch_step, shared with `bench train`)."""
+    from dptrain.bench.torch_step import twin
 
-    tnn = torch.nn
-    if not isinstance(model, L.Sequential):
-        raise UsageError(f"--torch: {source} is not a Sequential stack; no PyTorch twin for it")
-    twins = []
-    for i, layer in enumerate(model):
-        kind = type(layer).__name__
-        if isinstance(layer, L.Conv2d):
-            out, cin, kh, kw = layer.weight.shape
-            twins.append(tnn.Conv2d(cin, out, (kh, kw), stride=layer.stride,
-                                    padding=layer.padding, bias=layer.bias is not None))
-        elif isinstance(layer, L.Linear):
-            twins.append(tnn.Linear(layer.in_features, layer.out_features,
-                                    bias=layer.bias is not None))
-        elif isinstance(layer, L.ReLU):
-            twins.append(tnn.ReLU())
-        elif isinstance(layer, L.MaxPool2d):
-            twins.append(tnn.MaxPool2d(*layer.args))
-        elif isinstance(layer, L.AvgPool2d):
-            twins.append(tnn.AvgPool2d(*layer.args))
-        elif isinstance(layer, L.Flatten):
-            twins.append(tnn.Flatten(layer.start_axis))
-        elif isinstance(layer, L.Dropout):
-            twins.append(tnn.Dropout(layer.p))
-        else:
-            raise UsageError(f"--torch: {source} layer {i} ({kind}) has no PyTorch twin here")
-    net = tnn.Sequential(*twins)
-    net.load_state_dict({name: torch.from_numpy(np.array(value, dtype=np.float32))
-                         for name, value in model.state_dict().items()})
+    net = twin(model)
+    if net is None:
+        raise UsageError(f"--torch: {source} has no PyTorch twin here (Sequential stacks of "
+                         f"Conv2d/Linear/ReLU/pooling/Flatten/Dropout, and resnet18)")
     return net
 
 

@@ -13,3 +13,39 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def cuda():
+    """The CUDA backend module (imported only by the GPU tests that ask for it)."""
+    import importlib
+
+    return importlib.import_module("dptrain.backend.cuda")
+
+
+@pytest.fixture
+def cu(cuda, monkeypatch):
+    """The CUDA backend with every output allocation poisoned (all bits set) before use, so
+    an element a kernel forgets to write fails the comparison."""
+    from dptrain.backend.cuda import launch
+
+    real = launch.new
+
+    def poisoned(shape, dtype):
+        out = real(shape, dtype)
+        if out.nbytes:
+            out.data.memset_async(0xFF, out.nbytes)
+        return out
+
+    monkeypatch.setattr(launch, "new", poisoned)
+    return cuda
+
+
+@pytest.fixture
+def rng():
+    """Fresh random inputs each run; the seed is printed so a failure can be replayed."""
+    import numpy as np
+
+    seed = np.random.SeedSequence().entropy % 2**63
+    print(f"input seed: {seed}")
+    return np.random.default_rng(seed)

@@ -1,7 +1,6 @@
 """Device augmentation (random crop with zero padding, horizontal flip) and per-channel
 normalisation: the NumPy op against a slow reference, the loader's use of it inside a
 captured step, and (marked gpu) the CUDA kernels against the NumPy op."""
-import importlib
 
 import numpy as np
 import pytest
@@ -157,35 +156,6 @@ def test_sharded_loaders_augment_like_one_process():
 
 
 # ----------------------------------------------------------------------------- GPU
-
-
-@pytest.fixture(scope="module")
-def cuda():
-    return importlib.import_module("dptrain.backend.cuda")
-
-
-@pytest.fixture
-def cu(cuda, monkeypatch):
-    """Outputs poisoned (all bits set) before every launch, so a skipped element fails."""
-    from dptrain.backend.cuda import launch
-
-    real = launch.new
-
-    def poisoned(shape, dtype):
-        out = real(shape, dtype)
-        if out.nbytes:
-            out.data.memset_async(0xFF, out.nbytes)
-        return out
-
-    monkeypatch.setattr(launch, "new", poisoned)
-    return cuda
-
-
-@pytest.fixture
-def rng():
-    seed = np.random.SeedSequence().entropy % 2**63
-    print(f"input seed: {seed}")
-    return np.random.default_rng(seed)
 
 
 @gpu

@@ -17,30 +17,6 @@ FLOATS = [F32, F64]
 RTOL = {np.dtype(F32): 1e-5, np.dtype(F64): 1e-11}
 
 
-@pytest.fixture
-def cu(monkeypatch):
-    import dptrain.backend.cuda as cuda
-    from dptrain.backend.cuda import launch
-
-    real = launch.new
-
-    def poisoned(shape, dtype):
-        out = real(shape, dtype)
-        if out.nbytes:
-            out.data.memset_async(0xFF, out.nbytes)
-        return out
-
-    monkeypatch.setattr(launch, "new", poisoned)
-    return cuda
-
-
-@pytest.fixture
-def rng():
-    seed = np.random.SeedSequence().entropy % 2**63
-    print(f"input seed: {seed}")
-    return np.random.default_rng(seed)
-
-
 def randn(rng, shape, dtype=F32):
     return np.asarray(rng.standard_normal(shape)).astype(dtype)
 

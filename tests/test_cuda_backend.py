@@ -39,35 +39,6 @@ def test_cuda_package_exports_every_op():
 # ----------------------------------------------------------------------------- fixtures, helpers
 
 
-@pytest.fixture(scope="module")
-def cuda():
-    return importlib.import_module("dptrain.backend.cuda")
-
-
-@pytest.fixture
-def cu(cuda, monkeypatch):
-    """The cuda backend with every output allocation poisoned (all bits set) before use."""
-    from dptrain.backend.cuda import launch
-
-    real = launch.new
-
-    def poisoned(shape, dtype):
-        out = real(shape, dtype)
-        if out.nbytes:
-            out.data.memset_async(0xFF, out.nbytes)
-        return out
-
-    monkeypatch.setattr(launch, "new", poisoned)
-    return cuda
-
-
-@pytest.fixture
-def rng():
-    seed = np.random.SeedSequence().entropy % 2**63  # fresh inputs each run
-    print(f"input seed: {seed}")
-    return np.random.default_rng(seed)
-
-
 def randn(rng, shape, dtype=F32):
     return np.asarray(rng.standard_normal(shape)).astype(dtype)
 

@@ -21,31 +21,6 @@ RTOL = {np.dtype(F32): 1e-5, np.dtype(F64): 1e-11}
 SHAPES = [(5, 3, 7, 9), (3, 17, 1, 1), (2, 64, 13, 11), (7, 5), (1, 33, 31, 3), (300, 2, 9, 7)]
 
 
-@pytest.fixture
-def cu(monkeypatch):
-    """The cuda backend with every output allocation poisoned (all bits set) before use."""
-    import dptrain.backend.cuda as cuda
-    from dptrain.backend.cuda import launch
-
-    real = launch.new
-
-    def poisoned(shape, dtype):
-        out = real(shape, dtype)
-        if out.nbytes:
-            out.data.memset_async(0xFF, out.nbytes)
-        return out
-
-    monkeypatch.setattr(launch, "new", poisoned)
-    return cuda
-
-
-@pytest.fixture
-def rng():
-    seed = np.random.SeedSequence().entropy % 2**63  # fresh inputs each run
-    print(f"input seed: {seed}")
-    return np.random.default_rng(seed)
-
-
 def close(cu, got, ref, rtol=None):
     got, ref = cu.to_numpy(got), np.asarray(ref)
     assert got.shape == ref.shape and got.dtype == ref.dtype, (got.shape, got.dtype, ref.dtype)
