@@ -4,7 +4,6 @@ capture steps, and summary.json reports the start-up time apart."""
 import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -13,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from dptrain import backend
+from mpilaunch import mpi_command, mpi_env, needs_mpi
 from dptrain.metrics import Throughput
 from dptrain.train import CAPTURE_WARMUP, TrainConfig, TrainStep, train
 
 ROOT = Path(__file__).resolve().parent.parent
-MPIRUN = shutil.which("mpirun") or shutil.which("mpiexec")
 
 # The loader by path: importing the dptrain.backend.cuda package would need CuPy.
 _spec = importlib.util.spec_from_file_location(
@@ -160,14 +159,12 @@ first_on_host(world, fake_prepare)
 """
 
 
-@pytest.mark.skipif(MPIRUN is None or importlib.util.find_spec("mpi4py") is None,
-                    reason="needs mpirun and mpi4py")
+@needs_mpi
 def test_one_compile_per_host_under_mpirun(tmp_path):
     script = tmp_path / "fake.py"
     script.write_text(_FAKE)
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMPI_ALLOW_RUN_AS_ROOT="1",
-               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMP_NUM_THREADS="1")
-    cmd = [MPIRUN, "-n", "2", "--oversubscribe", sys.executable, str(script), str(tmp_path)]
+    env = mpi_env(dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"))
+    cmd = mpi_command(2, [sys.executable, str(script), str(tmp_path)])
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 0, result.stderr
     logs = {}

@@ -8,9 +8,7 @@ float64 already differs by 5.7e-2 of the update in bn1.weight. test_batchnorm.py
 float64, in one process, that sync-BN equals the global batch to 1e-10.) Without --sync-bn each
 rank normalises with its own batch's statistics and the runs differ by more than the update
 itself, so the thresholds separate the two. Skipped without mpirun/mpi4py."""
-import importlib.util
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,13 +17,11 @@ import numpy as np
 import pytest
 
 import dptrain as dp
+from mpilaunch import mpi_command, mpi_env, needs_mpi
 from syncbn_driver import resnet18_tiny
 
 ROOT = Path(__file__).resolve().parent.parent
-MPIRUN = shutil.which("mpirun") or shutil.which("mpiexec")
-pytestmark = pytest.mark.skipif(
-    MPIRUN is None or importlib.util.find_spec("mpi4py") is None,
-    reason="needs mpirun and mpi4py (pip install '.[mpi-bundled]')")
+pytestmark = needs_mpi
 
 SEED = 2
 COMMON = ["--device", "cpu", "--model", "resnet18-tiny", "--train-images", "64",
@@ -34,12 +30,11 @@ COMMON = ["--device", "cpu", "--model", "resnet18-tiny", "--train-images", "64",
 
 
 def run(ranks, args, cache, timeout=300):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), DPTRAIN_CACHE=str(cache),
-               OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    env = mpi_env(dict(os.environ, PYTHONPATH=str(ROOT), DPTRAIN_CACHE=str(cache),
+                       OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1"))
     cmd = [sys.executable, str(ROOT / "tests" / "syncbn_driver.py"), *COMMON, *args]
     if ranks:
-        cmd = [MPIRUN, "-n", str(ranks), "--oversubscribe", *cmd]
+        cmd = mpi_command(ranks, cmd)
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     assert result.returncode == 0, result.stderr[-4000:]
 
