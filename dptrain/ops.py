@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from dptrain.autograd import Function
+from dptrain.random import data_shard
 
 # ----------------------------------------------------------------------------- elementwise
 
@@ -348,8 +349,17 @@ class CrossEntropy(Function):
 
 
 class Dropout(Function):
+    """x * mask. Axis 0 is the batch: with a data shard of N ranks (dptrain.random), the mask
+    of the N-times-larger global batch is drawn and this rank's rows (rank::N) kept, so every
+    sample gets the mask it would get in one process."""
+
     def forward(self, x, p):
-        self.mask = self.be.dropout_mask(x.shape, p, x.dtype)
+        rank, size = data_shard()
+        if size == 1 or x.ndim == 0:
+            self.mask = self.be.dropout_mask(x.shape, p, x.dtype)
+        else:
+            full = self.be.dropout_mask((x.shape[0] * size,) + tuple(x.shape[1:]), p, x.dtype)
+            self.mask = self.be.getitem(full, slice(rank, None, size))
         return self.be.mul(x, self.mask)
 
     def backward(self, gy):

@@ -29,7 +29,7 @@ from dptrain.nonfinite import NonFiniteGuard
 from dptrain.optim import OPTIMIZERS, LRSchedule
 from dptrain.preflight import check_outputs
 from dptrain.progress import Progress
-from dptrain.random import manual_seed
+from dptrain.random import manual_seed, set_data_shard
 from dptrain.reducer import Reducer
 from dptrain.startup import first_on_host, process_age_s
 from dptrain.stopping import StopRequests, signal_name
@@ -216,6 +216,7 @@ def _setup(cfg: TrainConfig):
             cfg.batch_size = cfg.global_batch_size // world.size
         be.runtime.set_precision(cfg.precision)
         manual_seed(cfg.seed)
+        set_data_shard(world.rank, world.size)  # dropout draws the global batch's masks
         train_set, val_set = _load_datasets(cfg, world)
         model = build_model(cfg.model, train_set.image_shape, train_set.num_classes,
                             hidden=cfg.hidden).to(device)

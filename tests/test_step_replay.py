@@ -71,3 +71,26 @@ def test_replayed_steps_draw_new_dropout_masks(device):
     for a, b in zip(masks, masks[1:]):
         assert not np.array_equal(a, b)
         assert 0.4 < (a > 0).mean() < 0.6
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sharded_dropout_keeps_this_ranks_rows_of_the_global_mask(device):
+    """Rank r of N drops exactly what one process drops on rows r, r+N, ... of the global
+    batch (dptrain.random.set_data_shard), so data parallelism does not change dropout."""
+    import dptrain.functional as F
+    from dptrain.random import set_data_shard
+
+    be = backend.get(device)
+    x = dp.tensor(np.ones((12, 5, 3), np.float32), device=device)
+    try:
+        be.runtime.manual_seed(21)
+        set_data_shard(0, 1)
+        whole = F.dropout(dp.tensor(np.ones((36, 5, 3), np.float32), device=device),
+                          0.5).numpy()
+        for rank in range(3):
+            be.runtime.manual_seed(21)
+            set_data_shard(rank, 3)
+            mine = F.dropout(x, 0.5).numpy()
+            assert np.array_equal(mine, whole[rank::3])
+    finally:
+        set_data_shard(0, 1)

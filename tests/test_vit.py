@@ -141,7 +141,8 @@ _NO_DROPOUT = ("import functools, sys; from dptrain.nn import models, vit; "
 
 def test_two_ranks_match_one_process(tmp_path):
     """Data-parallel over MPI on the CPU: 2 ranks at global batch 32 end with the weights of
-    one process at batch 32 (dropout off: each rank draws its own masks)."""
+    one process at batch 32, dropout on (each rank keeps its rows of the global batch's
+    masks) and off."""
     import os
     import subprocess
     import sys
@@ -157,14 +158,17 @@ def test_two_ranks_match_one_process(tmp_path):
     args = ["train", "--device", "cpu", "--model", "vit", "--train-images", "192",
             "--val-images", "32", "--epochs", "1", "--optimizer", "sgd", "--lr", "0.05",
             "--no-progress", "--seed", "3"]
-    cmd = [sys.executable, "-c", _NO_DROPOUT, *args]
-    for ranks, extra, out in ((0, ["--batch-size", "32"], "one.npz"),
-                              (2, ["--global-batch-size", "32", "--verify-replicas"], "two.npz")):
-        full = cmd + extra + ["--save", str(tmp_path / out)]
-        result = subprocess.run(mpi_command(ranks, full) if ranks else full,
-                                capture_output=True, text=True, env=env, timeout=300)
-        assert result.returncode == 0, result.stderr[-3000:]
-    with np.load(tmp_path / "one.npz") as one, np.load(tmp_path / "two.npz") as two:
-        for name in (f for f in one.files if f != "__meta__"):
-            rel = np.abs(one[name] - two[name]).max() / (np.abs(one[name]).max() + 1e-12)
-            assert rel <= 1e-4, f"{name}: relative difference {rel:.2e}"
+    for tag, cmd in (("dropout", [sys.executable, "-m", "dptrain", *args]),
+                     ("no-dropout", [sys.executable, "-c", _NO_DROPOUT, *args])):
+        for ranks, extra, out in ((0, ["--batch-size", "32"], "one.npz"),
+                                  (2, ["--global-batch-size", "32", "--verify-replicas"],
+                                   "two.npz")):
+            full = cmd + extra + ["--save", str(tmp_path / f"{tag}-{out}")]
+            result = subprocess.run(mpi_command(ranks, full) if ranks else full,
+                                    capture_output=True, text=True, env=env, timeout=300)
+            assert result.returncode == 0, result.stderr[-3000:]
+        with np.load(tmp_path / f"{tag}-one.npz") as one, \
+                np.load(tmp_path / f"{tag}-two.npz") as two:
+            for name in (f for f in one.files if f != "__meta__"):
+                rel = np.abs(one[name] - two[name]).max() / (np.abs(one[name]).max() + 1e-12)
+                assert rel <= 1e-4, f"{tag}: {name}: relative difference {rel:.2e}"
