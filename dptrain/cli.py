@@ -9,9 +9,10 @@ fit) ends in one line naming the value at fault and exit code 2, never a traceba
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 
+from dptrain.argtypes import (HelpFormatter, Parser, non_negative_float, non_negative_int,
+                              positive_float, positive_int, widths)
 from dptrain.errors import RunStopped, UsageError
 
 # command -> (module with main(argv), one line for `python -m dptrain --help`)
@@ -24,74 +25,20 @@ COMMANDS = {
 }
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse that reports errors in one line (no usage dump) with exit code 2."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows "(default: X)" where it tells something: not for switches, not for None, and not
-    where the help text already states its default."""
-
-    def _get_help_string(self, action):
-        text = action.help or ""
-        if ("default" in text or action.default in (None, argparse.SUPPRESS)
-                or action.nargs == 0 or not action.option_strings):
-            return text
-        return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
-
-
-Parser = _Parser
-
-
 def version() -> str:
     from dptrain import __version__
 
     return f"dptrain {__version__}"
 
 
-def _number(kind, allow_zero):
-    """An argparse type: a finite number of `kind` (int or float) that is positive, or >= 0."""
-    noun = "an integer" if kind is int else "a number"
-    bound = "non-negative" if allow_zero else "positive"
-
-    def parse(text):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
-        if not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
-        if value < 0 or (value == 0 and not allow_zero):
-            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
-        return value
-
-    return parse
-
-
 DEFAULT_BATCH = 64  # images per step per process
 
 
-def _widths(text):
-    """An argparse type: comma-separated positive layer widths, e.g. 1024,1024."""
-    parts = [p.strip() for p in text.split(",")]
-    try:
-        widths = tuple(int(p) for p in parts)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of "
-                                         f"integers") from None
-    if not widths or min(widths) < 1:
-        raise argparse.ArgumentTypeError(f"widths must be positive, got {text!r}")
-    return widths
-
-
-_positive_int = _number(int, allow_zero=False)
-_non_negative_int = _number(int, allow_zero=True)
-_positive_float = _number(float, allow_zero=False)
-_non_negative_float = _number(float, allow_zero=True)
-positive_int_arg, non_negative_int_arg = _positive_int, _non_negative_int
+# The argument types under the names this file has always used.
+_Parser = Parser
+_widths = widths
+_positive_int, _non_negative_int = positive_int, non_negative_int
+_positive_float, _non_negative_float = positive_float, non_negative_float
 
 
 def train_parser() -> argparse.ArgumentParser:

@@ -17,7 +17,9 @@ from dptrain.errors import UsageError
 
 
 def parser() -> argparse.ArgumentParser:
-    from dptrain.cli import HelpFormatter, Parser, non_negative_int_arg, positive_int_arg
+    from dptrain.argtypes import HelpFormatter, Parser
+    from dptrain.argtypes import non_negative_int as non_negative_int_arg
+    from dptrain.argtypes import positive_int as positive_int_arg
     from dptrain.data import DATASETS
     from dptrain.nn import MODELS
     from dptrain.train import DEVICE_DEFAULTS

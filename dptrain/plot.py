@@ -14,7 +14,7 @@ from dptrain.errors import UsageError
 
 
 def parser():
-    from dptrain.cli import HelpFormatter, Parser
+    from dptrain.argtypes import HelpFormatter, Parser
 
     p = Parser(prog="python -m dptrain plot", formatter_class=HelpFormatter,
                description="Loss and accuracy curves of one or several runs on one figure.")

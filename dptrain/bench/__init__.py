@@ -18,7 +18,7 @@ def main(argv) -> int:
     """`python -m dptrain bench SUITE ...`: run one suite's main()."""
     import importlib
 
-    from dptrain.cli import _Parser
+    from dptrain.argtypes import Parser as _Parser
 
     p = _Parser(prog="python -m dptrain bench", description="Benchmarks.")
     p.add_argument("suite", choices=SUITES,

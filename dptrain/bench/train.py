@@ -224,7 +224,8 @@ def write_json(path, header, rows, profiles):
 
 
 def _parser():
-    from dptrain.cli import _Parser, _positive_int
+    from dptrain.argtypes import Parser as _Parser
+    from dptrain.argtypes import positive_int as _positive_int
 
     p = _Parser(prog="python -m dptrain bench train", description=__doc__,
                 formatter_class=__import__("argparse").RawDescriptionHelpFormatter)

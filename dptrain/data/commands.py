@@ -83,7 +83,9 @@ def _check_out(out: str) -> None:
 
 
 def _parser():
-    from dptrain.cli import _Parser, _non_negative_float, _positive_int
+    from dptrain.argtypes import Parser as _Parser
+    from dptrain.argtypes import non_negative_float as _non_negative_float
+    from dptrain.argtypes import positive_int as _positive_int
 
     p = _Parser(prog="python -m dptrain data", description="Make and inspect packed datasets.")
     sub = p.add_subparsers(dest="action", required=True, parser_class=_Parser)

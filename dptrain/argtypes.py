@@ -1,0 +1,64 @@
+"""What every command line of dptrain shares: a parser whose errors are one line with exit
+code 2, a help formatter that shows defaults only where they say something, and argument
+types for sizes and rates (finite, positive or non-negative numbers; layer widths)."""
+from __future__ import annotations
+
+import argparse
+import math
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that reports errors in one line (no usage dump) with exit code 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows "(default: X)" where it tells something: not for switches, not for None, and not
+    where the help text already states its default."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if ("default" in text or action.default in (None, argparse.SUPPRESS)
+                or action.nargs == 0 or not action.option_strings):
+            return text
+        return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
+
+
+def number(kind, allow_zero):
+    """An argparse type: a finite number of `kind` (int or float) that is positive, or >= 0."""
+    noun = "an integer" if kind is int else "a number"
+    bound = "non-negative" if allow_zero else "positive"
+
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+        if value < 0 or (value == 0 and not allow_zero):
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
+        return value
+
+    return parse
+
+
+positive_int = number(int, allow_zero=False)
+non_negative_int = number(int, allow_zero=True)
+positive_float = number(float, allow_zero=False)
+non_negative_float = number(float, allow_zero=True)
+
+
+def widths(text):
+    """An argparse type: comma-separated positive layer widths, e.g. 1024,1024."""
+    parts = [p.strip() for p in text.split(",")]
+    try:
+        values = tuple(int(p) for p in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of "
+                                         f"integers") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"widths must be positive, got {text!r}")
+    return values
