@@ -68,24 +68,8 @@ def _check_array(where: str, name: str, value: np.ndarray) -> None:
 def read_weights(path, flag: str = "--load") -> dict:
     """The name -> array mapping in a .npz, with a one-line error naming the file (and the
     array) for a missing, foreign, corrupt, pickled, non-float or non-finite one."""
-    path = Path(path)
     where = f"{flag} {path}"
-    if not path.is_file():
-        raise UsageError(f"{where}: no such file")
-    try:
-        with zipfile.ZipFile(path) as zf:
-            bad = zf.testzip()  # reads every member, checking its CRC-32
-    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
-        raise UsageError(f"{where}: not a .npz weights file ({exc})") from None
-    if bad is not None:
-        name = bad[:-4] if bad.endswith(".npy") else bad
-        raise UsageError(f"{where}: array {name!r} is corrupt (CRC check failed)")
-    try:
-        archive = np.load(path, allow_pickle=False)
-    except (zipfile.BadZipFile, ValueError, OSError, EOFError) as exc:
-        raise UsageError(f"{where}: not a .npz weights file ({exc})") from None
-    if not isinstance(archive, np.lib.npyio.NpzFile):
-        raise UsageError(f"{where}: not a .npz weights file (a single array)")
+    archive = _open(path, flag, check_crc=True)
     state = {}
     with archive:
         for name in archive.files:
@@ -117,16 +101,28 @@ def load_weights(model, path, flag: str = "--load") -> None:
         raise UsageError(str(exc)) from None
 
 
-def _open(path, flag):
+def _open(path, flag, check_crc=False):
+    """The .npz at `path`, opened without pickle; `check_crc` first reads every member and
+    checks its CRC-32. Any failure is one line naming the flag and the file."""
     path = Path(path)
+    where = f"{flag} {path}"
     if not path.is_file():
-        raise UsageError(f"{flag} {path}: no such file")
+        raise UsageError(f"{where}: no such file")
+    if check_crc:
+        try:
+            with zipfile.ZipFile(path) as zf:
+                bad = zf.testzip()
+        except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
+            raise UsageError(f"{where}: not a .npz weights file ({exc})") from None
+        if bad is not None:
+            name = bad[:-4] if bad.endswith(".npy") else bad
+            raise UsageError(f"{where}: array {name!r} is corrupt (CRC check failed)")
     try:
         archive = np.load(path, allow_pickle=False)
     except (zipfile.BadZipFile, ValueError, OSError, EOFError) as exc:
-        raise UsageError(f"{flag} {path}: not a .npz weights file ({exc})") from None
+        raise UsageError(f"{where}: not a .npz weights file ({exc})") from None
     if not isinstance(archive, np.lib.npyio.NpzFile):
-        raise UsageError(f"{flag} {path}: not a .npz weights file (a single array)")
+        raise UsageError(f"{where}: not a .npz weights file (a single array)")
     return archive
 
 
