@@ -23,17 +23,6 @@ from dptrain.backend.cuda.reduce import sum as _sum
 AT = "attention.cu"
 
 
-def _rows(op, x):
-    launch.check_float(op, x)
-    launch.check_contiguous(op, x)
-    if x.ndim == 0:
-        raise ValueError(f"cuda.{op}: needs at least one axis")
-    c = x.shape[-1]
-    r = x.size // c if c else 0
-    launch.check_int32(op, r, c)
-    return r, c
-
-
 def _check_vector(op, name, v, d, like):
     launch.check_float(op, like, v)
     launch.check_contiguous(op, v)
@@ -46,7 +35,7 @@ def _check_vector(op, name, v, d, like):
 
 def layer_norm_forward(x, weight, bias, eps=1e-5):
     """(y, mean, rstd): layer norm of x over its last axis; mean, rstd of shape x.shape[:-1]."""
-    r, d = _rows("layer_norm_forward", x)
+    r, d = launch.rows("layer_norm_forward", x)
     _check_vector("layer_norm_forward", "weight", weight, d, x)
     _check_vector("layer_norm_forward", "bias", bias, d, x)
     y = launch.new(x.shape, x.dtype)
@@ -61,7 +50,7 @@ def layer_norm_forward(x, weight, bias, eps=1e-5):
 
 def layer_norm_backward(gy, x, weight, mean, rstd):
     """(gx, gweight, gbias) of layer_norm_forward, from its saved mean and rstd."""
-    r, d = _rows("layer_norm_backward", x)
+    r, d = launch.rows("layer_norm_backward", x)
     launch.check_float("layer_norm_backward", x, gy, mean, rstd)
     launch.check_contiguous("layer_norm_backward", gy, mean, rstd)
     launch.check_shape("layer_norm_backward", gy, x.shape, "gy")
@@ -109,7 +98,7 @@ def gelu_backward(x, gy):
 def masked_softmax(x, causal=False, key_lengths=None, scale=1.0):
     """softmax(scale * x) over the last axis, keys masked by `causal` (key j > query i) and
     `key_lengths` (keys j >= key_lengths[b] of batch element b) at probability exactly 0."""
-    r, c = _rows("masked_softmax", x)
+    r, c = launch.rows("masked_softmax", x)
     if key_lengths is not None:
         if not launch.is_cupy(key_lengths):
             key_lengths = asarray(np.asarray(key_lengths))
@@ -134,7 +123,7 @@ def masked_softmax(x, causal=False, key_lengths=None, scale=1.0):
 
 def masked_softmax_backward(y, gy, scale=1.0):
     """scale * y * (gy - sum(gy * y)) over the last axis, from the forward output y."""
-    r, c = _rows("masked_softmax_backward", y)
+    r, c = launch.rows("masked_softmax_backward", y)
     launch.check_float("masked_softmax_backward", y, gy)
     launch.check_contiguous("masked_softmax_backward", gy)
     launch.check_shape("masked_softmax_backward", gy, y.shape, "gy")

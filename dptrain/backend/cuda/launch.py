@@ -307,3 +307,19 @@ def layout(shape, s0, s1=None):
     if s1 is not None:
         lay["s1"][0, :nd] = s1
     return lay
+
+
+def rows(op, *arrays):
+    """(rows, row length) of float, contiguous arrays of one shape, taken along the last axis:
+    the layout of every row-wise kernel (softmax, cross-entropy, layer norm)."""
+    check_float(op, *arrays)
+    check_contiguous(op, *arrays)
+    for a in arrays[1:]:
+        check_shape(op, a, arrays[0].shape)
+    x = arrays[0]
+    if x.ndim == 0:
+        raise ValueError(f"cuda.{op}: needs at least one axis")
+    c = x.shape[-1]
+    r = x.size // c if c else 0
+    check_int32(op, r, c)
+    return r, c

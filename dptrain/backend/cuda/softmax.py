@@ -18,22 +18,8 @@ from dptrain.backend.cuda import launch
 SM = "softmax.cu"
 
 
-def _rows(op, *arrays):
-    launch.check_float(op, *arrays)
-    launch.check_contiguous(op, *arrays)
-    for a in arrays[1:]:
-        launch.check_shape(op, a, arrays[0].shape)
-    x = arrays[0]
-    if x.ndim == 0:
-        raise ValueError(f"cuda.{op}: needs at least one axis")
-    c = x.shape[-1]
-    r = x.size // c if c else 0
-    launch.check_int32(op, r, c)
-    return r, c
-
-
 def _row_op(op, kernel, log, first, *rest):
-    r, c = _rows(op, first, *rest)
+    r, c = launch.rows(op, first, *rest)
     out = launch.new(first.shape, first.dtype)
     if first.size:
         fn = launch.kernel(SM, kernel, launch.ctype(first.dtype), "true" if log else "false")
@@ -59,7 +45,7 @@ def log_softmax_backward(y, gy):
 
 def cross_entropy_forward(logits, labels):
     """Mean cross-entropy of (N, C) logits against int labels: (loss as a 0-d array, softmax)."""
-    r, c = _rows("cross_entropy_forward", logits)
+    r, c = launch.rows("cross_entropy_forward", logits)
     if logits.ndim != 2 or c == 0:
         raise ValueError(f"cuda.cross_entropy_forward: logits must be (N, C>0), got {logits.shape}")
     launch.check_int_labels("cross_entropy_forward", labels, r)
@@ -77,7 +63,7 @@ def cross_entropy_forward(logits, labels):
 
 def cross_entropy_backward(probs, labels, gloss):
     """(probs - onehot(labels)) * gloss / N; gloss is the 0-d loss gradient on the device."""
-    r, c = _rows("cross_entropy_backward", probs)
+    r, c = launch.rows("cross_entropy_backward", probs)
     launch.check_float("cross_entropy_backward", probs, gloss)
     if gloss.size != 1:
         raise ValueError(f"cuda.cross_entropy_backward: gloss must hold one value, got {gloss.shape}")
