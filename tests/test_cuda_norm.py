@@ -1,19 +1,14 @@
 """GPU (marked `gpu`): the batch-norm kernels (kernels/norm.cu) against the NumPy reference on
 fresh random inputs of odd sizes with poisoned outputs, their determinism, and a ResNet-18
 training step replayed as a CUDA graph equal bitwise to the eager step."""
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-import dptrain as dp
-from dptrain import backend, dist, nn
+from dptrain import nn
 from dptrain.backend import cpu
-from dptrain.data import DeviceLoader
-from dptrain.flat import FlatParameters
 from dptrain.optim import SGD
-from dptrain.reducer import Reducer
-from dptrain.train import TrainStep
+from replay import train_steps
 
 pytestmark = pytest.mark.gpu
 F32, F64 = np.float32, np.float64
@@ -93,24 +88,10 @@ def test_batch_norm_reductions_are_deterministic(cu, rng):
 
 
 def _resnet_train(graph, steps=4, seed=3):
-    be = backend.get("cuda")
-    dp.manual_seed(seed)
-    model = nn.resnet18((1, 32, 32), 5).to("cuda")
-    flat = FlatParameters(model.parameters())
-    opt = SGD(flat, lr=0.05, momentum=0.9)
-    reducer = Reducer(flat, dist.World(comm=dist.LocalComm(be)), model)
-    rng = np.random.default_rng(seed)
-    data = SimpleNamespace(images=rng.integers(0, 256, (64, 1, 32, 32), dtype=np.uint8),
-                           labels=rng.integers(0, 5, 64), mean=0.5, std=0.25, num_classes=5,
-                           image_shape=(1, 32, 32))
-    loader = DeviceLoader(data, be, 16)
-    step = TrainStep(model, opt, reducer, loader)
-    run = be.runtime.capture(step) if graph else step
-    for _ in range(steps):
-        opt.begin_step()
-        loader.set_batch(rng.permutation(64)[:16])
-        run()
-    return {k: v for k, v in model.state_dict().items()}
+    model, _ = train_steps("cuda", lambda: nn.resnet18((1, 32, 32), 5), (1, 32, 32), 5, graph,
+                           steps, seed, images=64, batch=16,
+                           optimizer=lambda flat: SGD(flat, lr=0.05, momentum=0.9))
+    return dict(model.state_dict())
 
 
 def test_resnet18_graph_replay_equals_eager_bitwise():

@@ -178,8 +178,6 @@ def test_one_compile_per_host_under_mpirun(tmp_path):
 
 @pytest.mark.gpu
 def test_prepare_leaves_nothing_to_build_for_a_training_step():
-    import numpy as np
-
     from dptrain.backend.cuda import loader as cuda_loader
 
     be = backend.get("cuda")
@@ -187,30 +185,12 @@ def test_prepare_leaves_nothing_to_build_for_a_training_step():
     assert report["files"] == len(cuda_loader.kernel_files(cuda_loader.device_arch()))
     built = cuda_loader.builds
     assert be.runtime.prepare()["built"] == 0  # a second call finds every module built
-    from types import SimpleNamespace
+    from dptrain import nn
+    from replay import train_steps
 
-    import dptrain as dp
-    from dptrain import dist, nn
-    from dptrain.data import DeviceLoader
-    from dptrain.flat import FlatParameters
-    from dptrain.optim import AdamW
-    from dptrain.reducer import Reducer
-
-    dp.manual_seed(0)
-    model = nn.cnn((1, 48, 48), 7).to("cuda")
-    flat = FlatParameters(model.parameters())
-    reducer = Reducer(flat, dist.World(comm=dist.LocalComm(be)))
-    rng = np.random.default_rng(0)
-    data = SimpleNamespace(images=rng.integers(0, 256, (64, 1, 48, 48), dtype=np.uint8),
-                           labels=rng.integers(0, 7, 64), mean=0.5, std=0.25, num_classes=7,
-                           image_shape=(1, 48, 48))
-    data_loader = DeviceLoader(data, be, 32)
-    step = TrainStep(model, AdamW(flat, lr=1e-3), reducer, data_loader)
-    run = be.runtime.capture(step, warmup=CAPTURE_WARMUP)
-    for _ in range(CAPTURE_WARMUP + 2):  # eager steps, the capture, a replay
-        step.opt.begin_step()
-        data_loader.set_batch(np.arange(32))
-        run()
+    # eager steps, the capture, a replay
+    train_steps("cuda", lambda: nn.cnn((1, 48, 48), 7), (1, 48, 48), 7, graph=True,
+                steps=CAPTURE_WARMUP + 2, seed=0, images=64, batch=32)
     be.runtime.synchronize()
     assert cuda_loader.builds == built
 

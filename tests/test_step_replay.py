@@ -1,18 +1,12 @@
 """A captured training step replays exactly like the eager one, dropout included: the
 random offset lives on the device and the step advances it, so every replay draws a new
 mask and graph and eager runs give bit-identical weights."""
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 
 import dptrain as dp
-from dptrain import backend, dist, nn
-from dptrain.data import DeviceLoader
-from dptrain.flat import FlatParameters
-from dptrain.optim import AdamW
-from dptrain.reducer import Reducer
-from dptrain.train import TrainStep
+from dptrain import backend, nn
+from replay import train_steps
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -23,26 +17,7 @@ def _dropout_model():
 
 
 def _train(device, graph, steps=20, seed=4):
-    be = backend.get(device)
-    dp.manual_seed(seed)
-    model = _dropout_model().to(device)
-    flat = FlatParameters(model.parameters())
-    opt = AdamW(flat, lr=1e-2)
-    reducer = Reducer(flat, dist.World(comm=dist.LocalComm(be)))
-    rng = np.random.default_rng(seed)
-    data = SimpleNamespace(images=rng.integers(0, 256, (96, 1, 8, 8), dtype=np.uint8),
-                           labels=rng.integers(0, 5, 96), mean=0.5, std=0.25, num_classes=5,
-                           image_shape=(1, 8, 8))
-    loader = DeviceLoader(data, be, 32)
-    step_fn = TrainStep(model, opt, reducer, loader)
-    run = be.runtime.capture(step_fn) if graph else step_fn
-    snapshots = []
-    for step in range(steps):
-        opt.begin_step()
-        loader.set_batch(rng.permutation(96)[:32])
-        run()
-        snapshots.append(be.to_numpy(flat.data).copy())
-    return snapshots
+    return train_steps(device, _dropout_model, (1, 8, 8), 5, graph, steps, seed)[1]
 
 
 @pytest.mark.parametrize("device", DEVICES)

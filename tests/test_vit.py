@@ -2,7 +2,6 @@
 differences, its loss falling on the synthetic data, its captured training step (dropout
 included) replaying bit for bit like the eager one, and the command line."""
 import json
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -15,6 +14,7 @@ from dptrain.flat import FlatParameters
 from dptrain.optim import AdamW
 from dptrain.reducer import Reducer
 from dptrain.train import TrainConfig, TrainStep, train
+from replay import train_steps
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -89,27 +89,11 @@ def test_loss_falls_on_synthetic_data(tmp_path):
 
 
 def _train_steps(device, graph, steps=6, seed=4):
-    be = backend.get(device)
-    dp.manual_seed(seed)
-    model = nn.VisionTransformer((1, 12, 12), 5, patch_size=4, dim=16, depth=2, heads=4,
-                                 mlp_dim=24, dropout=0.3).to(device)
-    flat = FlatParameters(model.parameters())
-    opt = AdamW(flat, lr=1e-2)
-    reducer = Reducer(flat, dist.World(comm=dist.LocalComm(be)))
-    rng = np.random.default_rng(seed)
-    data = SimpleNamespace(images=rng.integers(0, 256, (96, 1, 12, 12), dtype=np.uint8),
-                           labels=rng.integers(0, 5, 96), mean=0.5, std=0.25, num_classes=5,
-                           image_shape=(1, 12, 12))
-    loader = DeviceLoader(data, be, 32)
-    step_fn = TrainStep(model, opt, reducer, loader)
-    run = be.runtime.capture(step_fn) if graph else step_fn
-    snapshots = []
-    for _ in range(steps):
-        opt.begin_step()
-        loader.set_batch(rng.permutation(96)[:32])
-        run()
-        snapshots.append(be.to_numpy(flat.data).copy())
-    return snapshots
+    def build():
+        return nn.VisionTransformer((1, 12, 12), 5, patch_size=4, dim=16, depth=2, heads=4,
+                                    mlp_dim=24, dropout=0.3)
+
+    return train_steps(device, build, (1, 12, 12), 5, graph, steps, seed)[1]
 
 
 @pytest.mark.parametrize("device", DEVICES)
