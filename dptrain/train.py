@@ -260,15 +260,16 @@ def train(cfg: TrainConfig, echo=print) -> dict:
         if moved:
             echo(f"dptrain: note: {moved}")
 
-    # Exact resume: restores parameters, optimizer shards, step and RNG states in place.
-    ckpt = Checkpointing(cfg, world, model, opt, reducer, steps_per_epoch, echo=echo,
-                         warn=lambda text: print(text, file=sys.stderr, flush=True))
-    first_step = ckpt.resume()
-
     loader = DeviceLoader(train_set, be, cfg.batch_size, augment=cfg.augment,
                           augment_pad=cfg.augment_pad, augment_seed=cfg.seed,
                           shard=(world.rank, world.size))
     val_loader = DeviceLoader(val_set, be, cfg.batch_size)
+    # Exact resume: restores parameters, optimizer shards, step, RNG and augmentation states
+    # in place.
+    ckpt = Checkpointing(cfg, world, model, opt, reducer, steps_per_epoch, echo=echo,
+                         warn=lambda text: print(text, file=sys.stderr, flush=True),
+                         loader=loader)
+    first_step = ckpt.resume()
     guard = NonFiniteGuard(opt, world.comm, cfg.skip_nonfinite)
     step_fn = TrainStep(model, opt, reducer, loader, guard)
     run_step = be.runtime.capture(step_fn, warmup=CAPTURE_WARMUP) if cfg.cuda_graph else step_fn

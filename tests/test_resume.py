@@ -30,19 +30,22 @@ def cache(tmp_path_factory):
     return tmp_path_factory.mktemp("cache")
 
 
-def _full_run(ranks, tmp, cache):
-    out = run(ranks, ARGS + ["--log-dir", str(tmp / "full"), "--save", str(tmp / "full.npz"),
-                             "--checkpoint-dir", str(tmp / "ck"), "--checkpoint-every", "10"],
-              cache)
+def _full_run(ranks, tmp, cache, extra=()):
+    out = run(ranks, ARGS + [*extra, "--log-dir", str(tmp / "full"), "--save",
+                             str(tmp / "full.npz"), "--checkpoint-dir", str(tmp / "ck"),
+                             "--checkpoint-every", "10"], cache)
     assert out.returncode == 0, out.stderr
     return losses(tmp / "full"), weights(tmp / "full.npz")
 
 
-@pytest.mark.parametrize("ranks", [0, pytest.param(2, marks=needs_mpi)])
-def test_resume_from_step_10_is_bitwise_the_full_run(ranks, tmp_path, cache):
-    full_losses, full_w = _full_run(ranks, tmp_path, cache)
+@pytest.mark.parametrize("ranks, extra", [
+    (0, ()), pytest.param(2, (), marks=needs_mpi),
+    (0, ("--augment",)),  # the augmentation's draws resume where they stopped
+])
+def test_resume_from_step_10_is_bitwise_the_full_run(ranks, extra, tmp_path, cache):
+    full_losses, full_w = _full_run(ranks, tmp_path, cache, extra)
     assert sorted(full_losses) == list(range(1, 21))
-    out = run(ranks, ARGS + ["--log-dir", str(tmp_path / "again"), "--save",
+    out = run(ranks, ARGS + [*extra, "--log-dir", str(tmp_path / "again"), "--save",
                              str(tmp_path / "again.npz"), "--resume",
                              str(tmp_path / "ck" / "step-00000010")], cache)
     assert out.returncode == 0, out.stderr

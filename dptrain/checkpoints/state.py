@@ -64,8 +64,9 @@ class Checkpointing:
     ``save(step)`` after steps. Every rank calls each of them at the same step."""
 
     def __init__(self, cfg, world, model, optimizer, reducer, steps_per_epoch, echo=print,
-                 warn=None):
+                 warn=None, loader=None):
         self.cfg, self.world, self.model, self.opt = cfg, world, model, optimizer
+        self.loader = loader  # the training loader: its augmentation draws are saved too
         self.reducer, self.steps_per_epoch = reducer, steps_per_epoch
         self.be = optimizer.be
         self.echo = echo
@@ -86,6 +87,12 @@ class Checkpointing:
         return self.store is not None and self.every > 0 and step % self.every == 0
 
     # -- saving
+    def _augment_state(self):
+        """The loader's augmentation [seed, counter] (the same on every rank), or None."""
+        if self.loader is None or not self.loader.augment:
+            return None
+        return [int(v) for v in self.loader.get_augment_state()]
+
     def _rng_states(self):
         mine = to_json(self.be.runtime.get_rng_state())
         if self.world.size > 1 and self.world.mpi_comm is not None:
@@ -112,7 +119,8 @@ class Checkpointing:
                 "position": step % self.steps_per_epoch,
                 "steps_per_epoch": self.steps_per_epoch,
                 "optimizer_steps": self.opt.steps,
-                "rng": {"device": rng, "init": to_json(init_rng().bit_generator.state)},
+                "rng": {"device": rng, "init": to_json(init_rng().bit_generator.state),
+                        "augment": self._augment_state()},
             },
             "config": asdict(self.cfg),
         }
@@ -192,6 +200,8 @@ class Checkpointing:
         self.be.runtime.set_rng_state(
             device[world.rank] if len(device) == world.size else device[0])
         init_rng().bit_generator.state = rng["init"]
+        if rng.get("augment") is not None and self.loader is not None and self.loader.augment:
+            self.loader.set_augment_state(rng["augment"])
         self.last_saved = int(state["step"])  # no need to write it again
         step = int(state["step"])
         if world.is_root:
