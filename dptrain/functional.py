@@ -60,6 +60,12 @@ def max_pool2d(x: Tensor, kernel_size, stride=None, padding=0, *, workspace=None
     return ops.MaxPool2d.apply(x, **args, workspace=workspace)
 
 
+def relu_max_pool2d(x: Tensor, kernel_size, stride=None, padding=0, *, workspace=None) -> Tensor:
+    """max_pool2d(relu(x)) in one op (what nn.Sequential runs for a ReLU then a MaxPool2d)."""
+    args = _pool_args(x, kernel_size, stride, padding, "relu_max_pool2d")
+    return ops.ReLUMaxPool2d.apply(x, **args, workspace=workspace)
+
+
 def avg_pool2d(x: Tensor, kernel_size, stride=None, padding=0) -> Tensor:
     return ops.AvgPool2d.apply(x, **_pool_args(x, kernel_size, stride, padding, "avg_pool2d"))
 

@@ -306,6 +306,20 @@ class MaxPool2d(Function):
         return (self.be.max_pool2d_backward(gy, self.idx, self.x_shape, workspace=self.workspace),)
 
 
+class ReLUMaxPool2d(Function):
+    """max_pool2d(relu(x)) as one op: one pass forward, and the pool's backward alone (the
+    windows whose maximum is not > 0 carry idx -1 and get no gradient), so neither relu's
+    output nor its backward pass exists. Same values and gradients as the two ops."""
+
+    def forward(self, x, kernel, stride, padding, workspace=None):
+        self.x_shape, self.workspace = x.shape, workspace
+        y, self.idx = self.be.relu_max_pool2d_forward(x, kernel, stride, padding,
+                                                      workspace=workspace)
+        return y
+
+    backward = MaxPool2d.backward
+
+
 class AvgPool2d(Function):
     def forward(self, x, kernel, stride, padding):
         self.x_shape, self.args = x.shape, (kernel, stride, padding)

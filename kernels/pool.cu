@@ -7,6 +7,9 @@
 //  * Max pool: padding acts as -inf (never chosen); idx is the flat h*W + w position of the
 //    first maximum in window scan order (rows, then columns), NaN counting as the maximum,
 //    exactly as the CPU backend's argmax.
+//  * ReLU + max pool (one pass; the model's ReLU -> MaxPool2d pair): the max pool of relu(x),
+//    with idx = -1 where that maximum is not > 0, as relu's gradient is zero there; the max
+//    pool backward skips idx < 0, so it needs no mask and no saved ReLU output.
 //  * Avg pool: padding counts in the divisor (kh*kw), PyTorch's default.
 //  * Backward kernels write dx with `=` (they own every element of dx). No atomics:
 //    - max: one warp per plane zeroes the plane's dx, then walks the plane's outputs 32 at a
@@ -53,20 +56,33 @@ __device__ __forceinline__ void for_each_tap(const PoolGeom& g, const PoolWindow
   }
 }
 
-template <typename T>
-__global__ void max_pool_fwd_kernel(T* y, int* idx, const T* x, PoolGeom g) {
+// kRelu: pool relu(x) (relu(v) = v < 0 ? 0 : v, NaN kept, as elementwise.cu's Relu) and
+// mark the windows whose maximum is not > 0 with idx -1.
+template <typename T, bool kRelu>
+__device__ __forceinline__ void max_pool_fwd(T* y, int* idx, const T* x, const PoolGeom& g) {
   GRID_STRIDE(i, (long long)g.n_c * g.ho * g.wo) {
     const PoolWindow win = pool_window(g, i);
     const T* xp = x + win.p * g.h * g.w;
     T best = neg_inf<T>();
     int arg = -1;
     for_each_tap(g, win, [&](int pos) {
-      const T v = xp[pos];
+      T v = xp[pos];
+      if (kRelu && v < T(0)) v = T(0);
       if (arg < 0 || v > best || (v != v && best == best)) { best = v; arg = pos; }
     });
     y[i] = best;
-    idx[i] = arg;
+    idx[i] = (kRelu && !(best > T(0))) ? -1 : arg;
   }
+}
+
+template <typename T>
+__global__ void max_pool_fwd_kernel(T* y, int* idx, const T* x, PoolGeom g) {
+  max_pool_fwd<T, false>(y, idx, x, g);
+}
+
+template <typename T>
+__global__ void relu_max_pool_fwd_kernel(T* y, int* idx, const T* x, PoolGeom g) {
+  max_pool_fwd<T, true>(y, idx, x, g);
 }
 
 // One warp per plane; see the header.
@@ -136,5 +152,6 @@ __global__ void avg_pool_bwd_kernel(T* dx, const T* gy, PoolGeom g) {
   }
 }
 
+// instantiate: relu_max_pool_fwd_kernel<float>; relu_max_pool_fwd_kernel<double>
 // instantiate: max_pool_fwd_kernel<float>; max_pool_fwd_kernel<double>; max_pool_bwd_kernel<float>; max_pool_bwd_kernel<double>
 // instantiate: avg_pool_fwd_kernel<float>; avg_pool_fwd_kernel<double>; avg_pool_bwd_kernel<float>; avg_pool_bwd_kernel<double>

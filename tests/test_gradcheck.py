@@ -97,6 +97,13 @@ def test_max_pool2d(xs, k, s, p):
 
 
 @pytest.mark.parametrize("xs,k,s,p", POOL_CASES)
+def test_relu_max_pool2d(xs, k, s, p):
+    # Distinct values away from relu's kink, about half of them negative.
+    x = (rng.permutation(np.prod(xs)).reshape(xs) - np.prod(xs) / 2 + 0.5) / 10.0
+    gradcheck(lambda t: F.relu_max_pool2d(t, k, s, p), x)
+
+
+@pytest.mark.parametrize("xs,k,s,p", POOL_CASES)
 def test_avg_pool2d(xs, k, s, p):
     gradcheck(lambda t: F.avg_pool2d(t, k, s, p), randn(*xs))
 

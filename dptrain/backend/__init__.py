@@ -95,7 +95,7 @@ OPS = (
     "matmul", "bias_add", "bias_grad",
     # convolution and pooling
     "conv2d_forward", "conv2d_backward_data", "conv2d_backward_weight",
-    "max_pool2d_forward", "max_pool2d_backward",
+    "max_pool2d_forward", "max_pool2d_backward", "relu_max_pool2d_forward",
     "avg_pool2d_forward", "avg_pool2d_backward",
     # softmax family
     "softmax", "softmax_backward", "log_softmax", "log_softmax_backward",

@@ -6,6 +6,7 @@ import math
 import numpy as np
 
 from dptrain import functional as F
+from dptrain.nn import fusion
 from dptrain.nn.module import Module, Parameter
 from dptrain.random import init_rng
 
@@ -87,6 +88,13 @@ class ReLU(Module):
     def forward(self, x):
         return F.relu(x, workspace=self.workspace(x))
 
+    def fused_with(self, following):
+        """ReLU then max-pooling as one op (nn.fusion), or None for any other layer."""
+        if type(following) is not MaxPool2d:
+            return None
+        return lambda x: F.relu_max_pool2d(x, *following.args,
+                                           workspace=following.workspace(x))
+
 
 class Flatten(Module):
     def __init__(self, start_axis: int = 1):
@@ -124,6 +132,15 @@ class Sequential(Module):
         return list(self._modules.values())[i]
 
     def forward(self, x):
-        for layer in self._modules.values():
-            x = layer(x)
+        for step in self._steps():
+            x = step(x)
         return x
+
+    def _steps(self):
+        """The layers as nn.fusion plans them, kept until the layers or the switch change."""
+        key = (tuple(map(id, self._modules.values())), fusion.enabled(),
+               tuple(len(m._pre_hooks) for m in self._modules.values()))
+        if getattr(self, "_plan_key", None) != key:
+            object.__setattr__(self, "_plan", fusion.plan(self._modules.values()))
+            object.__setattr__(self, "_plan_key", key)
+        return self._plan

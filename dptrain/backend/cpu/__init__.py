@@ -16,6 +16,7 @@ from dptrain.backend.cpu.conv import (  # noqa: F401
     conv2d_forward,
     max_pool2d_backward,
     max_pool2d_forward,
+    relu_max_pool2d_forward,
 )
 from dptrain.backend.cpu.attention import (  # noqa: F401
     gelu,

@@ -213,16 +213,30 @@ def _max_pool_2x2(x, workspace):
     return y, idx
 
 
+def relu_max_pool2d_forward(x, kernel, stride, padding, *, workspace=None):
+    """max_pool2d_forward(relu(x)), with idx = -1 where the window's maximum is not > 0:
+    relu's gradient is zero there, and max_pool2d_backward skips idx < 0."""
+    y, idx = max_pool2d_forward(np.maximum(x, x.dtype.type(0)), kernel, stride, padding,
+                                workspace=workspace)
+    idx[~(y > 0)] = -1
+    return y, idx
+
+
 def max_pool2d_backward(gy, idx, x_shape, *, workspace=None):
-    """Gradient of max_pool2d_forward: gy added at each window's argmax idx."""
+    """Gradient of max_pool2d_forward: gy added at each window's argmax idx (none where
+    idx < 0, as relu_max_pool2d_forward marks windows whose gradient is zero)."""
     workspace = checked(workspace)
     n, c, h, w = x_shape
     planes = np.arange(0, n * c * h * w, h * w, dtype=np.int64).reshape(n, c, 1, 1)
     dx = np.zeros(n * c * h * w, dtype=gy.dtype)
     flat = np.add(planes, idx, out=scratch(workspace, "pool_flat_idx", idx.shape, np.int64))
+    flat, g = flat.ravel(), gy.ravel()
+    if idx.size and idx.min() < 0:
+        keep = idx.ravel() >= 0
+        flat, g = flat[keep], g[keep]
     # add.at accumulates where overlapping windows pick the same element; it stays in
     # gy's dtype (bincount would go through float64).
-    np.add.at(dx, flat.ravel(), gy.ravel())
+    np.add.at(dx, flat, g)
     return dx.reshape(x_shape)
 
 

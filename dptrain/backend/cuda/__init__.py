@@ -53,6 +53,7 @@ from dptrain.backend.cuda.norm import (  # noqa: F401
 from dptrain.backend.cuda.optim import adamw_step_, sgd_step_  # noqa: F401
 from dptrain.backend.cuda.pool import (  # noqa: F401
     avg_pool2d_backward, avg_pool2d_forward, max_pool2d_backward, max_pool2d_forward,
+    relu_max_pool2d_forward,
 )
 from dptrain.backend.cuda.reduce import (  # noqa: F401
     bias_grad, count_correct, max, max_backward, sum, sum_to_shape,

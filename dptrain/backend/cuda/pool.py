@@ -5,6 +5,9 @@ Conventions (the .cu file's header has the kernel side):
     n_c planes of h x w in, ho x wo out, window kh x kw, stride sh, sw, padding ph, pw).
   * max_pool2d_forward returns (y, idx): idx (int32) is the flat h*W + w position in x of each
     window's first maximum (NaN counting as the maximum), padding never chosen.
+    relu_max_pool2d_forward is max_pool2d_forward(relu(x)) in one pass, with idx = -1 where
+    the window's maximum is not > 0 (relu's gradient is zero there); max_pool2d_backward
+    gives windows with idx < 0 no gradient.
   * avg pooling counts the padding in the divisor (PyTorch's default).
   * Backward ops return dx written with `=`, deterministic (no atomics): max backward needs
     only idx (one warp per plane), avg backward gathers every window containing a pixel.
@@ -39,16 +42,26 @@ def _pool_geom(op, x_shape, kernel, stride, padding):
     return geom, (n, c, ho, wo)
 
 
-def max_pool2d_forward(x, kernel, stride, padding, *, workspace=None):
-    """Returns (y, idx): idx is the flat h*W+w position in x of each window's maximum (int32)."""
-    launch.check_float("max_pool2d_forward", x)
-    launch.check_contiguous("max_pool2d_forward", x)
-    geom, y_shape = _pool_geom("max_pool2d_forward", x.shape, kernel, stride, padding)
+def _max_pool(op, kernel_name, x, kernel, stride, padding):
+    launch.check_float(op, x)
+    launch.check_contiguous(op, x)
+    geom, y_shape = _pool_geom(op, x.shape, kernel, stride, padding)
     y, idx = launch.new(y_shape, x.dtype), launch.new(y_shape, np.int32)
     if y.size:
-        launch.grid_stride(launch.kernel(POOL, "max_pool_fwd_kernel", launch.ctype(x.dtype)),
+        launch.grid_stride(launch.kernel(POOL, kernel_name, launch.ctype(x.dtype)),
                            y.size, (y, idx, x, geom))
     return y, idx
+
+
+def max_pool2d_forward(x, kernel, stride, padding, *, workspace=None):
+    """Returns (y, idx): idx is the flat h*W+w position in x of each window's maximum (int32)."""
+    return _max_pool("max_pool2d_forward", "max_pool_fwd_kernel", x, kernel, stride, padding)
+
+
+def relu_max_pool2d_forward(x, kernel, stride, padding, *, workspace=None):
+    """max_pool2d_forward(relu(x)) in one pass; idx = -1 where the maximum is not > 0."""
+    return _max_pool("relu_max_pool2d_forward", "relu_max_pool_fwd_kernel", x, kernel, stride,
+                     padding)
 
 
 def max_pool2d_backward(gy, idx, x_shape, *, workspace=None):
