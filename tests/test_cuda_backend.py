@@ -310,7 +310,8 @@ def test_add_in_place(cu, rng, shapes):
 
 
 @gpu
-@pytest.mark.parametrize("shape", [(3, 33, 7, 5), (4, 10), (64, 32, 24, 24)], ids=str)
+@pytest.mark.parametrize("shape", [(3, 33, 7, 5), (4, 10), (64, 32, 24, 24), (5, 3, 7), (2, 300, 1, 1)],
+                         ids=str)
 @pytest.mark.parametrize("dtype", FLOATS)
 def test_bias_add_and_grad(cu, rng, shape, dtype):
     y, b = randn(rng, shape, dtype), randn(rng, (shape[1],), dtype)
@@ -425,8 +426,26 @@ def test_max_pool(cu, rng, kernel, stride, padding, dtype):
     assert_exact(cu, dy, y)
     assert_exact(cu, didx, idx)
     gy = randn(rng, y.shape, dtype)
-    assert_close(cu, cu.max_pool2d_backward(cu.asarray(gy), didx, x.shape),
-                 cpu.max_pool2d_backward(gy, idx, x.shape))
+    ref = cpu.max_pool2d_backward(gy, idx, x.shape)
+    assert_close(cu, cu.max_pool2d_backward(cu.asarray(gy), didx, x.shape), ref)
+
+
+@gpu
+@pytest.mark.parametrize("kernel,stride,padding", POOLS, ids=str)
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_relu_max_pool(cu, rng, kernel, stride, padding, dtype):
+    x = randn(rng, (3, 33, 7, 5), dtype)
+    x[0, 0] = 0.0  # windows of zeros (relu's kink) and of NaN
+    x[0, 1, 2, 3] = np.nan
+    y, idx = cpu.relu_max_pool2d_forward(x, kernel, stride, padding)
+    dy, didx = cu.relu_max_pool2d_forward(cu.asarray(x), kernel, stride, padding)
+    assert_exact(cu, dy, y)
+    assert_exact(cu, didx, idx)
+    assert (idx < 0).any() and (idx >= 0).any()
+    gy = randn(rng, y.shape, dtype)
+    # Overlapping windows sum in another order on each backend: close, not equal.
+    ref = cpu.max_pool2d_backward(gy, idx, x.shape)
+    assert_close(cu, cu.max_pool2d_backward(cu.asarray(gy), didx, x.shape), ref)
 
 
 def first_max_positions(x, k, s, p):

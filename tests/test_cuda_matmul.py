@@ -159,6 +159,12 @@ CONV = [  # n, c_in, h, w, c_out, (kh, kw), stride, padding
     (2, 6, 9, 7, 5, (3, 1), (2, 1), (1, 0)),  # non-square kernel, stride and padding
     (2, 8, 10, 9, 16, (2, 3), (1, 2), (0, 2)),  # even kernel
     (4, 32, 24, 24, 64, (3, 3), (1, 1), (1, 1)),  # a reference-CNN layer, smaller batch
+    # C_in*KH*KW <= 32: conv2d_direct.cu (forward up to 128 output channels)
+    (24, 1, 48, 48, 32, (3, 3), (1, 1), (1, 1)),  # the reference CNN's first layer
+    (2, 3, 9, 7, 130, (3, 3), (1, 1), (1, 1)),  # forward: implicit GEMM; weight grad: direct
+    (3, 4, 11, 10, 9, (2, 2), (2, 1), (0, 1)),  # K = 16
+    (2, 1, 7, 7, 3, (1, 1), (1, 1), (0, 0)),  # K = 1
+    (2, 2, 8, 9, 6, (4, 4), (3, 2), (2, 1)),  # K = 32
 ]
 CONV_IDS = [f"n{c[0]}c{c[1]}h{c[2]}w{c[3]}o{c[4]}k{c[5][0]}{c[5][1]}s{c[6][0]}{c[6][1]}"
             f"p{c[7][0]}{c[7][1]}" for c in CONV]
@@ -215,6 +221,32 @@ def test_conv2d_backward_weight_bitwise_repeatable(cm, prec):
     second = cp.asnumpy(cm.conv2d_backward_weight(x, gy, wt.shape, stride, padding))
     assert np.isfinite(first).all()
     assert np.array_equal(first.view(np.uint32), second.view(np.uint32))
+
+
+def test_direct_conv_backward_weight_bitwise_repeatable(cm):
+    x, wt, gy, stride, padding = _conv_setup((16, 1, 48, 48, 32, (3, 3), (1, 1), (1, 1)))
+    x, gy = cp.asarray(x), cp.asarray(gy)
+    first = cp.asnumpy(cm.conv2d_backward_weight(x, gy, wt.shape, stride, padding))
+    second = cp.asnumpy(cm.conv2d_backward_weight(x, gy, wt.shape, stride, padding))
+    assert np.array_equal(first.view(np.uint32), second.view(np.uint32))
+
+
+def test_direct_conv_can_be_turned_off(cm, monkeypatch):
+    """DPTRAIN_DIRECT_CONV=0 takes the implicit GEMM; both paths match the reference."""
+    from dptrain.backend.cuda import conv2d
+
+    x, wt, gy, stride, padding = _conv_setup((4, 1, 12, 12, 8, (3, 3), (1, 1), (1, 1)))
+    ref = cpu.conv2d_forward(x.astype(np.float64), wt.astype(np.float64), None, stride, padding)
+    assert conv2d._direct_kmax(9) == 12
+    monkeypatch.setenv(conv2d.DIRECT_ENV, "0")
+    gemm.clear_plans()
+    try:
+        assert conv2d._direct_kmax(9) is None
+        check(cm.conv2d_forward(cp.asarray(x), cp.asarray(wt), None, stride, padding), ref,
+              "tf32")
+    finally:
+        monkeypatch.undo()
+        gemm.clear_plans()
 
 
 def test_conv2d_rejects_bad_input(cm):

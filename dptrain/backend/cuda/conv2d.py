@@ -10,19 +10,90 @@ Conventions (the .cu file's header has the kernel side):
     covering the channels.
   * backward-weight splits its long K (batch * output pixels) over grid z when the output
     tiles leave SMs idle, and sums the splits in a fixed order: bitwise repeatable.
+  * Small filters (C_in*KH*KW <= 32, e.g. a first layer on 1-3 channel images) run the
+    direct FFMA kernels of conv2d_direct.cu instead, forward (<= 128 output channels) and
+    backward-weight: there the implicit GEMM wastes most of each K slab. Both sum in fp32
+    whatever the precision (more exact than TF32). DPTRAIN_DIRECT_CONV=0 turns them off.
   * The precision (runtime.precision) is part of every plan key. `workspace=` is accepted
     and ignored (the CPU backend reuses its im2col columns through it).
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from dptrain.backend.cuda import launch
+from dptrain.backend.cuda.arrays import fill_
 from dptrain.backend.cuda.gemm import output, plan, reducer, sig, split_k, tile_floats
 from dptrain.backend.cuda.launch import i32
 from dptrain.backend.cuda.runtime import runtime
 
 CONV = "conv2d.cu"
+DIRECT = "conv2d_direct.cu"
+DIRECT_ENV = "DPTRAIN_DIRECT_CONV"  # "0": the implicit GEMM for every shape
+DIRECT_MAX_K, DIRECT_MAX_M = 32, 128  # C_in*KH*KW; output channels (forward)
+_DIRECT_MG = {4: 8, 8: 4, 12: 4, 16: 4, 20: 2, 24: 2, 28: 2, 32: 2}  # KMAX -> channels/thread
+
+
+def _direct_kmax(k: int):
+    """The direct kernels' tap count for K = C_in*KH*KW, or None where they do not apply."""
+    if os.environ.get(DIRECT_ENV, "1") == "0" or not 0 < k <= DIRECT_MAX_K:
+        return None
+    return -(-k // 4) * 4
+
+
+def _direct_geom(x_shape, w_shape, ho, wo, stride, padding):
+    (n, c, h, wd), (cout, _, kh, kw) = x_shape, w_shape
+    (sh, sw), (ph, pw) = stride, padding
+    launch.check_int32("conv2d", n * c * h * wd, n * cout * ho * wo)
+    return launch.struct(launch.DIRECT_GEOM, Nb=n, C=c, H=h, W=wd, M=cout, Ho=ho, Wo=wo, KH=kh,
+                         KW=kw, sh=sh, sw=sw, ph=ph, pw=pw)
+
+
+def _plan_direct_forward(x_shape, w_shape, ho, wo, stride, padding, kmax):
+    f = "conv2d_forward"
+    out_shape = (x_shape[0], w_shape[0], ho, wo)
+    geom = _direct_geom(x_shape, w_shape, ho, wo, stride, padding)
+    fn = launch.kernel(DIRECT, "conv2d_direct_fwd_kernel", "float", str(kmax))
+    npix = out_shape[0] * ho * wo
+
+    # 256-thread blocks whatever launch_shape says (__launch_bounds__(256) in the kernel).
+    grid = (max(1, min(-(-npix // 256), launch.sm_count() * launch.BLOCKS_PER_SM // 2)),)
+
+    def run(w, x, bias, out):
+        y = output(f, out, out_shape)
+        if npix and y.size:
+            has_bias = bias is not None
+            fn(grid, (256,), (w, x, bias if has_bias else y, y, np.int32(has_bias), geom))
+        return y
+
+    return run
+
+
+def _plan_direct_backward_weight(x_shape, w_shape, ho, wo, stride, padding, kmax):
+    f = "conv2d_backward_weight"
+    geom = _direct_geom(x_shape, w_shape, ho, wo, stride, padding)
+    m, k, npix = w_shape[0], w_shape[1] * w_shape[2] * w_shape[3], x_shape[0] * ho * wo
+    mg = _DIRECT_MG[kmax]
+    groups = -(-m // mg)
+    if groups > launch.GRID_YZ_MAX:
+        raise ValueError(f"cuda.{f}: {m} output channels exceed the grid's limit")
+    # About three resident blocks per SM over all groups (the accumulators limit occupancy).
+    blocks = max(1, min(-(-npix // 256), 3 * launch.sm_count() // groups))
+    fn = launch.kernel(DIRECT, "conv2d_direct_bwdw_kernel", "float", str(kmax), str(mg))
+    reduce = reducer(CONV, blocks, 1, m, k, k, 0, 0)
+
+    def run(x, gy, out):
+        gw = output(f, out, tuple(w_shape))
+        if npix == 0:
+            return fill_(gw, 0.0)
+        ws = launch.new((blocks, m, k), np.float32)
+        fn((blocks, groups), (256,), (x, gy, ws, geom))
+        reduce(ws, gw, gw)
+        return gw
+
+    return run
 
 
 def _pair(fn: str, name: str, v) -> tuple[int, int]:
@@ -115,6 +186,9 @@ def _plan_forward(x, w, b, stride, padding):
         if b.shape[0] != cout:
             raise ValueError(f"cuda.{f}: b has shape {b.shape}, expected ({cout},)")
     ho, wo = _out_size(f, h, kh, sh, ph, "H"), _out_size(f, wd, kw, sw, pw, "W")
+    kmax = _direct_kmax(cin * kh * kw)
+    if kmax and cout <= DIRECT_MAX_M:
+        return _plan_direct_forward(x.shape, w.shape, ho, wo, (sh, sw), (ph, pw), kmax)
     return _plan_implicit(f, 0, (n, cout, ho, wo), cout, c, h, wd, ho, wo, kh, kw, (sh, sw),
                           (ph, pw), cin * kh * kw, kh * kw)
 
@@ -169,6 +243,9 @@ def _plan_backward_weight(x, gy, w_shape, stride, padding):
     m, ncol, k = cout, cin * kh * kw, n * ho * wo
     if m == 0 or ncol == 0:
         return lambda x, gy, out: output(f, out, out_shape)
+    kmax = _direct_kmax(ncol)
+    if kmax:
+        return _plan_direct_backward_weight(x.shape, out_shape, ho, wo, (sh, sw), (ph, pw), kmax)
     bm, bn = _rows_tile(m), 32 if ncol <= 32 else 128
     if -(-m // bm) > launch.GRID_YZ_MAX:
         raise ValueError(f"cuda.{f}: {m} output channels exceed the grid's limit")

@@ -50,6 +50,8 @@ LAYOUT = np.dtype([("ndim", np.int32), ("shape", np.int32, (MAX_DIMS,)),
 # window kh x kw, stride sh, sw, padding ph, pw.
 POOL_GEOM = np.dtype([(f, np.int32) for f in
                       ("n_c", "h", "w", "ho", "wo", "kh", "kw", "sh", "sw", "ph", "pw")])
+DIRECT_GEOM = np.dtype([(f, np.int32) for f in
+                        ("Nb", "C", "H", "W", "M", "Ho", "Wo", "KH", "KW", "sh", "sw", "ph", "pw")])
 
 
 def struct(dtype, **fields):

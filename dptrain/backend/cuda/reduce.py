@@ -165,7 +165,27 @@ def bias_grad(gy):
     if gy.ndim < 2:
         raise ValueError(f"cuda.bias_grad: gy {gy.shape} has no axis 1")
     axes = (0,) + tuple(range(2, gy.ndim))
+    n, c, planes = gy.shape[0], gy.shape[1], math.prod(gy.shape[2:])
+    if planes > 1 and gy.flags.c_contiguous and n * c:
+        return _channel_sum(gy, n, c, planes)
     return _reduce("SumOp", gy, axes, (gy.shape[1],))
+
+
+def _channel_sum(gy, n, c, planes):
+    """bias_grad of a contiguous (N, C, pixels...) array: per (channel, split of the batch)
+    sums of whole planes, then the splits folded in order (kernels/reduce.cu)."""
+    launch.check_int32("bias_grad", planes, c, n)
+    splits = builtins.max(1, builtins.min(n, -(-4 * launch.sm_count() // c)))
+    chunk = -(-n // splits)
+    splits = -(-n // chunk)
+    part = launch.new((splits, c), np.float64)
+    launch.kernel(RED, "channel_sum_kernel", launch.ctype(gy.dtype))(
+        (c, splits), (launch.BLOCK,), (part, gy, np.int32(n), np.int32(c), np.int32(planes),
+                                       np.int32(chunk)))
+    out = launch.new((c,), gy.dtype)
+    launch.grid_stride(launch.kernel(RED, "channel_sum_fold_kernel", launch.ctype(gy.dtype)),
+                       c, (out, part, np.int32(splits), np.int32(c)))
+    return out
 
 
 def count_correct(logits, labels):

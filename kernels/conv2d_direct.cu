@@ -1,0 +1,158 @@
+// conv2d_direct.cu: direct (FFMA) convolution forward and backward-weight for layers whose
+// filters are small, K = C_in*KH*KW <= 32 (a network's first layer on 1-3 channel images).
+// Launchers: dptrain/backend/cuda/conv2d.py (chosen there; conv2d.cu's implicit GEMM otherwise).
+//
+// Why: with K that small the implicit GEMM fills under a third of each 32-wide K slab, gathers
+// every pixel through its generic per-element path, and backward-weight's 32 x 32 output tile
+// holds 9 useful columns; the layer is bound by its activation traffic, which a direct kernel
+// moves once.
+//
+// Conventions
+//  * NCHW, weight (C_out, C_in, KH, KW) contiguous, read in its own order k = (c, kh, kw).
+//  * KMAX (a multiple of 4, >= K) sizes the per-thread tap array; taps k >= K are zero.
+//  * Forward: one thread per output pixel; its K input taps sit in registers and every output
+//    channel's dot product reads the weights from shared memory (all lanes the same address:
+//    a broadcast). Sums over k in order from 0, then + bias, in fp32 (more exact than TF32).
+//  * Backward-weight: grid.y picks a group of MG output channels, each thread accumulates
+//    MG x KMAX sums over the pixels of its grid-stride loop, the block reduces them in a fixed
+//    order into ws[blockIdx.x][m][k], and splitk_reduce_kernel (gemm_tiles.cuh) sums the
+//    blocks in order: bitwise repeatable, no atomics.
+//
+// instantiate: conv2d_direct_fwd_kernel<float, 4>; conv2d_direct_fwd_kernel<float, 8>
+// instantiate: conv2d_direct_fwd_kernel<float, 12>; conv2d_direct_fwd_kernel<float, 16>
+// instantiate: conv2d_direct_fwd_kernel<float, 20>; conv2d_direct_fwd_kernel<float, 24>
+// instantiate: conv2d_direct_fwd_kernel<float, 28>; conv2d_direct_fwd_kernel<float, 32>
+// instantiate: conv2d_direct_bwdw_kernel<float, 4, 8>; conv2d_direct_bwdw_kernel<float, 8, 4>
+// instantiate: conv2d_direct_bwdw_kernel<float, 12, 4>; conv2d_direct_bwdw_kernel<float, 16, 4>
+// instantiate: conv2d_direct_bwdw_kernel<float, 20, 2>; conv2d_direct_bwdw_kernel<float, 24, 2>
+// instantiate: conv2d_direct_bwdw_kernel<float, 28, 2>; conv2d_direct_bwdw_kernel<float, 32, 2>
+
+#include "common.cuh"
+
+#define DIRECT_MAX_M 128  // output channels the forward keeps in shared memory
+
+// Field names match DirectGeom in dptrain/backend/cuda/conv2d.py (a NumPy structured dtype).
+struct DirectGeom {
+  int Nb, C, H, W, M, Ho, Wo, KH, KW, sh, sw, ph, pw;
+};
+
+// Filter tap k = (c, kh, kw): its offset c*H*W + kh*W + kw from the window's top-left pixel
+// and (kh, kw) for the bounds check; a table in shared memory, so no thread divides per tap.
+struct Tap {
+  int off, kh, kw;
+};
+
+template <int KMAX>
+__device__ __forceinline__ void fill_taps(Tap* taps, const DirectGeom& g) {
+  const int khw = g.KH * g.KW, K = g.C * khw;
+  for (int k = threadIdx.x; k < KMAX; k += blockDim.x) {
+    const int c = k / khw, r = k - c * khw, kh = r / g.KW, kw = r - kh * g.KW;
+    // k >= K: a tap that is never inside the image (kh = -2^20).
+    taps[k] = k < K ? Tap{(c * g.H + kh) * g.W + kw, kh, kw} : Tap{0, -(1 << 20), 0};
+  }
+}
+
+// v[k] = x[n, c, oy*sh - ph + kh, ox*sw - pw + kw] for tap k, 0 outside the image (and for
+// the padding taps k >= K).
+template <int KMAX>
+__device__ __forceinline__ void load_taps(float (&v)[KMAX], const float* __restrict__ x,
+                                          const Tap* taps, const DirectGeom& g, int n, int oy,
+                                          int ox) {
+  const int iy0 = oy * g.sh - g.ph, ix0 = ox * g.sw - g.pw;
+  const float* xw = x + (long long)n * g.C * g.H * g.W + (iy0 * g.W + ix0);
+#pragma unroll
+  for (int k = 0; k < KMAX; ++k) {
+    const Tap t = taps[k];
+    const bool in = (unsigned)(iy0 + t.kh) < (unsigned)g.H && (unsigned)(ix0 + t.kw) < (unsigned)g.W;
+    v[k] = in ? xw[t.off] : 0.f;
+  }
+}
+
+template <typename T, int KMAX>
+__global__ void __launch_bounds__(256) conv2d_direct_fwd_kernel(
+    const T* __restrict__ w, const T* __restrict__ x, const T* __restrict__ bias,
+    T* __restrict__ y, int has_bias, DirectGeom g) {
+  static_assert(KMAX % 4 == 0, "KMAX must be a multiple of 4");
+  __shared__ float4 sw4[DIRECT_MAX_M * KMAX / 4];
+  __shared__ float sb[DIRECT_MAX_M];
+  __shared__ Tap taps[KMAX];
+  float* sw = reinterpret_cast<float*>(sw4);
+  const int K = g.C * g.KH * g.KW;
+  fill_taps<KMAX>(taps, g);
+  for (int i = threadIdx.x; i < g.M * KMAX; i += blockDim.x) {
+    const int m = i / KMAX, k = i - m * KMAX;
+    sw[i] = k < K ? w[m * K + k] : 0.f;
+  }
+  for (int m = threadIdx.x; m < g.M; m += blockDim.x) sb[m] = has_bias ? bias[m] : 0.f;
+  __syncthreads();
+  const int hw = g.Ho * g.Wo;
+  GRID_STRIDE(q, (long long)g.Nb * hw) {
+    const int n = (int)(q / hw), p = (int)(q - (long long)n * hw);
+    const int oy = p / g.Wo, ox = p - oy * g.Wo;
+    float v[KMAX];
+    load_taps<KMAX>(v, x, taps, g, n, oy, ox);
+    T* out = y + (long long)n * g.M * hw + p;
+    for (int m = 0; m < g.M; ++m) {
+      const float4* wm = sw4 + m * (KMAX / 4);
+      float acc = 0.f;
+#pragma unroll
+      for (int k4 = 0; k4 < KMAX / 4; ++k4) {
+        const float4 f = wm[k4];
+        acc = fmaf(f.x, v[4 * k4], acc);
+        acc = fmaf(f.y, v[4 * k4 + 1], acc);
+        acc = fmaf(f.z, v[4 * k4 + 2], acc);
+        acc = fmaf(f.w, v[4 * k4 + 3], acc);
+      }
+      out[(long long)m * hw] = acc + sb[m];
+    }
+  }
+}
+
+// ws[blockIdx.x][m][k] = sum over this block's pixels of gy[n, m, p] * tap k of p, for the
+// MG channels m of group blockIdx.y; the launcher sums ws over blockIdx.x.
+template <typename T, int KMAX, int MG>
+__global__ void __launch_bounds__(256) conv2d_direct_bwdw_kernel(
+    const T* __restrict__ x, const T* __restrict__ gy, T* __restrict__ ws, DirectGeom g) {
+  const int K = g.C * g.KH * g.KW, hw = g.Ho * g.Wo, m0 = blockIdx.y * MG;
+  __shared__ Tap taps[KMAX];
+  fill_taps<KMAX>(taps, g);
+  __syncthreads();
+  float acc[MG][KMAX];
+#pragma unroll
+  for (int j = 0; j < MG; ++j)
+#pragma unroll
+    for (int k = 0; k < KMAX; ++k) acc[j][k] = 0.f;
+  GRID_STRIDE(q, (long long)g.Nb * hw) {
+    const int n = (int)(q / hw), p = (int)(q - (long long)n * hw);
+    const int oy = p / g.Wo, ox = p - oy * g.Wo;
+    float v[KMAX];
+    load_taps<KMAX>(v, x, taps, g, n, oy, ox);
+    const T* gp = gy + ((long long)n * g.M + m0) * hw + p;
+#pragma unroll
+    for (int j = 0; j < MG; ++j) {
+      const float d = m0 + j < g.M ? gp[(long long)j * hw] : 0.f;
+#pragma unroll
+      for (int k = 0; k < KMAX; ++k) acc[j][k] = fmaf(d, v[k], acc[j][k]);
+    }
+  }
+  // Block reduction in a fixed order: lanes by shuffles, then the warps in order.
+  __shared__ float part[256 / 32][MG * KMAX];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int j = 0; j < MG; ++j)
+#pragma unroll
+    for (int k = 0; k < KMAX; ++k) {
+      float s = acc[j][k];
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(FULL_MASK, s, o);
+      if (lane == 0) part[warp][j * KMAX + k] = s;
+    }
+  __syncthreads();
+  for (int i = threadIdx.x; i < MG * KMAX; i += blockDim.x) {
+    const int j = i / KMAX, k = i - j * KMAX;
+    if (k >= K || m0 + j >= g.M) continue;
+    float s = 0.f;
+    for (int w = 0; w < (int)(blockDim.x >> 5); ++w) s += part[w][i];
+    ws[((long long)blockIdx.x * g.M + m0 + j) * K + k] = s;
+  }
+}
