@@ -1,11 +1,14 @@
 """The world: which rank this process is, how many there are, and how they talk.
 
 Under ``mpirun`` the world comes from mpi4py's COMM_WORLD; the local rank (a
-shared-memory split) picks the device. The backend's runtime supplies the
-communicator for its arrays (GPU: rank 0 makes an NCCL unique id, MPI broadcasts
-it, every rank builds an NCCL communicator, and MPI is out of the hot path); where
-it has none (CPU), MPI itself carries the collectives. Without mpirun (or without
-mpi4py) the world has one rank and every collective is a copy or nothing.
+shared-memory split) picks the device. Under Slurm's ``srun`` without an MPI launcher (no
+PMI, or an MPI that sees a world of one) the world comes from SLURM_* (dptrain.slurm) and
+the ranks meet over TCP (dptrain.rendezvous), whose communicator answers the same mpi4py
+calls. The backend's runtime supplies the communicator for its arrays (GPU: rank 0 makes an
+NCCL unique id, the host communicator broadcasts it, every rank builds an NCCL communicator,
+and the host is out of the hot path); where it has none (CPU), the host communicator itself
+carries the collectives. Without a launcher the world has one rank and every collective is
+a copy or nothing.
 
 All three communicators (``LocalComm``, ``MPIComm`` here, NCCL in the CUDA backend)
 have one interface, used by the reducer; collectives run on the backend's current
@@ -30,6 +33,8 @@ import traceback
 
 import numpy as np
 
+from dptrain import slurm
+
 # Environment variables that MPI launchers set in every process they start.
 _LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
 
@@ -38,27 +43,29 @@ def launched_by_mpi() -> bool:
     return any(var in os.environ for var in _LAUNCHER_VARS)
 
 
-# Launchers that start processes without MPI: (name, rank, world size, local rank variables).
-_FOREIGN_LAUNCHERS = (("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK"),
-                      ("Slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"))
-
-
 def check_foreign_launcher(mpi_size: int) -> None:
-    """Stop when torchrun or Slurm started several processes that MPI sees as worlds of one:
-    each would train alone into the same files. dptrain's ranks find each other through MPI,
-    so they need an MPI launcher (srun can be one, through PMI)."""
-    for name, rank_var, size_var, _ in _FOREIGN_LAUNCHERS:
-        try:
-            size = int(os.environ.get(size_var, "1"))
-        except ValueError:
-            continue
-        if size > 1 and rank_var in os.environ and mpi_size == 1:
-            how = ("srun --mpi=pmix (or pmi2) python -m dptrain ..., or mpirun -n "
-                   f"{size} python -m dptrain ... inside the allocation" if name == "Slurm" else
-                   f"mpirun -n {size} python -m dptrain ... (or mpiexec -n {size})")
-            raise RuntimeError(f"{size_var}={size}: started by {name} as {size} processes, but "
-                               f"MPI sees a world of one; dptrain's ranks talk over MPI: launch "
-                               f"with {how}")
+    """Stop when torchrun started several processes that MPI sees as worlds of one: each
+    would train alone into the same files. (Slurm's tasks meet without MPI: dptrain.slurm.)"""
+    try:
+        size = int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return
+    if size > 1 and "RANK" in os.environ and mpi_size == 1:
+        raise RuntimeError(f"WORLD_SIZE={size}: started by torchrun as {size} processes, but "
+                           f"MPI sees a world of one; dptrain's ranks talk over MPI: launch "
+                           f"with mpirun -n {size} python -m dptrain ... (or mpiexec -n {size}, "
+                           f"or srun -n {size} under Slurm)")
+
+
+def constants(comm):
+    """MPI's constants (SUM, MAX, IN_PLACE, COMM_TYPE_SHARED) for `comm`: mpi4py's, or the
+    rendezvous communicator's own (importing mpi4py there would start MPI for nothing)."""
+    own = getattr(comm, "MPI", None)
+    if own is not None:
+        return own
+    from mpi4py import MPI
+
+    return MPI
 
 
 class LocalComm:
@@ -95,7 +102,7 @@ class LocalComm:
 
 
 class MPIComm:
-    """Collectives over MPI on NumPy arrays (the CPU backend)."""
+    """Collectives over MPI (or the rendezvous) on NumPy arrays (the CPU backend)."""
 
     name = "mpi"
 
@@ -104,8 +111,7 @@ class MPIComm:
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
 
     def reduce_scatter(self, send, recv):
-        from mpi4py import MPI
-
+        MPI = constants(self.comm)
         out = np.empty_like(recv)
         self.comm.Reduce_scatter_block(np.ascontiguousarray(send), out, op=MPI.SUM)
         out /= out.dtype.type(self.size)
@@ -115,8 +121,7 @@ class MPIComm:
         self.comm.Allgather(np.array(send, copy=True), recv)
 
     def all_reduce(self, buf, op="sum"):
-        from mpi4py import MPI
-
+        MPI = constants(self.comm)
         self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
         if op == "mean":
             buf /= buf.dtype.type(self.size)
@@ -135,8 +140,9 @@ class MPIComm:
 
 
 class World:
-    """rank, size, local_rank and the communicator for one device kind; `host_comm` is the
-    MPI communicator of this host's ranks (None without MPI)."""
+    """rank, size, local_rank and the communicator for one device kind; `mpi_comm` is the
+    host-side world communicator (mpi4py's, or the rendezvous one under Slurm; None without
+    a launcher) and `host_comm` the one of this host's ranks."""
 
     def __init__(self, rank=0, size=1, local_rank=0, local_size=1, comm=None, mpi_comm=None,
                  host_comm=None):
@@ -154,19 +160,19 @@ class World:
 SIMULATED_HOSTS_ENV = "DPTRAIN_SIMULATED_HOSTS"  # tests: "a,a,b,b" = rank r's host name
 
 
-def host_communicator(world):
-    """The ranks of this rank's host, as an MPI communicator (rank order kept).
+def host_communicator(world, key=None):
+    """The ranks of this rank's host, as an MPI communicator (ordered by `key`, by default
+    the world rank; under Slurm SLURM_LOCALID, so that the local rank is Slurm's).
 
     The one place that decides which ranks share a host: the local rank (which picks the
     GPU), the once-per-host work (dataset generation, kernel compilation) and the per-host
-    caches all follow it. Normally it is MPI's shared-memory split; a test can instead name
-    every rank's host in DPTRAIN_SIMULATED_HOSTS (comma-separated, one entry per rank), so
-    one machine plays several hosts."""
-    from mpi4py import MPI
-
+    caches all follow it. Normally it is MPI's shared-memory split (under Slurm without MPI:
+    SLURM_NODEID); a test can instead name every rank's host in DPTRAIN_SIMULATED_HOSTS
+    (comma-separated, one entry per rank), so one machine plays several hosts."""
     simulated = os.environ.get(SIMULATED_HOSTS_ENV)
     if not simulated:
-        return world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
+        key = world.Get_rank() if key is None else key
+        return world.Split_type(constants(world).COMM_TYPE_SHARED, key=key)
     hosts = [h.strip() for h in simulated.split(",")]
     if len(hosts) != world.Get_size() or not all(hosts):
         raise RuntimeError(f"{SIMULATED_HOSTS_ENV}={simulated!r}: expected {world.Get_size()} "
@@ -175,9 +181,16 @@ def host_communicator(world):
     return world.Split(order.index(hosts[world.Get_rank()]), key=world.Get_rank())
 
 
+_job_comm = None  # the world communicator init built on: guarded aborts it
+
+
 def init(be) -> World:
     """Build the world for backend `be`, selecting this rank's device first."""
+    global _job_comm
     if not launched_by_mpi():
+        tasks = slurm.from_env()
+        if tasks is not None:
+            return _init_slurm(be, tasks)
         check_foreign_launcher(1)
         return World(comm=LocalComm(be))
     try:
@@ -186,8 +199,28 @@ def init(be) -> World:
         raise RuntimeError("started by an MPI launcher but mpi4py is not installed "
                            "(pip install 'dptrain[mpi]')") from None
     world = MPI.COMM_WORLD
+    tasks = slurm.from_env() if world.Get_size() == 1 else None
+    if tasks is not None:
+        # srun with a PMI plugin this MPI cannot use: every task is a singleton
+        return _init_slurm(be, tasks)
+    _job_comm = world
+    return _build(be, world)
+
+
+def _init_slurm(be, tasks) -> World:
+    """The world of Slurm's tasks, met through the rendezvous (dptrain.rendezvous)."""
+    global _job_comm
+    from dptrain import rendezvous
+
+    world = rendezvous.connect(tasks.rank, tasks.size, tasks.host, slurm.rendezvous_place(tasks),
+                               tasks.job, slurm.rendezvous_timeout())
+    _job_comm = world
+    return _build(be, world, tasks.local_rank)
+
+
+def _build(be, world, host_key=None) -> World:
     rank, size = world.Get_rank(), world.Get_size()
-    node = host_communicator(world)
+    node = host_communicator(world, host_key)
     local_rank, local_size = node.Get_rank(), node.Get_size()
     if size == 1:
         check_foreign_launcher(1)
@@ -201,11 +234,17 @@ def init(be) -> World:
 
 
 def guarded(fn):
-    """Run fn() and return its exit code. Under mpirun, an exception (or a non-zero exit)
-    on any rank prints its traceback prefixed with the rank and aborts the whole job, so no
-    rank is left waiting in a collective."""
+    """Run fn() and return its exit code. Under mpirun or srun, an exception (or a non-zero
+    exit) on any rank prints its traceback prefixed with the rank and aborts the whole job,
+    so no rank is left waiting in a collective."""
+    tasks = None
     if not launched_by_mpi():
-        return fn()
+        try:
+            tasks = slurm.from_env()
+        except slurm.SlurmError:
+            pass  # init reports it
+        if tasks is None:
+            return fn()
     try:
         code, failure = fn(), None
         if not code:
@@ -217,11 +256,16 @@ def guarded(fn):
         failure = None
     except BaseException as exc:  # noqa: BLE001 - every failure must end the job
         code, failure = 1, exc
-    from mpi4py import MPI
+    comm = _job_comm
+    if comm is None and launched_by_mpi():
+        from mpi4py import MPI
 
-    rank = MPI.COMM_WORLD.Get_rank()
+        comm = MPI.COMM_WORLD
+    rank = comm.Get_rank() if comm is not None else tasks.rank if tasks else 0
     if failure is not None:
         text = "".join(traceback.format_exception(failure)).rstrip()
         sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in text.splitlines()))
         sys.stderr.flush()
-    MPI.COMM_WORLD.Abort(code)
+    if comm is None:  # failed before the ranks met: each rank ends on its own
+        return code
+    comm.Abort(code)

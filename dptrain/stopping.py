@@ -44,7 +44,7 @@ class StopRequests:
         """Called by every rank after every step: the signal all ranks stop for, or 0."""
         if self._comm is None:
             return self.signum
-        from mpi4py import MPI
+        from dptrain.dist import constants
 
         agreed = 0
         if self._req is not None:
@@ -54,7 +54,7 @@ class StopRequests:
         if agreed:
             return agreed
         self._send[0] = self.signum
-        self._req = self._comm.Iallreduce(self._send, self._recv, op=MPI.MAX)
+        self._req = self._comm.Iallreduce(self._send, self._recv, op=constants(self._comm).MAX)
         return 0
 
     def close(self, complete: bool = True):

@@ -9,7 +9,8 @@ device step. The thread, every ``interval`` seconds:
   * sends this rank's progress (sequence number, step) to every other rank with nonblocking
     point-to-point messages on a duplicate of the world communicator, and receives theirs
     (plain MPI-1 calls: the same under Open MPI and MPICH; it needs MPI_THREAD_MULTIPLE,
-    mpi4py's default, else ranks cannot be named);
+    mpi4py's default, else ranks cannot be named; nor can they under Slurm without MPI,
+    whose rendezvous carries collectives only);
   * polls the communicator's asynchronous error check (``comm.check()``: NCCL's
     ncclCommGetAsyncError; a no-op over MPI);
   * when the watched point has run past the timeout: prints one line naming it, the step and
@@ -45,6 +46,7 @@ class Watchdog:
         self.last_step = -1  # the step of the latest watched point
         self.heard = {}  # rank -> (seq, step, inside a watched point, time heard)
         self.comm, self.named_ranks = None, False
+        self.unnamed_why = "MPI lacks MPI_THREAD_MULTIPLE"  # when ranks cannot be named
         self._stop = threading.Event()
         self._thread = None
         self._sends = []
@@ -57,7 +59,10 @@ class Watchdog:
         if not self.active:
             return self
         mpi_comm = self.world.mpi_comm
-        if mpi_comm is not None and self.size > 1:
+        if getattr(mpi_comm, "rendezvous", False):
+            # Slurm without MPI: the star through rank 0 carries collectives only
+            self.unnamed_why = "the Slurm rendezvous carries no point-to-point messages"
+        elif mpi_comm is not None and self.size > 1:
             from mpi4py import MPI
 
             if MPI.Query_thread() == MPI.THREAD_MULTIPLE:
@@ -137,8 +142,8 @@ class Watchdog:
                 f"{self.rank}")
         if not self.named_ranks:
             if self.size > 1:
-                return head + " (the ranks that did not arrive cannot be named: MPI lacks " \
-                              "MPI_THREAD_MULTIPLE)"
+                return head + " (the ranks that did not arrive cannot be named: " \
+                              f"{self.unnamed_why})"
             return head
         now = time.monotonic()
         late = sorted(r for r, (s, *_) in self.heard.items() if s < seq)
