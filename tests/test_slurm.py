@@ -10,10 +10,10 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from dptrain import slurm
+from weights import assert_same_weights
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -168,12 +168,7 @@ def test_training_under_slurm_equals_one_process(tmp_path):
     for r, (code, _, err) in enumerate(results):
         assert code == 0, f"rank {r}: {err[-3000:]}"
     assert "x 4" in results[0][1]  # rank 0 reports a world of four
-    with np.load(tmp_path / "one.npz") as one, np.load(tmp_path / "four.npz") as four:
-        for name in one.files:
-            if name == "__meta__":
-                continue
-            rel = np.abs(one[name] - four[name]).max() / (np.abs(one[name]).max() + 1e-12)
-            assert rel <= 1e-5, f"{name}: relative difference {rel:.2e}"
+    assert_same_weights(tmp_path / "one.npz", tmp_path / "four.npz")
 
 
 # -- failures end every rank, naming the one that went
