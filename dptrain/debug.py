@@ -13,6 +13,10 @@ import time
 FAULT_ENV = "DPTRAIN_FAULT"  # "RANK:STEP": that rank raises after that step
 STALL_ENV = "DPTRAIN_STALL"  # "RANK:STEP:SECONDS": that rank sleeps after that step
 KILL_ENV = "DPTRAIN_KILL"  # "RANK:STEP": that rank SIGKILLs itself after that step
+# "RANK:STEP" (STEP >= 2): fp16 gradients of that rank overflow at that step (its loss scale
+# is raised after step STEP-1, so that step's logged scale shows it, and lowered after STEP)
+OVERFLOW_ENV = "DPTRAIN_OVERFLOW"
+OVERFLOW_FACTOR = 2.0**40  # far beyond fp16's range (65504) from any loss scale in use
 
 
 def verify_replicas(flat, world, step):
@@ -25,9 +29,20 @@ def verify_replicas(flat, world, step):
         raise RuntimeError(f"step {step}: parameters differ across ranks: {digests}")
 
 
-def step_hooks(cfg, world, reducer, flat) -> list:
+def step_hooks(cfg, world, reducer, flat, scaler=None) -> list:
     """The hooks that `cfg` and the environment ask for."""
     hooks = []
+    overflow = os.environ.get(OVERFLOW_ENV)
+    if overflow and scaler is not None:
+        rank, at = (int(v) for v in overflow.split(":"))
+
+        def blow_up(step):  # this rank's loss scale x 2^40 for step `at` only: a real overflow
+            if world.rank == rank and step in (at - 1, at):
+                factor = OVERFLOW_FACTOR if step == at - 1 else 1.0 / OVERFLOW_FACTOR
+                state = flat.be.to_numpy(scaler.state).copy()
+                state[0] *= factor
+                flat.be.runtime.upload_(scaler.state, state)
+        hooks.append(blow_up)
     if cfg.verify_replicas:
         def check(step):
             reducer.sync_parameters()

@@ -180,6 +180,16 @@ def reshape(x: Tensor, *shape) -> Tensor:
     return ops.Reshape.apply(x, shape=tuple(int(s) for s in shape))
 
 
+def cast(x: Tensor, dtype) -> Tensor:
+    """x in float dtype `dtype` (x itself when it has it); the gradient flows back in x's."""
+    dtype = np.dtype(dtype)
+    if x.dtype == dtype:
+        return x
+    if dtype.kind != "f" or x.dtype.kind != "f":
+        raise TypeError(f"cast: float to float only, got {x.dtype} to {dtype}")
+    return ops.Cast.apply(x, dtype=dtype)
+
+
 def transpose(x: Tensor, *axes) -> Tensor:
     if len(axes) == 1 and isinstance(axes[0], (tuple, list)):
         axes = tuple(axes[0])

@@ -11,6 +11,11 @@ Inside the (captured) step, after the gradient exchange and before the update:
 parameters and state untouched when it is non-zero, so a bad step changes nothing, on every
 rank alike (the flag is all-reduced). No value reaches the host inside the step.
 
+With fp16 loss scaling (``scaler``, dptrain.amp) a non-finite *gradient* under a finite loss
+is an overflow of the scaled 16-bit gradients, not a failure: it has its own flag (all-reduced
+in the same call), skips that one step on every rank and halves the scale, and is not
+counted here. A non-finite loss still goes through the rules above.
+
 ``read(step)`` runs on the host where the loop already synchronises (metric reads, before a
 checkpoint, at the end). By default the first bad step stops the run with exit code 3:
 since the skip is sticky, every step from the first bad one on is counted, which names it
@@ -24,31 +29,41 @@ from dptrain.optim import SKIP_SLOT
 
 
 class NonFiniteGuard:
-    def __init__(self, optimizer, comm, skip_budget: int = 0):
+    def __init__(self, optimizer, comm, skip_budget: int = 0, scaler=None):
         be, dtype = optimizer.be, optimizer.flat.dtype
-        self.be, self.opt, self.comm = be, optimizer, comm
+        self.be, self.opt, self.comm, self.scaler = be, optimizer, comm, scaler
         self.skip_budget = int(skip_budget)
         self.sticky = self.skip_budget == 0
-        self.flag = be.zeros((1,), dtype)
+        self.flags = be.zeros((2,), dtype)  # [bad loss (or gradient), overflowed gradient]
+        self.flag, self.overflow = self.flags[0:1], self.flags[1:2]
         self.empty = be.zeros((0,), dtype)
         self.count = be.zeros((1,), dtype)
         self.skip = optimizer.hyper[SKIP_SLOT : SKIP_SLOT + 1]
+        # the guard's own (sticky) decision: the skip slot itself, unless overflows join it
+        self.decision = self.skip if scaler is None else be.zeros((1,), dtype)
         self.skipped = 0  # steps skipped so far (host count, updated at reads)
 
     def __call__(self, loss):
         """Device work only: decide whether this step's update is applied (see above)."""
-        be, grad = self.be, self.opt.flat.grad
-        be.fill_(self.flag, 0.0)
+        be, grad, segments = self.be, self.opt.flat.grad, self.opt.segments
+        be.fill_(self.flags, 0.0)
         be.nonfinite_flag_(self.flag, loss)
-        for start, stop in self.opt.segments:
-            be.nonfinite_flag_(self.flag, grad[start:stop])
-        self.comm.all_reduce(self.flag, "sum")  # a bad value on any rank skips on every rank
+        grad_flag = self.flag if self.scaler is None else self.overflow
+        for start, stop in segments:
+            be.nonfinite_flag_(grad_flag, grad[start:stop])
+        self.comm.all_reduce(self.flags, "sum")  # a bad value on any rank skips on every rank
         if self.sticky:
-            be.add_(self.skip, self.flag)
+            be.add_(self.decision, self.flag)
         else:
-            be.copy_(self.skip, self.flag)
-        be.nonfinite_flag_(self.skip, self.empty)  # back to 0 or 1
-        be.add_(self.count, self.skip)
+            be.copy_(self.decision, self.flag)
+        be.nonfinite_flag_(self.decision, self.empty)  # back to 0 or 1
+        be.add_(self.count, self.decision)
+        if self.scaler is not None:
+            be.nonfinite_flag_(self.overflow, self.empty)
+            self.scaler.unscale_(grad, segments)  # by the scale this backward used ...
+            self.scaler.update_(self.overflow)  # ... then halve it on overflow
+            be.copy_(self.skip, self.decision)
+            be.add_(self.skip, self.overflow)  # skip on a failure or an overflow
 
     def read(self, step: int) -> int:
         """Host side (synchronises): the steps skipped since the last read, up to `step`.

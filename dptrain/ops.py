@@ -185,6 +185,17 @@ class Reshape(Function):
         return (gy.reshape(self.shape),)
 
 
+class Cast(Function):
+    """A copy in another float dtype (mixed precision); the gradient goes back to the input's."""
+
+    def forward(self, a, dtype):
+        self.dtype = a.dtype
+        return self.be.astype(a, dtype)
+
+    def backward(self, gy):
+        return (self.be.astype(gy, self.dtype),)
+
+
 class Transpose(Function):
     def forward(self, a, axes):
         self.axes = axes

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 import dptrain.functional as F
-from dptrain import backend, dist
+from dptrain import amp, backend, dist
 from dptrain.autograd import Tensor, no_grad
 from dptrain.checkpoint import load_weights, save_weights, weights_metadata
 from dptrain.checkpoints import Checkpointing
@@ -58,7 +58,9 @@ class TrainConfig:
     warmup_steps: int | None = None  # None: a fraction of the run, capped (LRSchedule)
     seed: int = 0
     device: str = "auto"
-    precision: str = "auto"
+    precision: str = "auto"  # auto, tf32, fp32 (matrix arithmetic) or fp16 (mixed precision)
+    loss_scale: float = amp.INIT_SCALE  # fp16: the initial loss scale
+    loss_scale_interval: int = amp.INTERVAL  # fp16: good steps before the scale doubles
     log_dir: str | None = None
     save: str | None = None
     load: str | None = None
@@ -109,9 +111,11 @@ def defaults_for(cfg: TrainConfig, device: str) -> TrainConfig:
 class TrainStep:
     """One optimisation step on the loader's current batch, metrics summed on the device."""
 
-    def __init__(self, model, optimizer, reducer, loader, guard=None):
+    def __init__(self, model, optimizer, reducer, loader, guard=None, dtype=np.float32):
         self.model, self.opt, self.reducer, self.loader = model, optimizer, reducer, loader
         self.guard = guard  # the non-finite check: decides on the device if the update applies
+        self.dtype = np.dtype(dtype)  # of the activations (float16: mixed precision, dptrain.amp)
+        self.scaler = guard.scaler if guard is not None else None
         self.be = optimizer.be
         self.loss_sum = self.be.zeros((), optimizer.flat.dtype)
         self.correct_sum = self.be.zeros((), np.float32)
@@ -121,9 +125,10 @@ class TrainStep:
         self.reducer.gather_parameters()  # last step's updated shards; overlaps the forward
         x, y = self.loader.batch()
         self.opt.zero_grad()
-        logits = self.model(Tensor(x))
+        logits = F.cast(self.model(F.cast(Tensor(x), self.dtype)), np.float32)
         loss = F.cross_entropy(logits, Tensor(y))
-        loss.backward()  # buckets start their reduce-scatter as their gradients complete
+        # buckets start their reduce-scatter as their gradients complete
+        loss.backward(self.scaler.seed() if self.scaler is not None else None)
         self.reducer.finish_backward()
         if self.guard is not None:
             self.guard(loss.data)
@@ -143,9 +148,9 @@ class TrainStep:
         return loss, correct
 
 
-def evaluate(model, loader, world=None, batch_size=1000) -> dict:
-    """Mean loss and accuracy over a loader's whole set. Each rank takes every N-th image
-    and the sums are all-reduced; one host read at the end."""
+def evaluate(model, loader, world=None, batch_size=1000, dtype=np.float32) -> dict:
+    """Mean loss and accuracy over a loader's whole set, the model fed `dtype` activations.
+    Each rank takes every N-th image and the sums are all-reduced; one host read at the end."""
     be = loader.be
     rank, size = (world.rank, world.size) if world else (0, 1)
     comm = world.comm if world else dist.LocalComm(be)
@@ -158,7 +163,7 @@ def evaluate(model, loader, world=None, batch_size=1000) -> dict:
         for start in range(0, len(mine), batch_size):
             idx = mine[start : start + batch_size]
             x, y = loader.gather(idx)
-            logits = model(Tensor(x))
+            logits = F.cast(model(F.cast(Tensor(x), dtype)), np.float32)
             loss = F.cross_entropy(logits, Tensor(y)).data
             be.add_(loss_sum, be.scale(loss, float(len(idx))))
             be.add_(correct, be.count_correct(logits.data, y))
@@ -214,7 +219,7 @@ def _setup(cfg: TrainConfig):
                 raise ValueError(f"--global-batch-size {cfg.global_batch_size} does not divide "
                                  f"by the {world.size} ranks")
             cfg.batch_size = cfg.global_batch_size // world.size
-        be.runtime.set_precision(cfg.precision)
+        be.runtime.set_precision("auto" if cfg.precision in amp.COMPUTE_DTYPES else cfg.precision)
         manual_seed(cfg.seed)
         set_data_shard(world.rank, world.size)  # dropout draws the global batch's masks
         train_set, val_set = _load_datasets(cfg, world)
@@ -222,6 +227,7 @@ def _setup(cfg: TrainConfig):
                             hidden=cfg.hidden).to(device)
         if cfg.sync_bn:
             sync_batch_norm(model, world.comm)
+        amp.check_model(model, cfg.precision)
         if cfg.batch_size * world.size > len(train_set.labels):
             raise ValueError(f"--batch-size {cfg.batch_size} x {world.size} ranks is larger than "
                              f"the {len(train_set.labels)} training images")
@@ -266,14 +272,17 @@ def train(cfg: TrainConfig, echo=print) -> dict:
     val_loader = DeviceLoader(val_set, be, cfg.batch_size)
     # Exact resume: restores parameters, optimizer shards, step, RNG and augmentation states
     # in place.
+    dtype = amp.compute_dtype(cfg.precision)
+    scaler = (amp.LossScaler(be, cfg.loss_scale, cfg.loss_scale_interval)
+              if dtype.itemsize == 2 else None)
     ckpt = Checkpointing(cfg, world, model, opt, reducer, steps_per_epoch, echo=echo,
                          warn=lambda text: print(text, file=sys.stderr, flush=True),
-                         loader=loader)
+                         loader=loader, scaler=scaler)
     first_step = ckpt.resume()
-    guard = NonFiniteGuard(opt, world.comm, cfg.skip_nonfinite)
-    step_fn = TrainStep(model, opt, reducer, loader, guard)
+    guard = NonFiniteGuard(opt, world.comm, cfg.skip_nonfinite, scaler)
+    step_fn = TrainStep(model, opt, reducer, loader, guard, dtype)
     run_step = be.runtime.capture(step_fn, warmup=CAPTURE_WARMUP) if cfg.cuda_graph else step_fn
-    hooks = step_hooks(cfg, world, reducer, flat)
+    hooks = step_hooks(cfg, world, reducer, flat, scaler)
     log = MetricsLog(cfg.log_dir if root else None, append=first_step > 0)
     log.config(asdict(cfg))
     if root:
@@ -328,6 +337,8 @@ def train(cfg: TrainConfig, echo=print) -> dict:
                     since_log = 0
                     record = {"step": step, "epoch": epoch, "loss": last_loss,
                               "accuracy": accuracy, "lr": opt.lr, "images_per_s": rate}
+                    if scaler is not None:  # fp16: the scale now, overflowed (skipped) steps
+                        record["loss_scale"], record["overflow_steps"] = scaler.read(step)
                     log.write({**record, "skipped_steps": skipped} if skipped else record)
                     progress.update(step, loss=last_loss, acc=accuracy, images_per_s=rate)
                 if step % eval_every == 0 or step == total_steps:
@@ -335,7 +346,7 @@ def train(cfg: TrainConfig, echo=print) -> dict:
                     with watch("evaluation", step):
                         reducer.sync_parameters()
                         broadcast_buffers(model, world.comm)  # evaluate with rank 0's estimates
-                        last_eval = evaluate(model, val_loader, world=world)
+                        last_eval = evaluate(model, val_loader, world=world, dtype=dtype)
                     log.write({"step": step, "epoch": epoch, **last_eval})
                     progress.note(f"step {step}: val_loss {last_eval['val_loss']:.4f} "
                                   f"val_accuracy {last_eval['val_accuracy']:.4f}")
@@ -355,6 +366,8 @@ def train(cfg: TrainConfig, echo=print) -> dict:
             raise RunStopped(f"stopped by {signal_name(stopped)} after step {step}{where}",
                              exit_code=128 + stopped)
         guard.read(step)
+        if scaler is not None:
+            scaler.read(step)
         stops.close()
     finally:
         stops.close(complete=False)
@@ -385,6 +398,7 @@ def train(cfg: TrainConfig, echo=print) -> dict:
         "startup_s": startup_s,
         "prepare_s": prepare_s,
         "images_per_s_per_rank": train_rate / world.size,
+        "overflow_steps": scaler.overflows if scaler is not None else None,  # fp16 skips
         "comm_exposed_s": comm_exposed,  # None: not measurable under graph replay
         "comm_exposed_fraction": (comm_exposed / train_time if comm_exposed is not None
                                   and train_time > 0 else None),

@@ -1,12 +1,14 @@
 // conv2d.cu: 2D convolution forward, backward-data and backward-weight as implicit GEMMs on
-// the tiles of gemm_tiles.cuh, fp32 (FFMA) or TF32 (tensor cores, fp32 accumulate).
+// the tiles of gemm_tiles.cuh, fp32 (FFMA) or TF32 (tensor cores, fp32 accumulate) on float,
+// f16 tensor cores (fp32 accumulate) on __half.
 // Launchers: dptrain/backend/cuda/conv2d.py.
 //
 // Conventions
 //  * NCHW activations, weight (C_out, C_in, KH, KW), PyTorch's cross-correlation; any stride
 //    and zero padding per axis. All outputs are written with `=`; nothing is read first.
 //  * No im2col buffer: the loaders gather each operand element straight from the tensors
-//    while filling the shared-memory slab (4-byte cp.async, zero-fill outside the image).
+//    while filling the shared-memory slab (4-byte cp.async, zero-fill outside the image; a
+//    thread's own load and store for __half elements).
 //  * Forward and backward-data are one kernel (`mode` 0 / 1):
 //      out[n, m, p] = sum_{kh, kw, c} wgt(m, c, kh, kw) * src[n, c, tap(p, kh, kw)] (+ bias[m])
 //    forward:   m = c_out, c = c_in,  src = x,  tap: iy = oy*sh - ph + kh
@@ -21,7 +23,7 @@
 //      sum over p = (n, oy, ox) of gy[n, co, oy, ox] * x[n, ci, oy*sh - ph + kh, ox*sw - pw + kw]
 //    GEMM view: M = C_out, N = C_in*KH*KW, K = N_batch*Ho*Wo. K is long and M*N small, so K
 //    is split over grid z; split s writes its partial to ws[s] and splitk_reduce_kernel sums
-//    the splits in order: deterministic, no atomics.
+//    the splits in order: deterministic, no atomics. Partials are float for every type.
 //  * Index arithmetic is int within one image and long long across the batch; the launcher
 //    asserts every tensor has fewer than 2^31 elements.
 //
@@ -36,6 +38,12 @@
 // instantiate: conv2d_bwdw_fp32_kernel<float, 64, 32>; conv2d_bwdw_fp32_kernel<float, 64, 128>
 // instantiate: conv2d_bwdw_fp32_kernel<float, 128, 32>; conv2d_bwdw_fp32_kernel<float, 128, 128>
 // instantiate: splitk_reduce_kernel<float>; conv2d_weight_reorder_kernel<float>
+// instantiate: conv2d_f16_kernel<__half, 32>; conv2d_f16_kernel<__half, 64>
+// instantiate: conv2d_f16_kernel<__half, 128>
+// instantiate: conv2d_bwdw_f16_kernel<__half, 32, 32>; conv2d_bwdw_f16_kernel<__half, 32, 128>
+// instantiate: conv2d_bwdw_f16_kernel<__half, 64, 32>; conv2d_bwdw_f16_kernel<__half, 64, 128>
+// instantiate: conv2d_bwdw_f16_kernel<__half, 128, 32>; conv2d_bwdw_f16_kernel<__half, 128, 128>
+// instantiate: splitk_reduce_kernel<__half, float>; conv2d_weight_reorder_kernel<__half>
 
 #include "gemm_tiles.cuh"
 
@@ -81,13 +89,14 @@ __global__ void conv2d_weight_reorder_kernel(const T* __restrict__ w, T* __restr
 template <class L, int THREADS>
 struct ConvSrcLoader {
   using Layout = L;
-  const float* src;
+  using E = typename L::Elem;
+  const E* src;
   ConvGeom g;
   bool fast, pok;
   int col, oy, ox;
   long long nbase;
 
-  __device__ __forceinline__ ConvSrcLoader(const float* src_, const ConvGeom& g_, int n0,
+  __device__ __forceinline__ ConvSrcLoader(const E* src_, const ConvGeom& g_, int n0,
                                            bool fast_)
       : src(src_), g(g_), fast(fast_) {
     col = threadIdx.x % L::kBMN;
@@ -99,7 +108,7 @@ struct ConvSrcLoader {
     nbase = (long long)n * g.C * g.Hs * g.Ws;
   }
 
-  __device__ __forceinline__ void load(float* s, int k0, int k_end) const {
+  __device__ __forceinline__ void load(E* s, int k0, int k_end) const {
     constexpr int BN = L::kBMN, BK = L::kBK, ROWS = THREADS / BN;
     static_assert(THREADS % BN == 0 && BK % ROWS == 0, "bad source tile");
     const int r0 = threadIdx.x / BN, hws = g.Hs * g.Ws;
@@ -107,33 +116,34 @@ struct ConvSrcLoader {
       const int khw = k0 / g.C, c0 = k0 - khw * g.C, kh = khw / g.KW, kw = khw - kh * g.KW;
       int iy = 0, ix = 0;
       const bool ok = pok && conv_tap(g, oy, ox, kh, kw, iy, ix);
-      const float* base = ok ? src + nbase + (long long)(c0 + r0) * hws + iy * g.Ws + ix : src;
+      const E* base = ok ? src + nbase + (long long)(c0 + r0) * hws + iy * g.Ws + ix : src;
       const int step = ok ? ROWS * hws : 0;
 #pragma unroll
       for (int i = 0; i < BK / ROWS; ++i)
-        cp_async4(s + L::off(col, r0 + i * ROWS), base + (long long)i * step, ok);
+        put_elem(s + L::off(col, r0 + i * ROWS), base + (long long)i * step, ok);
     } else {
 #pragma unroll 1
       for (int i = 0; i < BK / ROWS; ++i) {
         const int k = k0 + r0 + i * ROWS;
         bool ok = pok && k < k_end;
-        const float* p = src;
+        const E* p = src;
         if (ok) {
           const int khw = k / g.C, c = k - khw * g.C, kh = khw / g.KW, kw = khw - kh * g.KW;
           int iy, ix;
           ok = conv_tap(g, oy, ox, kh, kw, iy, ix);
           if (ok) p = src + nbase + (long long)c * hws + iy * g.Ws + ix;
         }
-        cp_async4(s + L::off(col, r0 + i * ROWS), p, ok);
+        put_elem(s + L::off(col, r0 + i * ROWS), p, ok);
       }
     }
   }
 };
 
 // out[n, m, p] for GEMM column q = n*Ho*Wo + p.
+template <typename T>
 struct ConvOut {
-  float* out;
-  const float* bias;
+  T* out;
+  const T* bias;
   int has_bias, M, hw, npix;
   __device__ __forceinline__ long long col_offset(int q) const {  // -1: past the end
     if (q >= npix) return -1;
@@ -142,8 +152,8 @@ struct ConvOut {
   }
   __device__ __forceinline__ void store(int m, long long coff, float v) const {
     if (m >= M || coff < 0) return;
-    if (has_bias) v += bias[m];
-    out[coff + (long long)m * hw] = v;
+    if (has_bias) v += as<float>(bias[m]);
+    out[coff + (long long)m * hw] = as<T>(v);
   }
 };
 
@@ -159,10 +169,10 @@ struct ConvOut {
   const int m0 = blockIdx.y * Cfg::BM, n0 = blockIdx.x * Cfg::BN;                             \
   const DenseLoader<LayA, true, Cfg::THREADS> la{wr, K, m0, M, vec_w != 0};                 \
   const ConvSrcLoader<LayB, Cfg::THREADS> lb(src, g, n0, fast);                               \
-  const ConvOut epi{out, bias, has_bias, M, Ho * Wo, npix};                                   \
+  const ConvOut<T> epi{out, bias, has_bias, M, Ho * Wo, npix};                                \
   extern __shared__ float4 smem4[];                                                           \
-  float* smem = reinterpret_cast<float*>(smem4);                                              \
-  check_smem(Cfg::STAGES * (LayA::kSize + LayB::kSize) * 4)
+  T* smem = reinterpret_cast<T*>(smem4);                                                      \
+  check_smem(Cfg::STAGES * (LayA::kSize + LayB::kSize) * sizeof(T))
 
 // The epilogue: each column's output offset once per thread, then every accumulator.
 #define CONV_STORE(Coords)                                                                    \
@@ -181,6 +191,20 @@ __global__ void __launch_bounds__(128, 2) conv2d_tf32_kernel(CONV_PARAMS) {
 
   float acc[Cfg::MT][Cfg::NT][4];
   mma_mainloop<Cfg>(acc, la, lb, smem, 0, K);
+
+  CONV_STORE(MmaCoords<Cfg>);
+}
+
+template <typename T, int BM>
+__global__ void __launch_bounds__(128, 2) conv2d_f16_kernel(CONV_PARAMS) {
+  static_assert(sizeof(T) == 2, "16-bit operands");
+  using Cfg = MmaCfg<BM, 128, 32, 2, 2, 3>;       // the TF32 kernel's tiles on __half
+  using LayA = TileLayout<BM, 32, true, 8, T>;     // wr rows: 16-byte copies, ldmatrix reads
+  using LayB = TileLayout<128, 32, false, 8, T>;   // [k][p]: ldmatrix.trans reads
+  CONV_SETUP;
+
+  float acc[Cfg::MT][Cfg::NT][4];
+  mma16_mainloop<Cfg>(acc, la, lb, smem, 0, K);
 
   CONV_STORE(MmaCoords<Cfg>);
 }
@@ -211,21 +235,22 @@ struct ColInfo {
 template <class L, int THREADS, int KL>
 struct GyLoader {
   using Layout = L;
-  const float* gy;
+  using E = typename L::Elem;
+  const E* gy;
   int M, m0, hw;
 
-  __device__ __forceinline__ void load(float* s, int k0, int k_end) const {
+  __device__ __forceinline__ void load(E* s, int k0, int k_end) const {
     constexpr int BM = L::kBMN, BK = L::kBK, RSTEP = THREADS / KL;
     static_assert(BK == KL && BM % RSTEP == 0, "bad gy tile");
     const int kk = threadIdx.x % KL, r0 = threadIdx.x / KL;
     const int q = k0 + kk;
     const bool qok = q < k_end;
     const int n = qok ? q / hw : 0, p = qok ? q - n * hw : 0;
-    const float* base = gy + ((long long)n * M + m0 + r0) * hw + p;
+    const E* base = gy + ((long long)n * M + m0 + r0) * hw + p;
 #pragma unroll 4
     for (int i = 0; i < BM / RSTEP; ++i) {
       const bool ok = qok && m0 + r0 + i * RSTEP < M;
-      cp_async4(s + L::off(r0 + i * RSTEP, kk), ok ? base + (long long)i * RSTEP * hw : gy, ok);
+      put_elem(s + L::off(r0 + i * RSTEP, kk), ok ? base + (long long)i * RSTEP * hw : gy, ok);
     }
   }
 };
@@ -234,11 +259,12 @@ struct GyLoader {
 template <class L, int THREADS, int KL>
 struct XColLoader {
   using Layout = L;
-  const float* x;
+  using E = typename L::Elem;
+  const E* x;
   const ColInfo* cols;  // shared memory, one entry per tile column
   int C, H, W, Ho, Wo, sh, sw, ph, pw;
 
-  __device__ __forceinline__ void load(float* s, int k0, int k_end) const {
+  __device__ __forceinline__ void load(E* s, int k0, int k_end) const {
     constexpr int BN = L::kBMN, BK = L::kBK, RSTEP = THREADS / KL;
     static_assert(BK == KL && BN % RSTEP == 0, "bad im2col tile");
     const int kk = threadIdx.x % KL, r0 = threadIdx.x / KL;
@@ -254,13 +280,13 @@ struct XColLoader {
       const ColInfo t = cols[jj];
       const bool ok = qok && t.valid && (unsigned)(iy0 + t.kh) < (unsigned)H &&
                       (unsigned)(ix0 + t.kw) < (unsigned)W;
-      cp_async4(s + L::off(jj, kk), ok ? x + (base + t.off) : x, ok);
+      put_elem(s + L::off(jj, kk), ok ? x + (base + t.off) : x, ok);
     }
   }
 };
 
 #define BWDW_PARAMS                                                                            \
-  const T *__restrict__ x, const T *__restrict__ gy, T *__restrict__ gw, T *__restrict__ ws,   \
+  const T *__restrict__ x, const T *__restrict__ gy, T *__restrict__ gw, float *__restrict__ ws, \
       int Nb, int Cout, int Cin, int H, int W, int Ho, int Wo, int KH, int KW, int sh, int sw, \
       int ph, int pw, int splits, int kchunk
 
@@ -278,16 +304,18 @@ struct XColLoader {
   __syncthreads();                                                                            \
   const GyLoader<LayA, Cfg::THREADS, KL> la{gy, M, m0, Ho * Wo};                              \
   const XColLoader<LayB, Cfg::THREADS, KL> lb{x, cols, Cin, H, W, Ho, Wo, sh, sw, ph, pw};    \
-  float* dst = splits == 1 ? gw : ws + (long long)s * M * N;                                  \
+  float* part = ws + (long long)s * M * N;                                                    \
   extern __shared__ float4 smem4[];                                                           \
-  float* smem = reinterpret_cast<float*>(smem4);                                              \
-  check_smem(Cfg::STAGES * (LayA::kSize + LayB::kSize) * 4)
+  T* smem = reinterpret_cast<T*>(smem4);                                                      \
+  check_smem(Cfg::STAGES * (LayA::kSize + LayB::kSize) * sizeof(T))
 
-// The epilogue: `=` into gw, or into this split's slice of the workspace.
+// The epilogue: `=` into gw, or into this split's (float) slice of the workspace.
 #define BWDW_STORE(Coords)                                                \
   Coords().for_each(acc, [&](int r, int c, int, float v) {                \
     const int m = m0 + r, n = n0 + c;                                     \
-    if (m < M && n < N) dst[(long long)m * N + n] = v;                    \
+    if (m >= M || n >= N) return;                                         \
+    if (splits == 1) gw[(long long)m * N + n] = as<T>(v);                 \
+    else part[(long long)m * N + n] = v;                                  \
   })
 
 template <typename T, int BM, int BN>
@@ -300,6 +328,20 @@ __global__ void __launch_bounds__(256, 2) conv2d_bwdw_tf32_kernel(BWDW_PARAMS) {
 
   float acc[Cfg::MT][Cfg::NT][4];
   mma_mainloop<Cfg>(acc, la, lb, smem, k_begin, k_end);
+
+  BWDW_STORE(MmaCoords<Cfg>);
+}
+
+template <typename T, int BM, int BN>
+__global__ void __launch_bounds__(256, 2) conv2d_bwdw_f16_kernel(BWDW_PARAMS) {
+  static_assert(sizeof(T) == 2, "16-bit operands");
+  using Cfg = MmaCfg<BM, BN, 32, 2, 4, 3>;
+  using LayA = TileLayout<BM, 32, true, 8, T>;  // [m][k] and [j][k]: ldmatrix reads
+  using LayB = TileLayout<BN, 32, true, 8, T>;
+  BWDW_SETUP(32);
+
+  float acc[Cfg::MT][Cfg::NT][4];
+  mma16_mainloop<Cfg>(acc, la, lb, smem, k_begin, k_end);
 
   BWDW_STORE(MmaCoords<Cfg>);
 }

@@ -15,8 +15,10 @@
 //    a broadcast). Sums over k in order from 0, then + bias, in fp32 (more exact than TF32).
 //  * Backward-weight: grid.y picks a group of MG output channels, each thread accumulates
 //    MG x KMAX sums over the pixels of its grid-stride loop, the block reduces them in a fixed
-//    order into ws[blockIdx.x][m][k], and splitk_reduce_kernel (gemm_tiles.cuh) sums the
-//    blocks in order: bitwise repeatable, no atomics.
+//    order into ws[blockIdx.x][m][k], and splitk_reduce_kernel (gemm_tiles.cuh, instantiated in
+//    conv2d.cu) sums the
+//    blocks in order: bitwise repeatable, no atomics. The partials are float for every T.
+//  * __half data: loaded into float, rounded once per stored output.
 //
 // instantiate: conv2d_direct_fwd_kernel<float, 4>; conv2d_direct_fwd_kernel<float, 8>
 // instantiate: conv2d_direct_fwd_kernel<float, 12>; conv2d_direct_fwd_kernel<float, 16>
@@ -26,6 +28,14 @@
 // instantiate: conv2d_direct_bwdw_kernel<float, 12, 4>; conv2d_direct_bwdw_kernel<float, 16, 4>
 // instantiate: conv2d_direct_bwdw_kernel<float, 20, 2>; conv2d_direct_bwdw_kernel<float, 24, 2>
 // instantiate: conv2d_direct_bwdw_kernel<float, 28, 2>; conv2d_direct_bwdw_kernel<float, 32, 2>
+// instantiate: conv2d_direct_fwd_kernel<__half, 4>; conv2d_direct_fwd_kernel<__half, 8>
+// instantiate: conv2d_direct_fwd_kernel<__half, 12>; conv2d_direct_fwd_kernel<__half, 16>
+// instantiate: conv2d_direct_fwd_kernel<__half, 20>; conv2d_direct_fwd_kernel<__half, 24>
+// instantiate: conv2d_direct_fwd_kernel<__half, 28>; conv2d_direct_fwd_kernel<__half, 32>
+// instantiate: conv2d_direct_bwdw_kernel<__half, 4, 8>; conv2d_direct_bwdw_kernel<__half, 8, 4>
+// instantiate: conv2d_direct_bwdw_kernel<__half, 12, 4>; conv2d_direct_bwdw_kernel<__half, 16, 4>
+// instantiate: conv2d_direct_bwdw_kernel<__half, 20, 2>; conv2d_direct_bwdw_kernel<__half, 24, 2>
+// instantiate: conv2d_direct_bwdw_kernel<__half, 28, 2>; conv2d_direct_bwdw_kernel<__half, 32, 2>
 
 #include "common.cuh"
 
@@ -54,17 +64,17 @@ __device__ __forceinline__ void fill_taps(Tap* taps, const DirectGeom& g) {
 
 // v[k] = x[n, c, oy*sh - ph + kh, ox*sw - pw + kw] for tap k, 0 outside the image (and for
 // the padding taps k >= K).
-template <int KMAX>
-__device__ __forceinline__ void load_taps(float (&v)[KMAX], const float* __restrict__ x,
+template <int KMAX, typename T>
+__device__ __forceinline__ void load_taps(float (&v)[KMAX], const T* __restrict__ x,
                                           const Tap* taps, const DirectGeom& g, int n, int oy,
                                           int ox) {
   const int iy0 = oy * g.sh - g.ph, ix0 = ox * g.sw - g.pw;
-  const float* xw = x + (long long)n * g.C * g.H * g.W + (iy0 * g.W + ix0);
+  const T* xw = x + (long long)n * g.C * g.H * g.W + (iy0 * g.W + ix0);
 #pragma unroll
   for (int k = 0; k < KMAX; ++k) {
     const Tap t = taps[k];
     const bool in = (unsigned)(iy0 + t.kh) < (unsigned)g.H && (unsigned)(ix0 + t.kw) < (unsigned)g.W;
-    v[k] = in ? xw[t.off] : 0.f;
+    v[k] = in ? as<float>(xw[t.off]) : 0.f;
   }
 }
 
@@ -81,9 +91,9 @@ __global__ void __launch_bounds__(256) conv2d_direct_fwd_kernel(
   fill_taps<KMAX>(taps, g);
   for (int i = threadIdx.x; i < g.M * KMAX; i += blockDim.x) {
     const int m = i / KMAX, k = i - m * KMAX;
-    sw[i] = k < K ? w[m * K + k] : 0.f;
+    sw[i] = k < K ? as<float>(w[m * K + k]) : 0.f;
   }
-  for (int m = threadIdx.x; m < g.M; m += blockDim.x) sb[m] = has_bias ? bias[m] : 0.f;
+  for (int m = threadIdx.x; m < g.M; m += blockDim.x) sb[m] = has_bias ? as<float>(bias[m]) : 0.f;
   __syncthreads();
   const int hw = g.Ho * g.Wo;
   GRID_STRIDE(q, (long long)g.Nb * hw) {
@@ -103,7 +113,7 @@ __global__ void __launch_bounds__(256) conv2d_direct_fwd_kernel(
         acc = fmaf(f.z, v[4 * k4 + 2], acc);
         acc = fmaf(f.w, v[4 * k4 + 3], acc);
       }
-      out[(long long)m * hw] = acc + sb[m];
+      out[(long long)m * hw] = as<T>(acc + sb[m]);
     }
   }
 }
@@ -112,7 +122,7 @@ __global__ void __launch_bounds__(256) conv2d_direct_fwd_kernel(
 // MG channels m of group blockIdx.y; the launcher sums ws over blockIdx.x.
 template <typename T, int KMAX, int MG>
 __global__ void __launch_bounds__(256) conv2d_direct_bwdw_kernel(
-    const T* __restrict__ x, const T* __restrict__ gy, T* __restrict__ ws, DirectGeom g) {
+    const T* __restrict__ x, const T* __restrict__ gy, float* __restrict__ ws, DirectGeom g) {
   const int K = g.C * g.KH * g.KW, hw = g.Ho * g.Wo, m0 = blockIdx.y * MG;
   __shared__ Tap taps[KMAX];
   fill_taps<KMAX>(taps, g);
@@ -130,7 +140,7 @@ __global__ void __launch_bounds__(256) conv2d_direct_bwdw_kernel(
     const T* gp = gy + ((long long)n * g.M + m0) * hw + p;
 #pragma unroll
     for (int j = 0; j < MG; ++j) {
-      const float d = m0 + j < g.M ? gp[(long long)j * hw] : 0.f;
+      const float d = m0 + j < g.M ? as<float>(gp[(long long)j * hw]) : 0.f;
 #pragma unroll
       for (int k = 0; k < KMAX; ++k) acc[j][k] = fmaf(d, v[k], acc[j][k]);
     }

@@ -10,8 +10,10 @@
 //  * Flat kernels: contiguous operands of one shape, long long count, grid-stride loop.
 //    bcast2 kernels: contiguous output; a and b read through a Layout (shape, element strides,
 //    stride 0 along broadcast axes). Layout indices are int: the launcher asserts < 2^31.
-//  * Math runs in the element type T (float or double), as NumPy does for float32 arrays.
-//    Every op functor takes (a, b, s, t): two operands and two host scalars, unused ones ignored.
+//  * Math runs in compute_t<T>: the element type for float and double, as NumPy does for
+//    float32 arrays; float for __half, rounded once per result (NumPy rounds its float16
+//    ufuncs' results the same way). Every op functor takes (a, b, s, t): two operands and two
+//    host scalars, unused ones ignored.
 //  * fill and convert move data only: results are exact.
 
 #include "common.cuh"
@@ -50,27 +52,31 @@ struct PowBack { template <typename T> __device__ T operator()(T x, T gy, T s, T
 
 // ---------------------------------------------------------------------------- kernels
 template <typename T, typename Op>
-__global__ void map1_kernel(T* out, const T* a, long long n, T s, T t) {
+__global__ void map1_kernel(T* out, const T* a, long long n, compute_t<T> s, compute_t<T> t) {
+  using C = compute_t<T>;
   const Op op;
   GRID_STRIDE(i, n)
-    out[i] = op(a[i], T(0), s, t);
+    out[i] = as<T>(op(as<C>(a[i]), C(0), s, t));
 }
 
 template <typename T, typename Op>
-__global__ void map2_kernel(T* out, const T* a, const T* b, long long n, T s, T t) {
+__global__ void map2_kernel(T* out, const T* a, const T* b, long long n, compute_t<T> s,
+                            compute_t<T> t) {
+  using C = compute_t<T>;
   const Op op;
   GRID_STRIDE(i, n)
-    out[i] = op(a[i], b[i], s, t);
+    out[i] = as<T>(op(as<C>(a[i]), as<C>(b[i]), s, t));
 }
 
 // out (contiguous, n elements) = a op b, a and b read through L (broadcast strides).
 template <typename T, typename Op>
 __global__ void bcast2_kernel(T* out, const T* a, const T* b, int n, Layout L) {
+  using C = compute_t<T>;
   const Op op;
   GRID_STRIDE_32(i, n) {
     int oa, ob;
     layout_offsets(i, L, oa, ob);
-    out[i] = op(a[oa], b[ob], T(0), T(0));
+    out[i] = as<T>(op(as<C>(a[oa]), as<C>(b[ob]), C(0), C(0)));
   }
 }
 
@@ -85,7 +91,7 @@ __global__ void fill_kernel(U* out, long long n, U bits) {
 template <typename To, typename Ti>
 __global__ void convert_kernel(To* out, const Ti* in, long long n) {
   GRID_STRIDE(i, n)
-    out[i] = static_cast<To>(in[i]);
+    out[i] = as<To>(in[i]);
 }
 
 // instantiate: map1_kernel<float, Neg>; map1_kernel<float, Exp>; map1_kernel<float, Log>; map1_kernel<float, Sqrt>; map1_kernel<float, Tanh>; map1_kernel<float, Scale>; map1_kernel<float, Pow>; map1_kernel<float, Relu>; map1_kernel<float, Sigmoid>
@@ -101,3 +107,7 @@ __global__ void convert_kernel(To* out, const Ti* in, long long n) {
 // instantiate: convert_kernel<long long, float>; convert_kernel<long long, double>; convert_kernel<long long, int>; convert_kernel<long long, unsigned char>; convert_kernel<long long, bool>
 // instantiate: convert_kernel<unsigned char, float>; convert_kernel<unsigned char, double>; convert_kernel<unsigned char, int>; convert_kernel<unsigned char, long long>
 // instantiate: convert_kernel<bool, float>; convert_kernel<bool, double>; convert_kernel<bool, int>; convert_kernel<bool, long long>
+// instantiate: map1_kernel<__half, Neg>; map1_kernel<__half, Exp>; map1_kernel<__half, Log>; map1_kernel<__half, Sqrt>; map1_kernel<__half, Tanh>; map1_kernel<__half, Scale>; map1_kernel<__half, Pow>; map1_kernel<__half, Relu>; map1_kernel<__half, Sigmoid>
+// instantiate: map2_kernel<__half, Add>; map2_kernel<__half, Sub>; map2_kernel<__half, Mul>; map2_kernel<__half, Div>; map2_kernel<__half, ReluBack>; map2_kernel<__half, SigmoidBack>; map2_kernel<__half, TanhBack>; map2_kernel<__half, PowBack>
+// instantiate: bcast2_kernel<__half, Add>; bcast2_kernel<__half, Sub>; bcast2_kernel<__half, Mul>; bcast2_kernel<__half, Div>
+// instantiate: convert_kernel<__half, float>; convert_kernel<float, __half>; convert_kernel<__half, double>; convert_kernel<double, __half>

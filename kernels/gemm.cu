@@ -1,5 +1,6 @@
 // gemm.cu: batched C = alpha * op(A) @ op(B) (+ bias) (+ beta * C), fp32 (FFMA) or TF32
-// (tensor cores, fp32 accumulate). Launchers: dptrain/backend/cuda/gemm.py.
+// (tensor cores, fp32 accumulate) on float, f16 tensor cores (fp32 accumulate) on __half.
+// Launchers: dptrain/backend/cuda/gemm.py.
 //
 // Conventions
 //  * Row-major. op(A) is M x K: A is stored M x K (lda >= K), or K x M when TA (lda >= M).
@@ -12,10 +13,12 @@
 //    partial product to ws[s][b] (dense M x N); splitk_reduce_kernel then sums the splits in a
 //    fixed order and applies alpha, bias and beta. No atomics: results are bitwise repeatable.
 //  * bias_mode: 0 none, 1 bias[n] per column (y = x W^T + b), 2 bias[m] per row.
-//  * vec_a / vec_b: the launcher's promise that the operand's leading dimension is a multiple
-//    of 4 and its base (and batch stride) 16-byte aligned, so tiles move in 16-byte chunks.
+//  * vec_a / vec_b: the launcher's promise that the operand's rows (leading dimension, batch
+//    stride) are whole 16-byte chunks and its base 16-byte aligned, so tiles move in 16-byte
+//    chunks.
+//  * Split-K partials (ws) are float for every element type; the reduce rounds once.
 //  * Tiles: fp32 128x128x16, 256 threads, 8x8 per thread, 3-stage cp.async pipeline;
-//    tf32 128x128x32, 128 threads = 4 warps of 64x64, 3 stages. Dynamic shared memory sizes
+//    tf32 and f16 128x128x32, 128 threads = 4 warps of 64x64, 3 stages. Dynamic shared memory sizes
 //    and block sizes are computed by the launcher (kept in step with gemm_tiles.cuh; the
 //    kernels check their shared memory at entry).
 //
@@ -23,32 +26,35 @@
 // instantiate: gemm_fp32_kernel<float, true, false>; gemm_fp32_kernel<float, true, true>
 // instantiate: gemm_tf32_kernel<float, false, false>; gemm_tf32_kernel<float, false, true>
 // instantiate: gemm_tf32_kernel<float, true, false>; gemm_tf32_kernel<float, true, true>
-// instantiate: splitk_reduce_kernel<float>
+// instantiate: gemm_f16_kernel<__half, false, false>; gemm_f16_kernel<__half, false, true>
+// instantiate: gemm_f16_kernel<__half, true, false>; gemm_f16_kernel<__half, true, true>
+// instantiate: splitk_reduce_kernel<float>; splitk_reduce_kernel<__half, float>
 
 #include "gemm_tiles.cuh"
 
 // Writes one output element: `=` (or `+= beta*C`) into C, or the raw partial into a split-K
 // workspace slice (alpha 1, beta 0, no bias).
+template <typename T = float>
 struct GemmEpilogue {
-  float* c;
+  T* c;
   int ldc, M, N;
   float alpha, beta;
-  const float* bias;
+  const T* bias;
   int bias_mode;
 
   __device__ __forceinline__ void store(int m, int n, float v) const {
     if (m >= M || n >= N) return;
     v *= alpha;
-    if (bias_mode == 1) v += bias[n];
-    if (bias_mode == 2) v += bias[m];
-    float* p = c + (long long)m * ldc + n;
-    if (beta != 0.f) v += beta * *p;
-    *p = v;
+    if (bias_mode == 1) v += as<float>(bias[n]);
+    if (bias_mode == 2) v += as<float>(bias[m]);
+    T* p = c + (long long)m * ldc + n;
+    if (beta != 0.f) v += beta * as<float>(*p);
+    *p = as<T>(v);
   }
 };
 
 // Where this block's tile goes: C[b], or split s of the workspace.
-__device__ __forceinline__ GemmEpilogue gemm_epilogue(float* C, float* ws, const float* bias,
+__device__ __forceinline__ GemmEpilogue<> gemm_epilogue(float* C, float* ws, const float* bias,
                                                       int M, int N, int ldc, long long sC,
                                                       int batch, int splits, int b, int s,
                                                       float alpha, float beta, int bias_mode) {
@@ -57,7 +63,7 @@ __device__ __forceinline__ GemmEpilogue gemm_epilogue(float* C, float* ws, const
 }
 
 #define GEMM_PARAMS                                                                          \
-  const T *__restrict__ A, const T *__restrict__ B, T *C, const T *__restrict__ bias, T *ws, \
+  const T *__restrict__ A, const T *__restrict__ B, T *C, const T *__restrict__ bias, float *ws, \
       int M, int N, int K, int lda, int ldb, int ldc, long long sA, long long sB,           \
       long long sC, int batch, int splits, int kchunk, float alpha, float beta,             \
       int bias_mode, int vec_a, int vec_b
@@ -85,9 +91,40 @@ __global__ void __launch_bounds__(128, 2) gemm_tf32_kernel(GEMM_PARAMS) {
   float acc[Cfg::MT][Cfg::NT][4];
   mma_mainloop<Cfg>(acc, la, lb, smem, k_begin, k_end);
 
-  const GemmEpilogue epi =
+  const GemmEpilogue<> epi =
       gemm_epilogue(C, ws, bias, M, N, ldc, sC, batch, splits, b, s, alpha, beta, bias_mode);
   MmaCoords<Cfg>().for_each(acc, [&](int r, int c, int, float v) { epi.store(m0 + r, n0 + c, v); });
+}
+
+template <typename T, bool TA, bool TB>
+__global__ void __launch_bounds__(128, 2) gemm_f16_kernel(GEMM_PARAMS) {
+  static_assert(sizeof(T) == 2, "16-bit operands");
+  using Cfg = MmaCfg<128, 128, 32, 2, 2, 3>;
+  // Rows padded by 8 elements (16 bytes): ldmatrix's eight row reads hit distinct banks.
+  using LayA = TileLayout<Cfg::BM, Cfg::BK, !TA, 8, T>;
+  using LayB = TileLayout<Cfg::BN, Cfg::BK, TB, 8, T>;
+  extern __shared__ float4 smem4[];
+  T* smem = reinterpret_cast<T*>(smem4);
+  check_smem(Cfg::STAGES * (LayA::kSize + LayB::kSize) * sizeof(T));
+
+  const int b = blockIdx.z / splits, s = blockIdx.z - b * splits;
+  const int m0 = blockIdx.y * Cfg::BM, n0 = blockIdx.x * Cfg::BN;
+  const int k_begin = s * kchunk, k_end = min(K, k_begin + kchunk);
+  const DenseLoader<LayA, !TA, Cfg::THREADS> la{A + b * sA, lda, m0, M, vec_a != 0};
+  const DenseLoader<LayB, TB, Cfg::THREADS> lb{B + b * sB, ldb, n0, N, vec_b != 0};
+
+  float acc[Cfg::MT][Cfg::NT][4];
+  mma16_mainloop<Cfg>(acc, la, lb, smem, k_begin, k_end);
+
+  const MmaCoords<Cfg> at;
+  if (splits == 1) {
+    const GemmEpilogue<T> epi{C + b * sC, ldc, M, N, alpha, beta, bias, bias_mode};
+    at.for_each(acc, [&](int r, int c, int, float v) { epi.store(m0 + r, n0 + c, v); });
+  } else {
+    const GemmEpilogue<float> epi{ws + (s * (long long)batch + b) * M * N, N, M, N, 1.f, 0.f,
+                                  nullptr, 0};
+    at.for_each(acc, [&](int r, int c, int, float v) { epi.store(m0 + r, n0 + c, v); });
+  }
 }
 
 template <typename T, bool TA, bool TB>
@@ -111,7 +148,7 @@ __global__ void __launch_bounds__(256, 2) gemm_fp32_kernel(GEMM_PARAMS) {
   float acc[Cfg::TM][Cfg::TN];
   simt_mainloop<Cfg>(acc, la, lb, smem, k_begin, k_end);
 
-  const GemmEpilogue epi =
+  const GemmEpilogue<> epi =
       gemm_epilogue(C, ws, bias, M, N, ldc, sC, batch, splits, b, s, alpha, beta, bias_mode);
   const SimtCoords<Cfg> at;
   // Four consecutive columns per store where the whole row segment is in bounds and aligned.

@@ -17,7 +17,10 @@
 //    and rounds each register to tf32 with cvt.rna before the mma.
 //  * Main loops only accumulate into registers; epilogues decide `=` or `+=`, visiting the
 //    accumulators through MmaCoords / SimtCoords::for_each.
-//  * float only for now: the smem tiles, cvt and mma below assume 4-byte elements.
+//  * Tiles hold float (the TF32 and FP32 loops) or __half (the f16 loop: m16n8k16 tensor-core
+//    products with fp32 accumulation, fragments read with ldmatrix, .trans for MN-major
+//    tiles). cp.async moves 4 bytes at least, so single __half elements (the gathers' and
+//    unaligned operands' path) are loaded and stored by the thread itself.
 
 #pragma once
 
@@ -33,7 +36,7 @@ __device__ __forceinline__ unsigned smem_u32(const void* p) {
 
 // 16-byte async copy; bytes < 16 reads only `bytes` and zero-fills the rest (0 = all zeros,
 // nothing read). Source and destination must be 16-byte aligned.
-__device__ __forceinline__ void cp_async16(float* dst, const float* src, int bytes) {
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src),
                "r"(bytes));
 }
@@ -42,6 +45,14 @@ __device__ __forceinline__ void cp_async16(float* dst, const float* src, int byt
 __device__ __forceinline__ void cp_async4(float* dst, const float* src, bool ok) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_u32(dst)), "l"(src),
                "r"(ok ? 4 : 0));
+}
+
+// One element into a tile, or a zero when !ok: cp.async for float, a plain load for __half.
+__device__ __forceinline__ void put_elem(float* dst, const float* src, bool ok) {
+  cp_async4(dst, src, ok);
+}
+__device__ __forceinline__ void put_elem(__half* dst, const __half* src, bool ok) {
+  *dst = ok ? *src : __ushort_as_half(0);
 }
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
@@ -86,22 +97,51 @@ __device__ __forceinline__ unsigned tf32_bits(unsigned u) { return to_tf32(__uin
 // Four 8x4 tiles of 32-bit values (ldmatrix's four 8x8 b16 matrices): lane l passes the
 // address of row l%8 of tile l/8 and receives element (l/4, l%4) of tile j in r[j], which is
 // exactly the m16n8k8 tf32 fragment layout when the tiles are K-major rows of 4 k values.
-__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const float* p) {
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(smem_u32(p)));
 }
 
+// The same with each 8x8 matrix transposed (fragments of MN-major 16-bit tiles).
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(p)));
+}
+
+// Two 8x8 matrices (lanes 0-15 pass the row addresses), plain or transposed.
+template <bool TRANS>
+__device__ __forceinline__ void ldmatrix_x2(unsigned (&r)[2], const void* p) {
+  if constexpr (TRANS)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
+                 : "=r"(r[0]), "=r"(r[1]) : "r"(smem_u32(p)));
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+                 : "=r"(r[0]), "=r"(r[1]) : "r"(smem_u32(p)));
+}
+
+// D = A(16x16, row) * B(16x8, col) + D, fp16 inputs, fp32 accumulate.
+__device__ __forceinline__ void mma_f16(float (&d)[4], const unsigned (&a)[4],
+                                        const unsigned (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
 // ----------------------------------------------------------------------------- tile layouts
 
-template <int BMN, int BK, bool KMAJOR, int PAD>
+template <int BMN, int BK, bool KMAJOR, int PAD, typename E = float>
 struct TileLayout {
+  using Elem = E;  // float or __half; sizes and offsets count elements
   static constexpr int kBMN = BMN;
   static constexpr int kBK = BK;
   static constexpr bool kKMajor = KMAJOR;
   static constexpr int kStride = KMAJOR ? BK + PAD : BMN + PAD;
-  static constexpr int kSize = KMAJOR ? BMN * kStride : BK * kStride;  // floats
-  static_assert(kStride % 4 == 0, "rows must stay 16-byte aligned");
+  static constexpr int kSize = KMAJOR ? BMN * kStride : BK * kStride;
+  static_assert(kStride % (16 / sizeof(E)) == 0, "rows must stay 16-byte aligned");
   __device__ static __forceinline__ int off(int mn, int k) {
     return KMAJOR ? mn * kStride + k : k * kStride + mn;
   }
@@ -110,36 +150,37 @@ struct TileLayout {
 // ----------------------------------------------------------------------------- dense loader
 
 // Operand element (mn, k) of a row-major matrix: p[mn * ld + k] when SRC_KMAJOR, else
-// p[k * ld + mn]. `vec` (decided by the launcher: ld % 4 == 0 and p 16-byte aligned) allows
-// 16-byte copies when the smem layout keeps the source's contiguous direction.
+// p[k * ld + mn]. `vec` (decided by the launcher: ld a multiple of 16 bytes and p 16-byte
+// aligned) allows 16-byte copies when the smem layout keeps the source's contiguous direction.
 template <class L, bool SRC_KMAJOR, int THREADS>
 struct DenseLoader {
   using Layout = L;
-  const float* p;
+  using E = typename L::Elem;
+  const E* p;
   int ld;
   int mn0, mn_end;
   bool vec;
 
-  __device__ __forceinline__ void load(float* s, int k0, int k_end) const {
-    constexpr int BMN = L::kBMN, BK = L::kBK;
+  __device__ __forceinline__ void load(E* s, int k0, int k_end) const {
+    constexpr int BMN = L::kBMN, BK = L::kBK, V = 16 / sizeof(E);  // V: elements per chunk
     constexpr int CEXT = SRC_KMAJOR ? BK : BMN;  // tile extent along the contiguous direction
     constexpr int OEXT = SRC_KMAJOR ? BMN : BK;
     if (SRC_KMAJOR == L::kKMajor && vec) {
-      constexpr int CPR = CEXT / 4;  // chunks per contiguous row
+      constexpr int CPR = CEXT / V;  // chunks per contiguous row
       constexpr int CHUNKS = CPR * OEXT;
 #pragma unroll
       for (int i = 0; i < (CHUNKS + THREADS - 1) / THREADS; ++i) {
         const int idx = threadIdx.x + i * THREADS;
         if (CHUNKS % THREADS != 0 && idx >= CHUNKS) break;
-        const int c = (idx % CPR) * 4, o = idx / CPR;
+        const int c = (idx % CPR) * V, o = idx / CPR;
         const int mn = SRC_KMAJOR ? o : c, k = SRC_KMAJOR ? c : o;
         const int gmn = mn0 + mn, gk = k0 + k;
-        const int left = SRC_KMAJOR ? k_end - gk : mn_end - gmn;  // valid floats from here
+        const int left = SRC_KMAJOR ? k_end - gk : mn_end - gmn;  // valid elements from here
         const bool row_ok = SRC_KMAJOR ? gmn < mn_end : gk < k_end;
-        const int n = row_ok ? max(0, min(4, left)) : 0;
-        const float* src =
+        const int n = row_ok ? max(0, min(V, left)) : 0;
+        const E* src =
             n ? p + (SRC_KMAJOR ? (long long)gmn * ld + gk : (long long)gk * ld + gmn) : p;
-        cp_async16(s + L::off(mn, k), src, n * 4);
+        cp_async16(s + L::off(mn, k), src, n * (int)sizeof(E));
       }
     } else {
       constexpr int ELEMS = CEXT * OEXT;
@@ -150,10 +191,10 @@ struct DenseLoader {
         const int mn = SRC_KMAJOR ? o : c, k = SRC_KMAJOR ? c : o;
         const int gmn = mn0 + mn, gk = k0 + k;
         const bool ok = gmn < mn_end && gk < k_end;
-        const float* src = ok ? p + (long long)gmn * (SRC_KMAJOR ? ld : 1) +
-                                    (long long)gk * (SRC_KMAJOR ? 1 : ld)
-                              : p;
-        cp_async4(s + L::off(mn, k), src, ok);
+        const E* src = ok ? p + (long long)gmn * (SRC_KMAJOR ? ld : 1) +
+                                (long long)gk * (SRC_KMAJOR ? 1 : ld)
+                          : p;
+        put_elem(s + L::off(mn, k), src, ok);
       };
       if constexpr (SRC_KMAJOR != L::kKMajor && ELEMS / THREADS <= 8) {
 #pragma unroll  // the FP32 kernel's transposing path: its main path, keep it unrolled
@@ -177,14 +218,14 @@ struct DenseLoader {
 // kt + STAGES - 1 into the slot slab kt - 1 used, and returns slab kt's A tile (its B tile
 // follows at + LA::Layout::kSize). One commit group per slab, issued or not, so the group
 // count stays in step with kt. After the loop: cp_async_wait<0>().
-template <class LA, class LB>
-__device__ __forceinline__ void load_slab(const LA& la, const LB& lb, float* s, int k0, int k_end) {
+template <class LA, class LB, typename E>
+__device__ __forceinline__ void load_slab(const LA& la, const LB& lb, E* s, int k0, int k_end) {
   la.load(s, k0, k_end);
   lb.load(s + LA::Layout::kSize, k0, k_end);
 }
 
-template <int BK, int STAGES, class LA, class LB>
-__device__ __forceinline__ int pipeline_start(const LA& la, const LB& lb, float* smem,
+template <int BK, int STAGES, class LA, class LB, typename E>
+__device__ __forceinline__ int pipeline_start(const LA& la, const LB& lb, E* smem,
                                               int k_begin, int k_end) {
   constexpr int STAGE = LA::Layout::kSize + LB::Layout::kSize;
   const int ntiles = k_end > k_begin ? (k_end - k_begin + BK - 1) / BK : 0;
@@ -196,10 +237,9 @@ __device__ __forceinline__ int pipeline_start(const LA& la, const LB& lb, float*
   return ntiles;
 }
 
-template <int BK, int STAGES, class LA, class LB>
-__device__ __forceinline__ const float* pipeline_next(const LA& la, const LB& lb, float* smem,
-                                                      int kt, int ntiles, int k_begin,
-                                                      int k_end) {
+template <int BK, int STAGES, class LA, class LB, typename E>
+__device__ __forceinline__ const E* pipeline_next(const LA& la, const LB& lb, E* smem, int kt,
+                                                  int ntiles, int k_begin, int k_end) {
   constexpr int STAGE = LA::Layout::kSize + LB::Layout::kSize;
   cp_async_wait<STAGES - 2>();  // slab kt has landed (this thread's copies) ...
   __syncthreads();              // ... and everyone's; slab kt-1 is no longer being read
@@ -327,6 +367,69 @@ __device__ __forceinline__ void mma_mainloop(float (&acc)[Cfg::MT][Cfg::NT][4], 
   cp_async_wait<0>();
 }
 
+// ----------------------------------------------------------------------------- f16 main loop
+
+// The TF32 loop's structure on __half tiles: m16n8k16 products, fragments straight from
+// ldmatrix (K-major tiles) or ldmatrix.trans (MN-major), no per-register rounding. An odd
+// number of 8-wide B fragments ends with ldmatrix.x2.
+template <class Cfg, class LA, class LB>
+__device__ __forceinline__ void mma16_mainloop(float (&acc)[Cfg::MT][Cfg::NT][4], const LA& la,
+                                               const LB& lb, __half* smem, int k_begin,
+                                               int k_end) {
+  using SA = typename LA::Layout;
+  using SB = typename LB::Layout;
+  constexpr int BK = Cfg::BK, STAGES = Cfg::STAGES;
+  static_assert(SA::kBMN == Cfg::BM && SB::kBMN == Cfg::BN && SA::kBK == BK && SB::kBK == BK,
+                "loader tiles must match the block tile");
+  static_assert(BK % 16 == 0, "k steps of 16");
+
+#pragma unroll
+  for (int i = 0; i < Cfg::MT; ++i)
+#pragma unroll
+    for (int j = 0; j < Cfg::NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
+
+  const int ntiles = pipeline_start<BK, STAGES>(la, lb, smem, k_begin, k_end);
+  const MmaCoords<Cfg> at;
+  const int lane = threadIdx.x & 31, j8 = lane >> 3, r8 = lane & 7;
+  for (int kt = 0; kt < ntiles; ++kt) {
+    const __half* sA = pipeline_next<BK, STAGES>(la, lb, smem, kt, ntiles, k_begin, k_end);
+    const __half* sB = sA + SA::kSize;
+#pragma unroll
+    for (int ks = 0; ks < BK; ks += 16) {
+      // B: matrices (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15) give
+      // fragments nt and nt + 1; lane l addresses row l % 8 of matrix l / 8.
+      unsigned bf[Cfg::NT][2];
+#pragma unroll
+      for (int nt = 0; nt + 1 < Cfg::NT; nt += 2) {
+        unsigned r[4];
+        const int n0 = at.wn0 + nt * 8 + (j8 >> 1) * 8;
+        if constexpr (SB::kKMajor) ldmatrix_x4(r, sB + SB::off(n0 + r8, ks + (j8 & 1) * 8));
+        else ldmatrix_x4_trans(r, sB + SB::off(n0, ks + r8 + (j8 & 1) * 8));
+        bf[nt][0] = r[0], bf[nt][1] = r[1], bf[nt + 1][0] = r[2], bf[nt + 1][1] = r[3];
+      }
+      if constexpr (Cfg::NT % 2 == 1) {
+        constexpr int nt = Cfg::NT - 1;
+        const int n0 = at.wn0 + nt * 8, jj = (lane >> 3) & 1;
+        if constexpr (SB::kKMajor) ldmatrix_x2<false>(bf[nt], sB + SB::off(n0 + r8, ks + jj * 8));
+        else ldmatrix_x2<true>(bf[nt], sB + SB::off(n0, ks + r8 + jj * 8));
+      }
+#pragma unroll
+      for (int mt = 0; mt < Cfg::MT; ++mt) {
+        // A: matrices (m 0-7, k 0-7), (m 8-15, k 0-7), (m 0-7, k 8-15), (m 8-15, k 8-15).
+        unsigned af[4];
+        const int m0 = at.wm0 + mt * 16 + (j8 & 1) * 8, k0 = ks + (j8 >> 1) * 8;
+        if constexpr (SA::kKMajor) ldmatrix_x4(af, sA + SA::off(m0 + r8, k0));
+        else ldmatrix_x4_trans(af, sA + SA::off(m0, k0 + r8));
+#pragma unroll
+        for (int nt = 0; nt < Cfg::NT; ++nt) mma_f16(acc[mt][nt], af, bf[nt]);
+      }
+    }
+  }
+  cp_async_wait<0>();
+}
+
 // ----------------------------------------------------------------------------- FP32 main loop
 
 // 256 threads as 16 x 16; each owns a TM x TN register tile split into two halves along each
@@ -420,10 +523,10 @@ __device__ __forceinline__ void simt_mainloop(float (&acc)[Cfg::TM][Cfg::TN], co
 // ----------------------------------------------------------------------------- split-K reduce
 
 // C[b] = alpha * sum_s ws[s][b] (+ bias) (+ beta * C[b]), summed in split order so results do
-// not depend on scheduling. ws is dense [splits][batch][M][N]; C rows are ldc apart.
-// bias_mode: 0 none, 1 bias[n] (per column), 2 bias[m] (per row).
-template <typename T>
-__global__ void splitk_reduce_kernel(const T* __restrict__ ws, T* __restrict__ C,
+// not depend on scheduling. ws is dense [splits][batch][M][N] (float partials W for __half
+// outputs); C rows are ldc apart. bias_mode: 0 none, 1 bias[n] (per column), 2 bias[m] (row).
+template <typename T, typename W = T>
+__global__ void splitk_reduce_kernel(const W* __restrict__ ws, T* __restrict__ C,
                                      const T* __restrict__ bias, int splits, int batch, int M,
                                      int N, int ldc, long long sC, float alpha, float beta,
                                      int bias_mode) {
@@ -432,12 +535,12 @@ __global__ void splitk_reduce_kernel(const T* __restrict__ ws, T* __restrict__ C
     const long long b = i / mn, r = i - b * mn;
     const int m = (int)(r / N), n = (int)(r - (long long)m * N);
     float acc = 0.f;
-    for (int s = 0; s < splits; ++s) acc += (float)ws[(s * (long long)batch + b) * mn + r];
+    for (int s = 0; s < splits; ++s) acc += as<float>(ws[(s * (long long)batch + b) * mn + r]);
     float v = alpha * acc;
-    if (bias_mode == 1) v += (float)bias[n];
-    if (bias_mode == 2) v += (float)bias[m];
+    if (bias_mode == 1) v += as<float>(bias[n]);
+    if (bias_mode == 2) v += as<float>(bias[m]);
     T* c = C + b * sC + (long long)m * ldc + n;
-    if (beta != 0.f) v += beta * (float)*c;
-    *c = (T)v;
+    if (beta != 0.f) v += beta * as<float>(*c);
+    *c = as<T>(v);
   }
 }

@@ -40,3 +40,34 @@ __global__ void nonfinite_flag_kernel(T* flag, const T* x, long long n) {
 }
 
 // instantiate: nonfinite_flag_kernel<float>; nonfinite_flag_kernel<double>
+
+// ----------------------------------------------------------------------------- loss scaling
+// fp16 mixed precision (dptrain/amp.py): the backward starts from the loss scale, so small
+// gradients stay representable in 16 bits; these two kernels undo the scale on the gradient
+// and adapt it, reading only device values (the step stays capturable).
+
+// x[i] /= scale[0] (a power of two in practice, so the division is exact).
+template <typename T>
+__global__ void unscale_kernel(T* x, const float* scale, long long n) {
+  const T s = T(scale[0]);
+  GRID_STRIDE(i, n) x[i] = x[i] / s;
+}
+
+// state = [scale, good steps, overflow steps]. One thread: an overflow (flag non-zero) halves
+// the scale, restarts the good-step count and counts the overflow; `interval` good steps in a
+// row double the scale.
+__global__ void loss_scale_update_kernel(float* state, const float* overflow, float interval) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  if (overflow[0] != 0.f) {
+    state[0] *= 0.5f;
+    state[1] = 0.f;
+    state[2] += 1.f;
+  } else if (state[1] + 1.f >= interval) {
+    state[0] *= 2.f;
+    state[1] = 0.f;
+  } else {
+    state[1] += 1.f;
+  }
+}
+
+// instantiate: unscale_kernel<float>; unscale_kernel<double>; loss_scale_update_kernel

@@ -10,6 +10,7 @@
 //  * ReLU + max pool (one pass; the model's ReLU -> MaxPool2d pair): the max pool of relu(x),
 //    with idx = -1 where that maximum is not > 0, as relu's gradient is zero there; the max
 //    pool backward skips idx < 0, so it needs no mask and no saved ReLU output.
+//  * __half data: compared, summed and divided in float, rounded once per stored value.
 //  * Avg pool: padding counts in the divisor (kh*kw), PyTorch's default.
 //  * Backward kernels write dx with `=` (they own every element of dx). No atomics:
 //    - max: one warp per plane zeroes the plane's dx, then walks the plane's outputs 32 at a
@@ -60,18 +61,19 @@ __device__ __forceinline__ void for_each_tap(const PoolGeom& g, const PoolWindow
 // mark the windows whose maximum is not > 0 with idx -1.
 template <typename T, bool kRelu>
 __device__ __forceinline__ void max_pool_fwd(T* y, int* idx, const T* x, const PoolGeom& g) {
+  using C = compute_t<T>;
   GRID_STRIDE(i, (long long)g.n_c * g.ho * g.wo) {
     const PoolWindow win = pool_window(g, i);
     const T* xp = x + win.p * g.h * g.w;
-    T best = neg_inf<T>();
+    C best = neg_inf<C>();
     int arg = -1;
     for_each_tap(g, win, [&](int pos) {
-      T v = xp[pos];
-      if (kRelu && v < T(0)) v = T(0);
+      C v = as<C>(xp[pos]);
+      if (kRelu && v < C(0)) v = C(0);
       if (arg < 0 || v > best || (v != v && best == best)) { best = v; arg = pos; }
     });
-    y[i] = best;
-    idx[i] = (kRelu && !(best > T(0))) ? -1 : arg;
+    y[i] = as<T>(best);
+    idx[i] = (kRelu && !(best > C(0))) ? -1 : arg;
   }
 }
 
@@ -95,7 +97,8 @@ __global__ void max_pool_bwd_kernel(T* dx, const T* gy, const int* idx, PoolGeom
     T* d = dx + p * in_plane;
     const T* gp = gy + p * out_plane;
     const int* ip = idx + p * out_plane;
-    for (int e = lane; e < in_plane; e += 32) d[e] = T(0);
+    using C = compute_t<T>;
+    for (int e = lane; e < in_plane; e += 32) d[e] = as<T>(C(0));
     __syncwarp();
     for (int first = 0; first < out_plane; first += 32) {
       const int o = first + lane;
@@ -103,14 +106,14 @@ __global__ void max_pool_bwd_kernel(T* dx, const T* gy, const int* idx, PoolGeom
       // Inactive lanes (and corrupt indices) get a key no other lane has.
       int key = active ? ip[o] : -1 - lane;
       if (active && (key < 0 || key >= in_plane)) key = -1 - lane;
-      const T gv = active ? gp[o] : T(0);
+      const C gv = active ? as<C>(gp[o]) : C(0);
       const unsigned peers = __match_any_sync(FULL_MASK, key);
-      T acc = T(0);
+      C acc = C(0);
       for (int src = 0; src < 32; ++src) {  // uniform loop: every lane shuffles
-        const T v = __shfl_sync(FULL_MASK, gv, src);
+        const C v = __shfl_sync(FULL_MASK, gv, src);
         if ((peers >> src) & 1u) acc += v;
       }
-      if (key >= 0 && lane == __ffs(peers) - 1) d[key] += acc;
+      if (key >= 0 && lane == __ffs(peers) - 1) d[key] = as<T>(as<C>(d[key]) + acc);
       __syncwarp();  // the next batch may add to the same pixel from another lane
     }
   }
@@ -118,13 +121,14 @@ __global__ void max_pool_bwd_kernel(T* dx, const T* gy, const int* idx, PoolGeom
 
 template <typename T>
 __global__ void avg_pool_fwd_kernel(T* y, const T* x, PoolGeom g) {
-  const T count = T(g.kh * g.kw);
+  using C = compute_t<T>;
+  const C count = C(g.kh * g.kw);
   GRID_STRIDE(i, (long long)g.n_c * g.ho * g.wo) {
     const PoolWindow win = pool_window(g, i);
     const T* xp = x + win.p * g.h * g.w;
-    T acc = T(0);
-    for_each_tap(g, win, [&](int pos) { acc += xp[pos]; });
-    y[i] = acc / count;
+    C acc = C(0);
+    for_each_tap(g, win, [&](int pos) { acc += as<C>(xp[pos]); });
+    y[i] = as<T>(acc / count);
   }
 }
 
@@ -136,8 +140,9 @@ __device__ __forceinline__ int first_window(int v, int k, int s, int p) {
 
 template <typename T>
 __global__ void avg_pool_bwd_kernel(T* dx, const T* gy, PoolGeom g) {
+  using C = compute_t<T>;
   const int in_plane = g.h * g.w;
-  const T count = T(g.kh * g.kw);
+  const C count = C(g.kh * g.kw);
   GRID_STRIDE(i, (long long)g.n_c * in_plane) {
     const long long p = i / in_plane;
     const int r = (int)(i - p * in_plane);
@@ -145,13 +150,15 @@ __global__ void avg_pool_bwd_kernel(T* dx, const T* gy, PoolGeom g) {
     const int oh0 = first_window(hh, g.kh, g.sh, g.ph), oh1 = min(g.ho - 1, (hh + g.ph) / g.sh);
     const int ow0 = first_window(ww, g.kw, g.sw, g.pw), ow1 = min(g.wo - 1, (ww + g.pw) / g.sw);
     const T* gp = gy + p * g.ho * g.wo;
-    T acc = T(0);
+    C acc = C(0);
     for (int oh = oh0; oh <= oh1; ++oh)
-      for (int ow = ow0; ow <= ow1; ++ow) acc += gp[oh * g.wo + ow];
-    dx[i] = acc / count;  // one division (the CPU backend divides each term: same up to rounding)
+      for (int ow = ow0; ow <= ow1; ++ow) acc += as<C>(gp[oh * g.wo + ow]);
+    dx[i] = as<T>(acc / count);  // one division (the CPU backend divides each term: same up to rounding)
   }
 }
 
 // instantiate: relu_max_pool_fwd_kernel<float>; relu_max_pool_fwd_kernel<double>
 // instantiate: max_pool_fwd_kernel<float>; max_pool_fwd_kernel<double>; max_pool_bwd_kernel<float>; max_pool_bwd_kernel<double>
 // instantiate: avg_pool_fwd_kernel<float>; avg_pool_fwd_kernel<double>; avg_pool_bwd_kernel<float>; avg_pool_bwd_kernel<double>
+// instantiate: relu_max_pool_fwd_kernel<__half>; max_pool_fwd_kernel<__half>; max_pool_bwd_kernel<__half>
+// instantiate: avg_pool_fwd_kernel<__half>; avg_pool_bwd_kernel<__half>

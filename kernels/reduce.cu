@@ -11,7 +11,7 @@
 //    member j takes k = k0 + j, k0 + j + G, ... then a fixed shuffle / shared-memory tree.
 //    G, S and chunk come from the shapes alone, so the summation order is fixed: results are
 //    deterministic run to run (no atomics anywhere).
-//  * Sums accumulate in double (A); max in T, propagating NaN as np.max does.
+//  * Sums accumulate in double (A); max in T, propagating NaN as np.max does (__half: float).
 //  * All outputs are written with `=`.
 
 #include "common.cuh"
@@ -31,9 +31,9 @@ __global__ void reduce_kernel(Tout* out, const Tin* in, int M, int S, int K, int
       const int base = layout_offset(m, Lk);
       A acc = Op::template identity<A>();
       for (int k = k0 + threadIdx.x; k < k1; k += blockDim.x)
-        acc = Op::template combine<A>(acc, A(in[base + layout_offset(k, Lr)]));
+        acc = Op::template combine<A>(acc, as<A>(in[base + layout_offset(k, Lr)]));
       acc = block_reduce<A, Op>(acc, shared);
-      if (threadIdx.x == 0) out[v] = Tout(acc);
+      if (threadIdx.x == 0) out[v] = as<Tout>(acc);
     }
     return;
   }
@@ -47,10 +47,10 @@ __global__ void reduce_kernel(Tout* out, const Tin* in, int M, int S, int K, int
       const int k0 = s * chunk, k1 = min(K, k0 + chunk);
       const int base = layout_offset(m, Lk);
       for (int k = k0 + j; k < k1; k += G)
-        acc = Op::template combine<A>(acc, A(in[base + layout_offset(k, Lr)]));
+        acc = Op::template combine<A>(acc, as<A>(in[base + layout_offset(k, Lr)]));
     }
     acc = group_reduce<A, Op>(acc, G);
-    if (v < total && j == 0) out[v] = Tout(acc);
+    if (v < total && j == 0) out[v] = as<Tout>(acc);
   }
 }
 
@@ -72,7 +72,7 @@ __global__ void channel_sum_kernel(double* part, const T* __restrict__ in, int N
   for (int n = s * chunk + warp; n < n1; n += nwarps) {
     const T* plane = in + ((long long)n * C + c) * P;
 #pragma unroll 8
-    for (int p = lane; p < P; p += 32) acc += double(plane[p]);
+    for (int p = lane; p < P; p += 32) acc += as<double>(plane[p]);
   }
   acc = block_reduce<double, SumOp>(acc, shared);
   if (threadIdx.x == 0) part[(long long)s * C + c] = acc;
@@ -83,7 +83,7 @@ __global__ void channel_sum_fold_kernel(T* out, const double* part, int S, int C
   GRID_STRIDE_32(c, C) {
     double acc = 0.0;
     for (int s = 0; s < S; ++s) acc += part[(long long)s * C + c];
-    out[c] = T(acc);
+    out[c] = as<T>(acc);
   }
 }
 
@@ -139,3 +139,6 @@ __global__ void count_correct_kernel(float* out, const T* logits, const L* label
 // instantiate: max_backward_kernel<float>; max_backward_kernel<double>
 // instantiate: channel_sum_kernel<float>; channel_sum_kernel<double>; channel_sum_fold_kernel<float>; channel_sum_fold_kernel<double>
 // instantiate: count_correct_kernel<float, int>; count_correct_kernel<float, long long>; count_correct_kernel<double, int>; count_correct_kernel<double, long long>
+// instantiate: reduce_kernel<__half, double, __half, SumOp>; reduce_kernel<__half, double, double, SumOp>; reduce_kernel<double, double, __half, SumOp>
+// instantiate: reduce_kernel<__half, float, __half, MaxOp>; reduce_kernel<__half, float, float, MaxOp>; reduce_kernel<float, float, __half, MaxOp>
+// instantiate: channel_sum_kernel<__half>; channel_sum_fold_kernel<__half>

@@ -5,19 +5,21 @@ from types import SimpleNamespace
 import numpy as np
 
 import dptrain as dp
-from dptrain import backend, dist
+from dptrain import amp, backend, dist
 from dptrain.data import DeviceLoader
 from dptrain.flat import FlatParameters
+from dptrain.nonfinite import NonFiniteGuard
 from dptrain.optim import AdamW
 from dptrain.reducer import Reducer
 from dptrain.train import CAPTURE_WARMUP, TrainStep
 
 
 def train_steps(device, build, image_shape, classes, graph, steps, seed, images=96, batch=32,
-                optimizer=lambda flat: AdamW(flat, lr=1e-2)):
+                optimizer=lambda flat: AdamW(flat, lr=1e-2), precision="fp32"):
     """(model, snapshots): `build()`'s model after `steps` steps of `optimizer` on batches of
     `batch` of `images` random images (the same for the same seed), with a host copy of the
-    flat parameters after every step."""
+    flat parameters after every step; precision "fp16" trains in mixed precision, with the
+    loss scaler and the non-finite guard of a real run."""
     be = backend.get(device)
     dp.manual_seed(seed)
     model = build().to(device)
@@ -29,7 +31,10 @@ def train_steps(device, build, image_shape, classes, graph, steps, seed, images=
                            labels=rng.integers(0, classes, images), mean=0.5, std=0.25,
                            num_classes=classes, image_shape=tuple(image_shape))
     loader = DeviceLoader(data, be, batch)
-    step_fn = TrainStep(model, opt, reducer, loader)
+    dtype, guard = amp.compute_dtype(precision), None
+    if dtype.itemsize == 2:
+        guard = NonFiniteGuard(opt, dist.LocalComm(be), 0, amp.LossScaler(be))
+    step_fn = TrainStep(model, opt, reducer, loader, guard, dtype)
     run = be.runtime.capture(step_fn, warmup=CAPTURE_WARMUP) if graph else step_fn
     snapshots = []
     for _ in range(steps):

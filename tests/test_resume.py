@@ -41,6 +41,10 @@ def _full_run(ranks, tmp, cache, extra=()):
 @pytest.mark.parametrize("ranks, extra", [
     (0, ()), pytest.param(2, (), marks=needs_mpi),
     (0, ("--augment",)),  # the augmentation's draws resume where they stopped
+    # fp16: the loss scale and its good-step count resume too (this scale overflows at first,
+    # and the interval doubles it again within the run)
+    (0, ("--model", "cnn", "--precision", "fp16", "--loss-scale", str(2.0**20),
+         "--loss-scale-interval", "3")),
 ])
 def test_resume_from_step_10_is_bitwise_the_full_run(ranks, extra, tmp_path, cache):
     full_losses, full_w = _full_run(ranks, tmp_path, cache, extra)

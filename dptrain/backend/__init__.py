@@ -109,6 +109,8 @@ OPS = (
     "sgd_step_", "adamw_step_",
     # training guard: flag[0] = 1 if it is non-zero or x holds a NaN/inf (empty x: normalise)
     "nonfinite_flag_",
+    # fp16 loss scaling: x /= scale[0]; state [scale, good steps, overflows] adapts on device
+    "unscale_", "loss_scale_update_",
     # data
     "gather_normalize", "augment_crop_flip",
     # batch normalisation (per channel: axis 1)

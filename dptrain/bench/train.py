@@ -3,7 +3,7 @@ at each batch size and precision, in one run on one device.
 
 Rows, for every model of ``dptrain.nn.MODELS`` that builds for the image shape (or
 ``--models``), every ``--batch-sizes`` and every precision the runtime offers
-(``be.runtime.PRECISIONS``, or ``--precisions``):
+(``be.runtime.PRECISIONS``, plus fp16 mixed precision on a GPU; or ``--precisions``):
   dptrain  graph     our TrainStep captured once and replayed (devices that record graphs)
   dptrain  eager     the same step run op by op
   pytorch  eager / graph / compile            in fp32 and tf32 (TF32 on or off)
@@ -88,10 +88,11 @@ def _batch_data(batch, image_shape, seed):
                            num_classes=NUM_CLASSES, image_shape=tuple(image_shape))
 
 
-def our_step(be, model_name, state, data, optimizer, graph):
+def our_step(be, model_name, state, data, optimizer, graph, precision="fp32"):
     """(step, sync) of our TrainStep on `data` (uint8 images held on the device), starting
-    from the weights `state`, eager or captured and replayed."""
-    from dptrain import dist
+    from the weights `state`, eager or captured and replayed; fp16 (mixed precision) runs
+    with its loss scaler and the non-finite guard, as training does."""
+    from dptrain import amp, dist
     from dptrain.data import DeviceLoader
     from dptrain.flat import FlatParameters
     from dptrain.nn import build_model
@@ -107,7 +108,12 @@ def our_step(be, model_name, state, data, optimizer, graph):
            else AdamW(flat, lr=1e-3, weight_decay=0.01))
     reducer = Reducer(flat, dist.World(comm=dist.LocalComm(be)))
     loader = DeviceLoader(data, be, len(data.labels))
-    step_fn = TrainStep(model, opt, reducer, loader)
+    dtype, guard = amp.compute_dtype(precision), None
+    if dtype.itemsize == 2:
+        from dptrain.nonfinite import NonFiniteGuard
+
+        guard = NonFiniteGuard(opt, dist.LocalComm(be), 0, amp.LossScaler(be))
+    step_fn = TrainStep(model, opt, reducer, loader, guard, dtype)
     run = be.runtime.capture(step_fn, warmup=CAPTURE_WARMUP) if graph else step_fn
     indices = np.arange(len(data.labels), dtype=np.int64)
 
@@ -119,12 +125,13 @@ def our_step(be, model_name, state, data, optimizer, graph):
     return step, be.runtime.synchronize
 
 
-def profile_ours(be, model_name, state, data, optimizer, steps=3) -> list[dict]:
+def profile_ours(be, model_name, state, data, optimizer, precision, steps=3) -> list[dict]:
     """Per-op device time of our eager step (mean of `steps` steps after two warm-up steps)."""
     from dptrain.bench.profile import OpProfile
 
     with OpProfile(be) as prof:
-        step, sync = our_step(be, model_name, state, data, optimizer, graph=False)
+        step, sync = our_step(be, model_name, state, data, optimizer, graph=False,
+                              precision=precision)
         for _ in range(2):
             step()
         sync()
@@ -256,7 +263,7 @@ def _parser():
 
 def main(argv=None, echo=print) -> int:
     args = _parser().parse_args(argv)
-    from dptrain import backend, nn
+    from dptrain import amp, backend, nn
     from dptrain.bench.profile import format_rows
     from dptrain.random import manual_seed
 
@@ -265,7 +272,8 @@ def main(argv=None, echo=print) -> int:
     except (ValueError, RuntimeError) as exc:
         raise UsageError(str(exc)) from None
     be = backend.get(device)
-    offered = tuple(be.runtime.PRECISIONS)
+    offered = tuple(be.runtime.PRECISIONS) + (tuple(amp.COMPUTE_DTYPES)
+                                              if be.runtime.records_graphs else ())
     precisions = tuple(args.precisions or offered)
     for p in precisions:
         if p not in offered:
@@ -314,14 +322,19 @@ def main(argv=None, echo=print) -> int:
                              "flops_per_image": fpi, "note": note})
 
             for precision in precisions:
-                with be.runtime.precision_scope(precision):
+                matrix = "auto" if precision in amp.COMPUTE_DTYPES else precision
+                if precision in amp.COMPUTE_DTYPES and not amp.supports(model_name):
+                    row(precision, "dptrain", "graph", None, "no 16-bit path for this model")
+                    continue
+                with be.runtime.precision_scope(matrix):
                     for mode in (("graph", "eager") if graphs else ("eager",)):
                         step, sync = our_step(be, model_name, state, data, args.optimizer,
-                                              graph=mode == "graph")
+                                              graph=mode == "graph", precision=precision)
                         row(precision, "dptrain", mode, time_step(step, sync, *timing))
                         del step
                     if args.profile:
-                        ops = profile_ours(be, model_name, state, data, args.optimizer)
+                        ops = profile_ours(be, model_name, state, data, args.optimizer,
+                                           precision)
                         profiles.append({"model": model_name, "batch": batch,
                                          "precision": precision, "ops": ops})
             if net is None:

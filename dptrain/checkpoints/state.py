@@ -8,6 +8,7 @@ Saved (a collective: every rank takes part, rank 0 writes):
   * the step, the epoch and the position in the epoch (the data order itself is a pure
     function of the seed and the epoch; the learning rate a pure function of the step);
   * every random state: each rank's device generator (dropout), the init generator;
+  * with fp16 mixed precision, the loss scale and its count of good steps;
   * the configuration, checked on resume against the settings that must not change.
 
 Restored in place: parameters through ``load_state_dict`` (copies into the flat buffer),
@@ -64,9 +65,10 @@ class Checkpointing:
     ``save(step)`` after steps. Every rank calls each of them at the same step."""
 
     def __init__(self, cfg, world, model, optimizer, reducer, steps_per_epoch, echo=print,
-                 warn=None, loader=None):
+                 warn=None, loader=None, scaler=None):
         self.cfg, self.world, self.model, self.opt = cfg, world, model, optimizer
         self.loader = loader  # the training loader: its augmentation draws are saved too
+        self.scaler = scaler  # fp16's loss scale (dptrain.amp), or None
         self.reducer, self.steps_per_epoch = reducer, steps_per_epoch
         self.be = optimizer.be
         self.echo = echo
@@ -107,6 +109,7 @@ class Checkpointing:
         model_state = {k: np.asarray(v) for k, v in self.model.state_dict().items()}
         optim = self.opt.gather_state(self.world.comm, self.named)
         rng = self._rng_states()
+        scale = self.scaler.state_dict() if self.scaler is not None else None
         self.last_saved = step
         if not self.world.is_root:
             return None
@@ -119,6 +122,7 @@ class Checkpointing:
                 "position": step % self.steps_per_epoch,
                 "steps_per_epoch": self.steps_per_epoch,
                 "optimizer_steps": self.opt.steps,
+                "loss_scale": scale,
                 "rng": {"device": rng, "init": to_json(init_rng().bit_generator.state),
                         "augment": self._augment_state()},
             },
@@ -195,6 +199,8 @@ class Checkpointing:
         except (KeyError, ValueError) as exc:
             raise UsageError(f"{where}: {exc}") from None
         self.opt.steps = int(state["optimizer_steps"])
+        if self.scaler is not None and state.get("loss_scale"):
+            self.scaler.load_state_dict(state["loss_scale"])
         rng = from_json(state["rng"])
         device = rng["device"]
         self.be.runtime.set_rng_state(

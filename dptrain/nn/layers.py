@@ -23,6 +23,15 @@ def _init_weight_and_bias(module, weight_shape, fan_in, bias):
     module.bias = Parameter(_uniform((weight_shape[0],), bound)) if bias else None
 
 
+def _in_dtype_of(x, *params):
+    """The parameters in the dtype of 16-bit activations x (mixed precision: the layer computes
+    in 16 bits while the parameters, their gradients and the optimizer stay fp32); as they are
+    for any other x."""
+    if x.dtype.itemsize != 2:
+        return params
+    return tuple(None if p is None else F.cast(p, x.dtype) for p in params)
+
+
 class _Workspace:
     """A layer's workspace (``be.new_workspace()``) for the backend of its inputs, made on
     first use and kept across steps, so the backend's scratch memory outlives each call."""
@@ -43,7 +52,7 @@ class Linear(Module):
         _init_weight_and_bias(self, (out_features, in_features), in_features, bias)
 
     def forward(self, x):
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(x, *_in_dtype_of(x, self.weight, self.bias))
 
 
 class Conv2d(Module):
@@ -57,7 +66,8 @@ class Conv2d(Module):
         self.workspace = _Workspace()
 
     def forward(self, x):
-        return F.conv2d(x, self.weight, self.bias, self.stride, self.padding,
+        weight, bias = _in_dtype_of(x, self.weight, self.bias)
+        return F.conv2d(x, weight, bias, self.stride, self.padding,
                         workspace=self.workspace(x))
 
 

@@ -91,6 +91,12 @@ class Module:
         for m in self._modules.values():
             yield from m.modules()
 
+    def named_modules(self, prefix: str = ""):
+        """(dotted name, module) of this module ("" for itself) and every sub-module."""
+        yield prefix, self
+        for name, m in self._modules.items():
+            yield from m.named_modules(f"{prefix}.{name}" if prefix else name)
+
     def num_parameters(self) -> int:
         return sum(p.size for p in self.parameters())
 

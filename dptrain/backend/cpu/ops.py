@@ -58,7 +58,8 @@ def set_scalar_(buf, values):
 
 
 def astype(a, dtype):
-    return np.ascontiguousarray(a, dtype=dtype)
+    with np.errstate(over="ignore"):  # to float16: too large becomes inf, as on the GPU
+        return np.ascontiguousarray(a, dtype=dtype)
 
 
 def transpose(a, axes):
@@ -341,6 +342,28 @@ def nonfinite_flag_(flag, x):
     bad = flag.reshape(-1)[0] != 0 or not np.isfinite(x).all()
     flag.reshape(-1)[0] = 1 if bad else 0
     return flag
+
+
+def unscale_(x, scale):
+    """x /= scale[0], in place (scale: one float32 element; fp16 loss scaling)."""
+    np.divide(x, x.dtype.type(scale.reshape(-1)[0]), out=x)
+    return x
+
+
+def loss_scale_update_(state, overflow, interval):
+    """state = [scale, good steps, overflow steps] (float32), in place: an overflow
+    (overflow[0] != 0) halves the scale, restarts the good-step count and counts itself;
+    `interval` good steps in a row double the scale."""
+    if overflow.reshape(-1)[0] != 0:
+        state[0] *= np.float32(0.5)
+        state[1] = 0
+        state[2] += 1
+    elif state[1] + 1 >= interval:
+        state[0] *= np.float32(2)
+        state[1] = 0
+    else:
+        state[1] += 1
+    return state
 
 
 # ----------------------------------------------------------------------------- data

@@ -44,7 +44,11 @@ from dptrain.backend.cuda.elementwise import (  # noqa: F401
     relu_backward, scale, sigmoid, sigmoid_backward, sqrt, sub, tanh, tanh_backward,
 )
 from dptrain.backend.cuda.gemm import matmul, matmul_kernel  # noqa: F401
-from dptrain.backend.cuda.guard import nonfinite_flag_  # noqa: F401
+from dptrain.backend.cuda.guard import (  # noqa: F401
+    loss_scale_update_,
+    nonfinite_flag_,
+    unscale_,
+)
 from dptrain.backend.cuda.launch import launch_shape  # noqa: F401
 from dptrain.backend.cuda.norm import (  # noqa: F401
     batch_norm_backward_data, batch_norm_backward_reduce, batch_norm_forward, batch_norm_mean,

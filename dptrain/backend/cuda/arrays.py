@@ -73,6 +73,9 @@ def astype(a, dtype):
     dtype = np.dtype(dtype)
     if a.dtype == dtype:
         return a if a.flags.c_contiguous else copy(a)  # as np.ascontiguousarray
+    if launch.HALF in (a.dtype, dtype) and not {a.dtype, dtype} <= {launch.HALF, *launch.FLOATS}:
+        raise TypeError(f"cuda.astype: float16 converts to and from float32 and float64 only, "
+                        f"not {a.dtype} to {dtype}")
     src = a if a.flags.c_contiguous else copy(a)
     out = launch.new(a.shape, dtype)
     if a.size:

@@ -2,7 +2,8 @@
 as implicit GEMMs (no im2col buffer), planned like matmul (gemm.py).
 
 Conventions (the .cu file's header has the kernel side):
-  * float32, NCHW activations, weight (C_out, C_in, kH, kW), PyTorch's cross-correlation;
+  * float32 or float16 (every operand: the f16 tensor-core kernels and the direct kernels
+    load 16-bit data and accumulate in fp32, rounding each result once), NCHW activations, weight (C_out, C_in, kH, kW), PyTorch's cross-correlation;
     stride and padding are (h, w) pairs of ints. Results are new arrays or `out=`, written
     with `=`.
   * forward and backward-data are one kernel (mode 0 / 1) after the weight is reordered into
@@ -25,7 +26,8 @@ import numpy as np
 
 from dptrain.backend.cuda import launch
 from dptrain.backend.cuda.arrays import fill_
-from dptrain.backend.cuda.gemm import output, plan, reducer, sig, split_k, tile_floats
+from dptrain.backend.cuda.gemm import (operand_dtype, output, plan, reducer, sig, split_k,
+                                       tile_floats)
 from dptrain.backend.cuda.launch import i32
 from dptrain.backend.cuda.runtime import runtime
 
@@ -51,18 +53,18 @@ def _direct_geom(x_shape, w_shape, ho, wo, stride, padding):
                          KW=kw, sh=sh, sw=sw, ph=ph, pw=pw)
 
 
-def _plan_direct_forward(x_shape, w_shape, ho, wo, stride, padding, kmax):
+def _plan_direct_forward(x_shape, w_shape, ho, wo, stride, padding, kmax, dt):
     f = "conv2d_forward"
     out_shape = (x_shape[0], w_shape[0], ho, wo)
     geom = _direct_geom(x_shape, w_shape, ho, wo, stride, padding)
-    fn = launch.kernel(DIRECT, "conv2d_direct_fwd_kernel", "float", str(kmax))
+    fn = launch.kernel(DIRECT, "conv2d_direct_fwd_kernel", launch.ctype(dt), str(kmax))
     npix = out_shape[0] * ho * wo
 
     # 256-thread blocks whatever launch_shape says (__launch_bounds__(256) in the kernel).
     grid = (max(1, min(-(-npix // 256), launch.sm_count() * launch.BLOCKS_PER_SM // 2)),)
 
     def run(w, x, bias, out):
-        y = output(f, out, out_shape)
+        y = output(f, out, out_shape, dt)
         if npix and y.size:
             has_bias = bias is not None
             fn(grid, (256,), (w, x, bias if has_bias else y, y, np.int32(has_bias), geom))
@@ -71,7 +73,7 @@ def _plan_direct_forward(x_shape, w_shape, ho, wo, stride, padding, kmax):
     return run
 
 
-def _plan_direct_backward_weight(x_shape, w_shape, ho, wo, stride, padding, kmax):
+def _plan_direct_backward_weight(x_shape, w_shape, ho, wo, stride, padding, kmax, dt):
     f = "conv2d_backward_weight"
     geom = _direct_geom(x_shape, w_shape, ho, wo, stride, padding)
     m, k, npix = w_shape[0], w_shape[1] * w_shape[2] * w_shape[3], x_shape[0] * ho * wo
@@ -81,11 +83,11 @@ def _plan_direct_backward_weight(x_shape, w_shape, ho, wo, stride, padding, kmax
         raise ValueError(f"cuda.{f}: {m} output channels exceed the grid's limit")
     # About three resident blocks per SM over all groups (the accumulators limit occupancy).
     blocks = max(1, min(-(-npix // 256), 3 * launch.sm_count() // groups))
-    fn = launch.kernel(DIRECT, "conv2d_direct_bwdw_kernel", "float", str(kmax), str(mg))
-    reduce = reducer(CONV, blocks, 1, m, k, k, 0, 0)
+    fn = launch.kernel(DIRECT, "conv2d_direct_bwdw_kernel", launch.ctype(dt), str(kmax), str(mg))
+    reduce = reducer(CONV, blocks, 1, m, k, k, 0, 0, dt)
 
     def run(x, gy, out):
-        gw = output(f, out, tuple(w_shape))
+        gw = output(f, out, tuple(w_shape), dt)
         if npix == 0:
             return fill_(gw, 0.0)
         ws = launch.new((blocks, m, k), np.float32)
@@ -122,7 +124,7 @@ def _rows_tile(m: int) -> int:
 
 
 def _plan_implicit(fn_name, mode, out_shape, m, c, hs, ws, ho, wo, kh, kw, stride, padding,
-                   w_sm, w_sc):
+                   w_sm, w_sc, dt):
     """Forward (mode 0) or backward-data (mode 1): out[n, m, p] = sum wgt * src (conv2d.cu).
 
     The plan runs two kernels: the weight, reordered to the GEMM's (kh, kw, c) K order, then
@@ -131,12 +133,16 @@ def _plan_implicit(fn_name, mode, out_shape, m, c, hs, ws, ho, wo, kh, kw, strid
     nb = out_shape[0]
     npix, k = nb * ho * wo, kh * kw * c
     if npix == 0 or m == 0:
-        return lambda w, src, bias, out: output(fn_name, out, out_shape)
-    reorder = launch.kernel(CONV, "conv2d_weight_reorder_kernel", "float")
+        return lambda w, src, bias, out: output(fn_name, out, out_shape, dt)
+    reorder = launch.kernel(CONV, "conv2d_weight_reorder_kernel", launch.ctype(dt))
     r_grid = (max(1, min(-(-m * k // 256), launch.sm_count() * 4)),)
     r_tail = (i32(m), i32(c), i32(kh * kw), i32(w_sm), i32(w_sc))
     bm = _rows_tile(m)
-    if runtime.precision == "tf32":
+    if dt == launch.HALF:
+        smem = 3 * 2 * (tile_floats(bm, 32, True, 8) + tile_floats(128, 32, False, 8))
+        fn = launch.kernel(CONV, "conv2d_f16_kernel", "__half", str(bm), smem=smem)
+        block = (128,)
+    elif runtime.precision == "tf32":
         smem = 3 * 4 * (tile_floats(bm, 32, True, 4) + tile_floats(128, 32, False, 8))
         fn = launch.kernel(CONV, "conv2d_tf32_kernel", "float", str(bm), smem=smem)
         block = (128,)
@@ -149,11 +155,12 @@ def _plan_implicit(fn_name, mode, out_shape, m, c, hs, ws, ho, wo, kh, kw, strid
     # CONV_PARAMS after (wr, src, bias, out, has_bias): Nb M C Hs Ws Ho Wo KH KW sh sw ph pw
     # vec_w mode.
     tail = (i32(nb), i32(m), i32(c), i32(hs), i32(ws), i32(ho), i32(wo), i32(kh),
-            i32(kw), i32(sh), i32(sw), i32(ph), i32(pw), i32(k % 4 == 0), i32(mode))
+            i32(kw), i32(sh), i32(sw), i32(ph), i32(pw), i32(k % (16 // dt.itemsize) == 0),
+            i32(mode))
 
     def run(w, src, bias, out):
-        y = output(fn_name, out, out_shape)
-        wr = launch.new((m, k), np.float32)
+        y = output(fn_name, out, out_shape, dt)
+        wr = launch.new((m, k), dt)
         if k:
             reorder(r_grid, (256,), (w, wr) + r_tail)
         has_bias = bias is not None
@@ -174,23 +181,24 @@ def conv2d_forward(x, w, b, stride, padding, *, out=None, workspace=None):
 
 def _plan_forward(x, w, b, stride, padding):
     f = "conv2d_forward"
-    launch.check_f32(f, "x", x, 4)
-    launch.check_f32(f, "w", w, 4)
+    dt = operand_dtype(f, x)
+    launch.check_f32(f, "x", x, 4, dt)
+    launch.check_f32(f, "w", w, 4, dt)
     (sh, sw), (ph, pw) = _pair(f, "stride", stride), _pair(f, "padding", padding)
     n, c, h, wd = x.shape
     cout, cin, kh, kw = w.shape
     if cin != c:
         raise ValueError(f"cuda.{f}: x has {c} channels but w {w.shape} expects {cin}")
     if b is not None:
-        launch.check_f32(f, "b", b, 1)
+        launch.check_f32(f, "b", b, 1, dt)
         if b.shape[0] != cout:
             raise ValueError(f"cuda.{f}: b has shape {b.shape}, expected ({cout},)")
     ho, wo = _out_size(f, h, kh, sh, ph, "H"), _out_size(f, wd, kw, sw, pw, "W")
     kmax = _direct_kmax(cin * kh * kw)
     if kmax and cout <= DIRECT_MAX_M:
-        return _plan_direct_forward(x.shape, w.shape, ho, wo, (sh, sw), (ph, pw), kmax)
+        return _plan_direct_forward(x.shape, w.shape, ho, wo, (sh, sw), (ph, pw), kmax, dt)
     return _plan_implicit(f, 0, (n, cout, ho, wo), cout, c, h, wd, ho, wo, kh, kw, (sh, sw),
-                          (ph, pw), cin * kh * kw, kh * kw)
+                          (ph, pw), cin * kh * kw, kh * kw, dt)
 
 
 def conv2d_backward_data(gy, w, x_shape, stride, padding, *, out=None, workspace=None):
@@ -204,8 +212,9 @@ def conv2d_backward_data(gy, w, x_shape, stride, padding, *, out=None, workspace
 
 def _plan_backward_data(gy, w, x_shape, stride, padding):
     f = "conv2d_backward_data"
-    launch.check_f32(f, "gy", gy, 4)
-    launch.check_f32(f, "w", w, 4)
+    dt = operand_dtype(f, gy)
+    launch.check_f32(f, "gy", gy, 4, dt)
+    launch.check_f32(f, "w", w, 4, dt)
     (sh, sw), (ph, pw) = _pair(f, "stride", stride), _pair(f, "padding", padding)
     n, c, h, wd = (int(s) for s in x_shape)
     cout, cin, kh, kw = w.shape
@@ -215,7 +224,7 @@ def _plan_backward_data(gy, w, x_shape, stride, padding):
     if gy.shape != (n, cout, ho, wo):
         raise ValueError(f"cuda.{f}: gy has shape {gy.shape}, expected {(n, cout, ho, wo)}")
     return _plan_implicit(f, 1, (n, c, h, wd), c, cout, ho, wo, h, wd, kh, kw, (sh, sw),
-                          (ph, pw), kh * kw, cin * kh * kw)
+                          (ph, pw), kh * kw, cin * kh * kw, dt)
 
 
 def conv2d_backward_weight(x, gy, w_shape, stride, padding, *, out=None, workspace=None):
@@ -229,8 +238,9 @@ def conv2d_backward_weight(x, gy, w_shape, stride, padding, *, out=None, workspa
 
 def _plan_backward_weight(x, gy, w_shape, stride, padding):
     f = "conv2d_backward_weight"
-    launch.check_f32(f, "x", x, 4)
-    launch.check_f32(f, "gy", gy, 4)
+    dt = operand_dtype(f, x)
+    launch.check_f32(f, "x", x, 4, dt)
+    launch.check_f32(f, "gy", gy, 4, dt)
     (sh, sw), (ph, pw) = _pair(f, "stride", stride), _pair(f, "padding", padding)
     n, c, h, wd = x.shape
     cout, cin, kh, kw = (int(s) for s in w_shape)
@@ -242,29 +252,33 @@ def _plan_backward_weight(x, gy, w_shape, stride, padding):
     out_shape = (cout, cin, kh, kw)
     m, ncol, k = cout, cin * kh * kw, n * ho * wo
     if m == 0 or ncol == 0:
-        return lambda x, gy, out: output(f, out, out_shape)
+        return lambda x, gy, out: output(f, out, out_shape, dt)
     kmax = _direct_kmax(ncol)
     if kmax:
-        return _plan_direct_backward_weight(x.shape, out_shape, ho, wo, (sh, sw), (ph, pw), kmax)
+        return _plan_direct_backward_weight(x.shape, out_shape, ho, wo, (sh, sw), (ph, pw), kmax,
+                                            dt)
     bm, bn = _rows_tile(m), 32 if ncol <= 32 else 128
     if -(-m // bm) > launch.GRID_YZ_MAX:
         raise ValueError(f"cuda.{f}: {m} output channels exceed the grid's limit")
     splits, chunk = split_k(-(-m // bm) * -(-ncol // bn), k, 512, 1024)
-    if runtime.precision == "tf32":
+    if dt == launch.HALF:
+        smem = 3 * 2 * (tile_floats(bm, 32, True, 8) + tile_floats(bn, 32, True, 8))
+        name = "conv2d_bwdw_f16_kernel"
+    elif runtime.precision == "tf32":
         smem = 3 * 4 * (tile_floats(bm, 32, True, 4) + tile_floats(bn, 32, True, 4))
         name = "conv2d_bwdw_tf32_kernel"
     else:
         smem = 4 * 4 * (tile_floats(bm, 8, False, 4) + tile_floats(bn, 8, False, 4))
         name = "conv2d_bwdw_fp32_kernel"
-    fn = launch.kernel(CONV, name, "float", str(bm), str(bn), smem=smem)
+    fn = launch.kernel(CONV, name, launch.ctype(dt), str(bm), str(bn), smem=smem)
     grid = (-(-ncol // bn), -(-m // bm), splits)
     # BWDW_PARAMS after (x, gy, gw, ws): Nb Cout Cin H W Ho Wo KH KW sh sw ph pw splits kchunk.
     tail = (i32(n), i32(cout), i32(cin), i32(h), i32(wd), i32(ho), i32(wo), i32(kh),
             i32(kw), i32(sh), i32(sw), i32(ph), i32(pw), i32(splits), i32(chunk))
-    reduce = reducer(CONV, splits, 1, m, ncol, ncol, 0, 0) if splits > 1 else None
+    reduce = reducer(CONV, splits, 1, m, ncol, ncol, 0, 0, dt) if splits > 1 else None
 
     def run(x, gy, out):
-        gw = output(f, out, out_shape)
+        gw = output(f, out, out_shape, dt)
         ws = launch.new((splits, m, ncol), np.float32) if reduce else gw
         fn(grid, (256,), (x, gy, gw, ws) + tail, shared_mem=smem)
         if reduce:

@@ -5,7 +5,8 @@ Conventions (the .cu file's header has the kernel side):
     accumulation) is the binary Add kernel launched with out == dst.
   * Activation backward ops take the forward OUTPUT y (relu, sigmoid, tanh) or the input x
     (pow_scalar) and the output gradient gy, and return the input gradient.
-  * Float32 or float64; math in the element type. Scalars are cast to the element type on the
+  * Float32 or float64, math in the element type; float16 computes in float32 and rounds
+    each result once. Scalars are cast to the element type on the
     host, rounded the way the CPU backend rounds them (e.g. p - 1 for pow's backward).
   * Same-shape contiguous operands take the flat kernels (map1, map2); anything else goes
     through bcast2 with a Layout of broadcast strides (32-bit indices, asserted).
@@ -23,31 +24,33 @@ EW = "elementwise.cu"
 
 def _map1(op, functor, a, s=0.0, t=0.0):
     """out = functor(a) elementwise; s, t: the functor's scalars, cast to the dtype."""
-    launch.check_float(op, a)
+    launch.check_float(op, a, half=True)
     launch.check_contiguous(op, a)
     out = launch.new(a.shape, a.dtype)
     if a.size:
         fn = launch.kernel(EW, "map1_kernel", launch.ctype(a.dtype), functor)
-        launch.grid_stride(fn, a.size, (out, a, np.int64(a.size), a.dtype.type(s), a.dtype.type(t)))
+        launch.grid_stride(fn, a.size, (out, a, np.int64(a.size), launch.scalar(a.dtype, s),
+                                                launch.scalar(a.dtype, t)))
     return out
 
 
 def _map2(op, functor, a, b, s=0.0, t=0.0):
     """out = functor(a, b) elementwise over two contiguous arrays of one shape."""
-    launch.check_float(op, a, b)
+    launch.check_float(op, a, b, half=True)
     launch.check_contiguous(op, a, b)
     launch.check_shape(op, b, a.shape)
     out = launch.new(a.shape, a.dtype)
     if a.size:
         fn = launch.kernel(EW, "map2_kernel", launch.ctype(a.dtype), functor)
         launch.grid_stride(fn, a.size,
-                           (out, a, b, np.int64(a.size), a.dtype.type(s), a.dtype.type(t)))
+                           (out, a, b, np.int64(a.size), launch.scalar(a.dtype, s),
+                            launch.scalar(a.dtype, t)))
     return out
 
 
 def _binary(op, functor, a, b, out=None):
     """out = a functor b with NumPy broadcasting (out: a new array, or a itself for add_)."""
-    launch.check_float(op, a, b)
+    launch.check_float(op, a, b, half=True)
     shape = launch.broadcast_shape(op, a.shape, b.shape)
     if out is None:
         out = launch.new(shape, a.dtype)
@@ -57,7 +60,7 @@ def _binary(op, functor, a, b, out=None):
     if n == 0:
         return out
     ctype = launch.ctype(a.dtype)
-    zero = a.dtype.type(0)
+    zero = launch.scalar(a.dtype, 0)
     if a.shape == b.shape and a.flags.c_contiguous and b.flags.c_contiguous:
         launch.grid_stride(launch.kernel(EW, "map2_kernel", ctype, functor), n,
                            (out, a, b, np.int64(n), zero, zero))
@@ -100,7 +103,7 @@ def div(a, b):
 
 def add_(dst, src):
     """dst += src, in place (gradient accumulation); src broadcasts to dst."""
-    launch.check_float("add_", dst, src)
+    launch.check_float("add_", dst, src, half=True)
     launch.check_contiguous("add_", dst)
     return _binary("add_", "Add", dst, src, out=dst)
 
@@ -159,7 +162,7 @@ def tanh_backward(y, gy):
 
 def bias_add(y, b):
     """y + b with b broadcast along axis 1 (channels of NCHW, features of (N, F))."""
-    launch.check_float("bias_add", y, b)
+    launch.check_float("bias_add", y, b, half=True)
     if y.ndim < 2 or b.shape != (y.shape[1],):
         raise ValueError(f"cuda.bias_add: bias {b.shape} does not match axis 1 of {y.shape}")
     return _binary("bias_add", "Add", y, b.reshape((1, -1) + (1,) * (y.ndim - 2)))

@@ -2,13 +2,14 @@
 convolutions (conv2d.py) share.
 
 Conventions (the .cu files' headers have the kernel side):
-  * float32 only; operands C-contiguous (checked with launch.check_f32); the result is a new
-    array or `out=`, written with `=`. Batch axes broadcast as NumPy's: equal batch shapes and
+  * float32, or float16 (every operand: the f16 tensor-core kernel, fp32 accumulation, the
+    result rounded once); operands C-contiguous (checked with launch.check_f32); the result
+    is a new array or `out=`, written with `=`. Batch axes broadcast as NumPy's: equal batch shapes and
     one side 2-D (or all ones) run the kernels directly; any other pair (e.g. (2,1,4,3) @
     (5,3,6)) first materialises each operand over the broadcast batch shape (broadcast_to)
     and then runs the equal-batch kernel, so every batch element is the same product.
-  * Precision: runtime.precision, "tf32" (tensor cores, fp32 accumulate; operands rounded to
-    tf32) or "fp32" (FFMA). It is part of every plan key.
+  * Precision of float32 operands: runtime.precision, "tf32" (tensor cores, fp32 accumulate;
+    operands rounded to tf32) or "fp32" (FFMA). It is part of every plan key.
   * Plans: the checks and the launch configuration (grid, block, split-K, shared memory) are
     worked out once per distinct call signature (shapes, dtypes, contiguity, 16-byte
     alignment, strides, precision) and kept, so a repeated call costs its allocations and
@@ -48,8 +49,16 @@ _WGMMA_BM, _WGMMA_BN, _WGMMA_BK, _WGMMA_SMEM = 128, 256, 32, 4 * 48 * 1024 + 102
 
 
 def tile_floats(bmn: int, bk: int, kmajor: bool, pad: int) -> int:
-    """Floats in one shared-memory operand tile: TileLayout::kSize in gemm_tiles.cuh."""
+    """Elements in one shared-memory operand tile: TileLayout::kSize in gemm_tiles.cuh."""
     return bmn * (bk + pad) if kmajor else bk * (bmn + pad)
+
+
+def operand_dtype(fn: str, a) -> np.dtype:
+    """float32 or float16, the dtypes the GEMM family computes in; anything else raises."""
+    dt = np.dtype(getattr(a, "dtype", np.float32))  # not an array: check_f32 says so
+    if dt not in (np.dtype(np.float32), launch.HALF):
+        raise TypeError(f"cuda.{fn}: operands must be float32 or float16, got {dt}")
+    return dt
 
 
 def sig(fn: str, name: str, a):
@@ -79,10 +88,10 @@ def clear_plans() -> None:
     _PLANS.clear()
 
 
-def output(fn: str, out, shape):
+def output(fn: str, out, shape, dtype=np.float32):
     if out is None:
-        return launch.new(shape, np.float32)
-    launch.check_f32(fn, "out", out)
+        return launch.new(shape, dtype)
+    launch.check_f32(fn, "out", out, dtype=dtype)
     if out.shape != shape:
         raise ValueError(f"cuda.{fn}: out has shape {out.shape}, expected {shape}")
     return out
@@ -90,7 +99,8 @@ def output(fn: str, out, shape):
 
 def _aligned(a, ld: int, stride: int) -> bool:
     """True when rows of `a` may be moved in 16-byte chunks."""
-    return ld % 4 == 0 and stride % 4 == 0 and a.data.ptr % 16 == 0
+    v = 16 // a.itemsize
+    return ld % v == 0 and stride % v == 0 and a.data.ptr % 16 == 0
 
 
 def _chunks(k: int, splits: int) -> tuple[int, int]:
@@ -109,9 +119,11 @@ def split_k(tiles: int, k: int, min_chunk: int, max_splits: int) -> tuple[int, i
     return _chunks(k, splits) if splits > 1 else (1, k)
 
 
-def reducer(file, splits, batch, m, n, ldc, sc, bias_mode):
-    """Launch of splitk_reduce_kernel: c = sum of the partials in ws, in split order (+ bias)."""
-    fn = launch.kernel(file, "splitk_reduce_kernel", "float")
+def reducer(file, splits, batch, m, n, ldc, sc, bias_mode, dtype=np.float32):
+    """Launch of splitk_reduce_kernel: c = sum of the float partials in ws, in split order
+    (+ bias), rounded to c's `dtype`."""
+    half = np.dtype(dtype) == launch.HALF
+    fn = launch.kernel(file, "splitk_reduce_kernel", *(("__half", "float") if half else ("float",)))
     grid = (max(1, min(-(-batch * m * n // 256), launch.sm_count() * 8)),)
     tail = (i32(splits), i32(batch), i32(m), i32(n), i32(ldc), np.int64(sc),
             np.float32(1.0), np.float32(0.0), i32(bias_mode))
@@ -168,7 +180,8 @@ def _is_sm90(device_id: int) -> bool:
 
 def _wgmma_fits(a, b, ta, tb, m, n, k, nb) -> bool:
     """True when gemm_wgmma.cu may compute this product (see the module docstring)."""
-    return (runtime.precision == "tf32" and not ta and tb and _wgmma_enabled()
+    return (runtime.precision == "tf32" and a.dtype == np.float32 and not ta and tb
+            and _wgmma_enabled()
             and _is_sm90(cupy.cuda.Device().id)
             and m % _WGMMA_BM == 0 and n % _WGMMA_BN == 0 and k % _WGMMA_BK == 0 and k > 0
             and a.data.ptr % 16 == 0 and b.data.ptr % 16 == 0
@@ -202,8 +215,9 @@ def matmul(a, b, trans_a=False, trans_b=False, *, bias=None, out=None):
 
 
 def _plan_matmul(a, b, ta, tb, bias):
-    launch.check_f32("matmul", "a", a)
-    launch.check_f32("matmul", "b", b)
+    dt = operand_dtype("matmul", a)
+    launch.check_f32("matmul", "a", a, dtype=dt)
+    launch.check_f32("matmul", "b", b, dtype=dt)
     if a.ndim < 2 or b.ndim < 2:
         raise ValueError(f"cuda.matmul: operands must be at least 2-D, got {a.shape} and {b.shape}")
     m, k = (a.shape[-1], a.shape[-2]) if ta else (a.shape[-2], a.shape[-1])
@@ -218,12 +232,12 @@ def _plan_matmul(a, b, ta, tb, bias):
     nb = math.prod(batch_shape)
     bias_mode = 0
     if bias is not None:
-        launch.check_f32("matmul", "bias", bias, ndim=1)
+        launch.check_f32("matmul", "bias", bias, ndim=1, dtype=dt)
         if bias.shape[0] != n:
             raise ValueError(f"cuda.matmul: bias has shape {bias.shape}, expected ({n},)")
         bias_mode = 1
     if nb == 0 or m == 0 or n == 0:
-        empty = lambda a, b, bias, out: output("matmul", out, out_shape)  # noqa: E731
+        empty = lambda a, b, bias, out: output("matmul", out, out_shape, dt)  # noqa: E731
         empty.kernel = "none"
         return empty
 
@@ -248,7 +262,11 @@ def _plan_matmul(a, b, ta, tb, bias):
 
     flags = (str(ta).lower(), str(tb).lower())
     tf32 = runtime.precision == "tf32"
-    if tf32:
+    if dt == launch.HALF:
+        smem = 3 * 2 * (tile_floats(128, 32, not ta, 8) + tile_floats(128, 32, tb, 8))
+        fn = launch.kernel("gemm.cu", "gemm_f16_kernel", "__half", *flags, smem=smem)
+        block = (128,)
+    elif tf32:
         smem = 3 * 4 * (tile_floats(128, 32, not ta, 8 if ta else 4)
                         + tile_floats(128, 32, tb, 4 if tb else 8))
         fn = launch.kernel("gemm.cu", "gemm_tf32_kernel", "float", *flags, smem=smem)
@@ -264,10 +282,12 @@ def _plan_matmul(a, b, ta, tb, bias):
             np.int64(s_a), np.int64(s_b), np.int64(s_c), i32(nb), i32(splits), i32(chunk),
             np.float32(1.0), np.float32(0.0), i32(bias_mode),
             i32(_aligned(a, lda, s_a)), i32(_aligned(b, ldb, s_b)))
-    reduce = reducer("gemm.cu", splits, nb, m, n, ldc, s_c, bias_mode) if splits > 1 else None
+    reduce = reducer("gemm.cu", splits, nb, m, n, ldc, s_c, bias_mode, dt) if splits > 1 else None
+    kernel_name = ("gemm_f16_kernel" if dt == launch.HALF else
+                   "gemm_tf32_kernel" if tf32 else "gemm_fp32_kernel")
 
     def run(a, b, bias, out):
-        c = output("matmul", out, out_shape)
+        c = output("matmul", out, out_shape, dt)
         ws = launch.new(ws_shape, np.float32) if reduce else c
         bias = c if bias is None else bias
         fn(grid, block, (a, b, c, bias, ws) + tail, shared_mem=smem)
@@ -275,7 +295,7 @@ def _plan_matmul(a, b, ta, tb, bias):
             reduce(ws, c, bias)
         return c
 
-    run.kernel = "gemm_tf32_kernel" if tf32 else "gemm_fp32_kernel"
+    run.kernel = kernel_name
     return run
 
 

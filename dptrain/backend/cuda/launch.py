@@ -30,9 +30,10 @@ INT32_MAX = 2**31 - 1
 GRID_YZ_MAX = 65535  # grid.y and grid.z limits
 BLOCKS_PER_SM = 16  # grid-stride launches are capped at this many blocks per SM
 FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+HALF = np.dtype(np.float16)  # a storage type: the kernels that take it compute in float
 
 # C type of each supported dtype, keyed by (kind, itemsize) so int64 spelled 'l' or 'q' agree.
-_CTYPES = {("f", 4): "float", ("f", 8): "double", ("i", 4): "int", ("i", 8): "long long",
+_CTYPES = {("f", 2): "__half", ("f", 4): "float", ("f", 8): "double", ("i", 4): "int", ("i", 8): "long long",
            ("u", 1): "unsigned char", ("b", 1): "bool"}
 # Data movement works on raw bits: one kernel per element size serves every dtype of that size.
 _BITS = {1: ("unsigned char", np.uint8), 2: ("unsigned short", np.uint16),
@@ -193,12 +194,14 @@ def check_arrays(op, *arrays):
             raise TypeError(f"cuda.{op}: expected a CuPy array, got {type(a).__name__}")
 
 
-def check_float(op, *arrays):
-    """CuPy arrays of one floating dtype (float32 or float64)."""
+def check_float(op, *arrays, half=False):
+    """CuPy arrays of one floating dtype: float32 or float64, and float16 where the op's
+    kernels have a 16-bit instantiation (`half`)."""
     check_arrays(op, *arrays)
     dt = arrays[0].dtype
-    if dt not in FLOATS:
-        raise TypeError(f"cuda.{op}: dtype {dt} not supported (float32 or float64)")
+    if dt not in FLOATS and not (half and dt == HALF):
+        kinds = "float16, float32 or float64" if half else "float32 or float64"
+        raise TypeError(f"cuda.{op}: dtype {dt} not supported ({kinds})")
     for a in arrays[1:]:
         if a.dtype != dt:
             raise TypeError(f"cuda.{op}: mixed dtypes {dt} and {a.dtype}")
@@ -229,12 +232,21 @@ def check_int32(op, *counts):
         raise ValueError(f"cuda.{op}: size {max(counts)} exceeds 32-bit indexing")
 
 
-def check_f32(op, name, a, ndim=None):
-    """The GEMM family's operands: a C-contiguous float32 CuPy array with int32 indices."""
+def scalar(dtype, value):
+    """A host scalar as the kernel parameter compute_t<T> of element dtype `dtype`, rounded to
+    `dtype` first, as NumPy rounds a scalar to the array's dtype."""
+    if np.dtype(dtype) == HALF:
+        return np.float32(np.float16(value))
+    return np.dtype(dtype).type(value)
+
+
+def check_f32(op, name, a, ndim=None, dtype=np.float32):
+    """The GEMM family's operands: a C-contiguous CuPy array of `dtype` (float32, or float16
+    for the 16-bit kernels) with int32 indices."""
     if not is_cupy(a):
         raise TypeError(f"cuda.{op}: {name} must be a cupy.ndarray, got {type(a).__name__}")
-    if a.dtype != np.float32:
-        raise TypeError(f"cuda.{op}: {name} must be float32, got {a.dtype}")
+    if a.dtype != dtype:
+        raise TypeError(f"cuda.{op}: {name} must be {np.dtype(dtype)}, got {a.dtype}")
     if not a.flags.c_contiguous:
         raise ValueError(f"cuda.{op}: {name} must be C-contiguous (use cupy.ascontiguousarray)")
     if ndim is not None and a.ndim != ndim:

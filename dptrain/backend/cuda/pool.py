@@ -43,7 +43,7 @@ def _pool_geom(op, x_shape, kernel, stride, padding):
 
 
 def _max_pool(op, kernel_name, x, kernel, stride, padding):
-    launch.check_float(op, x)
+    launch.check_float(op, x, half=True)
     launch.check_contiguous(op, x)
     geom, y_shape = _pool_geom(op, x.shape, kernel, stride, padding)
     y, idx = launch.new(y_shape, x.dtype), launch.new(y_shape, np.int32)
@@ -65,7 +65,7 @@ def relu_max_pool2d_forward(x, kernel, stride, padding, *, workspace=None):
 
 
 def max_pool2d_backward(gy, idx, x_shape, *, workspace=None):
-    launch.check_float("max_pool2d_backward", gy)
+    launch.check_float("max_pool2d_backward", gy, half=True)
     launch.check_arrays("max_pool2d_backward", idx)
     launch.check_contiguous("max_pool2d_backward", gy, idx)
     if idx.dtype != np.int32 or idx.shape != gy.shape or gy.ndim != 4:
@@ -87,7 +87,7 @@ def max_pool2d_backward(gy, idx, x_shape, *, workspace=None):
 
 def avg_pool2d_forward(x, kernel, stride, padding):
     """Average over each window, padding counted in the divisor (PyTorch's default)."""
-    launch.check_float("avg_pool2d_forward", x)
+    launch.check_float("avg_pool2d_forward", x, half=True)
     launch.check_contiguous("avg_pool2d_forward", x)
     geom, y_shape = _pool_geom("avg_pool2d_forward", x.shape, kernel, stride, padding)
     y = launch.new(y_shape, x.dtype)
@@ -98,7 +98,7 @@ def avg_pool2d_forward(x, kernel, stride, padding):
 
 
 def avg_pool2d_backward(gy, x_shape, kernel, stride, padding):
-    launch.check_float("avg_pool2d_backward", gy)
+    launch.check_float("avg_pool2d_backward", gy, half=True)
     launch.check_contiguous("avg_pool2d_backward", gy)
     geom, y_shape = _pool_geom("avg_pool2d_backward", x_shape, kernel, stride, padding)
     launch.check_shape("avg_pool2d_backward", gy, y_shape, "gy")

@@ -95,7 +95,7 @@ def _reduce(op, a, axes, out_shape):
             raise ValueError("cuda.max: zero-size reduction has no identity")
         return fill_(out, 0)
     t = launch.ctype(a.dtype)
-    acc = "double" if op == "SumOp" else t
+    acc = "double" if op == "SumOp" else "float" if a.dtype == launch.HALF else t
     if K < SPLIT_MIN_K or M >= 1024:
         fn = launch.kernel(RED, "reduce_kernel", t, acc, t, op)
         run_reduce(fn, out, a, M, 1, K, K, lk, lr, group_size(M, K, inner))
@@ -103,7 +103,7 @@ def _reduce(op, a, axes, out_shape):
     # Two passes: S partials per output (in the accumulator type), then one fold over them.
     S = -(-K // SPLIT_CHUNK)
     chunk = -(-K // S)
-    partial = launch.new((M, S), np.dtype(np.float64) if acc == "double" else a.dtype)
+    partial = launch.new((M, S), np.dtype(np.float64) if acc == "double" else np.float32)
     fn = launch.kernel(RED, "reduce_kernel", t, acc, acc, op)
     run_reduce(fn, partial, a, M, S, K, chunk, lk, lr, group_size(M * S, chunk, inner))
     fn = launch.kernel(RED, "reduce_kernel", acc, acc, t, op)
@@ -113,13 +113,13 @@ def _reduce(op, a, axes, out_shape):
 
 
 def sum(a, axis=None, keepdims=False):  # noqa: A001 - the op's name
-    launch.check_float("sum", a)
+    launch.check_float("sum", a, half=True)
     axes = _axes("sum", a.ndim, axis)
     return _reduce("SumOp", a, axes, _reduced_shape(a.shape, axes, keepdims))
 
 
 def max(a, axis=None, keepdims=False):  # noqa: A001
-    launch.check_float("max", a)
+    launch.check_float("max", a, half=True)
     axes = _axes("max", a.ndim, axis)
     return _reduce("MaxOp", a, axes, _reduced_shape(a.shape, axes, keepdims))
 
@@ -147,7 +147,7 @@ def sum_to_shape(g, shape):
     shape = tuple(shape)
     if tuple(g.shape) == shape:
         return g
-    launch.check_float("sum_to_shape", g)
+    launch.check_float("sum_to_shape", g, half=True)
     lead = g.ndim - len(shape)
     if lead < 0:
         raise ValueError(f"cuda.sum_to_shape: cannot reduce {g.shape} to {shape}")
@@ -161,7 +161,7 @@ def sum_to_shape(g, shape):
 
 def bias_grad(gy):
     """Sum of gy over every axis but 1: the bias gradient of bias_add."""
-    launch.check_float("bias_grad", gy)
+    launch.check_float("bias_grad", gy, half=True)
     if gy.ndim < 2:
         raise ValueError(f"cuda.bias_grad: gy {gy.shape} has no axis 1")
     axes = (0,) + tuple(range(2, gy.ndim))

@@ -1,0 +1,109 @@
+"""Mixed precision (``--precision fp16``): 16-bit activations, fp32 weights, loss scaling.
+
+The policy lives where the work already happens:
+  * the training step casts each batch to float16, and a layer fed 16-bit activations casts
+    its weight and bias to them as it uses them (``nn.layers``), so every activation and its
+    gradient is 16-bit and the matrix products run on 16-bit tensor cores with fp32
+    accumulation;
+  * the parameters, their gradients (the cast's backward returns fp32), the gradient exchange
+    and the optimizer stay fp32: the flat buffers are the master weights;
+  * the logits go back to fp32 for the loss and the metrics.
+
+Loss scaling (``LossScaler``): fp16 represents nothing below 6e-8, so small gradients would
+flush to zero. The backward starts from S, the loss scale (a device scalar), instead of 1, and
+the gradient shard is divided by S before the update. A step whose 16-bit gradients
+overflowed (a NaN or inf in the averaged gradient: the flag is all-reduced, so every rank
+agrees) is skipped on the device and halves S; ``interval`` good steps in a row double it
+(the scheme of Micikevicius et al., "Mixed Precision Training", 2018). Nothing reaches the
+host inside the step: ``read()`` reports the overflows at the loop's metric reads.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from dptrain.autograd import Tensor
+from dptrain.errors import NonFiniteError
+
+COMPUTE_DTYPES = {"fp16": np.dtype(np.float16)}  # --precision -> activation dtype
+INIT_SCALE, INTERVAL = 2.0**16, 2000
+MIN_SCALE = 2.0**-24  # below this even a gradient of 1 underflows fp16: the run diverged
+
+# Layers with a 16-bit path; any other layer (batch or layer norm, attention) keeps a model
+# on fp32 for now.
+FP16_LAYERS = frozenset({"Conv2d", "Linear", "ReLU", "MaxPool2d", "AvgPool2d",
+                         "Flatten", "Dropout"})
+
+
+def compute_dtype(precision: str) -> np.dtype:
+    """The activation dtype of `precision`: float16 for fp16, float32 for the others."""
+    return COMPUTE_DTYPES.get(precision, np.dtype(np.float32))
+
+
+def check_model(model, precision: str) -> None:
+    """ValueError naming the first layer without a 16-bit path, when `precision` needs one."""
+    if precision not in COMPUTE_DTYPES:
+        return
+    for name, module in model.named_modules():
+        kind = type(module).__name__
+        if not module._modules and kind not in FP16_LAYERS:  # layers; containers only route
+            where = f"layer {name!r} ({kind})" if name else kind
+            raise ValueError(f"--precision {precision}: {where} has no 16-bit path yet; "
+                             f"the cnn and mlp models have one (use --precision tf32 or fp32)")
+
+
+def supports(model_name: str, image_shape=(1, 48, 48)) -> bool:
+    """True when model `model_name` has a 16-bit path (every layer in FP16_LAYERS)."""
+    from dptrain.nn import build_model
+
+    try:
+        check_model(build_model(model_name, image_shape, 10), "fp16")
+    except ValueError:
+        return False
+    return True
+
+
+class LossScaler:
+    """The dynamic loss scale as a device array ``state`` = [scale, good steps, overflows]."""
+
+    def __init__(self, be, init_scale: float = INIT_SCALE, interval: int = INTERVAL):
+        if not init_scale > 0 or interval < 1:
+            raise ValueError(f"loss scale must be > 0 and its interval >= 1, got {init_scale} "
+                             f"and {interval}")
+        self.be, self.interval = be, int(interval)
+        self.state = be.asarray(np.array([init_scale, 0, 0], np.float32))
+        self.scale = self.state[0:1]
+        self.overflows = 0  # host total, updated at reads
+
+    def seed(self) -> Tensor:
+        """What the backward starts from: the scale, as a 0-d fp32 tensor."""
+        return Tensor(self.scale.reshape(()))
+
+    def unscale_(self, grad, segments):
+        """Divide the gradient shard by the scale this step's backward used."""
+        for start, stop in segments:
+            self.be.unscale_(grad[start:stop], self.scale)
+
+    def update_(self, overflow):
+        """Halve the scale if `overflow` (one device value, 0 or 1), else count a good step."""
+        self.be.loss_scale_update_(self.state, overflow, self.interval)
+
+    def read(self, step: int) -> tuple[float, int]:
+        """Host side (synchronises): (the scale now, overflows since the last read). Raises
+        NonFiniteError once the scale fell below MIN_SCALE."""
+        scale, _, overflows = (float(v) for v in self.be.to_numpy(self.state))
+        if overflows:
+            self.be.fill_(self.state[2:3], 0.0)
+        self.overflows += int(overflows)
+        if scale < MIN_SCALE:
+            raise NonFiniteError(f"fp16 gradients overflowed at every loss scale down to "
+                                 f"{scale:g} by step {step}; stopped (the run diverged: try a "
+                                 f"lower --lr or --precision tf32)")
+        return scale, int(overflows)
+
+    # -- checkpoints: the scale and its good-step count
+    def state_dict(self) -> list[float]:
+        return [float(v) for v in self.be.to_numpy(self.state)[:2]]
+
+    def load_state_dict(self, values) -> None:
+        scale, good = (float(v) for v in values)
+        self.be.runtime.upload_(self.state, np.array([scale, good, 0], np.float32))
