@@ -208,6 +208,10 @@ struct DenseLoader {
     }
   }
 
+  // The staged interface of mma16_mainloop: cp.async needs no registers, so fetch is load.
+  struct Regs {};
+  __device__ __forceinline__ void fetch(Regs&, E* s, int k0, int k_end) const { load(s, k0, k_end); }
+  __device__ __forceinline__ void put(E*, const Regs&) const {}
 };
 
 // ----------------------------------------------------------------------------- slab pipeline
@@ -372,6 +376,12 @@ __device__ __forceinline__ void mma_mainloop(float (&acc)[Cfg::MT][Cfg::NT][4], 
 // The TF32 loop's structure on __half tiles: m16n8k16 products, fragments straight from
 // ldmatrix (K-major tiles) or ldmatrix.trans (MN-major), no per-register rounding. An odd
 // number of 8-wide B fragments ends with ldmatrix.x2.
+// Loads are staged: each loader's fetch(regs, slot, k0, k_end) issues slab kt + STAGES - 1's
+// global reads (cp.async straight into its slot, or plain loads into registers for 2-byte
+// gathers, which cp.async cannot move) before the math on slab kt, and put(slot, regs)
+// stores the registers after it, so a gather's latency hides behind the math as cp.async's
+// does. The slot was last read by slab kt - 1, which every thread finished before this
+// iteration's barrier.
 template <class Cfg, class LA, class LB>
 __device__ __forceinline__ void mma16_mainloop(float (&acc)[Cfg::MT][Cfg::NT][4], const LA& la,
                                                const LB& lb, __half* smem, int k_begin,
@@ -390,11 +400,23 @@ __device__ __forceinline__ void mma16_mainloop(float (&acc)[Cfg::MT][Cfg::NT][4]
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
 
+  constexpr int STAGE = SA::kSize + SB::kSize;
   const int ntiles = pipeline_start<BK, STAGES>(la, lb, smem, k_begin, k_end);
   const MmaCoords<Cfg> at;
   const int lane = threadIdx.x & 31, j8 = lane >> 3, r8 = lane & 7;
   for (int kt = 0; kt < ntiles; ++kt) {
-    const __half* sA = pipeline_next<BK, STAGES>(la, lb, smem, kt, ntiles, k_begin, k_end);
+    cp_async_wait<STAGES - 2>();  // slab kt has landed (this thread's copies) ...
+    __syncthreads();              // ... and everyone's; slab kt-1 is no longer being read
+    const int nk = kt + STAGES - 1;
+    __half* next = smem + (nk % STAGES) * STAGE;
+    typename LA::Regs ra;
+    typename LB::Regs rb;
+    if (nk < ntiles) {
+      la.fetch(ra, next, k_begin + nk * BK, k_end);
+      lb.fetch(rb, next + SA::kSize, k_begin + nk * BK, k_end);
+    }
+    cp_async_commit();  // always, so the group count stays in step with kt
+    const __half* sA = smem + (kt % STAGES) * STAGE;
     const __half* sB = sA + SA::kSize;
 #pragma unroll
     for (int ks = 0; ks < BK; ks += 16) {
@@ -425,6 +447,10 @@ __device__ __forceinline__ void mma16_mainloop(float (&acc)[Cfg::MT][Cfg::NT][4]
 #pragma unroll
         for (int nt = 0; nt < Cfg::NT; ++nt) mma_f16(acc[mt][nt], af, bf[nt]);
       }
+    }
+    if (nk < ntiles) {
+      la.put(next, ra);
+      lb.put(next + SA::kSize, rb);
     }
   }
   cp_async_wait<0>();
