@@ -1,7 +1,8 @@
-"""Mixed precision (``--precision fp16``): 16-bit activations, fp32 weights, loss scaling.
+"""Mixed precision (``--precision bf16`` / ``fp16``): 16-bit activations, fp32 weights, and
+for fp16 loss scaling.
 
 The policy lives where the work already happens:
-  * the training step casts each batch to float16, and a layer fed 16-bit activations casts
+  * the training step casts each batch to the 16-bit type, and a layer fed 16-bit activations casts
     its weight and bias to them as it uses them (``nn.layers``), so every activation and its
     gradient is 16-bit and the matrix products run on 16-bit tensor cores with fp32
     accumulation;
@@ -9,8 +10,12 @@ The policy lives where the work already happens:
     and the optimizer stay fp32: the flat buffers are the master weights;
   * the logits go back to fp32 for the loss and the metrics.
 
-Loss scaling (``LossScaler``): fp16 represents nothing below 6e-8, so small gradients would
-flush to zero. The backward starts from S, the loss scale (a device scalar), instead of 1, and
+bfloat16 keeps fp32's exponent range (8 exponent bits, 7 mantissa bits): it needs no loss
+scaling. NumPy has no bfloat16, so it is stored as uint16 (dptrain.backend.bfloat16) and only
+the GPU computes on it.
+
+Loss scaling (``LossScaler``, fp16 only): fp16 represents nothing below 6e-8, so small
+gradients would flush to zero. The backward starts from S, the loss scale (a device scalar), instead of 1, and
 the gradient shard is divided by S before the update. A step whose 16-bit gradients
 overflowed (a NaN or inf in the averaged gradient: the flag is all-reduced, so every rank
 agrees) is skipped on the device and halves S; ``interval`` good steps in a row double it
@@ -22,15 +27,18 @@ from __future__ import annotations
 import numpy as np
 
 from dptrain.autograd import Tensor
+from dptrain.backend.bfloat16 import BFLOAT16
 from dptrain.errors import NonFiniteError
 
-COMPUTE_DTYPES = {"fp16": np.dtype(np.float16)}  # --precision -> activation dtype
+# --precision -> activation dtype; the others keep fp32 activations
+COMPUTE_DTYPES = {"fp16": np.dtype(np.float16), "bf16": BFLOAT16}
+LOSS_SCALED = ("fp16",)  # precisions whose gradients need the loss scaler
 INIT_SCALE, INTERVAL = 2.0**16, 2000
 MIN_SCALE = 2.0**-24  # below this even a gradient of 1 underflows fp16: the run diverged
 
 # Layers with a 16-bit path; any other layer (batch or layer norm, attention) keeps a model
 # on fp32 for now.
-FP16_LAYERS = frozenset({"Conv2d", "Linear", "ReLU", "MaxPool2d", "AvgPool2d",
+LAYERS_16BIT = frozenset({"Conv2d", "Linear", "ReLU", "MaxPool2d", "AvgPool2d",
                          "Flatten", "Dropout"})
 
 
@@ -39,24 +47,31 @@ def compute_dtype(precision: str) -> np.dtype:
     return COMPUTE_DTYPES.get(precision, np.dtype(np.float32))
 
 
+def check_device(precision: str, device: str) -> None:
+    """ValueError where `device` cannot run `precision` (bfloat16 on the CPU)."""
+    if precision == "bf16" and device != "cuda":
+        raise ValueError("--precision bf16 needs a GPU (NumPy has no bfloat16); use fp16 or "
+                         "fp32 on the CPU")
+
+
 def check_model(model, precision: str) -> None:
     """ValueError naming the first layer without a 16-bit path, when `precision` needs one."""
     if precision not in COMPUTE_DTYPES:
         return
     for name, module in model.named_modules():
         kind = type(module).__name__
-        if not module._modules and kind not in FP16_LAYERS:  # layers; containers only route
+        if not module._modules and kind not in LAYERS_16BIT:  # layers; containers only route
             where = f"layer {name!r} ({kind})" if name else kind
             raise ValueError(f"--precision {precision}: {where} has no 16-bit path yet; "
                              f"the cnn and mlp models have one (use --precision tf32 or fp32)")
 
 
 def supports(model_name: str, image_shape=(1, 48, 48)) -> bool:
-    """True when model `model_name` has a 16-bit path (every layer in FP16_LAYERS)."""
+    """True when model `model_name` has a 16-bit path (every layer in LAYERS_16BIT)."""
     from dptrain.nn import build_model
 
     try:
-        check_model(build_model(model_name, image_shape, 10), "fp16")
+        check_model(build_model(model_name, image_shape, 10), "bf16")
     except ValueError:
         return False
     return True

@@ -129,11 +129,13 @@ def train_parser() -> argparse.ArgumentParser:
                    help="gradient bucket size for the reduce-scatter (MB)")
     g.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
                    help="GPU: run every step eagerly instead of replaying a captured graph")
-    g.add_argument("--precision", default="auto", choices=("auto", "tf32", "fp32", "fp16"),
+    g.add_argument("--precision", default="auto",
+                   choices=("auto", "tf32", "fp32", "bf16", "fp16"),
                    help="tf32/fp32: fp32 activations, matrix products on TF32 tensor cores or "
-                   "in full fp32 (auto: TF32 where the GPU has it); fp16: mixed precision, "
-                   "16-bit activations with fp32 weights, optimizer and gradient exchange, and "
-                   "dynamic loss scaling (cnn and mlp models)")
+                   "in full fp32 (auto: TF32 where the GPU has it); bf16/fp16: mixed "
+                   "precision, 16-bit activations with fp32 weights, optimizer and gradient "
+                   "exchange (cnn and mlp models; bf16 on a GPU only; fp16 with dynamic loss "
+                   "scaling)")
     g.add_argument("--loss-scale", type=_positive_float, default=2.0**16, metavar="S",
                    help="fp16: the initial loss scale; halved on every step whose gradients "
                    "overflow (that step is skipped on all ranks)")

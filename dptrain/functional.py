@@ -9,6 +9,7 @@ import numpy as np
 
 from dptrain import ops
 from dptrain.autograd import Tensor, as_tensor
+from dptrain.backend.bfloat16 import BFLOAT16
 
 
 def _pair(value, name):
@@ -181,13 +182,18 @@ def reshape(x: Tensor, *shape) -> Tensor:
 
 
 def cast(x: Tensor, dtype) -> Tensor:
-    """x in float dtype `dtype` (x itself when it has it); the gradient flows back in x's."""
+    """x in float dtype `dtype` (x itself when it has it); the gradient flows back in x's.
+    bfloat16 is ``dptrain.backend.bfloat16.BFLOAT16`` (uint16 storage, GPU only)."""
     dtype = np.dtype(dtype)
     if x.dtype == dtype:
         return x
-    if dtype.kind != "f" or x.dtype.kind != "f":
+    if not (_is_float(dtype) and _is_float(x.dtype)):
         raise TypeError(f"cast: float to float only, got {x.dtype} to {dtype}")
     return ops.Cast.apply(x, dtype=dtype)
+
+
+def _is_float(dtype) -> bool:
+    return dtype.kind == "f" or dtype == BFLOAT16
 
 
 def transpose(x: Tensor, *axes) -> Tensor:

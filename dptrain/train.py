@@ -58,7 +58,7 @@ class TrainConfig:
     warmup_steps: int | None = None  # None: a fraction of the run, capped (LRSchedule)
     seed: int = 0
     device: str = "auto"
-    precision: str = "auto"  # auto, tf32, fp32 (matrix arithmetic) or fp16 (mixed precision)
+    precision: str = "auto"  # auto, tf32, fp32 (matrix arithmetic); bf16, fp16 (mixed precision)
     loss_scale: float = amp.INIT_SCALE  # fp16: the initial loss scale
     loss_scale_interval: int = amp.INTERVAL  # fp16: good steps before the scale doubles
     log_dir: str | None = None
@@ -227,6 +227,7 @@ def _setup(cfg: TrainConfig):
                             hidden=cfg.hidden).to(device)
         if cfg.sync_bn:
             sync_batch_norm(model, world.comm)
+        amp.check_device(cfg.precision, device)
         amp.check_model(model, cfg.precision)
         if cfg.batch_size * world.size > len(train_set.labels):
             raise ValueError(f"--batch-size {cfg.batch_size} x {world.size} ranks is larger than "
@@ -274,7 +275,7 @@ def train(cfg: TrainConfig, echo=print) -> dict:
     # in place.
     dtype = amp.compute_dtype(cfg.precision)
     scaler = (amp.LossScaler(be, cfg.loss_scale, cfg.loss_scale_interval)
-              if dtype.itemsize == 2 else None)
+              if cfg.precision in amp.LOSS_SCALED else None)
     ckpt = Checkpointing(cfg, world, model, opt, reducer, steps_per_epoch, echo=echo,
                          warn=lambda text: print(text, file=sys.stderr, flush=True),
                          loader=loader, scaler=scaler)

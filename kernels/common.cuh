@@ -8,10 +8,11 @@
 //  * Warp-level helpers assume all 32 lanes of the warp call them (FULL_MASK).
 //  * Math helpers dispatch on the element type (float or double): NVRTC has no <cmath>
 //    overload set we can rely on.
-//  * 16-bit floats (__half) are a storage type: kernels load them into compute_t<T> (float)
-//    and round once when they store.
+//  * 16-bit floats (__half, __nv_bfloat16) are storage types: kernels load them into
+//    compute_t<T> (float) and round once when they store.
 #pragma once
 
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #define FULL_MASK 0xffffffffu
@@ -107,20 +108,47 @@ template <> __device__ __forceinline__ double quiet_nan<double>() {
 
 template <> __device__ __forceinline__ __half neg_inf<__half>() { return __ushort_as_half(0xfc00u); }
 template <> __device__ __forceinline__ __half quiet_nan<__half>() { return __ushort_as_half(0x7e00u); }
+template <> __device__ __forceinline__ __nv_bfloat16 neg_inf<__nv_bfloat16>() {
+  return __ushort_as_bfloat16(0xff80u);
+}
+template <> __device__ __forceinline__ __nv_bfloat16 quiet_nan<__nv_bfloat16>() {
+  return __ushort_as_bfloat16(0x7fc0u);
+}
 
-// The arithmetic type of an element type: __half computes in float, the others in themselves.
+// The arithmetic type of an element type: 16-bit floats compute in float, the others in
+// themselves.
 template <typename T> struct ComputeType { using type = T; };
 template <> struct ComputeType<__half> { using type = float; };
+template <> struct ComputeType<__nv_bfloat16> { using type = float; };
 template <typename T> using compute_t = typename ComputeType<T>::type;
 
-// as<To>(v): v converted to To, rounding to nearest. Spelled out for __half, whose many
-// conversion operators make plain casts ambiguous.
+// same_type<A, B>::value: std::is_same without <type_traits> (NVRTC).
+template <typename A, typename B> struct same_type { static constexpr bool value = false; };
+template <typename A> struct same_type<A, A> { static constexpr bool value = true; };
+
+// as<To>(v): v converted to To, rounding to nearest (even). Spelled out for the 16-bit types,
+// whose many conversion operators make plain casts ambiguous.
 template <typename To, typename From> __device__ __forceinline__ To as(From v) { return static_cast<To>(v); }
 template <> __device__ __forceinline__ float as<float, __half>(__half v) { return __half2float(v); }
 template <> __device__ __forceinline__ double as<double, __half>(__half v) { return __half2float(v); }
 template <> __device__ __forceinline__ __half as<__half, float>(float v) { return __float2half_rn(v); }
 template <> __device__ __forceinline__ __half as<__half, double>(double v) { return __double2half(v); }
 template <> __device__ __forceinline__ __half as<__half, __half>(__half v) { return v; }
+template <> __device__ __forceinline__ float as<float, __nv_bfloat16>(__nv_bfloat16 v) {
+  return __bfloat162float(v);
+}
+template <> __device__ __forceinline__ double as<double, __nv_bfloat16>(__nv_bfloat16 v) {
+  return __bfloat162float(v);
+}
+template <> __device__ __forceinline__ __nv_bfloat16 as<__nv_bfloat16, float>(float v) {
+  return __float2bfloat16_rn(v);
+}
+template <> __device__ __forceinline__ __nv_bfloat16 as<__nv_bfloat16, double>(double v) {
+  return __double2bfloat16(v);
+}
+template <> __device__ __forceinline__ __nv_bfloat16 as<__nv_bfloat16, __nv_bfloat16>(__nv_bfloat16 v) {
+  return v;
+}
 
 // NaN-propagating max (np.max semantics): once a is NaN it stays NaN, and a NaN b replaces a.
 template <typename T> __device__ __forceinline__ T nan_max(T a, T b) { return (b > a || b != b) ? b : a; }

@@ -38,12 +38,22 @@
 // instantiate: conv2d_bwdw_fp32_kernel<float, 64, 32>; conv2d_bwdw_fp32_kernel<float, 64, 128>
 // instantiate: conv2d_bwdw_fp32_kernel<float, 128, 32>; conv2d_bwdw_fp32_kernel<float, 128, 128>
 // instantiate: splitk_reduce_kernel<float>; conv2d_weight_reorder_kernel<float>
-// instantiate: conv2d_f16_kernel<__half, 32>; conv2d_f16_kernel<__half, 64>
-// instantiate: conv2d_f16_kernel<__half, 128>
-// instantiate: conv2d_bwdw_f16_kernel<__half, 32, 32>; conv2d_bwdw_f16_kernel<__half, 32, 128>
-// instantiate: conv2d_bwdw_f16_kernel<__half, 64, 32>; conv2d_bwdw_f16_kernel<__half, 64, 128>
-// instantiate: conv2d_bwdw_f16_kernel<__half, 128, 32>; conv2d_bwdw_f16_kernel<__half, 128, 128>
+// instantiate: conv2d_b16_kernel<__half, 32>; conv2d_b16_kernel<__half, 64>
+// instantiate: conv2d_b16_kernel<__nv_bfloat16, 32>; conv2d_b16_kernel<__nv_bfloat16, 64>
+// instantiate: conv2d_b16_kernel<__half, 128>
+// instantiate: conv2d_b16_kernel<__nv_bfloat16, 128>
+// instantiate: conv2d_bwdw_b16_kernel<__half, 32, 32>; conv2d_bwdw_b16_kernel<__half, 32, 128>
+// instantiate: conv2d_bwdw_b16_kernel<__nv_bfloat16, 32, 32>
+// instantiate: conv2d_bwdw_b16_kernel<__nv_bfloat16, 32, 128>
+// instantiate: conv2d_bwdw_b16_kernel<__half, 64, 32>; conv2d_bwdw_b16_kernel<__half, 64, 128>
+// instantiate: conv2d_bwdw_b16_kernel<__nv_bfloat16, 64, 32>
+// instantiate: conv2d_bwdw_b16_kernel<__nv_bfloat16, 64, 128>
+// instantiate: conv2d_bwdw_b16_kernel<__half, 128, 32>; conv2d_bwdw_b16_kernel<__half, 128, 128>
+// instantiate: conv2d_bwdw_b16_kernel<__nv_bfloat16, 128, 32>
+// instantiate: conv2d_bwdw_b16_kernel<__nv_bfloat16, 128, 128>
 // instantiate: splitk_reduce_kernel<__half, float>; conv2d_weight_reorder_kernel<__half>
+// instantiate: splitk_reduce_kernel<__nv_bfloat16, float>
+// instantiate: conv2d_weight_reorder_kernel<__nv_bfloat16>
 
 #include "gemm_tiles.cuh"
 
@@ -214,7 +224,7 @@ __global__ void __launch_bounds__(128, 2) conv2d_tf32_kernel(CONV_PARAMS) {
 }
 
 template <typename T, int BM>
-__global__ void __launch_bounds__(128, 2) conv2d_f16_kernel(CONV_PARAMS) {
+__global__ void __launch_bounds__(128, 2) conv2d_b16_kernel(CONV_PARAMS) {
   static_assert(sizeof(T) == 2, "16-bit operands");
   using Cfg = MmaCfg<BM, 128, 32, 2, 2, 3>;       // the TF32 kernel's tiles on __half
   using LayA = TileLayout<BM, 32, true, 8, T>;     // wr rows: 16-byte copies, ldmatrix reads
@@ -402,7 +412,7 @@ __global__ void __launch_bounds__(256, 2) conv2d_bwdw_tf32_kernel(BWDW_PARAMS) {
 }
 
 template <typename T, int BM, int BN>
-__global__ void __launch_bounds__(256, 2) conv2d_bwdw_f16_kernel(BWDW_PARAMS) {
+__global__ void __launch_bounds__(256, 2) conv2d_bwdw_b16_kernel(BWDW_PARAMS) {
   static_assert(sizeof(T) == 2, "16-bit operands");
   using Cfg = MmaCfg<BM, BN, 32, 2, 4, 3>;
   using LayA = TileLayout<BM, 32, true, 8, T>;  // [m][k] and [j][k]: ldmatrix reads

@@ -29,13 +29,29 @@
 // instantiate: conv2d_direct_bwdw_kernel<float, 20, 2>; conv2d_direct_bwdw_kernel<float, 24, 2>
 // instantiate: conv2d_direct_bwdw_kernel<float, 28, 2>; conv2d_direct_bwdw_kernel<float, 32, 2>
 // instantiate: conv2d_direct_fwd_kernel<__half, 4>; conv2d_direct_fwd_kernel<__half, 8>
+// instantiate: conv2d_direct_fwd_kernel<__nv_bfloat16, 4>
+// instantiate: conv2d_direct_fwd_kernel<__nv_bfloat16, 8>
 // instantiate: conv2d_direct_fwd_kernel<__half, 12>; conv2d_direct_fwd_kernel<__half, 16>
+// instantiate: conv2d_direct_fwd_kernel<__nv_bfloat16, 12>
+// instantiate: conv2d_direct_fwd_kernel<__nv_bfloat16, 16>
 // instantiate: conv2d_direct_fwd_kernel<__half, 20>; conv2d_direct_fwd_kernel<__half, 24>
+// instantiate: conv2d_direct_fwd_kernel<__nv_bfloat16, 20>
+// instantiate: conv2d_direct_fwd_kernel<__nv_bfloat16, 24>
 // instantiate: conv2d_direct_fwd_kernel<__half, 28>; conv2d_direct_fwd_kernel<__half, 32>
+// instantiate: conv2d_direct_fwd_kernel<__nv_bfloat16, 28>
+// instantiate: conv2d_direct_fwd_kernel<__nv_bfloat16, 32>
 // instantiate: conv2d_direct_bwdw_kernel<__half, 4, 8>; conv2d_direct_bwdw_kernel<__half, 8, 4>
+// instantiate: conv2d_direct_bwdw_kernel<__nv_bfloat16, 4, 8>
+// instantiate: conv2d_direct_bwdw_kernel<__nv_bfloat16, 8, 4>
 // instantiate: conv2d_direct_bwdw_kernel<__half, 12, 4>; conv2d_direct_bwdw_kernel<__half, 16, 4>
+// instantiate: conv2d_direct_bwdw_kernel<__nv_bfloat16, 12, 4>
+// instantiate: conv2d_direct_bwdw_kernel<__nv_bfloat16, 16, 4>
 // instantiate: conv2d_direct_bwdw_kernel<__half, 20, 2>; conv2d_direct_bwdw_kernel<__half, 24, 2>
+// instantiate: conv2d_direct_bwdw_kernel<__nv_bfloat16, 20, 2>
+// instantiate: conv2d_direct_bwdw_kernel<__nv_bfloat16, 24, 2>
 // instantiate: conv2d_direct_bwdw_kernel<__half, 28, 2>; conv2d_direct_bwdw_kernel<__half, 32, 2>
+// instantiate: conv2d_direct_bwdw_kernel<__nv_bfloat16, 28, 2>
+// instantiate: conv2d_direct_bwdw_kernel<__nv_bfloat16, 32, 2>
 
 #include "common.cuh"
 

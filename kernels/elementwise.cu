@@ -108,6 +108,19 @@ __global__ void convert_kernel(To* out, const Ti* in, long long n) {
 // instantiate: convert_kernel<unsigned char, float>; convert_kernel<unsigned char, double>; convert_kernel<unsigned char, int>; convert_kernel<unsigned char, long long>
 // instantiate: convert_kernel<bool, float>; convert_kernel<bool, double>; convert_kernel<bool, int>; convert_kernel<bool, long long>
 // instantiate: map1_kernel<__half, Neg>; map1_kernel<__half, Exp>; map1_kernel<__half, Log>; map1_kernel<__half, Sqrt>; map1_kernel<__half, Tanh>; map1_kernel<__half, Scale>; map1_kernel<__half, Pow>; map1_kernel<__half, Relu>; map1_kernel<__half, Sigmoid>
+// instantiate: map1_kernel<__nv_bfloat16, Neg>; map1_kernel<__nv_bfloat16, Exp>
+// instantiate: map1_kernel<__nv_bfloat16, Log>; map1_kernel<__nv_bfloat16, Sqrt>
+// instantiate: map1_kernel<__nv_bfloat16, Tanh>; map1_kernel<__nv_bfloat16, Scale>
+// instantiate: map1_kernel<__nv_bfloat16, Pow>; map1_kernel<__nv_bfloat16, Relu>
+// instantiate: map1_kernel<__nv_bfloat16, Sigmoid>
 // instantiate: map2_kernel<__half, Add>; map2_kernel<__half, Sub>; map2_kernel<__half, Mul>; map2_kernel<__half, Div>; map2_kernel<__half, ReluBack>; map2_kernel<__half, SigmoidBack>; map2_kernel<__half, TanhBack>; map2_kernel<__half, PowBack>
+// instantiate: map2_kernel<__nv_bfloat16, Add>; map2_kernel<__nv_bfloat16, Sub>
+// instantiate: map2_kernel<__nv_bfloat16, Mul>; map2_kernel<__nv_bfloat16, Div>
+// instantiate: map2_kernel<__nv_bfloat16, ReluBack>; map2_kernel<__nv_bfloat16, SigmoidBack>
+// instantiate: map2_kernel<__nv_bfloat16, TanhBack>; map2_kernel<__nv_bfloat16, PowBack>
 // instantiate: bcast2_kernel<__half, Add>; bcast2_kernel<__half, Sub>; bcast2_kernel<__half, Mul>; bcast2_kernel<__half, Div>
+// instantiate: bcast2_kernel<__nv_bfloat16, Add>; bcast2_kernel<__nv_bfloat16, Sub>
+// instantiate: bcast2_kernel<__nv_bfloat16, Mul>; bcast2_kernel<__nv_bfloat16, Div>
 // instantiate: convert_kernel<__half, float>; convert_kernel<float, __half>; convert_kernel<__half, double>; convert_kernel<double, __half>
+// instantiate: convert_kernel<__nv_bfloat16, float>; convert_kernel<float, __nv_bfloat16>
+// instantiate: convert_kernel<__nv_bfloat16, double>; convert_kernel<double, __nv_bfloat16>

@@ -26,9 +26,14 @@
 // instantiate: gemm_fp32_kernel<float, true, false>; gemm_fp32_kernel<float, true, true>
 // instantiate: gemm_tf32_kernel<float, false, false>; gemm_tf32_kernel<float, false, true>
 // instantiate: gemm_tf32_kernel<float, true, false>; gemm_tf32_kernel<float, true, true>
-// instantiate: gemm_f16_kernel<__half, false, false>; gemm_f16_kernel<__half, false, true>
-// instantiate: gemm_f16_kernel<__half, true, false>; gemm_f16_kernel<__half, true, true>
+// instantiate: gemm_b16_kernel<__half, false, false>; gemm_b16_kernel<__half, false, true>
+// instantiate: gemm_b16_kernel<__nv_bfloat16, false, false>
+// instantiate: gemm_b16_kernel<__nv_bfloat16, false, true>
+// instantiate: gemm_b16_kernel<__half, true, false>; gemm_b16_kernel<__half, true, true>
+// instantiate: gemm_b16_kernel<__nv_bfloat16, true, false>
+// instantiate: gemm_b16_kernel<__nv_bfloat16, true, true>
 // instantiate: splitk_reduce_kernel<float>; splitk_reduce_kernel<__half, float>
+// instantiate: splitk_reduce_kernel<__nv_bfloat16, float>
 
 #include "gemm_tiles.cuh"
 
@@ -97,7 +102,7 @@ __global__ void __launch_bounds__(128, 2) gemm_tf32_kernel(GEMM_PARAMS) {
 }
 
 template <typename T, bool TA, bool TB>
-__global__ void __launch_bounds__(128, 2) gemm_f16_kernel(GEMM_PARAMS) {
+__global__ void __launch_bounds__(128, 2) gemm_b16_kernel(GEMM_PARAMS) {
   static_assert(sizeof(T) == 2, "16-bit operands");
   using Cfg = MmaCfg<128, 128, 32, 2, 2, 3>;
   // Rows padded by 8 elements (16 bytes): ldmatrix's eight row reads hit distinct banks.

@@ -17,10 +17,10 @@
 //    and rounds each register to tf32 with cvt.rna before the mma.
 //  * Main loops only accumulate into registers; epilogues decide `=` or `+=`, visiting the
 //    accumulators through MmaCoords / SimtCoords::for_each.
-//  * Tiles hold float (the TF32 and FP32 loops) or __half (the f16 loop: m16n8k16 tensor-core
-//    products with fp32 accumulation, fragments read with ldmatrix, .trans for MN-major
-//    tiles). cp.async moves 4 bytes at least, so single __half elements (the gathers' and
-//    unaligned operands' path) are loaded and stored by the thread itself.
+//  * Tiles hold float (the TF32 and FP32 loops) or a 16-bit float, __half or __nv_bfloat16
+//    (the b16 loop: m16n8k16 tensor-core products with fp32 accumulation, fragments read with
+//    ldmatrix, .trans for MN-major tiles). cp.async moves 4 bytes at least, so single 16-bit
+//    elements (the gathers' and unaligned operands' path) are loaded by the thread itself.
 
 #pragma once
 
@@ -47,12 +47,15 @@ __device__ __forceinline__ void cp_async4(float* dst, const float* src, bool ok)
                "r"(ok ? 4 : 0));
 }
 
-// One element into a tile, or a zero when !ok: cp.async for float, a plain load for __half.
+// One element into a tile, or a zero when !ok: cp.async for float, a plain load for the
+// 16-bit types.
 __device__ __forceinline__ void put_elem(float* dst, const float* src, bool ok) {
   cp_async4(dst, src, ok);
 }
-__device__ __forceinline__ void put_elem(__half* dst, const __half* src, bool ok) {
-  *dst = ok ? *src : __ushort_as_half(0);
+template <typename E>
+__device__ __forceinline__ void put_elem(E* dst, const E* src, bool ok) {
+  static_assert(sizeof(E) == 2, "16-bit elements");
+  *dst = ok ? *src : as<E>(0.f);
 }
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
@@ -121,21 +124,29 @@ __device__ __forceinline__ void ldmatrix_x2(unsigned (&r)[2], const void* p) {
                  : "=r"(r[0]), "=r"(r[1]) : "r"(smem_u32(p)));
 }
 
-// D = A(16x16, row) * B(16x8, col) + D, fp16 inputs, fp32 accumulate.
-__device__ __forceinline__ void mma_f16(float (&d)[4], const unsigned (&a)[4],
+// D = A(16x16, row) * B(16x8, col) + D, fp16 or bf16 inputs (E), fp32 accumulate.
+template <typename E>
+__device__ __forceinline__ void mma_b16(float (&d)[4], const unsigned (&a)[4],
                                         const unsigned (&b)[2]) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  if constexpr (same_type<E, __half>::value)
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  else
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
 // ----------------------------------------------------------------------------- tile layouts
 
 template <int BMN, int BK, bool KMAJOR, int PAD, typename E = float>
 struct TileLayout {
-  using Elem = E;  // float or __half; sizes and offsets count elements
+  using Elem = E;  // float or a 16-bit float; sizes and offsets count elements
   static constexpr int kBMN = BMN;
   static constexpr int kBK = BK;
   static constexpr bool kKMajor = KMAJOR;
@@ -371,9 +382,9 @@ __device__ __forceinline__ void mma_mainloop(float (&acc)[Cfg::MT][Cfg::NT][4], 
   cp_async_wait<0>();
 }
 
-// ----------------------------------------------------------------------------- f16 main loop
+// ----------------------------------------------------------------------------- b16 main loop
 
-// The TF32 loop's structure on __half tiles: m16n8k16 products, fragments straight from
+// The TF32 loop's structure on 16-bit tiles (__half or __nv_bfloat16): m16n8k16 products, fragments straight from
 // ldmatrix (K-major tiles) or ldmatrix.trans (MN-major), no per-register rounding. An odd
 // number of 8-wide B fragments ends with ldmatrix.x2.
 // Loads are staged: each loader's fetch(regs, slot, k0, k_end) issues slab kt + STAGES - 1's
@@ -382,10 +393,10 @@ __device__ __forceinline__ void mma_mainloop(float (&acc)[Cfg::MT][Cfg::NT][4], 
 // stores the registers after it, so a gather's latency hides behind the math as cp.async's
 // does. The slot was last read by slab kt - 1, which every thread finished before this
 // iteration's barrier.
-template <class Cfg, class LA, class LB>
+template <class Cfg, class LA, class LB, typename E>
 __device__ __forceinline__ void mma16_mainloop(float (&acc)[Cfg::MT][Cfg::NT][4], const LA& la,
-                                               const LB& lb, __half* smem, int k_begin,
-                                               int k_end) {
+                                               const LB& lb, E* smem, int k_begin, int k_end) {
+  static_assert(sizeof(E) == 2, "16-bit tiles");
   using SA = typename LA::Layout;
   using SB = typename LB::Layout;
   constexpr int BK = Cfg::BK, STAGES = Cfg::STAGES;
@@ -408,7 +419,7 @@ __device__ __forceinline__ void mma16_mainloop(float (&acc)[Cfg::MT][Cfg::NT][4]
     cp_async_wait<STAGES - 2>();  // slab kt has landed (this thread's copies) ...
     __syncthreads();              // ... and everyone's; slab kt-1 is no longer being read
     const int nk = kt + STAGES - 1;
-    __half* next = smem + (nk % STAGES) * STAGE;
+    E* next = smem + (nk % STAGES) * STAGE;
     typename LA::Regs ra;
     typename LB::Regs rb;
     if (nk < ntiles) {
@@ -416,8 +427,8 @@ __device__ __forceinline__ void mma16_mainloop(float (&acc)[Cfg::MT][Cfg::NT][4]
       lb.fetch(rb, next + SA::kSize, k_begin + nk * BK, k_end);
     }
     cp_async_commit();  // always, so the group count stays in step with kt
-    const __half* sA = smem + (kt % STAGES) * STAGE;
-    const __half* sB = sA + SA::kSize;
+    const E* sA = smem + (kt % STAGES) * STAGE;
+    const E* sB = sA + SA::kSize;
 #pragma unroll
     for (int ks = 0; ks < BK; ks += 16) {
       // B: matrices (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15) give
@@ -445,7 +456,7 @@ __device__ __forceinline__ void mma16_mainloop(float (&acc)[Cfg::MT][Cfg::NT][4]
         if constexpr (SA::kKMajor) ldmatrix_x4(af, sA + SA::off(m0 + r8, k0));
         else ldmatrix_x4_trans(af, sA + SA::off(m0, k0 + r8));
 #pragma unroll
-        for (int nt = 0; nt < Cfg::NT; ++nt) mma_f16(acc[mt][nt], af, bf[nt]);
+        for (int nt = 0; nt < Cfg::NT; ++nt) mma_b16<E>(acc[mt][nt], af, bf[nt]);
       }
     }
     if (nk < ntiles) {
@@ -549,7 +560,7 @@ __device__ __forceinline__ void simt_mainloop(float (&acc)[Cfg::TM][Cfg::TN], co
 // ----------------------------------------------------------------------------- split-K reduce
 
 // C[b] = alpha * sum_s ws[s][b] (+ bias) (+ beta * C[b]), summed in split order so results do
-// not depend on scheduling. ws is dense [splits][batch][M][N] (float partials W for __half
+// not depend on scheduling. ws is dense [splits][batch][M][N] (float partials W for 16-bit
 // outputs); C rows are ldc apart. bias_mode: 0 none, 1 bias[n] (per column), 2 bias[m] (row).
 template <typename T, typename W = T>
 __global__ void splitk_reduce_kernel(const W* __restrict__ ws, T* __restrict__ C,

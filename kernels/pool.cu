@@ -161,4 +161,7 @@ __global__ void avg_pool_bwd_kernel(T* dx, const T* gy, PoolGeom g) {
 // instantiate: max_pool_fwd_kernel<float>; max_pool_fwd_kernel<double>; max_pool_bwd_kernel<float>; max_pool_bwd_kernel<double>
 // instantiate: avg_pool_fwd_kernel<float>; avg_pool_fwd_kernel<double>; avg_pool_bwd_kernel<float>; avg_pool_bwd_kernel<double>
 // instantiate: relu_max_pool_fwd_kernel<__half>; max_pool_fwd_kernel<__half>; max_pool_bwd_kernel<__half>
+// instantiate: relu_max_pool_fwd_kernel<__nv_bfloat16>; max_pool_fwd_kernel<__nv_bfloat16>
+// instantiate: max_pool_bwd_kernel<__nv_bfloat16>
 // instantiate: avg_pool_fwd_kernel<__half>; avg_pool_bwd_kernel<__half>
+// instantiate: avg_pool_fwd_kernel<__nv_bfloat16>; avg_pool_bwd_kernel<__nv_bfloat16>

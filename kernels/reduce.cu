@@ -140,5 +140,12 @@ __global__ void count_correct_kernel(float* out, const T* logits, const L* label
 // instantiate: channel_sum_kernel<float>; channel_sum_kernel<double>; channel_sum_fold_kernel<float>; channel_sum_fold_kernel<double>
 // instantiate: count_correct_kernel<float, int>; count_correct_kernel<float, long long>; count_correct_kernel<double, int>; count_correct_kernel<double, long long>
 // instantiate: reduce_kernel<__half, double, __half, SumOp>; reduce_kernel<__half, double, double, SumOp>; reduce_kernel<double, double, __half, SumOp>
+// instantiate: reduce_kernel<__nv_bfloat16, double, __nv_bfloat16, SumOp>
+// instantiate: reduce_kernel<__nv_bfloat16, double, double, SumOp>
+// instantiate: reduce_kernel<double, double, __nv_bfloat16, SumOp>
 // instantiate: reduce_kernel<__half, float, __half, MaxOp>; reduce_kernel<__half, float, float, MaxOp>; reduce_kernel<float, float, __half, MaxOp>
+// instantiate: reduce_kernel<__nv_bfloat16, float, __nv_bfloat16, MaxOp>
+// instantiate: reduce_kernel<__nv_bfloat16, float, float, MaxOp>
+// instantiate: reduce_kernel<float, float, __nv_bfloat16, MaxOp>
 // instantiate: channel_sum_kernel<__half>; channel_sum_fold_kernel<__half>
+// instantiate: channel_sum_kernel<__nv_bfloat16>; channel_sum_fold_kernel<__nv_bfloat16>

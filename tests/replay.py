@@ -32,7 +32,7 @@ def train_steps(device, build, image_shape, classes, graph, steps, seed, images=
                            num_classes=classes, image_shape=tuple(image_shape))
     loader = DeviceLoader(data, be, batch)
     dtype, guard = amp.compute_dtype(precision), None
-    if dtype.itemsize == 2:
+    if precision in amp.LOSS_SCALED:
         guard = NonFiniteGuard(opt, dist.LocalComm(be), 0, amp.LossScaler(be))
     step_fn = TrainStep(model, opt, reducer, loader, guard, dtype)
     run = be.runtime.capture(step_fn, warmup=CAPTURE_WARMUP) if graph else step_fn

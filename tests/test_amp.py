@@ -114,6 +114,26 @@ def test_models_without_a_16_bit_path_are_refused_by_name(model):
     amp.check_model(net, "tf32")  # nothing to check
 
 
+def test_bfloat16_bits_round_to_nearest_even():
+    from dptrain.backend.bfloat16 import from_bfloat16, to_bfloat16
+
+    x = np.array([1.0, 1 + 2**-8, 1 + 3 * 2**-8, -3.14159, 3.4e38, np.inf, -0.0], np.float32)
+    bits = to_bfloat16(x)
+    assert bits.tolist() == [0x3F80, 0x3F80, 0x3F82, 0xC049, 0x7F80, 0x7F80, 0x8000]
+    assert np.isnan(from_bfloat16(to_bfloat16(np.float32(np.nan))))
+    assert np.array_equal(from_bfloat16(bits)[:3], [1.0, 1.0, 1 + 2**-6])
+
+
+def test_bf16_is_refused_off_the_gpu():
+    from dptrain.backend.bfloat16 import BFLOAT16
+
+    with pytest.raises(ValueError, match="bf16 needs a GPU"):
+        amp.check_device("bf16", "cpu")
+    amp.check_device("fp16", "cpu")
+    with pytest.raises(TypeError, match="GPU only"):
+        cpu.astype(np.ones(3, np.float32), BFLOAT16)
+
+
 def test_cpu_products_of_fp16_operands_accumulate_in_fp32():
     rng = np.random.default_rng(1)
     a = rng.standard_normal((7, 300)).astype(np.float16)

@@ -1,12 +1,13 @@
-"""float16 on the GPU (--precision fp16): every kernel the 16-bit step runs, against the CPU
-backend's float16 reference (fp32 arithmetic on the same 16-bit inputs, rounded once), the
-captured fp16 step replaying bit for bit like the eager one, fp16 training following fp32,
-and an overflow on one of two GPUs skipping the step on both.
+"""16-bit floats on the GPU (--precision fp16 / bf16): every kernel the 16-bit step runs,
+against the CPU backend in fp32 on the same 16-bit inputs with the result rounded once (what
+the kernels compute), the captured 16-bit step replaying bit for bit like the eager one, fp16
+training following fp32, both reaching the fp32 run's accuracy, and an fp16 overflow on one
+of two GPUs skipping the step on both.
 
-Tolerance: a 16-bit result is an fp32 sum rounded once to float16 (a relative step of 2^-11 =
-4.9e-4), so ours and the reference's may round a value that sits near a rounding boundary to
-neighbouring float16 values; summation order differs too. Results are compared norm-wise:
-|ours - ref| / |ref| <= 2e-3, about four float16 steps."""
+Tolerance: a 16-bit result is an fp32 sum rounded once, a relative step of 2^-11 (float16) or
+2^-8 (bfloat16); ours and the reference may round a value near a boundary to neighbouring
+16-bit values, and summation orders differ. Results are compared norm-wise against about four
+such steps: |ours - ref| / |ref| <= 2e-3 (float16), 1.6e-2 (bfloat16)."""
 import json
 import subprocess
 import sys
@@ -15,11 +16,13 @@ import numpy as np
 import pytest
 
 from dptrain import backend
+from dptrain.backend.bfloat16 import BFLOAT16, from_bfloat16, to_bfloat16
 from replay import train_steps
 
 pytestmark = pytest.mark.gpu
-H = np.float16
-TOL = 2e-3
+H = np.dtype(np.float16)
+DTYPES = [pytest.param(H, id="fp16"), pytest.param(BFLOAT16, id="bf16")]
+TOL = {H: 2e-3, BFLOAT16: 1.6e-2}
 
 
 @pytest.fixture(scope="module")
@@ -30,76 +33,97 @@ def cu():
 cpu = backend.get("cpu")
 
 
-def close(got, ref, tol=TOL):
+def to16(x, dt):
+    return to_bfloat16(x) if dt == BFLOAT16 else np.asarray(x, np.float32).astype(H)
+
+
+def f32(a, dt):
+    return from_bfloat16(a) if dt == BFLOAT16 else np.asarray(a).astype(np.float32)
+
+
+def close(got, ref, dt, factor=1.0):
     got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
     assert got.shape == ref.shape
     err = np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30)
-    assert err <= tol, f"relative error {err:.2e} > {tol}"
+    assert err <= TOL[dt] * factor, f"relative error {err:.2e} > {TOL[dt] * factor:.1e}"
 
 
-def rand(*shape, seed=0, scale=1.0):
-    return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(H)
+def rand(dt, *shape, seed=0, scale=1.0, shift=0.0):
+    x = np.random.default_rng(seed).standard_normal(shape) * scale + shift
+    return to16(x, dt)
 
 
-def both(cu, name, *args, **kw):
-    """(cuda result, cpu result) of op `name` on the same host arrays (float16 ones moved)."""
+def both(cu, dt, name, *args, **kw):
+    """(ours, reference) of op `name` as float32: ours on the device on the 16-bit arrays of
+    `args`, the reference on the CPU in float32 on the same values, rounded to `dt` once.
+    Non-float results (pooling's indices) come back as they are."""
     dev = [cu.asarray(a) if isinstance(a, np.ndarray) else a for a in args]
+    host = [f32(a, dt) if isinstance(a, np.ndarray) and a.dtype == dt else a for a in args]
+
+    def mine(r):
+        r = cu.to_numpy(r)
+        return f32(r, dt) if r.dtype == dt else r
+
+    def rounded(r):
+        return f32(to16(r, dt), dt) if r.dtype == np.float32 else r
+
     got = getattr(cu, name)(*dev, **kw)
-    ref = getattr(cpu, name)(*args, **kw)
+    ref = getattr(cpu, name)(*host, **kw)
     if isinstance(got, tuple):
-        return tuple(cu.to_numpy(g) for g in got), ref
-    return cu.to_numpy(got), ref
+        return tuple(map(mine, got)), tuple(map(rounded, ref))
+    assert got.dtype == dt, f"{name} returned {got.dtype}"
+    return mine(got), rounded(ref)
 
 
+@pytest.mark.parametrize("dt", DTYPES)
 @pytest.mark.parametrize("name", ["add", "sub", "mul", "div"])
 @pytest.mark.parametrize("shapes", [((37, 53), (37, 53)), ((4, 6, 5, 7), (1, 6, 1, 1))])
-def test_binary_ops(cu, name, shapes):
-    a, b = rand(*shapes[0], seed=1), rand(*shapes[1], seed=2) + H(3)
-    got, ref = both(cu, name, a, b)
-    assert got.dtype == H
-    close(got, ref)
+def test_binary_ops(cu, dt, name, shapes):
+    a, b = rand(dt, *shapes[0], seed=1), rand(dt, *shapes[1], seed=2, shift=3.0)
+    close(*both(cu, dt, name, a, b), dt)
 
 
+@pytest.mark.parametrize("dt", DTYPES)
 @pytest.mark.parametrize("name", ["relu", "neg", "exp", "tanh", "sigmoid"])
-def test_unary_ops(cu, name):
-    got, ref = both(cu, name, rand(3, 1000, seed=3))
-    assert got.dtype == H
-    close(got, ref)
+def test_unary_ops(cu, dt, name):
+    close(*both(cu, dt, name, rand(dt, 3, 1000, seed=3)), dt)
 
 
-def test_relu_backward_scale_bias_add_and_astype(cu):
-    y, gy = rand(17, 300, seed=4), rand(17, 300, seed=5)
-    close(*both(cu, "relu_backward", cpu.relu(y), gy))
-    close(*both(cu, "scale", y, 0.3))
-    close(*both(cu, "bias_add", rand(5, 7, 3, 3, seed=6), rand(7, seed=7)))
+@pytest.mark.parametrize("dt", DTYPES)
+def test_relu_backward_scale_bias_add_and_astype(cu, dt):
+    y, gy = rand(dt, 17, 300, seed=4), rand(dt, 17, 300, seed=5)
+    close(*both(cu, dt, "relu_backward", to16(np.maximum(f32(y, dt), 0), dt), gy), dt)
+    close(*both(cu, dt, "scale", y, 0.3), dt)
+    close(*both(cu, dt, "bias_add", rand(dt, 5, 7, 3, 3, seed=6), rand(dt, 7, seed=7)), dt)
     x = np.random.default_rng(8).standard_normal((33, 65)).astype(np.float32) * 100
-    half, ref = both(cu, "astype", x, H)
-    assert np.array_equal(half, ref)  # conversion is exact rounding on both
-    back, ref = both(cu, "astype", ref, np.float32)
-    assert np.array_equal(back, ref)
+    half = cu.to_numpy(cu.astype(cu.asarray(x), dt))
+    assert half.dtype == dt and np.array_equal(half, to16(x, dt))  # round to nearest even
+    back = cu.to_numpy(cu.astype(cu.asarray(half), np.float32))
+    assert np.array_equal(back, f32(half, dt))  # exact
 
 
+@pytest.mark.parametrize("dt", DTYPES)
 @pytest.mark.parametrize("axis", [None, 0, 1, (0, 2)])
-def test_sum_and_max(cu, axis):
-    a = rand(40, 30, 9, seed=9)
-    close(*both(cu, "sum", a, axis=axis), tol=5e-3)
-    got, ref = both(cu, "max", a, axis=axis)
+def test_sum_and_max(cu, dt, axis):
+    a = rand(dt, 40, 30, 9, seed=9)
+    close(*both(cu, dt, "sum", a, axis=axis), dt, factor=2.5)
+    got, ref = both(cu, dt, "max", a, axis=axis)
     assert np.array_equal(got, ref)  # max picks an element: exact
 
 
+@pytest.mark.parametrize("dt", DTYPES)
 @pytest.mark.parametrize("shape", [(64, 10), (32, 16, 14, 14), (3, 5, 1, 1)])
-def test_bias_grad(cu, shape):
-    close(*both(cu, "bias_grad", rand(*shape, seed=10)), tol=5e-3)
+def test_bias_grad(cu, dt, shape):
+    close(*both(cu, dt, "bias_grad", rand(dt, *shape, seed=10)), dt, factor=2.5)
 
 
+@pytest.mark.parametrize("dt", DTYPES)
 @pytest.mark.parametrize("ta, tb", [(False, False), (False, True), (True, False), (True, True)])
 @pytest.mark.parametrize("m, n, k", [(64, 256, 6272), (37, 50, 61), (256, 10, 256)])
-def test_matmul_f16(cu, ta, tb, m, n, k):
-    a = rand(*((k, m) if ta else (m, k)), seed=11)
-    b = rand(*((n, k) if tb else (k, n)), seed=12)
-    got, ref = both(cu, "matmul", a, b, ta, tb)
-    assert got.dtype == H
-    close(got, ref)
+def test_matmul_16bit(cu, dt, ta, tb, m, n, k):
+    a = rand(dt, *((k, m) if ta else (m, k)), seed=11)
+    b = rand(dt, *((n, k) if tb else (k, n)), seed=12)
+    close(*both(cu, dt, "matmul", a, b, ta, tb), dt)
 
 
 CONVS = [  # x shape, w shape, stride, padding
@@ -111,46 +135,48 @@ CONVS = [  # x shape, w shape, stride, padding
 ]
 
 
+@pytest.mark.parametrize("dt", DTYPES)
 @pytest.mark.parametrize("xs, ws, stride, pad", CONVS)
-def test_conv2d_f16_all_passes(cu, xs, ws, stride, pad):
-    x, w, b = rand(*xs, seed=13), rand(*ws, seed=14, scale=0.2), rand(ws[0], seed=15)
-    y, ref = both(cu, "conv2d_forward", x, w, b, stride, pad)
-    assert y.dtype == H
-    close(y, ref)
-    gy = rand(*ref.shape, seed=16)
-    close(*both(cu, "conv2d_backward_data", gy, w, xs, stride, pad))
-    close(*both(cu, "conv2d_backward_weight", x, gy, ws, stride, pad), tol=4e-3)
+def test_conv2d_16bit_all_passes(cu, dt, xs, ws, stride, pad):
+    x, w = rand(dt, *xs, seed=13), rand(dt, *ws, seed=14, scale=0.2)
+    b = rand(dt, ws[0], seed=15)
+    y, ref = both(cu, dt, "conv2d_forward", x, w, b, stride, pad)
+    close(y, ref, dt)
+    gy = rand(dt, *ref.shape, seed=16)
+    close(*both(cu, dt, "conv2d_backward_data", gy, w, xs, stride, pad), dt)
+    close(*both(cu, dt, "conv2d_backward_weight", x, gy, ws, stride, pad), dt, factor=2)
 
 
-def test_pooling_f16(cu):
-    x = rand(4, 6, 12, 10, seed=17)
-    (y, idx), (ry, ridx) = both(cu, "relu_max_pool2d_forward", x, (2, 2), (2, 2), (0, 0))
+@pytest.mark.parametrize("dt", DTYPES)
+def test_pooling_16bit(cu, dt):
+    x = rand(dt, 4, 6, 12, 10, seed=17)
+    (y, idx), (ry, ridx) = both(cu, dt, "relu_max_pool2d_forward", x, (2, 2), (2, 2), (0, 0))
     assert np.array_equal(y, ry) and np.array_equal(idx, ridx)
-    (y, idx), (ry, ridx) = both(cu, "max_pool2d_forward", x, (3, 3), (2, 2), (1, 1))
+    (y, idx), (ry, ridx) = both(cu, dt, "max_pool2d_forward", x, (3, 3), (2, 2), (1, 1))
     assert np.array_equal(y, ry) and np.array_equal(idx, ridx)
-    gy = rand(*y.shape, seed=18)
-    got, ref = both(cu, "max_pool2d_backward", gy, ridx, x.shape)
-    close(got, ref)
-    close(*both(cu, "avg_pool2d_forward", x, (2, 2), (2, 2), (0, 0)))
+    gy = rand(dt, *y.shape, seed=18)
+    close(*both(cu, dt, "max_pool2d_backward", gy, ridx, x.shape), dt)
+    close(*both(cu, dt, "avg_pool2d_forward", x, (2, 2), (2, 2), (0, 0)), dt)
 
 
 def test_loss_scale_ops_match_cpu(cu):
-    g = rand(1000, seed=19).astype(np.float32) * 1024
+    g = np.random.default_rng(19).standard_normal(1000).astype(np.float32) * 1024
     scale = np.array([512.0], np.float32)
-    got, ref = both(cu, "unscale_", g.copy(), scale)
-    assert np.array_equal(got, ref)
+    got = cu.to_numpy(cu.unscale_(cu.asarray(g), cu.asarray(scale)))
+    assert np.array_equal(got, cpu.unscale_(g.copy(), scale))
     for flag in (0.0, 1.0):
-        state = np.array([64.0, 2.0, 0.0], np.float32)
-        got, ref = both(cu, "loss_scale_update_", state.copy(), np.array([flag], np.float32), 3)
-        assert np.array_equal(got, ref), flag
+        state, over = np.array([64.0, 2.0, 0.0], np.float32), np.array([flag], np.float32)
+        got = cu.to_numpy(cu.loss_scale_update_(cu.asarray(state), cu.asarray(over), 3))
+        assert np.array_equal(got, cpu.loss_scale_update_(state.copy(), over, 3)), flag
 
 
-def test_fp16_step_replays_bitwise_like_eager():
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_16bit_step_replays_bitwise_like_eager(precision):
     from dptrain import nn
 
     build = lambda: nn.cnn((1, 16, 16), 5, widths=(8, 16), hidden=32)  # noqa: E731
-    _, eager = train_steps("cuda", build, (1, 16, 16), 5, False, 20, 3, precision="fp16")
-    _, graph = train_steps("cuda", build, (1, 16, 16), 5, True, 20, 3, precision="fp16")
+    _, eager = train_steps("cuda", build, (1, 16, 16), 5, False, 20, 3, precision=precision)
+    _, graph = train_steps("cuda", build, (1, 16, 16), 5, True, 20, 3, precision=precision)
     for step, (a, b) in enumerate(zip(eager, graph)):
         assert np.array_equal(a, b), f"weights differ after step {step + 1}"
 
@@ -194,10 +220,10 @@ def _train(args, tmp, name, **env):
     return json.loads((logs / "summary.json").read_text())
 
 
-def test_fp16_reaches_the_tf32_runs_validation_accuracy(tmp_path):
+def test_16bit_training_reaches_the_fp32_runs_validation_accuracy(tmp_path):
     acc = {p: _train(TRAIN + ["--precision", p], tmp_path, p)["val_accuracy"]
-           for p in ("tf32", "fp16")}
-    assert acc["fp16"] >= acc["tf32"] - 0.01, acc
+           for p in ("fp32", "bf16", "fp16")}
+    assert acc["bf16"] >= acc["fp32"] - 0.01 and acc["fp16"] >= acc["fp32"] - 0.01, acc
 
 
 def _gpus():

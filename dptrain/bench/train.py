@@ -3,7 +3,7 @@ at each batch size and precision, in one run on one device.
 
 Rows, for every model of ``dptrain.nn.MODELS`` that builds for the image shape (or
 ``--models``), every ``--batch-sizes`` and every precision the runtime offers
-(``be.runtime.PRECISIONS``, plus fp16 mixed precision on a GPU; or ``--precisions``):
+(``be.runtime.PRECISIONS``, plus bf16 and fp16 mixed precision on a GPU; or ``--precisions``):
   dptrain  graph     our TrainStep captured once and replayed (devices that record graphs)
   dptrain  eager     the same step run op by op
   pytorch  eager / graph / compile            in fp32 and tf32 (TF32 on or off)
@@ -91,7 +91,7 @@ def _batch_data(batch, image_shape, seed):
 def our_step(be, model_name, state, data, optimizer, graph, precision="fp32"):
     """(step, sync) of our TrainStep on `data` (uint8 images held on the device), starting
     from the weights `state`, eager or captured and replayed; fp16 (mixed precision) runs
-    with its loss scaler and the non-finite guard, as training does."""
+    with its loss scaler and the non-finite guard, as training does (bf16 needs neither)."""
     from dptrain import amp, dist
     from dptrain.data import DeviceLoader
     from dptrain.flat import FlatParameters
@@ -109,7 +109,7 @@ def our_step(be, model_name, state, data, optimizer, graph, precision="fp32"):
     reducer = Reducer(flat, dist.World(comm=dist.LocalComm(be)))
     loader = DeviceLoader(data, be, len(data.labels))
     dtype, guard = amp.compute_dtype(precision), None
-    if dtype.itemsize == 2:
+    if precision in amp.LOSS_SCALED:
         from dptrain.nonfinite import NonFiniteGuard
 
         guard = NonFiniteGuard(opt, dist.LocalComm(be), 0, amp.LossScaler(be))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from dptrain.backend.bfloat16 import BFLOAT16
 from dptrain.backend.cpu.runtime import runtime
 from dptrain.backend.cpu.workspace import checked, scratch
 
@@ -58,6 +59,8 @@ def set_scalar_(buf, values):
 
 
 def astype(a, dtype):
+    if BFLOAT16 in (np.dtype(dtype), a.dtype) and np.dtype(dtype) != a.dtype:
+        raise TypeError("cpu.astype: bfloat16 (uint16 storage) is computed on the GPU only")
     with np.errstate(over="ignore"):  # to float16: too large becomes inf, as on the GPU
         return np.ascontiguousarray(a, dtype=dtype)
 

@@ -73,9 +73,11 @@ def astype(a, dtype):
     dtype = np.dtype(dtype)
     if a.dtype == dtype:
         return a if a.flags.c_contiguous else copy(a)  # as np.ascontiguousarray
-    if launch.HALF in (a.dtype, dtype) and not {a.dtype, dtype} <= {launch.HALF, *launch.FLOATS}:
-        raise TypeError(f"cuda.astype: float16 converts to and from float32 and float64 only, "
-                        f"not {a.dtype} to {dtype}")
+    for half in launch.HALVES:  # 16-bit floats convert to and from float32 / float64 only
+        if half in (a.dtype, dtype) and not {a.dtype, dtype} <= {half, *launch.FLOATS}:
+            raise TypeError(f"cuda.astype: {'bfloat16 (uint16)' if half == launch.BFLOAT16 else half}"
+                            f" converts to and from float32 and float64 only, not {a.dtype} to "
+                            f"{dtype}")
     src = a if a.flags.c_contiguous else copy(a)
     out = launch.new(a.shape, dtype)
     if a.size:

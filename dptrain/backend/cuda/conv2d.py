@@ -2,7 +2,7 @@
 as implicit GEMMs (no im2col buffer), planned like matmul (gemm.py).
 
 Conventions (the .cu file's header has the kernel side):
-  * float32 or float16 (every operand: the f16 tensor-core kernels and the direct kernels
+  * float32, float16 or bfloat16 (every operand: the b16 tensor-core kernels and the direct kernels
     load 16-bit data and accumulate in fp32, rounding each result once), NCHW activations, weight (C_out, C_in, kH, kW), PyTorch's cross-correlation;
     stride and padding are (h, w) pairs of ints. Results are new arrays or `out=`, written
     with `=`.
@@ -138,9 +138,9 @@ def _plan_implicit(fn_name, mode, out_shape, m, c, hs, ws, ho, wo, kh, kw, strid
     r_grid = (max(1, min(-(-m * k // 256), launch.sm_count() * 4)),)
     r_tail = (i32(m), i32(c), i32(kh * kw), i32(w_sm), i32(w_sc))
     bm = _rows_tile(m)
-    if dt == launch.HALF:
+    if dt in launch.HALVES:
         smem = 3 * 2 * (tile_floats(bm, 32, True, 8) + tile_floats(128, 32, False, 8))
-        fn = launch.kernel(CONV, "conv2d_f16_kernel", "__half", str(bm), smem=smem)
+        fn = launch.kernel(CONV, "conv2d_b16_kernel", launch.ctype(dt), str(bm), smem=smem)
         block = (128,)
     elif runtime.precision == "tf32":
         smem = 3 * 4 * (tile_floats(bm, 32, True, 4) + tile_floats(128, 32, False, 8))
@@ -261,9 +261,9 @@ def _plan_backward_weight(x, gy, w_shape, stride, padding):
     if -(-m // bm) > launch.GRID_YZ_MAX:
         raise ValueError(f"cuda.{f}: {m} output channels exceed the grid's limit")
     splits, chunk = split_k(-(-m // bm) * -(-ncol // bn), k, 512, 1024)
-    if dt == launch.HALF:
+    if dt in launch.HALVES:
         smem = 3 * 2 * (tile_floats(bm, 32, True, 8) + tile_floats(bn, 32, True, 8))
-        name = "conv2d_bwdw_f16_kernel"
+        name = "conv2d_bwdw_b16_kernel"
     elif runtime.precision == "tf32":
         smem = 3 * 4 * (tile_floats(bm, 32, True, 4) + tile_floats(bn, 32, True, 4))
         name = "conv2d_bwdw_tf32_kernel"

@@ -2,8 +2,8 @@
 convolutions (conv2d.py) share.
 
 Conventions (the .cu files' headers have the kernel side):
-  * float32, or float16 (every operand: the f16 tensor-core kernel, fp32 accumulation, the
-    result rounded once); operands C-contiguous (checked with launch.check_f32); the result
+  * float32, or float16 / bfloat16 (every operand: the b16 tensor-core kernel, fp32
+    accumulation, the result rounded once); operands C-contiguous (checked with launch.check_f32); the result
     is a new array or `out=`, written with `=`. Batch axes broadcast as NumPy's: equal batch shapes and
     one side 2-D (or all ones) run the kernels directly; any other pair (e.g. (2,1,4,3) @
     (5,3,6)) first materialises each operand over the broadcast batch shape (broadcast_to)
@@ -54,10 +54,10 @@ def tile_floats(bmn: int, bk: int, kmajor: bool, pad: int) -> int:
 
 
 def operand_dtype(fn: str, a) -> np.dtype:
-    """float32 or float16, the dtypes the GEMM family computes in; anything else raises."""
+    """float32, float16 or bfloat16, the dtypes the GEMM family computes in; else raises."""
     dt = np.dtype(getattr(a, "dtype", np.float32))  # not an array: check_f32 says so
-    if dt not in (np.dtype(np.float32), launch.HALF):
-        raise TypeError(f"cuda.{fn}: operands must be float32 or float16, got {dt}")
+    if dt not in (np.dtype(np.float32), *launch.HALVES):
+        raise TypeError(f"cuda.{fn}: operands must be float32, float16 or bfloat16, got {dt}")
     return dt
 
 
@@ -122,8 +122,9 @@ def split_k(tiles: int, k: int, min_chunk: int, max_splits: int) -> tuple[int, i
 def reducer(file, splits, batch, m, n, ldc, sc, bias_mode, dtype=np.float32):
     """Launch of splitk_reduce_kernel: c = sum of the float partials in ws, in split order
     (+ bias), rounded to c's `dtype`."""
-    half = np.dtype(dtype) == launch.HALF
-    fn = launch.kernel(file, "splitk_reduce_kernel", *(("__half", "float") if half else ("float",)))
+    half = np.dtype(dtype) in launch.HALVES
+    fn = launch.kernel(file, "splitk_reduce_kernel",
+                       *((launch.ctype(dtype), "float") if half else ("float",)))
     grid = (max(1, min(-(-batch * m * n // 256), launch.sm_count() * 8)),)
     tail = (i32(splits), i32(batch), i32(m), i32(n), i32(ldc), np.int64(sc),
             np.float32(1.0), np.float32(0.0), i32(bias_mode))
@@ -262,9 +263,9 @@ def _plan_matmul(a, b, ta, tb, bias):
 
     flags = (str(ta).lower(), str(tb).lower())
     tf32 = runtime.precision == "tf32"
-    if dt == launch.HALF:
+    if dt in launch.HALVES:
         smem = 3 * 2 * (tile_floats(128, 32, not ta, 8) + tile_floats(128, 32, tb, 8))
-        fn = launch.kernel("gemm.cu", "gemm_f16_kernel", "__half", *flags, smem=smem)
+        fn = launch.kernel("gemm.cu", "gemm_b16_kernel", launch.ctype(dt), *flags, smem=smem)
         block = (128,)
     elif tf32:
         smem = 3 * 4 * (tile_floats(128, 32, not ta, 8 if ta else 4)
@@ -283,7 +284,7 @@ def _plan_matmul(a, b, ta, tb, bias):
             np.float32(1.0), np.float32(0.0), i32(bias_mode),
             i32(_aligned(a, lda, s_a)), i32(_aligned(b, ldb, s_b)))
     reduce = reducer("gemm.cu", splits, nb, m, n, ldc, s_c, bias_mode, dt) if splits > 1 else None
-    kernel_name = ("gemm_f16_kernel" if dt == launch.HALF else
+    kernel_name = ("gemm_b16_kernel" if dt in launch.HALVES else
                    "gemm_tf32_kernel" if tf32 else "gemm_fp32_kernel")
 
     def run(a, b, bias, out):

@@ -21,6 +21,7 @@ import functools
 import cupy
 import numpy as np
 
+from dptrain.backend.bfloat16 import BFLOAT16, from_bfloat16, to_bfloat16
 from dptrain.backend.cuda import loader
 
 BLOCK = 256  # threads per block of every grid-stride launch (unless launch_shape says)
@@ -30,10 +31,11 @@ INT32_MAX = 2**31 - 1
 GRID_YZ_MAX = 65535  # grid.y and grid.z limits
 BLOCKS_PER_SM = 16  # grid-stride launches are capped at this many blocks per SM
 FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
-HALF = np.dtype(np.float16)  # a storage type: the kernels that take it compute in float
+HALF = np.dtype(np.float16)  # 16-bit storage types: the kernels that take them compute in
+HALVES = (HALF, BFLOAT16)  # float (bfloat16 is held as uint16: dptrain.backend.bfloat16)
 
 # C type of each supported dtype, keyed by (kind, itemsize) so int64 spelled 'l' or 'q' agree.
-_CTYPES = {("f", 2): "__half", ("f", 4): "float", ("f", 8): "double", ("i", 4): "int", ("i", 8): "long long",
+_CTYPES = {("f", 2): "__half", ("u", 2): "__nv_bfloat16", ("f", 4): "float", ("f", 8): "double", ("i", 4): "int", ("i", 8): "long long",
            ("u", 1): "unsigned char", ("b", 1): "bool"}
 # Data movement works on raw bits: one kernel per element size serves every dtype of that size.
 _BITS = {1: ("unsigned char", np.uint8), 2: ("unsigned short", np.uint16),
@@ -195,12 +197,12 @@ def check_arrays(op, *arrays):
 
 
 def check_float(op, *arrays, half=False):
-    """CuPy arrays of one floating dtype: float32 or float64, and float16 where the op's
-    kernels have a 16-bit instantiation (`half`)."""
+    """CuPy arrays of one floating dtype: float32 or float64, and float16 or bfloat16 where
+    the op's kernels have 16-bit instantiations (`half`)."""
     check_arrays(op, *arrays)
     dt = arrays[0].dtype
-    if dt not in FLOATS and not (half and dt == HALF):
-        kinds = "float16, float32 or float64" if half else "float32 or float64"
+    if dt not in FLOATS and not (half and dt in HALVES):
+        kinds = "float16, bfloat16, float32 or float64" if half else "float32 or float64"
         raise TypeError(f"cuda.{op}: dtype {dt} not supported ({kinds})")
     for a in arrays[1:]:
         if a.dtype != dt:
@@ -237,12 +239,14 @@ def scalar(dtype, value):
     `dtype` first, as NumPy rounds a scalar to the array's dtype."""
     if np.dtype(dtype) == HALF:
         return np.float32(np.float16(value))
+    if np.dtype(dtype) == BFLOAT16:
+        return from_bfloat16(to_bfloat16(np.float32(value)))[()]
     return np.dtype(dtype).type(value)
 
 
 def check_f32(op, name, a, ndim=None, dtype=np.float32):
-    """The GEMM family's operands: a C-contiguous CuPy array of `dtype` (float32, or float16
-    for the 16-bit kernels) with int32 indices."""
+    """The GEMM family's operands: a C-contiguous CuPy array of `dtype` (float32, or float16 /
+    bfloat16 for the 16-bit kernels) with int32 indices."""
     if not is_cupy(a):
         raise TypeError(f"cuda.{op}: {name} must be a cupy.ndarray, got {type(a).__name__}")
     if a.dtype != dtype:

@@ -95,7 +95,7 @@ def _reduce(op, a, axes, out_shape):
             raise ValueError("cuda.max: zero-size reduction has no identity")
         return fill_(out, 0)
     t = launch.ctype(a.dtype)
-    acc = "double" if op == "SumOp" else "float" if a.dtype == launch.HALF else t
+    acc = "double" if op == "SumOp" else "float" if a.dtype in launch.HALVES else t
     if K < SPLIT_MIN_K or M >= 1024:
         fn = launch.kernel(RED, "reduce_kernel", t, acc, t, op)
         run_reduce(fn, out, a, M, 1, K, K, lk, lr, group_size(M, K, inner))
