@@ -14,13 +14,13 @@ bfloat16 keeps fp32's exponent range (8 exponent bits, 7 mantissa bits): it need
 scaling. NumPy has no bfloat16, so it is stored as uint16 (dptrain.backend.bfloat16) and only
 the GPU computes on it.
 
-Loss scaling (``LossScaler``, fp16 only): fp16 represents nothing below 6e-8, so small
-gradients would flush to zero. The backward starts from S, the loss scale (a device scalar), instead of 1, and
-the gradient shard is divided by S before the update. A step whose 16-bit gradients
+Loss scaling (``LossScaler``, fp16 only): fp16 represents nothing below 6e-8, so small gradients
+would flush to zero. The backward starts from S, the loss scale (a device scalar), instead of 1,
+and the gradient shard is divided by S before the update. A step whose 16-bit gradients
 overflowed (a NaN or inf in the averaged gradient: the flag is all-reduced, so every rank
-agrees) is skipped on the device and halves S; ``interval`` good steps in a row double it
-(the scheme of Micikevicius et al., "Mixed Precision Training", 2018). Nothing reaches the
-host inside the step: ``read()`` reports the overflows at the loop's metric reads.
+agrees) is skipped on the device and halves S; ``interval`` good steps in a row double it (the
+scheme of Micikevicius et al., "Mixed Precision Training", 2018). Nothing reaches the host
+inside the step: ``read()`` reports the overflows at the loop's metric reads.
 """
 from __future__ import annotations
 
@@ -54,27 +54,42 @@ def check_device(precision: str, device: str) -> None:
                          "fp32 on the CPU")
 
 
-def check_model(model, precision: str) -> None:
-    """ValueError naming the first layer without a 16-bit path, when `precision` needs one."""
-    if precision not in COMPUTE_DTYPES:
-        return
+def resolve(precision: str, device: str, model, matrix: str) -> str:
+    """What --precision auto means for `model` on `device`, whose runtime picked `matrix`
+    ("tf32" where the GPU has tensor cores for TF32, and so for bf16; else "fp32"): bf16
+    where the GPU and every layer of the model have it (the fastest precision that keeps the
+    fp32 run's accuracy: README, "Precision"), else `matrix`. Other names stay as they are."""
+    if precision != "auto":
+        return precision
+    if device == "cuda" and matrix == "tf32" and _without_16bit_path(model) is None:
+        return "bf16"
+    return matrix
+
+
+def _without_16bit_path(model):
+    """(name, kind) of the first layer without a 16-bit path, or None."""
     for name, module in model.named_modules():
         kind = type(module).__name__
         if not module._modules and kind not in LAYERS_16BIT:  # layers; containers only route
-            where = f"layer {name!r} ({kind})" if name else kind
-            raise ValueError(f"--precision {precision}: {where} has no 16-bit path yet; "
-                             f"the cnn and mlp models have one (use --precision tf32 or fp32)")
+            return name, kind
+    return None
+
+
+def check_model(model, precision: str) -> None:
+    """ValueError naming the first layer without a 16-bit path, when `precision` needs one."""
+    missing = _without_16bit_path(model) if precision in COMPUTE_DTYPES else None
+    if missing is not None:
+        name, kind = missing
+        where = f"layer {name!r} ({kind})" if name else kind
+        raise ValueError(f"--precision {precision}: {where} has no 16-bit path yet; "
+                         f"the cnn and mlp models have one (use --precision tf32 or fp32)")
 
 
 def supports(model_name: str, image_shape=(1, 48, 48)) -> bool:
     """True when model `model_name` has a 16-bit path (every layer in LAYERS_16BIT)."""
     from dptrain.nn import build_model
 
-    try:
-        check_model(build_model(model_name, image_shape, 10), "bf16")
-    except ValueError:
-        return False
-    return True
+    return _without_16bit_path(build_model(model_name, image_shape, 10)) is None
 
 
 class LossScaler:

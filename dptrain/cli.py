@@ -132,10 +132,11 @@ def train_parser() -> argparse.ArgumentParser:
     g.add_argument("--precision", default="auto",
                    choices=("auto", "tf32", "fp32", "bf16", "fp16"),
                    help="tf32/fp32: fp32 activations, matrix products on TF32 tensor cores or "
-                   "in full fp32 (auto: TF32 where the GPU has it); bf16/fp16: mixed "
-                   "precision, 16-bit activations with fp32 weights, optimizer and gradient "
-                   "exchange (cnn and mlp models; bf16 on a GPU only; fp16 with dynamic loss "
-                   "scaling)")
+                   "in full fp32; bf16/fp16: mixed precision, 16-bit activations with fp32 "
+                   "weights, optimizer and gradient exchange (cnn and mlp models; bf16 on a GPU "
+                   "only; fp16 with dynamic loss scaling). auto: bf16 on a GPU with bf16 "
+                   "tensor cores for the models that have it (the fastest precision at fp32's "
+                   "accuracy), else TF32 where the GPU has it, else fp32")
     g.add_argument("--loss-scale", type=_positive_float, default=2.0**16, metavar="S",
                    help="fp16: the initial loss scale; halved on every step whose gradients "
                    "overflow (that step is skipped on all ranks)")

@@ -58,7 +58,8 @@ class TrainConfig:
     warmup_steps: int | None = None  # None: a fraction of the run, capped (LRSchedule)
     seed: int = 0
     device: str = "auto"
-    precision: str = "auto"  # auto, tf32, fp32 (matrix arithmetic); bf16, fp16 (mixed precision)
+    # tf32, fp32 (matrix arithmetic); bf16, fp16 (mixed precision); auto: amp.resolve decides
+    precision: str = "auto"
     loss_scale: float = amp.INIT_SCALE  # fp16: the initial loss scale
     loss_scale_interval: int = amp.INTERVAL  # fp16: good steps before the scale doubles
     log_dir: str | None = None
@@ -227,6 +228,7 @@ def _setup(cfg: TrainConfig):
                             hidden=cfg.hidden).to(device)
         if cfg.sync_bn:
             sync_batch_norm(model, world.comm)
+        cfg.precision = amp.resolve(cfg.precision, device, model, be.runtime.precision)
         amp.check_device(cfg.precision, device)
         amp.check_model(model, cfg.precision)
         if cfg.batch_size * world.size > len(train_set.labels):

@@ -384,15 +384,15 @@ __device__ __forceinline__ void mma_mainloop(float (&acc)[Cfg::MT][Cfg::NT][4], 
 
 // ----------------------------------------------------------------------------- b16 main loop
 
-// The TF32 loop's structure on 16-bit tiles (__half or __nv_bfloat16): m16n8k16 products, fragments straight from
-// ldmatrix (K-major tiles) or ldmatrix.trans (MN-major), no per-register rounding. An odd
-// number of 8-wide B fragments ends with ldmatrix.x2.
+// The TF32 loop's structure on 16-bit tiles (__half or __nv_bfloat16): m16n8k16 products,
+// fragments straight from ldmatrix (K-major tiles) or ldmatrix.trans (MN-major), no
+// per-register rounding. An odd number of 8-wide B fragments ends with ldmatrix.x2.
 // Loads are staged: each loader's fetch(regs, slot, k0, k_end) issues slab kt + STAGES - 1's
 // global reads (cp.async straight into its slot, or plain loads into registers for 2-byte
-// gathers, which cp.async cannot move) before the math on slab kt, and put(slot, regs)
-// stores the registers after it, so a gather's latency hides behind the math as cp.async's
-// does. The slot was last read by slab kt - 1, which every thread finished before this
-// iteration's barrier.
+// gathers, which cp.async cannot move) before the math on slab kt, and put(slot, regs) stores
+// the registers after it, so a gather's latency hides behind the math as cp.async's does. The
+// slot was last read by slab kt - 1, which every thread finished before this iteration's
+// barrier.
 template <class Cfg, class LA, class LB, typename E>
 __device__ __forceinline__ void mma16_mainloop(float (&acc)[Cfg::MT][Cfg::NT][4], const LA& la,
                                                const LB& lb, E* smem, int k_begin, int k_end) {

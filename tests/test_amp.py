@@ -114,6 +114,15 @@ def test_models_without_a_16_bit_path_are_refused_by_name(model):
     amp.check_model(net, "tf32")  # nothing to check
 
 
+def test_auto_precision_is_bf16_on_a_gpu_for_models_with_a_16_bit_path():
+    cnn, resnet = nn.build_model("cnn", (1, 48, 48), 7), nn.build_model("resnet18", (3, 32, 32), 10)
+    assert amp.resolve("auto", "cuda", cnn, "tf32") == "bf16"
+    assert amp.resolve("auto", "cuda", resnet, "tf32") == "tf32"
+    assert amp.resolve("auto", "cuda", cnn, "fp32") == "fp32"  # no bf16 tensor cores
+    assert amp.resolve("auto", "cpu", cnn, "fp32") == "fp32"
+    assert amp.resolve("fp16", "cpu", cnn, "fp32") == "fp16"
+
+
 def test_bfloat16_bits_round_to_nearest_even():
     from dptrain.backend.bfloat16 import from_bfloat16, to_bfloat16
 

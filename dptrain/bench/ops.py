@@ -1,18 +1,23 @@
 """python -m dptrain bench ops: our kernels against cuBLAS / cuDNN / CuPy and the NumPy backend.
 
 Sections (``--sections``):
-  gemm  square GEMM 256..8192 in two layouts: ``matmul`` (a @ b) and ``matmul_nt`` (a @ b^T,
-        the x @ W^T of a linear layer, where Hopper's wgmma kernel applies); each row names
-        the kernel that ran and its relative error against a float64 product
+  gemm  square GEMM 256..8192 in three layouts: ``matmul`` (a @ b), ``matmul_nt`` (a @ b^T,
+        the x @ W^T of a linear layer, where Hopper's wgmma kernel applies) and ``matmul_tn``
+        (a^T @ b, a weight gradient); each row names the kernel that ran and its relative
+        error against a float64 product of the same (rounded) operands
   cnn   the reference CNN's layer shapes at batch 256: its FC GEMMs and its three 3x3
         convolutions, forward / backward-data / backward-weight
   conv  conv2d forward over the batch size (``--conv-batches``) at the CNN's conv2 shape
   elem  add, mul, pow and transpose from 1e3 to 1e8 elements
 GPU times are CUDA-event medians after warm-up; CPU (NumPy backend) times are medians of up to
 3 runs, skipped where a run would take > ~1 s. Our ops run through the CUDA backend
-(``dptrain.backend.get("cuda")``) under ``be.runtime.precision_scope``.
+(``dptrain.backend.get("cuda")``) under ``be.runtime.precision_scope``. Precisions bf16 and
+fp16 run the GEMM and convolution rows on 16-bit copies of the operands (our b16 kernels),
+against cuBLAS / cuDNN through PyTorch in the same dtype; the float32 precisions compare with
+cuBLAS through CuPy and cuDNN through PyTorch.
 
-    python -m dptrain bench ops [--quick] [--precision tf32,fp32] [--sections gemm,cnn,conv,elem]
+    python -m dptrain bench ops [--quick] [--precision tf32,fp32,bf16,fp16]
+                                [--sections gemm,cnn,conv,elem]
                                 [--conv-batches 1,4,16] [--csv out.csv] [--plot out.png]
 
 Also used in-process by the scaling scripts: ``cpu_rows`` (the NumPy timings of a machine
@@ -86,6 +91,30 @@ class CpuTimer:
 # ----------------------------------------------------------------------------- references
 
 
+def sixteen(prec):
+    """The 16-bit dtype of precision `prec` (bf16, fp16), or None for fp32 / tf32."""
+    from dptrain import amp
+
+    return amp.COMPUTE_DTYPES.get(prec)
+
+
+def operands(be, prec, *arrays):
+    """The arrays as precision `prec` computes on them: 16-bit copies for bf16 / fp16."""
+    dt = sixteen(prec)
+    return arrays if dt is None else tuple(be.astype(a, dt) for a in arrays)
+
+
+def matrix_precision(prec):
+    """The runtime precision scope for `prec` (16-bit operands pick their own kernels)."""
+    return "tf32" if sixteen(prec) is not None else prec
+
+
+def torch_view(torch, a):
+    """A CuPy array as a PyTorch tensor, bfloat16 bits (uint16) seen as torch.bfloat16."""
+    t = torch.from_dlpack(a)
+    return t.view(torch.bfloat16) if t.dtype == torch.uint16 else t
+
+
 def load_torch(prec):
     try:
         import torch
@@ -140,42 +169,56 @@ def _conv_shape(n, cin, cout, hw):
     return f"{n}x{cin}x{hw}x{hw}->{cout} k3"
 
 
-def _gemm_kernel_name(a, b, trans_b) -> str:
+def _gemm_kernel_name(a, b, trans_a, trans_b) -> str:
     """The GEMM kernel our matmul picks for these operands at the current precision."""
     try:
         from dptrain.backend.cuda.gemm import matmul_kernel
 
-        return matmul_kernel(a, b, False, trans_b)
+        return matmul_kernel(a, b, trans_a, trans_b)
     except Exception as e:  # a name for the table only: never fail the timing over it
         return f"kernel unknown ({type(e).__name__})"
 
 
 def bench_gemm(table, be, cpu_timer, precisions, sizes):
-    """Square GEMM in both layouts: a @ b, and a @ b^T (x @ W^T, the wgmma kernel's layout)."""
+    """Square GEMM in three layouts: a @ b, a @ b^T (x @ W^T, the wgmma kernel's layout) and
+    a^T @ b."""
     from dptrain.backend.cuda import vendor
 
     rng = np.random.default_rng(0)
+    layouts = (("matmul", False, False), ("matmul_nt", False, True), ("matmul_tn", True, False))
     for n in sizes:
         a_h = rng.standard_normal((n, n), dtype=np.float32)
         b_h = rng.standard_normal((n, n), dtype=np.float32)
-        a, b = be.asarray(a_h), be.asarray(b_h)
+        a0, b0 = be.asarray(a_h), be.asarray(b_h)
+        ops = {p: operands(be, p, a0, b0) for p in precisions}  # each precision's operands
         flops = 2.0 * n**3
-        for op, trans_b in (("matmul", False), ("matmul_nt", True)):
-            cpu_ms = cpu_timer(f"gemm.{op}", flops, lambda: cpu.matmul(a_h, b_h, trans_b=trans_b))
-            want = vendor.matmul64(a, b, trans_b=trans_b)
+        for op, ta, tb in layouts:
+            cpu_ms = cpu_timer(f"gemm.{op}", flops,
+                               lambda: cpu.matmul(a_h, b_h, trans_a=ta, trans_b=tb))
             for prec in precisions:
-                vendor.cublas_precision(prec)
-                with be.runtime.precision_scope(prec):
-                    kernel = _gemm_kernel_name(a, b, trans_b)
-                    err = vendor.rel_error(be.matmul(a, b, trans_b=trans_b), want)
-                    ours = gpu_time_ms(lambda: be.matmul(a, b, trans_b=trans_b))
-                ref = gpu_time_ms(lambda: vendor.cublas_matmul(a, b, trans_b=trans_b))
+                a, b = ops[prec]
+                a32, b32 = (be.astype(v, np.float32) for v in (a, b))  # the operands' values
+                want = vendor.matmul64(a32, b32, trans_a=ta, trans_b=tb)
+                with be.runtime.precision_scope(matrix_precision(prec)):
+                    kernel = _gemm_kernel_name(a, b, ta, tb)
+                    got = be.astype(be.matmul(a, b, trans_a=ta, trans_b=tb), np.float32)
+                    err = vendor.rel_error(got, want)
+                    ours = gpu_time_ms(lambda: be.matmul(a, b, trans_a=ta, trans_b=tb))
+                ref = None
+                if sixteen(prec) is None:
+                    vendor.cublas_precision(prec)
+                    ref = gpu_time_ms(lambda: vendor.cublas_matmul(a, b, trans_a=ta, trans_b=tb))
+                elif (torch := load_torch(prec)) is not None:  # cuBLAS in bf16 / fp16
+                    at, bt = torch_view(torch, a), torch_view(torch, b)
+                    at, bt = (at.t() if ta else at), (bt.t() if tb else bt)
+                    ref = gpu_time_ms(lambda: torch.matmul(at, bt))
                 table.add(section="gemm", op=op, shape=f"{n}x{n}x{n}", precision=prec,
                           ours_ms=ours, ours_rate=flops / ours / 1e6, unit="GFLOP/s",
-                          ref="cuBLAS", ref_ms=ref, ref_rate=flops / ref / 1e6, cpu_ms=cpu_ms,
-                          size=n, note=f"{kernel}; rel err vs fp64 {err:.2g}")
-            del want
-        del a, b
+                          ref="cuBLAS" if ref else "", ref_ms=ref,
+                          ref_rate=flops / ref / 1e6 if ref else "", cpu_ms=cpu_ms, size=n,
+                          note=f"{kernel}; rel err vs fp64 {err:.2g}")
+                del want, a32, b32
+        del ops, a0, b0
 
 
 def bench_fc(table, be, cpu_timer, precisions):
@@ -199,7 +242,7 @@ def bench_fc(table, be, cpu_timer, precisions):
         ]
         for kind, ours_fn, ref_fn, cpu_fn in cases:
             cpu_ms = cpu_timer(None, 1, cpu_fn)
-            for prec in precisions:
+            for prec in (p for p in precisions if sixteen(p) is None):  # float32 rows only
                 vendor.cublas_precision(prec)
                 with be.runtime.precision_scope(prec):
                     ours = gpu_time_ms(ours_fn)
@@ -211,23 +254,39 @@ def bench_fc(table, be, cpu_timer, precisions):
 
 
 def _conv_cases(be, rng, n, cin, cout, hw, kinds=("fwd", "bwd_data", "bwd_wgt")):
-    """(kind, ours, cpu, torch reference factory) for a 3x3, stride 1, padding 1 convolution."""
+    """(kind, ours(prec), cpu, torch reference factory (torch, prec)) for a 3x3, stride 1,
+    padding 1 convolution; ours and the reference run on the operands of precision prec."""
     stride, pad = (1, 1), (1, 1)
     x_h = rng.standard_normal((n, cin, hw, hw), dtype=np.float32)
     w_h = rng.standard_normal((cout, cin, 3, 3), dtype=np.float32)
     b_h = rng.standard_normal((cout,), dtype=np.float32)
     gy_h = rng.standard_normal((n, cout, hw, hw), dtype=np.float32)
-    x, w, b, gy = (be.asarray(v) for v in (x_h, w_h, b_h, gy_h))
-    cases = {
-        "fwd": (lambda: be.conv2d_forward(x, w, b, stride, pad),
-                lambda: cpu.conv2d_forward(x_h, w_h, b_h, stride, pad)),
-        "bwd_data": (lambda: be.conv2d_backward_data(gy, w, x.shape, stride, pad),
-                     lambda: cpu.conv2d_backward_data(gy_h, w_h, x_h.shape, stride, pad)),
-        "bwd_wgt": (lambda: be.conv2d_backward_weight(x, gy, w.shape, stride, pad),
-                    lambda: cpu.conv2d_backward_weight(x_h, gy_h, w_h.shape, stride, pad)),
+    host = (x_h, w_h, b_h, gy_h)
+    arrays = {}
+
+    def get(prec):  # the device operands in precision prec, made once
+        key = sixteen(prec)
+        if key not in arrays:
+            arrays[key] = operands(be, prec, *(be.asarray(v) for v in host))
+        return arrays[key]
+
+    def ours(kind):
+        def run(prec):
+            x, w, b, gy = get(prec)
+            if kind == "fwd":
+                return lambda: be.conv2d_forward(x, w, b, stride, pad)
+            if kind == "bwd_data":
+                return lambda: be.conv2d_backward_data(gy, w, x.shape, stride, pad)
+            return lambda: be.conv2d_backward_weight(x, gy, w.shape, stride, pad)
+        return run
+
+    cpus = {
+        "fwd": lambda: cpu.conv2d_forward(x_h, w_h, b_h, stride, pad),
+        "bwd_data": lambda: cpu.conv2d_backward_data(gy_h, w_h, x_h.shape, stride, pad),
+        "bwd_wgt": lambda: cpu.conv2d_backward_weight(x_h, gy_h, w_h.shape, stride, pad),
     }
-    return [(kind, *cases[kind], lambda torch, kind=kind: _torch_conv(torch, kind, x, w, b, gy,
-                                                                        stride, pad))
+    return [(kind, ours(kind), cpus[kind],
+             lambda torch, prec, kind=kind: _torch_conv(torch, kind, *get(prec), stride, pad))
             for kind in kinds]
 
 
@@ -236,11 +295,11 @@ def _timed_conv(table, be, precisions, cpu_ms, ours_fn, torch_ref, flops, **row)
         torch = load_torch(prec)
         ref_ms, note = None, ""
         if torch is not None:
-            ref_ms = gpu_time_ms(torch_ref(torch))
+            ref_ms = gpu_time_ms(torch_ref(torch, prec))
         else:
             note = "no torch: cuDNN skipped"
-        with be.runtime.precision_scope(prec):
-            ours = gpu_time_ms(ours_fn)
+        with be.runtime.precision_scope(matrix_precision(prec)):
+            ours = gpu_time_ms(ours_fn(prec))
         table.add(precision=prec, ours_ms=ours, ours_rate=flops / ours / 1e6, unit="GFLOP/s",
                   ref="cuDNN" if ref_ms else "", ref_ms=ref_ms,
                   ref_rate=flops / ref_ms / 1e6 if ref_ms else "", cpu_ms=cpu_ms, note=note,
@@ -272,7 +331,7 @@ def bench_conv_batches(table, be, cpu_timer, precisions, batches):
 
 
 def _torch_conv(torch, kind, x, w, b, gy, stride, pad):
-    xt, wt, bt, gyt = (torch.from_dlpack(v) for v in (x, w, b, gy))
+    xt, wt, bt, gyt = (torch_view(torch, v) for v in (x, w, b, gy))
     if kind == "fwd":
         return lambda: torch.nn.functional.conv2d(xt, wt, bt, stride, pad)
     if kind == "bwd_data":
@@ -439,7 +498,8 @@ def parse_args(argv):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="a short subset of every section")
     p.add_argument("--precision", default="tf32,fp32",
-                   help="comma-separated list from tf32, fp32 (default: both)")
+                   help="comma-separated list from tf32, fp32, bf16, fp16 (default: tf32,fp32; "
+                   "bf16 and fp16 measure the GEMM and convolution rows)")
     p.add_argument("--sections", default=",".join(SECTIONS),
                    help=f"comma-separated list from {', '.join(SECTIONS)} (default: all)")
     p.add_argument("--conv-batches", default=None,
@@ -467,9 +527,10 @@ def main(argv=None) -> int:
         return 1
     be = backend.get("cuda")
     precisions = [p.strip() for p in args.precision.split(",") if p.strip()]
+    offered = (*be.runtime.PRECISIONS, "bf16", "fp16")
     for p in precisions:
-        if p not in be.runtime.PRECISIONS:
-            raise SystemExit(f"--precision: unknown {p!r}; choose from {be.runtime.PRECISIONS}")
+        if p not in offered:
+            raise SystemExit(f"--precision: unknown {p!r}; choose from {', '.join(offered)}")
     device = (gpu_names() or ["unknown GPU"])[0]
     date = datetime.datetime.now().isoformat(timespec="seconds")
     meta = (f"{device}, {date}, "

@@ -75,9 +75,9 @@ def astype(a, dtype):
         return a if a.flags.c_contiguous else copy(a)  # as np.ascontiguousarray
     for half in launch.HALVES:  # 16-bit floats convert to and from float32 / float64 only
         if half in (a.dtype, dtype) and not {a.dtype, dtype} <= {half, *launch.FLOATS}:
-            raise TypeError(f"cuda.astype: {'bfloat16 (uint16)' if half == launch.BFLOAT16 else half}"
-                            f" converts to and from float32 and float64 only, not {a.dtype} to "
-                            f"{dtype}")
+            name = "bfloat16 (uint16)" if half == launch.BFLOAT16 else str(half)
+            raise TypeError(f"cuda.astype: {name} converts to and from float32 and float64 "
+                            f"only, not {a.dtype} to {dtype}")
     src = a if a.flags.c_contiguous else copy(a)
     out = launch.new(a.shape, dtype)
     if a.size:

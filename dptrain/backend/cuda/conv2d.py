@@ -2,10 +2,10 @@
 as implicit GEMMs (no im2col buffer), planned like matmul (gemm.py).
 
 Conventions (the .cu file's header has the kernel side):
-  * float32, float16 or bfloat16 (every operand: the b16 tensor-core kernels and the direct kernels
-    load 16-bit data and accumulate in fp32, rounding each result once), NCHW activations, weight (C_out, C_in, kH, kW), PyTorch's cross-correlation;
-    stride and padding are (h, w) pairs of ints. Results are new arrays or `out=`, written
-    with `=`.
+  * float32, float16 or bfloat16 (every operand: the b16 tensor-core kernels and the direct
+    kernels load 16-bit data and accumulate in fp32, rounding each result once), NCHW
+    activations, weight (C_out, C_in, kH, kW), PyTorch's cross-correlation; stride and padding
+    are (h, w) pairs of ints. Results are new arrays or `out=`, written with `=`.
   * forward and backward-data are one kernel (mode 0 / 1) after the weight is reordered into
     the GEMM's (kh, kw, c) K order; the output-channel tile is the smallest of 32/64/128
     covering the channels.

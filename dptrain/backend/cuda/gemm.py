@@ -3,11 +3,12 @@ convolutions (conv2d.py) share.
 
 Conventions (the .cu files' headers have the kernel side):
   * float32, or float16 / bfloat16 (every operand: the b16 tensor-core kernel, fp32
-    accumulation, the result rounded once); operands C-contiguous (checked with launch.check_f32); the result
-    is a new array or `out=`, written with `=`. Batch axes broadcast as NumPy's: equal batch shapes and
-    one side 2-D (or all ones) run the kernels directly; any other pair (e.g. (2,1,4,3) @
-    (5,3,6)) first materialises each operand over the broadcast batch shape (broadcast_to)
-    and then runs the equal-batch kernel, so every batch element is the same product.
+    accumulation, the result rounded once); operands C-contiguous (checked with
+    launch.check_f32); the result is a new array or `out=`, written with `=`. Batch axes
+    broadcast as NumPy's: equal batch shapes and one side 2-D (or all ones) run the kernels
+    directly; any other pair (e.g. (2,1,4,3) @ (5,3,6)) first materialises each operand over the
+    broadcast batch shape (broadcast_to) and then runs the equal-batch kernel, so every batch
+    element is the same product.
   * Precision of float32 operands: runtime.precision, "tf32" (tensor cores, fp32 accumulate;
     operands rounded to tf32) or "fp32" (FFMA). It is part of every plan key.
   * Plans: the checks and the launch configuration (grid, block, split-K, shared memory) are

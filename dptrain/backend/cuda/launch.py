@@ -35,8 +35,9 @@ HALF = np.dtype(np.float16)  # 16-bit storage types: the kernels that take them 
 HALVES = (HALF, BFLOAT16)  # float (bfloat16 is held as uint16: dptrain.backend.bfloat16)
 
 # C type of each supported dtype, keyed by (kind, itemsize) so int64 spelled 'l' or 'q' agree.
-_CTYPES = {("f", 2): "__half", ("u", 2): "__nv_bfloat16", ("f", 4): "float", ("f", 8): "double", ("i", 4): "int", ("i", 8): "long long",
-           ("u", 1): "unsigned char", ("b", 1): "bool"}
+# uint16 is bfloat16 (dptrain.backend.bfloat16): the backend has no integer uint16 arithmetic.
+_CTYPES = {("f", 2): "__half", ("u", 2): "__nv_bfloat16", ("f", 4): "float", ("f", 8): "double",
+           ("i", 4): "int", ("i", 8): "long long", ("u", 1): "unsigned char", ("b", 1): "bool"}
 # Data movement works on raw bits: one kernel per element size serves every dtype of that size.
 _BITS = {1: ("unsigned char", np.uint8), 2: ("unsigned short", np.uint16),
          4: ("unsigned int", np.uint32), 8: ("unsigned long long", np.uint64)}
