@@ -11,7 +11,9 @@ Kept equal to `python -m dptrain train` so the two compare like for like:
   data       the same arrays from dptrain.data.get_dataset, on the device, normalised the
              same way; dptrain's StrideSampler gives every rank the same batches as ours
   optimizer  dptrain's defaults and flags (TrainConfig): AdamW or SGD, the same LR schedule
-  precision  TF32 matmuls/convolutions for auto and tf32, plain fp32 for fp32
+  precision  bf16 autocast for bf16, and for auto on a GPU with bf16 (dptrain's auto picks
+             bf16 there too); TF32 matmuls/convolutions for tf32 (and the fp32 parts of an
+             autocast step); plain fp32 for fp32
   execution  eager PyTorch (DistributedDataParallel), where dptrain replays a CUDA graph
   metrics    loss summed on the device and read every --log-every steps; training time
              (train_s) counts the steps and those reads, not start-up or validation
@@ -58,7 +60,8 @@ def parse_args(argv):
     p.add_argument("--weight-decay", type=float, default=d["weight_decay"])
     p.add_argument("--seed", type=int, default=d["seed"])
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    p.add_argument("--precision", default=d["precision"], choices=("auto", "tf32", "fp32"))
+    p.add_argument("--precision", default=d["precision"],
+                   choices=("auto", "tf32", "fp32", "bf16"))
     p.add_argument("--bucket-mb", type=float, default=d["bucket_mb"], help="DDP bucket size")
     p.add_argument("--no-cuda-graph", action="store_true",
                    help="accepted for dptrain's flag set; PyTorch runs eager steps anyway")
@@ -103,10 +106,13 @@ def make_optimizer(torch, params, args):
 
 
 def set_precision(torch, precision):
-    tf32 = precision in ("auto", "tf32")
+    """Set the matmul precision; returns the autocast dtype (torch.bfloat16) or None."""
+    tf32 = precision in ("auto", "tf32", "bf16")
     torch.backends.cuda.matmul.allow_tf32 = tf32
     torch.backends.cudnn.allow_tf32 = tf32
     torch.backends.cudnn.benchmark = True
+    bf16 = precision == "bf16" or (precision == "auto" and torch.cuda.is_bf16_supported())
+    return torch.bfloat16 if bf16 else None
 
 
 def to_device(torch, dataset, device):
@@ -121,11 +127,14 @@ def normalize(images_u8, mean, std):
     return images_u8.float().mul_(1.0 / (255.0 * std)).sub_(mean / std)
 
 
-def train_step(torch, net, opt, images, labels, idx, mean, std, lr):
-    """One SGD/AdamW step on the rows idx; returns the loss (on the device, no sync)."""
+def train_step(torch, net, opt, images, labels, idx, mean, std, lr, autocast=None):
+    """One SGD/AdamW step on the rows idx (forward under `autocast`, a dtype, if given);
+    returns the loss (on the device, no sync)."""
     for group in opt.param_groups:
         group["lr"] = lr
-    loss = torch.nn.functional.cross_entropy(net(normalize(images[idx], mean, std)), labels[idx])
+    with torch.autocast("cuda", dtype=autocast, enabled=autocast is not None):
+        logits = net(normalize(images[idx], mean, std))
+    loss = torch.nn.functional.cross_entropy(logits.float(), labels[idx])
     opt.zero_grad(set_to_none=True)
     loss.backward()
     opt.step()
@@ -166,10 +175,11 @@ def train(args) -> dict:
 
     rank, size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    autocast = None
     if args.device == "cuda":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
-        set_precision(torch, args.precision)
+        autocast = set_precision(torch, args.precision)
     else:
         device = torch.device("cpu")
     if size > 1:
@@ -218,7 +228,7 @@ def train(args) -> dict:
             if step >= total:
                 break
             loss_sum += train_step(torch, net, opt, images, labels, batches[local], mean, std,
-                                   schedule(step))
+                                   schedule(step), autocast)
             step += 1
             window_steps += 1
             if step % args.log_every == 0 or step == total:
@@ -245,6 +255,7 @@ def train(args) -> dict:
     rate = step * global_batch / train_time if train_time > 0 else 0.0
     summary = {
         "framework": "torch",
+        "precision": "bf16" if autocast is not None else args.precision,
         "torch_version": torch.__version__,
         "train_loss": last_loss,
         "val_loss": last_eval.get("val_loss"),
