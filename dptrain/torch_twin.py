@@ -74,9 +74,16 @@ def train_twin(cfg, device: str, global_batch: int, echo=print) -> dict:
     from dptrain.random import manual_seed
 
     dev = torch.device(device)
-    tf32 = cfg.precision in ("auto", "tf32")
+    # Our mixed precision as PyTorch's: autocast to the 16-bit type (on the GPU; a CPU twin
+    # of an fp16 run stays fp32), dynamic loss scaling with our settings for fp16.
+    autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
+    autocast = autocast if dev.type == "cuda" else None
+    tf32 = cfg.precision in ("auto", "tf32") or autocast is not None
     torch.backends.cuda.matmul.allow_tf32 = tf32
     torch.backends.cudnn.allow_tf32 = tf32
+    scaler = torch.amp.GradScaler(dev.type, init_scale=cfg.loss_scale,
+                                  growth_interval=cfg.loss_scale_interval,
+                                  enabled=autocast is torch.float16)
     torch.manual_seed(cfg.seed)
     train_set = get_dataset(cfg.dataset, "train", cfg.train_images, cfg.seed, cfg.cache_dir)
     val_set = get_dataset(cfg.dataset, "val", cfg.val_images, cfg.seed, cfg.cache_dir)
@@ -122,11 +129,13 @@ def train_twin(cfg, device: str, global_batch: int, echo=print) -> dict:
                 for group in opt.param_groups:
                     group["lr"] = schedule(step)
                 idx = torch.from_numpy(np.asarray(batches[local], dtype=np.int64)).to(dev)
-                logits = net(normalize(x_train[idx]))
+                with torch.autocast(dev.type, dtype=autocast, enabled=autocast is not None):
+                    logits = net(normalize(x_train[idx])).float()
                 loss = torch.nn.functional.cross_entropy(logits, y_train[idx])
                 opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
                 loss_sum += loss.detach()
                 correct += (logits.detach().argmax(1) == y_train[idx]).sum()
                 step, window = step + 1, window + 1

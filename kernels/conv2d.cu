@@ -259,29 +259,20 @@ struct ColInfo {
   int off, kh, kw, valid;
 };
 
-// A operand: gy[n, co, p] as (m = co, k = q) with q = n*Ho*Wo + p. KL lanes run along q.
-template <class L, int THREADS, int KL>
-struct GyLoader {
+// What the two backward-weight loaders share: thread t holds PER elements of a K slab, at
+// k = t % KL of tile rows t / KL + i * RSTEP (i < PER); Derived::gather(k0, k_end, f) calls
+// f(i, src, ok) for each. load() stores them at once (cp.async for float); fetch() and put()
+// stage them through registers for the b16 loop (mma16_mainloop).
+template <class Derived, class L, int THREADS, int KL>
+struct KLaneLoader {
   using Layout = L;
   using E = typename L::Elem;
-  const E* gy;
-  int M, m0, hw;
+  static constexpr int RSTEP = THREADS / KL, PER = L::kBMN / RSTEP;
+  static_assert(L::kBK == KL && L::kBMN % RSTEP == 0, "bad backward-weight tile");
 
-  static constexpr int RSTEP = THREADS / KL, PER = L::kBMN / RSTEP;  // PER: elements/thread
-  static_assert(L::kBK == KL && L::kBMN % RSTEP == 0, "bad gy tile");
-
-  // f(i, src, ok) for this thread's PER elements of the slab at k0 (tile row r0 + i*RSTEP).
+  // one(i) for i < PER: fully unrolled where the elements go to registers.
   template <bool UNROLL, class F>
-  __device__ __forceinline__ void gather(int k0, int k_end, F&& f) const {
-    const int kk = threadIdx.x % KL, r0 = threadIdx.x / KL;
-    const int q = k0 + kk;
-    const bool qok = q < k_end;
-    const int n = qok ? q / hw : 0, p = qok ? q - n * hw : 0;
-    const E* base = gy + ((long long)n * M + m0 + r0) * hw + p;
-    auto one = [&](int i) {
-      const bool ok = qok && m0 + r0 + i * RSTEP < M;
-      f(i, ok ? base + (long long)i * RSTEP * hw : gy, ok);
-    };
+  __device__ __forceinline__ static void each(F&& one) {
     if constexpr (UNROLL) {
 #pragma unroll
       for (int i = 0; i < PER; ++i) one(i);
@@ -291,17 +282,23 @@ struct GyLoader {
     }
   }
 
-  __device__ __forceinline__ int slot(int i) const {
+  __device__ __forceinline__ static int slot(int i) {
     return L::off(threadIdx.x / KL + i * RSTEP, threadIdx.x % KL);
   }
 
+  __device__ __forceinline__ const Derived& self() const {
+    return static_cast<const Derived&>(*this);
+  }
+
   __device__ __forceinline__ void load(E* s, int k0, int k_end) const {
-    gather<false>(k0, k_end, [&](int i, const E* p, bool ok) { put_elem(s + slot(i), p, ok); });
+    self().template gather<false>(k0, k_end,
+                                  [&](int i, const E* p, bool ok) { put_elem(s + slot(i), p, ok); });
   }
 
   struct Regs { E v[PER]; };
   __device__ __forceinline__ void fetch(Regs& r, E*, int k0, int k_end) const {
-    gather<true>(k0, k_end, [&](int i, const E* p, bool ok) { r.v[i] = ok ? *p : as<E>(0.f); });
+    self().template gather<true>(k0, k_end,
+                                 [&](int i, const E* p, bool ok) { r.v[i] = ok ? *p : as<E>(0.f); });
   }
   __device__ __forceinline__ void put(E* s, const Regs& r) const {
 #pragma unroll
@@ -309,19 +306,46 @@ struct GyLoader {
   }
 };
 
+// A operand: gy[n, co, p] as (m = co, k = q) with q = n*Ho*Wo + p. KL lanes run along q.
+template <class L, int THREADS, int KL>
+struct GyLoader : KLaneLoader<GyLoader<L, THREADS, KL>, L, THREADS, KL> {
+  using Base = KLaneLoader<GyLoader, L, THREADS, KL>;
+  using E = typename Base::E;
+  const E* gy;
+  int M, m0, hw;
+
+  __device__ __forceinline__ GyLoader(const E* gy_, int M_, int m0_, int hw_)
+      : gy(gy_), M(M_), m0(m0_), hw(hw_) {}
+
+  template <bool UNROLL, class F>
+  __device__ __forceinline__ void gather(int k0, int k_end, F&& f) const {
+    const int kk = threadIdx.x % KL, r0 = threadIdx.x / KL;
+    const int q = k0 + kk;
+    const bool qok = q < k_end;
+    const int n = qok ? q / hw : 0, p = qok ? q - n * hw : 0;
+    const E* base = gy + ((long long)n * M + m0 + r0) * hw + p;
+    Base::template each<UNROLL>([&](int i) {
+      const bool ok = qok && m0 + r0 + i * Base::RSTEP < M;
+      f(i, ok ? base + (long long)i * Base::RSTEP * hw : gy, ok);
+    });
+  }
+};
+
 // B operand: x[n, ci, oy*sh - ph + kh, ox*sw - pw + kw] as (k = q, n = j). KL lanes along q.
 template <class L, int THREADS, int KL>
-struct XColLoader {
-  using Layout = L;
-  using E = typename L::Elem;
+struct XColLoader : KLaneLoader<XColLoader<L, THREADS, KL>, L, THREADS, KL> {
+  using Base = KLaneLoader<XColLoader, L, THREADS, KL>;
+  using E = typename Base::E;
   const E* x;
   const ColInfo* cols;  // shared memory, one entry per tile column
   int C, H, W, Ho, Wo, sh, sw, ph, pw;
 
-  static constexpr int RSTEP = THREADS / KL, PER = L::kBMN / RSTEP;  // PER: elements/thread
-  static_assert(L::kBK == KL && L::kBMN % RSTEP == 0, "bad im2col tile");
+  __device__ __forceinline__ XColLoader(const E* x_, const ColInfo* cols_, int C_, int H_,
+                                        int W_, int Ho_, int Wo_, int sh_, int sw_, int ph_,
+                                        int pw_)
+      : x(x_), cols(cols_), C(C_), H(H_), W(W_), Ho(Ho_), Wo(Wo_), sh(sh_), sw(sw_), ph(ph_),
+        pw(pw_) {}
 
-  // f(i, src, ok) for this thread's PER elements of the slab at k0 (tile column r0 + i*RSTEP).
   template <bool UNROLL, class F>
   __device__ __forceinline__ void gather(int k0, int k_end, F&& f) const {
     const int kk = threadIdx.x % KL, r0 = threadIdx.x / KL;
@@ -331,36 +355,12 @@ struct XColLoader {
     const int oy = p / Wo, ox = p - oy * Wo;
     const int iy0 = oy * sh - ph, ix0 = ox * sw - pw;
     const long long base = (long long)n * C * H * W + iy0 * W + ix0;
-    auto one = [&](int i) {
-      const ColInfo t = cols[r0 + i * RSTEP];
+    Base::template each<UNROLL>([&](int i) {
+      const ColInfo t = cols[r0 + i * Base::RSTEP];
       const bool ok = qok && t.valid && (unsigned)(iy0 + t.kh) < (unsigned)H &&
                       (unsigned)(ix0 + t.kw) < (unsigned)W;
       f(i, ok ? x + (base + t.off) : x, ok);
-    };
-    if constexpr (UNROLL) {
-#pragma unroll
-      for (int i = 0; i < PER; ++i) one(i);
-    } else {
-#pragma unroll 4
-      for (int i = 0; i < PER; ++i) one(i);
-    }
-  }
-
-  __device__ __forceinline__ int slot(int i) const {
-    return L::off(threadIdx.x / KL + i * RSTEP, threadIdx.x % KL);
-  }
-
-  __device__ __forceinline__ void load(E* s, int k0, int k_end) const {
-    gather<false>(k0, k_end, [&](int i, const E* p, bool ok) { put_elem(s + slot(i), p, ok); });
-  }
-
-  struct Regs { E v[PER]; };
-  __device__ __forceinline__ void fetch(Regs& r, E*, int k0, int k_end) const {
-    gather<true>(k0, k_end, [&](int i, const E* p, bool ok) { r.v[i] = ok ? *p : as<E>(0.f); });
-  }
-  __device__ __forceinline__ void put(E* s, const Regs& r) const {
-#pragma unroll
-    for (int i = 0; i < PER; ++i) s[slot(i)] = r.v[i];
+    });
   }
 };
 

@@ -73,6 +73,14 @@ __device__ __forceinline__ GemmEpilogue<> gemm_epilogue(float* C, float* ws, con
       long long sC, int batch, int splits, int kchunk, float alpha, float beta,             \
       int bias_mode, int vec_a, int vec_b
 
+// This block's batch b, split s, tile origin (m0, n0), K range and operand loaders.
+#define GEMM_TILE                                                                           \
+  const int b = blockIdx.z / splits, s = blockIdx.z - b * splits;                          \
+  const int m0 = blockIdx.y * Cfg::BM, n0 = blockIdx.x * Cfg::BN;                          \
+  const int k_begin = s * kchunk, k_end = min(K, k_begin + kchunk);                        \
+  const DenseLoader<LayA, !TA, Cfg::THREADS> la{A + b * sA, lda, m0, M, vec_a != 0};      \
+  const DenseLoader<LayB, TB, Cfg::THREADS> lb{B + b * sB, ldb, n0, N, vec_b != 0}
+
 template <typename T, bool TA, bool TB>
 __global__ void __launch_bounds__(128, 2) gemm_tf32_kernel(GEMM_PARAMS) {
   static_assert(sizeof(T) == 4, "float only for now");
@@ -87,11 +95,7 @@ __global__ void __launch_bounds__(128, 2) gemm_tf32_kernel(GEMM_PARAMS) {
   float* smem = reinterpret_cast<float*>(smem4);
   check_smem(Cfg::STAGES * (LayA::kSize + LayB::kSize) * 4);
 
-  const int b = blockIdx.z / splits, s = blockIdx.z - b * splits;
-  const int m0 = blockIdx.y * Cfg::BM, n0 = blockIdx.x * Cfg::BN;
-  const int k_begin = s * kchunk, k_end = min(K, k_begin + kchunk);
-  const DenseLoader<LayA, !TA, Cfg::THREADS> la{A + b * sA, lda, m0, M, vec_a != 0};
-  const DenseLoader<LayB, TB, Cfg::THREADS> lb{B + b * sB, ldb, n0, N, vec_b != 0};
+  GEMM_TILE;
 
   float acc[Cfg::MT][Cfg::NT][4];
   mma_mainloop<Cfg>(acc, la, lb, smem, k_begin, k_end);
@@ -112,11 +116,7 @@ __global__ void __launch_bounds__(128, 2) gemm_b16_kernel(GEMM_PARAMS) {
   T* smem = reinterpret_cast<T*>(smem4);
   check_smem(Cfg::STAGES * (LayA::kSize + LayB::kSize) * sizeof(T));
 
-  const int b = blockIdx.z / splits, s = blockIdx.z - b * splits;
-  const int m0 = blockIdx.y * Cfg::BM, n0 = blockIdx.x * Cfg::BN;
-  const int k_begin = s * kchunk, k_end = min(K, k_begin + kchunk);
-  const DenseLoader<LayA, !TA, Cfg::THREADS> la{A + b * sA, lda, m0, M, vec_a != 0};
-  const DenseLoader<LayB, TB, Cfg::THREADS> lb{B + b * sB, ldb, n0, N, vec_b != 0};
+  GEMM_TILE;
 
   float acc[Cfg::MT][Cfg::NT][4];
   mma16_mainloop<Cfg>(acc, la, lb, smem, k_begin, k_end);
@@ -144,11 +144,7 @@ __global__ void __launch_bounds__(256, 2) gemm_fp32_kernel(GEMM_PARAMS) {
   float* smem = reinterpret_cast<float*>(smem4);
   check_smem(Cfg::STAGES * (LayA::kSize + LayB::kSize) * 4);
 
-  const int b = blockIdx.z / splits, s = blockIdx.z - b * splits;
-  const int m0 = blockIdx.y * Cfg::BM, n0 = blockIdx.x * Cfg::BN;
-  const int k_begin = s * kchunk, k_end = min(K, k_begin + kchunk);
-  const DenseLoader<LayA, !TA, Cfg::THREADS> la{A + b * sA, lda, m0, M, vec_a != 0};
-  const DenseLoader<LayB, TB, Cfg::THREADS> lb{B + b * sB, ldb, n0, N, vec_b != 0};
+  GEMM_TILE;
 
   float acc[Cfg::TM][Cfg::TN];
   simt_mainloop<Cfg>(acc, la, lb, smem, k_begin, k_end);

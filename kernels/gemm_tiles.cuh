@@ -313,6 +313,16 @@ struct MmaCoords {
   }
 };
 
+template <class Cfg>
+__device__ __forceinline__ void zero_acc(float (&acc)[Cfg::MT][Cfg::NT][4]) {
+#pragma unroll
+  for (int i = 0; i < Cfg::MT; ++i)
+#pragma unroll
+    for (int j = 0; j < Cfg::NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
+}
+
 template <class Cfg, class LA, class LB>
 __device__ __forceinline__ void mma_mainloop(float (&acc)[Cfg::MT][Cfg::NT][4], const LA& la,
                                              const LB& lb, float* smem, int k_begin, int k_end) {
@@ -322,12 +332,7 @@ __device__ __forceinline__ void mma_mainloop(float (&acc)[Cfg::MT][Cfg::NT][4], 
   static_assert(SA::kBMN == Cfg::BM && SB::kBMN == Cfg::BN && SA::kBK == BK && SB::kBK == BK,
                 "loader tiles must match the block tile");
 
-#pragma unroll
-  for (int i = 0; i < Cfg::MT; ++i)
-#pragma unroll
-    for (int j = 0; j < Cfg::NT; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
+  zero_acc<Cfg>(acc);
 
   const int ntiles = pipeline_start<BK, STAGES>(la, lb, smem, k_begin, k_end);
   const MmaCoords<Cfg> at;
@@ -404,12 +409,7 @@ __device__ __forceinline__ void mma16_mainloop(float (&acc)[Cfg::MT][Cfg::NT][4]
                 "loader tiles must match the block tile");
   static_assert(BK % 16 == 0, "k steps of 16");
 
-#pragma unroll
-  for (int i = 0; i < Cfg::MT; ++i)
-#pragma unroll
-    for (int j = 0; j < Cfg::NT; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
+  zero_acc<Cfg>(acc);
 
   constexpr int STAGE = SA::kSize + SB::kSize;
   const int ntiles = pipeline_start<BK, STAGES>(la, lb, smem, k_begin, k_end);

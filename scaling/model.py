@@ -179,7 +179,16 @@ class Model:
 
 
 def check_rows(model: Model, runs: list[dict]) -> list[dict]:
-    """Predicted against measured efficiency for every measured multi-GPU run."""
+    """Predicted against measured efficiency for every measured multi-GPU run. A sweep with
+    1-GPU runs at two batch sizes is predicted from its own compute line (sweeps of other
+    kernels or precisions step at other speeds); the others from `model`'s shared fit."""
+    models = {}
+    for source in {r["source"] for r in runs}:
+        try:
+            own = fit_compute([r for r in runs if r["source"] == source])
+            models[source] = Model(own, model.link, model.args)
+        except ScalingError:
+            models[source] = model
     base = {}
     for r in runs:
         if r["gpus"] == 1:
@@ -189,25 +198,26 @@ def check_rows(model: Model, runs: list[dict]) -> list[dict]:
         one = base.get((r["source"], r["mode"]))
         if one is None:
             continue
+        m = models[r["source"]]
         if r["gpus"] == 1:  # how well the compute line fits the run it was fitted to
             rows.append({"source": r["source"], "kind": r["kind"], "mode": r["mode"],
                          "gpus": 1, "global_batch": r["global_batch"],
                          "measured_step_ms": r["step_s"] * 1e3,
-                         "predicted_step_ms": model.step_s(r["batch_per_gpu"], 1) * 1e3,
+                         "predicted_step_ms": m.step_s(r["batch_per_gpu"], 1) * 1e3,
                          "measured_pct": 100.0, "predicted_pct": 100.0, "error_points": 0.0})
             continue
         n = r["gpus"]
         if r["kind"] == "weak":
-            predicted = model.weak(r["batch_per_gpu"], n)
+            predicted = m.weak(r["batch_per_gpu"], n)
             measured = one["step_s"] / r["step_s"]
         else:
-            predicted = model.strong(r["global_batch"], n) if one["global_batch"] == r[
-                "global_batch"] else model.weak(r["batch_per_gpu"], n)
+            predicted = m.strong(r["global_batch"], n) if one["global_batch"] == r[
+                "global_batch"] else m.weak(r["batch_per_gpu"], n)
             measured = r["efficiency_pct"] / 100
         rows.append({"source": r["source"], "kind": r["kind"], "mode": r["mode"], "gpus": n,
                      "global_batch": r["global_batch"],
                      "measured_step_ms": r["step_s"] * 1e3,
-                     "predicted_step_ms": model.step_s(r["batch_per_gpu"], n) * 1e3,
+                     "predicted_step_ms": m.step_s(r["batch_per_gpu"], n) * 1e3,
                      "measured_pct": measured * 100, "predicted_pct": predicted * 100,
                      "error_points": (predicted - measured) * 100})
     return rows
