@@ -126,6 +126,25 @@ def test_matmul_16bit(cu, dt, ta, tb, m, n, k):
     close(*both(cu, dt, "matmul", a, b, ta, tb), dt)
 
 
+@pytest.mark.parametrize("dt", DTYPES)
+@pytest.mark.parametrize("m, n, k", [(1408, 3072, 64), (2048, 4352, 320), (2048, 4096, 128)])
+def test_matmul_16bit_on_wgmma(cu, dt, m, n, k):
+    """a @ b^T with wgmma's shapes (128 x 256 tiles, K in 128-byte rows) on a Hopper GPU: the
+    wgmma kernel, bias added in its epilogue."""
+    import cupy
+
+    from dptrain.backend.cuda import gemm
+
+    if int(cupy.cuda.Device().compute_capability) != 90:
+        pytest.skip("wgmma needs compute capability 9.0")
+    a, b, bias = rand(dt, m, k, seed=21), rand(dt, n, k, seed=22), rand(dt, n, seed=23)
+    assert gemm.matmul_kernel(cu.asarray(a), cu.asarray(b), False, True) == "gemm_wgmma_kernel"
+    close(*both(cu, dt, "matmul", a, b, False, True), dt)
+    got = cu.matmul(cu.asarray(a), cu.asarray(b), False, True, bias=cu.asarray(bias))
+    ref = cpu.bias_add(cpu.matmul(f32(a, dt), f32(b, dt), False, True), f32(bias, dt))
+    close(f32(cu.to_numpy(got), dt), f32(to16(ref, dt), dt), dt)
+
+
 CONVS = [  # x shape, w shape, stride, padding
     ((8, 1, 28, 28), (32, 1, 3, 3), (1, 1), (1, 1)),  # the first layer: direct kernels
     ((8, 32, 14, 14), (64, 32, 3, 3), (1, 1), (1, 1)),  # implicit GEMM, C % 32 == 0

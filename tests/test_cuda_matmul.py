@@ -288,7 +288,7 @@ def test_capturable_in_cuda_graph(cm, prec):
 
 # ----------------------------------------------------------------------------- Hopper wgmma
 
-WGMMA = "gemm_wgmma_tf32_kernel"
+WGMMA = "gemm_wgmma_kernel"
 
 
 @pytest.fixture

@@ -20,12 +20,13 @@ Conventions (the .cu files' headers have the kernel side):
     order. No atomics anywhere: results are bitwise repeatable.
   * Nothing here synchronises with the host, so a step built from these can be captured.
 
-Hopper fast path (gemm_wgmma.cu, wgmma.mma_async, sm_90a): a "tf32" matmul runs there when
-the device is compute capability 9.0, the environment does not set DPTRAIN_WGMMA=0 (read when
-a plan is built), and the call has its shape: a @ b^T (trans_a False, trans_b True: the only
-layout wgmma takes for tf32, both operands K-major), M % 128 == 0, N % 256 == 0, K % 32 == 0,
-a, b 16-byte aligned, and at least as many 128 x 256 output tiles as SMs (smaller problems
-keep the split-K kernel). `matmul_kernel` names the kernel a call uses.
+Hopper fast path (gemm_wgmma.cu, wgmma.mma_async, sm_90a): a "tf32" float32 matmul, or a
+bfloat16 / float16 one, runs there when the device is compute capability 9.0, the
+environment does not set DPTRAIN_WGMMA=0 (read when a plan is built), and the call has its
+shape: a @ b^T (trans_a False, trans_b True: both operands K-major), M % 128 == 0, N % 256
+== 0, K a multiple of one 128-byte row (32 floats, 64 16-bit values), a, b 16-byte aligned,
+and at least as many 128 x 256 output tiles as SMs (smaller problems keep the split-K
+kernel). `matmul_kernel` names the kernel a call uses.
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ from dptrain.backend.cuda.transpose import broadcast_to
 
 WGMMA_ENV = "DPTRAIN_WGMMA"  # "0" turns the Hopper wgmma path off
 _WGMMA_DEFAULT = True  # on where it applies, unless the environment says "0"
-_WGMMA_BM, _WGMMA_BN, _WGMMA_BK, _WGMMA_SMEM = 128, 256, 32, 4 * 48 * 1024 + 1024
+_WGMMA_BM, _WGMMA_BN, _WGMMA_ROW, _WGMMA_SMEM = 128, 256, 128, 4 * 48 * 1024 + 1024
 
 
 # ----------------------------------------------------------------------------- plans
@@ -182,10 +183,11 @@ def _is_sm90(device_id: int) -> bool:
 
 def _wgmma_fits(a, b, ta, tb, m, n, k, nb) -> bool:
     """True when gemm_wgmma.cu may compute this product (see the module docstring)."""
-    return (runtime.precision == "tf32" and a.dtype == np.float32 and not ta and tb
+    bk = _WGMMA_ROW // a.itemsize  # K elements in one 128-byte row
+    return ((a.dtype in launch.HALVES or runtime.precision == "tf32") and not ta and tb
             and _wgmma_enabled()
             and _is_sm90(cupy.cuda.Device().id)
-            and m % _WGMMA_BM == 0 and n % _WGMMA_BN == 0 and k % _WGMMA_BK == 0 and k > 0
+            and m % _WGMMA_BM == 0 and n % _WGMMA_BN == 0 and k % bk == 0 and k > 0
             and a.data.ptr % 16 == 0 and b.data.ptr % 16 == 0
             and nb * (m // _WGMMA_BM) * (n // _WGMMA_BN) >= launch.sm_count()
             and (m // _WGMMA_BM) * (n // _WGMMA_BN) <= launch.INT32_MAX
@@ -249,7 +251,7 @@ def _plan_matmul(a, b, ta, tb, bias):
         m, nb, s_a = m * nb, 1, 0  # (batch, M, K) @ (K, N) is one (batch*M, K) @ (K, N)
     lda, ldb, ldc, s_c = a.shape[-1], b.shape[-1], n, m * n
     if _wgmma_fits(a, b, ta, tb, m, n, k, nb):
-        return _plan_wgmma(m, n, k, nb, s_a, s_b, bias_mode, out_shape)
+        return _plan_wgmma(m, n, k, nb, s_a, s_b, bias_mode, out_shape, dt)
     if m > 128 * launch.GRID_YZ_MAX:
         raise ValueError(f"cuda.matmul: M = {m} exceeds the grid's limit of "
                          f"{128 * launch.GRID_YZ_MAX}")
@@ -301,21 +303,22 @@ def _plan_matmul(a, b, ta, tb, bias):
     return run
 
 
-def _plan_wgmma(m, n, k, nb, s_a, s_b, bias_mode, out_shape):
+def _plan_wgmma(m, n, k, nb, s_a, s_b, bias_mode, out_shape, dt):
     """C = A @ B^T by gemm_wgmma.cu: one block per 128 x 256 tile, batch in grid z."""
-    fn = launch.kernel("gemm_wgmma.cu", "gemm_wgmma_tf32_kernel", "float", smem=_WGMMA_SMEM)
+    fn = launch.kernel("gemm_wgmma.cu", "gemm_wgmma_kernel", launch.ctype(dt), smem=_WGMMA_SMEM)
+    pair = 2 * dt.itemsize  # the kernel stores pairs of elements
     grid = ((m // _WGMMA_BM) * (n // _WGMMA_BN), 1, nb)
     tail = (i32(m), i32(n), i32(k), np.int64(s_a), np.int64(s_b), np.int64(m * n), i32(bias_mode))
 
     def run(a, b, bias, out):
-        c = output("matmul", out, out_shape)
-        # The kernel stores float2 pairs: an `out=` view at an odd float offset gets a copy.
-        dst = c if c.data.ptr % 8 == 0 else launch.new(out_shape, np.float32)
+        c = output("matmul", out, out_shape, dt)
+        # The kernel stores pairs: an `out=` view at an odd element offset gets a copy.
+        dst = c if c.data.ptr % pair == 0 else launch.new(out_shape, dt)
         fn(grid, (256,), (a, b, dst, dst if bias is None else bias) + tail,
            shared_mem=_WGMMA_SMEM)
         if dst is not c:
             c[...] = dst
         return c
 
-    run.kernel = "gemm_wgmma_tf32_kernel"
+    run.kernel = "gemm_wgmma_kernel"
     return run
