@@ -41,6 +41,23 @@ def test_cache_key_names_the_architecture(monkeypatch):
     assert key != loader.cache_key("elementwise.cu", "90")
 
 
+def test_files_split_into_modules_by_element_family(monkeypatch):
+    """A file's 16-bit instantiations build as modules of their own (compiled in parallel with
+    the rest); every kernel name maps to the module that holds it."""
+    monkeypatch.setattr(loader, "cuda_include_dir", lambda: Path("/toolkit/include"))
+    assert loader.parts("elementwise.cu") == ["main", "__half", "__nv_bfloat16"]
+    assert loader.parts("optim.cu") == ["main"]
+    assert loader.part_of("map1_kernel<__half, Relu>") == "__half"
+    assert loader.part_of("convert_kernel<float, __nv_bfloat16>") == "__nv_bfloat16"
+    assert loader.part_of("loss_scale_update_kernel") == "main"
+    keys = {loader.cache_key("elementwise.cu", "90", part) for part in loader.PARTS}
+    assert len(keys) == 3
+    source, _ = loader.source_and_options("elementwise.cu")
+    names = loader.name_expressions(source)
+    assert sum(loader.part_of(n) == "main" for n in names) > 0
+    assert {loader.part_of(n) for n in names} == set(loader.PARTS)
+
+
 def test_cache_key_follows_sources_and_headers(monkeypatch, tmp_path):
     monkeypatch.setattr(loader, "cuda_include_dir", lambda: Path("/toolkit/include"))
     monkeypatch.setenv(loader.KERNEL_DIR_ENV, str(tmp_path))

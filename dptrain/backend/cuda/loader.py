@@ -4,13 +4,16 @@ Every launcher in the cuda backend gets its kernels here (through ``launch.kerne
 
     fn = loader.function("elementwise.cu", "map2_kernel<float, Add>")
 
-The first request for a file compiles it with NVRTC through ``cupy.RawModule``
-(all of its template instantiations at once, listed in ``name_expressions``);
-later requests reuse the module. CuPy caches the compiled binary on disk
+The first request for a kernel compiles its file's part with NVRTC through
+``cupy.RawModule``: a file's template instantiations (its ``// instantiate:`` lines, handed
+over as ``name_expressions``) are split by element family (float and the other types;
+``__half``; ``__nv_bfloat16``), one module each, so the 16-bit instantiations compile in
+parallel with the rest and only the families a run uses are built on demand. Later requests
+reuse the module. CuPy caches the compiled binary on disk
 (``$CUPY_CACHE_DIR``, default ~/.cupy/kernel_cache), so a second process start skips NVRTC.
 
-Cold start: ``compile_all()`` (what ``runtime.prepare()`` calls) builds every file this GPU
-can run ahead of the first step, one thread per file. Threads, not processes, because
+Cold start: ``compile_all()`` (what ``runtime.prepare()`` calls) builds every part of every
+file this GPU can run ahead of the first step, one thread per part. Threads, not processes, because
 CuPy's binding calls ``nvrtcCompileProgram`` with the GIL released (``with nogil`` in
 cupy_backends/cuda/libs/nvrtc.pyx; the installed binary brackets the call with
 PyEval_SaveThread / PyEval_RestoreThread), NVRTC is documented thread-safe, and a thread's
@@ -21,8 +24,9 @@ CuPy import and a CUDA context per worker and hand its results back through the 
 Cache identity: CuPy 14.2 names a cached binary by a hash of (GPU architecture, options,
 NVRTC version, source, name expressions): the architecture is in its key already. The
 source handed to CuPy also carries the digest of our headers (so editing a .cuh
-recompiles), and ``cache_key(filename, arch)`` is our own key of a file's build (source,
-headers, options, architecture), by which the in-process table of modules is kept.
+recompiles), and ``cache_key(filename, arch, part)`` is our own key of a part's build
+(source, headers, options, architecture, part), by which the in-process table of modules is
+kept.
 """
 from __future__ import annotations
 
@@ -93,6 +97,24 @@ def name_expressions(source: str) -> list[str]:
     return names
 
 
+PARTS = ("main", "__half", "__nv_bfloat16")  # the element families a file's modules split by
+
+
+def part_of(name: str) -> str:
+    """The module part that instantiation `name` belongs to (see PARTS)."""
+    for part in PARTS[1:]:
+        if part in name:
+            return part
+    return PARTS[0]
+
+
+def parts(filename: str) -> list[str]:
+    """The parts kernels/`filename` has instantiations in, in PARTS order."""
+    source, _ = source_and_options(filename)
+    present = {part_of(n) for n in name_expressions(source)}
+    return [p for p in PARTS if p in present] or [PARTS[0]]
+
+
 def _headers_digest() -> str:
     headers = "".join(h.read_text() for h in sorted(kernel_dir().glob("*.cuh")))
     return hashlib.sha256(headers.encode()).hexdigest()
@@ -113,11 +135,12 @@ def source_and_options(filename: str) -> tuple[str, tuple[str, ...]]:
     return source, options
 
 
-def cache_key(filename: str, arch: str) -> str:
-    """The identity of kernels/`filename` built for GPU architecture `arch` (compute
-    capability digits, "90"): a digest of its source, the headers, the options and `arch`."""
+def cache_key(filename: str, arch: str, part: str = PARTS[0]) -> str:
+    """The identity of part `part` of kernels/`filename` built for GPU architecture `arch`
+    (compute capability digits, "90"): a digest of its source, the headers, the options,
+    `arch` and `part`."""
     source, options = source_and_options(filename)
-    text = "\0".join((filename, source, *options, f"arch={arch}"))
+    text = "\0".join((filename, source, *options, f"arch={arch}", f"part={part}"))
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -152,10 +175,11 @@ _table_lock = threading.Lock()
 builds = 0
 
 
-def module(filename: str):
-    """The compiled module of kernels/`filename` for the current GPU (built on first use)."""
+def module(filename: str, part: str = PARTS[0]):
+    """The compiled module of part `part` of kernels/`filename` for the current GPU (built on
+    first use)."""
     global builds
-    key = cache_key(filename, device_arch())
+    key = cache_key(filename, device_arch(), part)
     mod = _modules.get(key)
     if mod is not None:
         return mod
@@ -166,8 +190,8 @@ def module(filename: str):
             import cupy
 
             source, options = source_and_options(filename)
-            mod = cupy.RawModule(code=source, options=options,
-                                 name_expressions=name_expressions(source))
+            names = [n for n in name_expressions(source) if part_of(n) == part]
+            mod = cupy.RawModule(code=source, options=options, name_expressions=names)
             mod.compile()
             with _table_lock:
                 _modules[key] = mod
@@ -179,33 +203,34 @@ WORKERS_ENV = "DPTRAIN_COMPILE_WORKERS"
 
 
 def compile_all(workers: int | None = None) -> dict:
-    """Build every kernel file the current GPU can run, `workers` files at a time (default:
-    $DPTRAIN_COMPILE_WORKERS, else one thread per file, at most the host's cores).
-    Returns {"files", "built", "seconds", "workers"}."""
+    """Build every part of every kernel file the current GPU can run, `workers` at a time
+    (default: $DPTRAIN_COMPILE_WORKERS, else one thread per part, at most the host's
+    cores). Returns {"files", "built" (modules), "seconds", "workers"}."""
     import cupy
 
     device, arch = cupy.cuda.Device().id, device_arch()
     files = kernel_files(arch)
+    units = [(f, part) for f in files for part in parts(f)]
     env = os.environ.get(WORKERS_ENV, "")
     if not workers and env:
         if not env.isdigit() or int(env) < 1:
             raise ValueError(f"{WORKERS_ENV}={env!r}: expected a positive integer")
         workers = int(env)
-    workers = workers or max(1, min(len(files), os.cpu_count() or 1))
+    workers = workers or max(1, min(len(units), os.cpu_count() or 1))
     before, start = builds, time.perf_counter()
 
-    def build(name):
+    def build(unit):
         # The current device is per thread in CUDA; setting it also makes its primary context
         # current here (CUDA >= 12), which loading the compiled module needs.
         cupy.cuda.runtime.setDevice(device)
-        module(name)
+        module(*unit)
 
     if workers == 1:
-        for name in files:
-            build(name)
+        for unit in units:
+            build(unit)
     else:
         with concurrent.futures.ThreadPoolExecutor(workers, "dptrain-nvrtc") as pool:
-            for future in [pool.submit(build, name) for name in files]:
+            for future in [pool.submit(build, unit) for unit in units]:
                 future.result()  # re-raises a compile error
     return {"files": len(files), "built": builds - before,
             "seconds": time.perf_counter() - start, "workers": workers}
@@ -214,4 +239,4 @@ def compile_all(workers: int | None = None) -> dict:
 @functools.lru_cache(maxsize=None)
 def function(filename: str, name: str):
     """The kernel `name` (a plain name or a template instantiation) from kernels/`filename`."""
-    return module(filename).get_function(name)
+    return module(filename, part_of(name)).get_function(name)
