@@ -310,11 +310,13 @@ class Conv2d(Function):
 class MaxPool2d(Function):
     def forward(self, x, kernel, stride, padding, workspace=None):
         self.x_shape, self.workspace = x.shape, workspace
+        self.window = (kernel, stride, padding)
         y, self.idx = self.be.max_pool2d_forward(x, kernel, stride, padding, workspace=workspace)
         return y
 
     def backward(self, gy):
-        return (self.be.max_pool2d_backward(gy, self.idx, self.x_shape, workspace=self.workspace),)
+        return (self.be.max_pool2d_backward(gy, self.idx, self.x_shape, window=self.window,
+                                            workspace=self.workspace),)
 
 
 class ReLUMaxPool2d(Function):
@@ -324,6 +326,7 @@ class ReLUMaxPool2d(Function):
 
     def forward(self, x, kernel, stride, padding, workspace=None):
         self.x_shape, self.workspace = x.shape, workspace
+        self.window = (kernel, stride, padding)
         y, self.idx = self.be.relu_max_pool2d_forward(x, kernel, stride, padding,
                                                       workspace=workspace)
         return y

@@ -13,6 +13,8 @@
 //  * __half data: compared, summed and divided in float, rounded once per stored value.
 //  * Avg pool: padding counts in the divisor (kh*kw), PyTorch's default.
 //  * Backward kernels write dx with `=` (they own every element of dx). No atomics:
+//    - max, windows that tile the input (the usual MaxPool2d(k)): one thread per window
+//      writes its kh*kw pixels;
 //    - max: one warp per plane zeroes the plane's dx, then walks the plane's outputs 32 at a
 //      time; lanes that picked the same input pixel are matched (__match_any_sync) and the
 //      lowest of them adds their gy, summed in lane order. The order depends only on the
@@ -119,6 +121,27 @@ __global__ void max_pool_bwd_kernel(T* dx, const T* gy, const int* idx, PoolGeom
   }
 }
 
+// Windows that tile the input (window = stride, no padding, h = ho*kh, w = wo*kw; the
+// launcher checks): every input pixel lies in exactly one window, so one thread per window
+// writes all of its pixels, gy at the window's idx and 0 elsewhere: no zeroing pass, no
+// sums, 32-bit index arithmetic (the launcher checks the sizes).
+template <typename T>
+__global__ void max_pool_bwd_tiled_kernel(T* dx, const T* gy, const int* idx, PoolGeom g) {
+  const T zero = as<T>(0.f);
+  const int out_plane = g.ho * g.wo, in_plane = g.h * g.w;
+  GRID_STRIDE_32(i, g.n_c * out_plane) {
+    const int p = i / out_plane, r = i - p * out_plane;
+    const int oh = r / g.wo, ow = r - oh * g.wo;
+    const int j = idx[i];
+    const T v = gy[i];
+    T* d = dx + p * in_plane;
+    for (int a = 0; a < g.kh; ++a) {
+      const int row = (oh * g.kh + a) * g.w + ow * g.kw;
+      for (int b = 0; b < g.kw; ++b) d[row + b] = row + b == j ? v : zero;
+    }
+  }
+}
+
 template <typename T>
 __global__ void avg_pool_fwd_kernel(T* y, const T* x, PoolGeom g) {
   using C = compute_t<T>;
@@ -161,6 +184,8 @@ __global__ void avg_pool_bwd_kernel(T* dx, const T* gy, PoolGeom g) {
 // instantiate: max_pool_fwd_kernel<float>; max_pool_fwd_kernel<double>; max_pool_bwd_kernel<float>; max_pool_bwd_kernel<double>
 // instantiate: avg_pool_fwd_kernel<float>; avg_pool_fwd_kernel<double>; avg_pool_bwd_kernel<float>; avg_pool_bwd_kernel<double>
 // instantiate: relu_max_pool_fwd_kernel<__half>; max_pool_fwd_kernel<__half>; max_pool_bwd_kernel<__half>
+// instantiate: max_pool_bwd_tiled_kernel<float>; max_pool_bwd_tiled_kernel<double>
+// instantiate: max_pool_bwd_tiled_kernel<__half>; max_pool_bwd_tiled_kernel<__nv_bfloat16>
 // instantiate: relu_max_pool_fwd_kernel<__nv_bfloat16>; max_pool_fwd_kernel<__nv_bfloat16>
 // instantiate: max_pool_bwd_kernel<__nv_bfloat16>
 // instantiate: avg_pool_fwd_kernel<__half>; avg_pool_bwd_kernel<__half>

@@ -175,6 +175,10 @@ def test_pooling_16bit(cu, dt):
     assert np.array_equal(y, ry) and np.array_equal(idx, ridx)
     gy = rand(dt, *y.shape, seed=18)
     close(*both(cu, dt, "max_pool2d_backward", gy, ridx, x.shape), dt)
+    (y, idx), _ = both(cu, dt, "relu_max_pool2d_forward", x, (2, 2), (2, 2), (0, 0))
+    gy, window = rand(dt, *y.shape, seed=19), ((2, 2), (2, 2), (0, 0))  # tiles: one thread each
+    got, ref = both(cu, dt, "max_pool2d_backward", gy, idx, x.shape, window=window)
+    assert np.array_equal(got, ref)
     close(*both(cu, dt, "avg_pool2d_forward", x, (2, 2), (2, 2), (0, 0)), dt)
 
 

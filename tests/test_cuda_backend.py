@@ -448,6 +448,29 @@ def test_relu_max_pool(cu, rng, kernel, stride, padding, dtype):
     assert_close(cu, cu.max_pool2d_backward(cu.asarray(gy), didx, x.shape), ref)
 
 
+@gpu
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape, window", [
+    ((3, 33, 8, 6), ((2, 2), (2, 2), (0, 0))),    # tiles: the one-thread-per-window kernel
+    ((2, 5, 9, 12), ((3, 4), (3, 4), (0, 0))),    # tiles, unequal sides
+    ((2, 5, 9, 7), ((2, 2), (2, 2), (0, 0))),     # a row and a column left over: warp kernel
+    ((2, 5, 9, 9), ((3, 3), (2, 2), (1, 1))),     # overlapping: warp kernel
+])
+def test_max_pool_backward_with_the_window(cu, rng, shape, window, dtype):
+    """Given the forward's window, max_pool2d_backward equals the CPU's exactly (each pixel
+    gets at most one term when windows tile), relu's idx -1 windows included."""
+    x = randn(rng, shape, dtype)
+    x[0, 0] = -1.0  # a plane whose relu max-pool windows are all marked -1
+    y, idx = cpu.relu_max_pool2d_forward(x, *window)
+    gy = randn(rng, y.shape, dtype)
+    ref = cpu.max_pool2d_backward(gy, idx, x.shape, window=window)
+    got = cu.max_pool2d_backward(cu.asarray(gy), cu.asarray(idx), x.shape, window=window)
+    if window[0] == window[1]:
+        assert_exact(cu, got, ref)
+    else:
+        assert_close(cu, got, ref)
+
+
 def first_max_positions(x, k, s, p):
     """Slow, obvious reference: flat h*W+w of the first maximum of each window, scanning
     rows then columns (np.argmax's rule)."""

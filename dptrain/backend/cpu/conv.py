@@ -222,9 +222,10 @@ def relu_max_pool2d_forward(x, kernel, stride, padding, *, workspace=None):
     return y, idx
 
 
-def max_pool2d_backward(gy, idx, x_shape, *, workspace=None):
+def max_pool2d_backward(gy, idx, x_shape, *, window=None, workspace=None):
     """Gradient of max_pool2d_forward: gy added at each window's argmax idx (none where
-    idx < 0, as relu_max_pool2d_forward marks windows whose gradient is zero)."""
+    idx < 0, as relu_max_pool2d_forward marks windows whose gradient is zero). `window`
+    (the forward's kernel, stride, padding) is not needed here: idx says it all."""
     workspace = checked(workspace)
     n, c, h, w = x_shape
     planes = np.arange(0, n * c * h * w, h * w, dtype=np.int64).reshape(n, c, 1, 1)

@@ -10,7 +10,8 @@ Conventions (the .cu file's header has the kernel side):
     gives windows with idx < 0 no gradient.
   * avg pooling counts the padding in the divisor (PyTorch's default).
   * Backward ops return dx written with `=`, deterministic (no atomics): max backward needs
-    only idx (one warp per plane), avg backward gathers every window containing a pixel.
+    only idx (one warp per plane), or, given the forward's `window` and windows that tile the
+    input, one thread per window; avg backward gathers every window containing a pixel.
   * `workspace=` is accepted and ignored (the CPU backend reuses memory through it).
 """
 from __future__ import annotations
@@ -64,7 +65,20 @@ def relu_max_pool2d_forward(x, kernel, stride, padding, *, workspace=None):
                      padding)
 
 
-def max_pool2d_backward(gy, idx, x_shape, *, workspace=None):
+def _tiles(window, x_shape, y_shape) -> tuple[int, int] | None:
+    """(kh, kw) when `window` ((kernel, stride, padding) pairs) tiles the input exactly:
+    window = stride, no padding, every pixel in one window; else None."""
+    if window is None:
+        return None
+    (kh, kw), (sh, sw), (ph, pw) = (_pair(v) for v in window)
+    tiles = ((kh, kw) == (sh, sw) and (ph, pw) == (0, 0)
+             and tuple(x_shape[2:]) == (y_shape[2] * kh, y_shape[3] * kw))
+    return (kh, kw) if tiles else None
+
+
+def max_pool2d_backward(gy, idx, x_shape, *, window=None, workspace=None):
+    """dx: gy at each window's idx. `window` = (kernel, stride, padding) of the forward, if
+    given, lets windows that tile the input take the one-thread-per-window kernel."""
     launch.check_float("max_pool2d_backward", gy, half=True)
     launch.check_arrays("max_pool2d_backward", idx)
     launch.check_contiguous("max_pool2d_backward", gy, idx)
@@ -76,9 +90,17 @@ def max_pool2d_backward(gy, idx, x_shape, *, workspace=None):
         raise ValueError(f"cuda.max_pool2d_backward: gy {gy.shape} does not match x {tuple(x_shape)}")
     ho, wo = gy.shape[2:]
     launch.check_int32("max_pool2d_backward", n * c * h * w, gy.size)
+    dx = launch.new((n, c, h, w), gy.dtype)
+    tiles = _tiles(window, x_shape, gy.shape)
+    if tiles is not None and dx.size:
+        kh, kw = tiles
+        geom = launch.struct(launch.POOL_GEOM, n_c=n * c, h=h, w=w, ho=ho, wo=wo, kh=kh, kw=kw,
+                             sh=kh, sw=kw)
+        launch.grid_stride(launch.kernel(POOL, "max_pool_bwd_tiled_kernel",
+                                         launch.ctype(gy.dtype)), gy.size, (dx, gy, idx, geom))
+        return dx
     # The window's shape is not needed (idx says where each maximum is): kh = kw = 0.
     geom = launch.struct(launch.POOL_GEOM, n_c=n * c, h=h, w=w, ho=ho, wo=wo, sh=1, sw=1)
-    dx = launch.new((n, c, h, w), gy.dtype)
     if dx.size:
         launch.grid_stride(launch.kernel(POOL, "max_pool_bwd_kernel", launch.ctype(gy.dtype)),
                            n * c, (dx, gy, idx, geom), launch.WARPS)
