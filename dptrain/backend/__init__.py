@@ -28,7 +28,9 @@ Conventions shared by all backends:
     columns, from a convolution's forward to its weight gradient), the caller owns a
     ``new_workspace()`` object and passes it as ``workspace=`` (conv2d_*, max_pool2d_*,
     relu_backward take it; a backend with nothing to reuse ignores it); any call order gives
-    the same results.
+    the same results. Likewise ``max_pool2d_backward(..., window=(kernel, stride, padding))``
+    may use the forward's window (the GPU's kernel for windows that tile the input); idx
+    alone defines the result.
 
 The runtime (``be.runtime``), with the CPU's trivial meaning in brackets:
   ``current_stream()``, ``comm_stream()``   the stream ops launch on now; the one collectives
