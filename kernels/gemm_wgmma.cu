@@ -119,26 +119,25 @@ __device__ __forceinline__ u64 smem_desc(u32 saddr) {
 // K-major (16-bit types: transpose flags 0).
 template <typename T> __device__ __forceinline__ void wgmma_m64n256(float (&d)[128], u64 a, u64 b);
 
+// The instruction `op` with scale-d = 1 (accumulate), operand scales 1 and the `tail`
+// flags (the 16-bit types' transpose flags: 0, both operands K-major).
+#define WGMMA_M64N256(op, tail)                                                          \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n" op "\n" WGMMA_D                \
+               " %128, %129, p, 1, 1" tail ";\n}\n"                                       \
+               : WGMMA_D_REGS                                                            \
+               : "l"(a), "l"(b))
+
 template <>
 __device__ __forceinline__ void wgmma_m64n256<float>(float (&d)[128], u64 a, u64 b) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n256k8.f32.tf32.tf32\n" WGMMA_D
-               " %128, %129, p, 1, 1;\n}\n"
-               : WGMMA_D_REGS : "l"(a), "l"(b));
+  WGMMA_M64N256("wgmma.mma_async.sync.aligned.m64n256k8.f32.tf32.tf32", "");
 }
 template <>
 __device__ __forceinline__ void wgmma_m64n256<__nv_bfloat16>(float (&d)[128], u64 a, u64 b) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16\n" WGMMA_D
-               " %128, %129, p, 1, 1, 0, 0;\n}\n"
-               : WGMMA_D_REGS : "l"(a), "l"(b));
+  WGMMA_M64N256("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16", ", 0, 0");
 }
 template <>
 __device__ __forceinline__ void wgmma_m64n256<__half>(float (&d)[128], u64 a, u64 b) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16\n" WGMMA_D
-               " %128, %129, p, 1, 1, 0, 0;\n}\n"
-               : WGMMA_D_REGS : "l"(a), "l"(b));
+  WGMMA_M64N256("wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16", ", 0, 0");
 }
 
 // Two accumulators (+ bias) as one 2-element store of T.
