@@ -17,6 +17,7 @@ import contextlib
 import numpy as np
 
 from dptrain import backend
+from dptrain.backend.bfloat16 import BFLOAT16, from_bfloat16
 
 _grad_enabled = True
 
@@ -125,8 +126,10 @@ class Tensor:
         return f"Tensor(shape={self.shape}, dtype={self.dtype}, device={self.device}{grad})"
 
     def numpy(self) -> np.ndarray:
-        """A NumPy copy of the data (synchronises with the device)."""
-        return self.be.to_numpy(self.data)
+        """A NumPy copy of the data (synchronises with the device); bfloat16 data (uint16
+        bits, dptrain.backend.bfloat16) comes back as its float32 values."""
+        data = self.be.to_numpy(self.data)
+        return from_bfloat16(data) if data.dtype == BFLOAT16 else data
 
     def item(self) -> float:
         return self.numpy().item()

@@ -133,6 +133,13 @@ def test_bfloat16_bits_round_to_nearest_even():
     assert np.array_equal(from_bfloat16(bits)[:3], [1.0, 1.0, 1 + 2**-6])
 
 
+def test_bfloat16_tensors_read_back_as_float32():
+    from dptrain.backend.bfloat16 import to_bfloat16
+
+    t = Tensor(to_bfloat16(np.array([1.5, -2.25, 3.0], np.float32)))
+    assert t.numpy().dtype == np.float32 and t.numpy().tolist() == [1.5, -2.25, 3.0]
+
+
 def test_bf16_is_refused_off_the_gpu():
     from dptrain.backend.bfloat16 import BFLOAT16
 
