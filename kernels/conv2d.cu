@@ -51,6 +51,14 @@
 // instantiate: conv2d_bwdw_b16_kernel<__half, 128, 32>; conv2d_bwdw_b16_kernel<__half, 128, 128>
 // instantiate: conv2d_bwdw_b16_kernel<__nv_bfloat16, 128, 32>
 // instantiate: conv2d_bwdw_b16_kernel<__nv_bfloat16, 128, 128>
+// instantiate: conv2d_bwdw_tf32_kernel<float, 32, 96>; conv2d_bwdw_tf32_kernel<float, 64, 96>
+// instantiate: conv2d_bwdw_tf32_kernel<float, 128, 96>; conv2d_bwdw_fp32_kernel<float, 32, 96>
+// instantiate: conv2d_bwdw_fp32_kernel<float, 64, 96>; conv2d_bwdw_fp32_kernel<float, 128, 96>
+// instantiate: conv2d_bwdw_b16_kernel<__half, 32, 96>; conv2d_bwdw_b16_kernel<__half, 64, 96>
+// instantiate: conv2d_bwdw_b16_kernel<__half, 128, 96>
+// instantiate: conv2d_bwdw_b16_kernel<__nv_bfloat16, 32, 96>
+// instantiate: conv2d_bwdw_b16_kernel<__nv_bfloat16, 64, 96>
+// instantiate: conv2d_bwdw_b16_kernel<__nv_bfloat16, 128, 96>
 // instantiate: splitk_reduce_kernel<__half, float>; conv2d_weight_reorder_kernel<__half>
 // instantiate: splitk_reduce_kernel<__nv_bfloat16, float>
 // instantiate: conv2d_weight_reorder_kernel<__nv_bfloat16>

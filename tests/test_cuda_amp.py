@@ -151,6 +151,7 @@ CONVS = [  # x shape, w shape, stride, padding
     ((4, 64, 7, 7), (128, 64, 3, 3), (1, 1), (1, 1)),
     ((3, 5, 11, 9), (7, 5, 3, 2), (2, 1), (1, 0)),  # odd everything: the general gathers
     ((2, 40, 9, 9), (33, 40, 1, 1), (1, 1), (0, 0)),
+    ((2, 8, 10, 10), (130, 8, 3, 3), (1, 1), (1, 1)),  # backward-weight: 2 x 128 rows, 96 cols
 ]
 
 
