@@ -2,10 +2,10 @@
 for fp16 loss scaling.
 
 The policy lives where the work already happens:
-  * the training step casts each batch to the 16-bit type, and a layer fed 16-bit activations casts
-    its weight and bias to them as it uses them (``nn.layers``), so every activation and its
-    gradient is 16-bit and the matrix products run on 16-bit tensor cores with fp32
-    accumulation;
+  * the training step casts each batch to the 16-bit type, and a layer fed 16-bit
+    activations casts its weight and bias to them as it uses them (``nn.layers``), so every
+    activation and its gradient is 16-bit and the matrix products run on 16-bit tensor cores
+    with fp32 accumulation;
   * the parameters, their gradients (the cast's backward returns fp32), the gradient exchange
     and the optimizer stay fp32: the flat buffers are the master weights;
   * the logits go back to fp32 for the loss and the metrics.
@@ -36,14 +36,14 @@ LOSS_SCALED = ("fp16",)  # precisions whose gradients need the loss scaler
 INIT_SCALE, INTERVAL = 2.0**16, 2000
 MIN_SCALE = 2.0**-24  # below this even a gradient of 1 underflows fp16: the run diverged
 
-# Layers with a 16-bit path; any other layer (batch or layer norm, attention) keeps a model
-# on fp32 for now.
-LAYERS_16BIT = frozenset({"Conv2d", "Linear", "ReLU", "MaxPool2d", "AvgPool2d",
-                         "Flatten", "Dropout"})
+# Layers with a 16-bit path; any other layer (batch or layer norm, attention, dropout: no
+# 16-bit kernels yet) keeps a model on TF32 / fp32 for now.
+LAYERS_16BIT = frozenset({"Conv2d", "Linear", "ReLU", "MaxPool2d", "AvgPool2d", "Flatten"})
 
 
 def compute_dtype(precision: str) -> np.dtype:
-    """The activation dtype of `precision`: float16 for fp16, float32 for the others."""
+    """The activation dtype of `precision`: float16 for fp16, bfloat16 (uint16 storage) for
+    bf16, float32 for the others."""
     return COMPUTE_DTYPES.get(precision, np.dtype(np.float32))
 
 

@@ -150,6 +150,13 @@ def test_bf16_is_refused_off_the_gpu():
         cpu.astype(np.ones(3, np.float32), BFLOAT16)
 
 
+def test_layers_without_16_bit_kernels_are_named():
+    net = nn.Sequential(nn.Flatten(), nn.Linear(4, 3), nn.Dropout(0.5))
+    with pytest.raises(ValueError, match=r"layer '2' \(Dropout\) has no 16-bit path"):
+        amp.check_model(net, "bf16")
+    assert amp.resolve("auto", "cuda", net, "tf32") == "tf32"
+
+
 def test_cpu_products_of_fp16_operands_accumulate_in_fp32():
     rng = np.random.default_rng(1)
     a = rng.standard_normal((7, 300)).astype(np.float16)
