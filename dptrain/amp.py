@@ -47,23 +47,27 @@ def compute_dtype(precision: str) -> np.dtype:
     return COMPUTE_DTYPES.get(precision, np.dtype(np.float32))
 
 
-def check_device(precision: str, device: str) -> None:
-    """ValueError where `device` cannot run `precision` (bfloat16 on the CPU)."""
-    if precision == "bf16" and device != "cuda":
-        raise ValueError("--precision bf16 needs a GPU (NumPy has no bfloat16); use fp16 or "
-                         "fp32 on the CPU")
+def check_runtime(precision: str, runtime) -> None:
+    """ValueError where the backend's `runtime` cannot run mixed precision `precision`."""
+    offered = runtime.mixed_precisions()
+    if precision in COMPUTE_DTYPES and precision not in offered:
+        why = (" (bf16 needs a GPU of compute capability >= 8.0: NumPy has no bfloat16)"
+               if precision == "bf16" else "")
+        raise ValueError(f"--precision {precision} is not available here{why}; this device "
+                         f"runs {', '.join(offered) or 'no 16-bit precision'} besides "
+                         f"{', '.join(runtime.PRECISIONS)}")
 
 
-def resolve(precision: str, device: str, model, matrix: str) -> str:
-    """What --precision auto means for `model` on `device`, whose runtime picked `matrix`
-    ("tf32" where the GPU has tensor cores for TF32, and so for bf16; else "fp32"): bf16
-    where the GPU and every layer of the model have it (the fastest precision that keeps the
-    fp32 run's accuracy: README, "Precision"), else `matrix`. Other names stay as they are."""
+def resolve(precision: str, runtime, model) -> str:
+    """What --precision auto means for `model` on the backend's `runtime`: bf16 where the
+    runtime and every layer of the model have it (the fastest precision that keeps the fp32
+    run's accuracy: README, "Precision"), else the runtime's own matrix precision. Other
+    names stay as they are."""
     if precision != "auto":
         return precision
-    if device == "cuda" and matrix == "tf32" and _without_16bit_path(model) is None:
+    if "bf16" in runtime.mixed_precisions() and _without_16bit_path(model) is None:
         return "bf16"
-    return matrix
+    return runtime.precision
 
 
 def _without_16bit_path(model):

@@ -74,10 +74,9 @@ def train_twin(cfg, device: str, global_batch: int, echo=print) -> dict:
     from dptrain.random import manual_seed
 
     dev = torch.device(device)
-    # Our mixed precision as PyTorch's: autocast to the 16-bit type (on the GPU; a CPU twin
-    # of an fp16 run stays fp32), dynamic loss scaling with our settings for fp16.
+    # Our mixed precision as PyTorch's: autocast to the 16-bit type, dynamic loss scaling
+    # with our settings for fp16.
     autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
-    autocast = autocast if dev.type == "cuda" else None
     tf32 = cfg.precision in ("auto", "tf32") or autocast is not None
     torch.backends.cuda.matmul.allow_tf32 = tf32
     torch.backends.cudnn.allow_tf32 = tf32

@@ -228,8 +228,8 @@ def _setup(cfg: TrainConfig):
                             hidden=cfg.hidden).to(device)
         if cfg.sync_bn:
             sync_batch_norm(model, world.comm)
-        cfg.precision = amp.resolve(cfg.precision, device, model, be.runtime.precision)
-        amp.check_device(cfg.precision, device)
+        cfg.precision = amp.resolve(cfg.precision, be.runtime, model)
+        amp.check_runtime(cfg.precision, be.runtime)
         amp.check_model(model, cfg.precision)
         if cfg.batch_size * world.size > len(train_set.labels):
             raise ValueError(f"--batch-size {cfg.batch_size} x {world.size} ranks is larger than "

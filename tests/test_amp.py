@@ -2,6 +2,7 @@
 their input, the loss scaler's rules, the guard telling an overflow from a failure, fp16
 training close to fp32, and an overflow on one rank skipping the step on every rank."""
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -114,13 +115,19 @@ def test_models_without_a_16_bit_path_are_refused_by_name(model):
     amp.check_model(net, "tf32")  # nothing to check
 
 
+def _runtime(precision, mixed):
+    return SimpleNamespace(precision=precision, PRECISIONS=(precision,),
+                           mixed_precisions=lambda: mixed)
+
+
 def test_auto_precision_is_bf16_on_a_gpu_for_models_with_a_16_bit_path():
     cnn, resnet = nn.build_model("cnn", (1, 48, 48), 7), nn.build_model("resnet18", (3, 32, 32), 10)
-    assert amp.resolve("auto", "cuda", cnn, "tf32") == "bf16"
-    assert amp.resolve("auto", "cuda", resnet, "tf32") == "tf32"
-    assert amp.resolve("auto", "cuda", cnn, "fp32") == "fp32"  # no bf16 tensor cores
-    assert amp.resolve("auto", "cpu", cnn, "fp32") == "fp32"
-    assert amp.resolve("fp16", "cpu", cnn, "fp32") == "fp16"
+    gpu = _runtime("tf32", ("bf16", "fp16"))
+    assert amp.resolve("auto", gpu, cnn) == "bf16"
+    assert amp.resolve("auto", gpu, resnet) == "tf32"
+    assert amp.resolve("auto", _runtime("fp32", ()), cnn) == "fp32"  # no bf16 tensor cores
+    assert amp.resolve("auto", cpu.runtime, cnn) == "fp32"
+    assert amp.resolve("fp16", cpu.runtime, cnn) == "fp16"
 
 
 def test_bfloat16_bits_round_to_nearest_even():
@@ -144,8 +151,8 @@ def test_bf16_is_refused_off_the_gpu():
     from dptrain.backend.bfloat16 import BFLOAT16
 
     with pytest.raises(ValueError, match="bf16 needs a GPU"):
-        amp.check_device("bf16", "cpu")
-    amp.check_device("fp16", "cpu")
+        amp.check_runtime("bf16", cpu.runtime)
+    amp.check_runtime("fp16", cpu.runtime)
     with pytest.raises(TypeError, match="GPU only"):
         cpu.astype(np.ones(3, np.float32), BFLOAT16)
 
@@ -154,7 +161,7 @@ def test_layers_without_16_bit_kernels_are_named():
     net = nn.Sequential(nn.Flatten(), nn.Linear(4, 3), nn.Dropout(0.5))
     with pytest.raises(ValueError, match=r"layer '2' \(Dropout\) has no 16-bit path"):
         amp.check_model(net, "bf16")
-    assert amp.resolve("auto", "cuda", net, "tf32") == "tf32"
+    assert amp.resolve("auto", _runtime("tf32", ("bf16", "fp16")), net) == "tf32"
 
 
 def test_cpu_products_of_fp16_operands_accumulate_in_fp32():

@@ -66,6 +66,9 @@ The runtime (``be.runtime``), with the CPU's trivial meaning in brackets:
   ``PRECISIONS``, ``precision``,            the precision policy: which arithmetic the matrix
   ``set_precision(name)``,                  ops (matmul, conv2d) use; ``set_precision("auto")``
   ``precision_scope(name)``                 picks the device's best [fp32 only]
+  ``mixed_precisions()``                    the 16-bit activation types its kernels run
+                                             ("bf16", "fp16" on GPUs of compute capability
+                                             >= 8.0) [("fp16",): NumPy has no bfloat16]
   ``manual_seed(seed)``, ``rng_state``,     random numbers (dropout): a Philox key and counter
   ``get_rng_state()``, ``set_rng_state(s)`` offset held in a device array that the drawing
                                              kernels advance themselves, so a replayed graph
@@ -125,7 +128,7 @@ OPS = (
 RUNTIME = (
     "current_stream", "comm_stream", "on", "record", "wait", "order", "synchronize", "prepare",
     "capture", "records_graphs", "comm_timer", "upload_",
-    "PRECISIONS", "precision", "set_precision", "precision_scope",
+    "PRECISIONS", "precision", "set_precision", "precision_scope", "mixed_precisions",
     "manual_seed", "rng_state", "get_rng_state", "set_rng_state",
     "device_count", "select_device", "memory_info", "communicator",
 )

@@ -272,9 +272,10 @@ def main(argv=None, echo=print) -> int:
     except (ValueError, RuntimeError) as exc:
         raise UsageError(str(exc)) from None
     be = backend.get(device)
-    offered = tuple(be.runtime.PRECISIONS) + (tuple(amp.COMPUTE_DTYPES)
-                                              if be.runtime.records_graphs else ())
-    precisions = tuple(args.precisions or offered)
+    offered = tuple(be.runtime.PRECISIONS) + tuple(be.runtime.mixed_precisions())
+    # by default the 16-bit rows where the runtime records graphs (the CPU's fp16 is slow)
+    precisions = tuple(args.precisions or (offered if be.runtime.records_graphs
+                                           else be.runtime.PRECISIONS))
     for p in precisions:
         if p not in offered:
             raise UsageError(f"--precisions {p}: the {device} runtime offers "

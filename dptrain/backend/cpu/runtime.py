@@ -98,6 +98,11 @@ class Runtime(RuntimeBase):
         return dst
 
     # -- precision: NumPy computes in the arrays' own dtype
+    @staticmethod
+    def mixed_precisions() -> tuple:
+        """float16 (NumPy has it; products and reductions run in float32); no bfloat16."""
+        return ("fp16",)
+
     def set_precision(self, name: str) -> None:
         if name not in ("auto",) + PRECISIONS:
             raise ValueError(f"precision {name!r} is not available on the CPU (choose "

@@ -179,6 +179,11 @@ class Runtime(RuntimeBase):
     def precision(self, name: str) -> None:
         self.set_precision(name)
 
+    def mixed_precisions(self) -> tuple:
+        """The 16-bit activation types this GPU's kernels run (their m16n8k16 tensor-core
+        products need compute capability >= 8.0)."""
+        return ("bf16", "fp16") if self._capability() >= 80 else ()
+
     def set_precision(self, name: str) -> None:
         """Use `name` ("tf32", "fp32", or "auto": tf32 where the GPU has it) from now on."""
         if name == "auto":
