@@ -19,6 +19,12 @@
 //    conv2d.cu) sums the
 //    blocks in order: bitwise repeatable, no atomics. The partials are float for every T.
 //  * __half data: loaded into float, rounded once per stored output.
+//  * Backward-weight in the tensor-core precisions (TF32, bf16, fp16) runs on tensor cores
+//    instead (conv2d_direct_bwdw_mma_kernel, fp32 accumulation): the FFMA kernel spends ~15
+//    instructions per useful FMA on tap loads, bounds checks and conversions (ncu:
+//    issue-bound at 25% occupancy, and 35% slower in 16 bits than in fp32); the mma kernel
+//    spends ~60 per 16 pixels x 32 channels x 8 taps. Same partials and reduction, so it
+//    stays bitwise repeatable. The FFMA kernel remains for --precision fp32.
 //
 // instantiate: conv2d_direct_fwd_kernel<float, 4>; conv2d_direct_fwd_kernel<float, 8>
 // instantiate: conv2d_direct_fwd_kernel<float, 12>; conv2d_direct_fwd_kernel<float, 16>
@@ -49,11 +55,19 @@
 // instantiate: conv2d_direct_bwdw_kernel<__half, 20, 2>; conv2d_direct_bwdw_kernel<__half, 24, 2>
 // instantiate: conv2d_direct_bwdw_kernel<__nv_bfloat16, 20, 2>
 // instantiate: conv2d_direct_bwdw_kernel<__nv_bfloat16, 24, 2>
+// instantiate: conv2d_direct_bwdw_mma_kernel<float, 1>; conv2d_direct_bwdw_mma_kernel<float, 2>
+// instantiate: conv2d_direct_bwdw_mma_kernel<float, 3>; conv2d_direct_bwdw_mma_kernel<float, 4>
+// instantiate: conv2d_direct_bwdw_mma_kernel<__half, 1>; conv2d_direct_bwdw_mma_kernel<__half, 2>
+// instantiate: conv2d_direct_bwdw_mma_kernel<__half, 3>; conv2d_direct_bwdw_mma_kernel<__half, 4>
+// instantiate: conv2d_direct_bwdw_mma_kernel<__nv_bfloat16, 1>
+// instantiate: conv2d_direct_bwdw_mma_kernel<__nv_bfloat16, 2>
+// instantiate: conv2d_direct_bwdw_mma_kernel<__nv_bfloat16, 3>
+// instantiate: conv2d_direct_bwdw_mma_kernel<__nv_bfloat16, 4>
 // instantiate: conv2d_direct_bwdw_kernel<__half, 28, 2>; conv2d_direct_bwdw_kernel<__half, 32, 2>
 // instantiate: conv2d_direct_bwdw_kernel<__nv_bfloat16, 28, 2>
 // instantiate: conv2d_direct_bwdw_kernel<__nv_bfloat16, 32, 2>
 
-#include "common.cuh"
+#include "gemm_tiles.cuh"  // mma_b16
 
 #define DIRECT_MAX_M 128  // output channels the forward keeps in shared memory
 
@@ -180,5 +194,162 @@ __global__ void __launch_bounds__(256) conv2d_direct_bwdw_kernel(
     float s = 0.f;
     for (int w = 0; w < (int)(blockDim.x >> 5); ++w) s += part[w][i];
     ws[((long long)blockIdx.x * g.M + m0 + j) * K + k] = s;
+  }
+}
+
+// Backward-weight on tensor cores: gw[m][j] = sum over pixels of gy[n, m, p] * tap j of p, a
+// GEMM with the pixels as its K (fp32 accumulation). A warp walks whole output rows (n, oy)
+// in segments of pixels; A = 16 channels x the segment of gy, B = the segment x 8 taps
+// gathered from x, the thread's tap fixed (column lane / 4 of each of the NT 8-wide n-tiles,
+// decoded once). Warp w of the grid takes rows w, w + warps, ...; grid.y picks 32 output
+// channels. The block sums its warps in order into ws[blockIdx.x][m][j]; the launcher sums
+// the blocks in order (splitk_reduce_kernel). Fragment registers follow the PTX layouts:
+// a[mt][h + 2*kk] is channel gid + 8h at k-column half kk, b[nt][kk] is k-row half kk.
+template <int NT>
+struct MmaTaps {
+  int off[NT], kh[NT], kw[NT];  // c*H*W, kh (-2^20 past the last tap), kw
+  __device__ __forceinline__ MmaTaps(const DirectGeom& g, int gid) {
+    const int K = g.C * g.KH * g.KW, khw = g.KH * g.KW;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const int j = nt * 8 + gid, c = j / khw, r = j - c * khw, h = r / g.KW;
+      off[nt] = c * g.H * g.W;
+      kh[nt] = j < K ? h : -(1 << 20);
+      kw[nt] = r - h * g.KW;
+    }
+  }
+  // Tap nt of output pixel (oy, ox) of image xn (a zero outside the image or past K).
+  template <typename U>
+  __device__ __forceinline__ U at(const U* xn, const DirectGeom& g, int nt, int oy, int ox) const {
+    const int iy = oy * g.sh - g.ph + kh[nt], ix = ox * g.sw - g.pw + kw[nt];
+    const bool ok = ox < g.Wo && (unsigned)iy < (unsigned)g.H && (unsigned)ix < (unsigned)g.W;
+    return ok ? xn[off[nt] + iy * g.W + ix] : U(0);
+  }
+};
+
+// One row, TF32 (float data, m16n8k8): 8 pixels per step, each value rounded to tf32.
+template <int NT>
+__device__ __forceinline__ void bwdw_mma_row(float (&acc)[2][NT][4], const float* xn,
+                                             const float* gr, const MmaTaps<NT>& taps,
+                                             const DirectGeom& g, int m0, int oy, int, int gid,
+                                             int tig) {
+  const int hw = g.Ho * g.Wo;
+  for (int ox0 = 0; ox0 < g.Wo; ox0 += 8) {
+    unsigned a[2][4], b[NT][2];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int kk = 0; kk < 2; ++kk) {
+          const int m = mt * 16 + gid + h * 8, ox = ox0 + tig + kk * 4;
+          const bool ok = m0 + m < g.M && ox < g.Wo;
+          a[mt][h + 2 * kk] = to_tf32(ok ? gr[(long long)m * hw + ox] : 0.f);
+        }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int kk = 0; kk < 2; ++kk) b[nt][kk] = to_tf32(taps.at(xn, g, nt, oy, ox0 + tig + kk * 4));
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) mma_tf32(acc[mt][nt], a[mt], b[nt]);
+  }
+}
+
+// One row, 16-bit data (m16n8k16): 16 pixels per step, each register a pair of neighbouring
+// pixels (for gy one 32-bit load when `pairs`: Wo even and gy 4-byte aligned). E: T's bits.
+template <typename T, int NT>
+__device__ __forceinline__ void bwdw_mma_row(float (&acc)[2][NT][4], const unsigned short* xn,
+                                             const unsigned short* gr, const MmaTaps<NT>& taps,
+                                             const DirectGeom& g, int m0, int oy, int pairs,
+                                             int gid, int tig) {
+  using U = unsigned short;
+  const int hw = g.Ho * g.Wo;
+  for (int ox0 = 0; ox0 < g.Wo; ox0 += 16) {
+    unsigned a[2][4], b[NT][2];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int kk = 0; kk < 2; ++kk) {
+          const int m = mt * 16 + gid + h * 8, ox = ox0 + 2 * tig + kk * 8;
+          const U* p = gr + (long long)m * hw + ox;
+          const bool mok = m0 + m < g.M;
+          unsigned v = 0;
+          if (pairs) {
+            if (mok && ox < g.Wo) v = *reinterpret_cast<const unsigned*>(p);
+          } else {
+            v = (mok && ox < g.Wo ? p[0] : 0u) | (mok && ox + 1 < g.Wo ? p[1] : 0u) << 16;
+          }
+          a[mt][h + 2 * kk] = v;
+        }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int kk = 0; kk < 2; ++kk) {
+        const int ox = ox0 + 2 * tig + kk * 8;
+        b[nt][kk] = (unsigned)taps.at(xn, g, nt, oy, ox) |
+                    (unsigned)taps.at(xn, g, nt, oy, ox + 1) << 16;
+      }
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) mma_b16<T>(acc[mt][nt], a[mt], b[nt]);
+  }
+}
+
+// What the rows read x and gy as: float, or the raw bits of a 16-bit type.
+template <typename T> struct MmaElem { using type = unsigned short; };
+template <> struct MmaElem<float> { using type = float; };
+
+template <typename T, int NT>
+__global__ void __launch_bounds__(256) conv2d_direct_bwdw_mma_kernel(
+    const T* __restrict__ x, const T* __restrict__ gy, float* __restrict__ ws, DirectGeom g,
+    int pairs) {
+  static_assert(NT >= 1 && NT <= 4, "K <= 32");
+  constexpr int WARPS = 8;  // 256 threads; 32 channels per block
+  using E = typename MmaElem<T>::type;
+  const E* xs = reinterpret_cast<const E*>(x);
+  const E* gs = reinterpret_cast<const E*>(gy);
+  const int K = g.C * g.KH * g.KW, hw = g.Ho * g.Wo, m0 = blockIdx.y * 32;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gid = lane >> 2, tig = lane & 3;
+  const MmaTaps<NT> taps(g, gid);
+  float acc[2][NT][4];
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
+
+  const int rows = g.Nb * g.Ho, warps = gridDim.x * WARPS;
+  for (int row = blockIdx.x * WARPS + warp; row < rows; row += warps) {
+    const int n = row / g.Ho, oy = row - n * g.Ho;
+    const E* xn = xs + (long long)n * g.C * g.H * g.W;
+    const E* gr = gs + ((long long)n * g.M + m0) * hw + oy * g.Wo;  // channel m0, row oy
+    if constexpr (sizeof(T) == 4) bwdw_mma_row<NT>(acc, xn, gr, taps, g, m0, oy, pairs, gid, tig);
+    else bwdw_mma_row<T, NT>(acc, xn, gr, taps, g, m0, oy, pairs, gid, tig);
+  }
+
+  // The warps' sums, added in warp order (fixed): acc element e of (mt, nt) is channel
+  // mt*16 + gid + 8*(e/2), tap nt*8 + 2*tig + e%2.
+  __shared__ float part[WARPS][32][NT * 8];
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        part[warp][mt * 16 + gid + (e >> 1) * 8][nt * 8 + 2 * tig + (e & 1)] = acc[mt][nt][e];
+  __syncthreads();
+  for (int i = threadIdx.x; i < 32 * K; i += blockDim.x) {
+    const int m = i / K, j = i - m * K;
+    if (m0 + m >= g.M) continue;
+    float s = 0.f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) s += part[w][m][j];
+    ws[((long long)blockIdx.x * g.M + m0 + m) * K + j] = s;
   }
 }

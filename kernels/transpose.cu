@@ -1,5 +1,6 @@
 // transpose.cu: data movement through strides: transpose, getitem (basic slices) and its
-// backward, broadcast_to, concatenate, non-contiguous copies.
+// backward, broadcast_to, concatenate, non-contiguous copies; and the tiled transpose of the
+// last two axes that the fast paths of the GEMM and convolution launchers copy operands with.
 // Launchers: dptrain/backend/cuda/transpose.py (copy_: dptrain/backend/cuda/arrays.py).
 //
 // Conventions
@@ -22,6 +23,26 @@ __global__ void strided_copy_kernel(U* out, const U* in, int n, Layout L) {
     int oo, oi;
     layout_offsets(i, L, oo, oi);
     out[oo] = in[oi];
+  }
+}
+
+// out[b][c][r] = in[b][r][c] for R x C matrices: 32 x 32 tiles through shared memory, so the
+// reads (along c) and the writes (along r) are both contiguous (strided_copy writes one side
+// strided, at a third of the bandwidth). Grid (column tiles, row tiles, batch).
+template <typename U>
+__global__ void tile_transpose_kernel(const U* __restrict__ in, U* __restrict__ out, int R,
+                                      int C) {
+  __shared__ U tile[32][33];
+  const long long base = (long long)blockIdx.z * R * C;
+  const int c0 = blockIdx.x * 32, r0 = blockIdx.y * 32;
+  for (int j = threadIdx.y; j < 32; j += 8) {
+    const int r = r0 + j, c = c0 + threadIdx.x;
+    if (r < R && c < C) tile[j][threadIdx.x] = in[base + (long long)r * C + c];
+  }
+  __syncthreads();
+  for (int j = threadIdx.y; j < 32; j += 8) {
+    const int c = c0 + j, r = r0 + threadIdx.x;
+    if (r < R && c < C) out[base + (long long)c * R + r] = tile[threadIdx.x][j];
   }
 }
 
@@ -53,3 +74,4 @@ __global__ void index_add_kernel(T* gx, const T* gy, const long long* idx, int m
 // instantiate: take_rows_kernel<unsigned char, int>; take_rows_kernel<unsigned short, int>; take_rows_kernel<unsigned int, int>; take_rows_kernel<unsigned long long, int>
 // instantiate: take_rows_kernel<unsigned char, long long>; take_rows_kernel<unsigned short, long long>; take_rows_kernel<unsigned int, long long>; take_rows_kernel<unsigned long long, long long>
 // instantiate: index_add_kernel<float>; index_add_kernel<double>
+// instantiate: tile_transpose_kernel<unsigned short>; tile_transpose_kernel<unsigned int>

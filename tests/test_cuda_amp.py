@@ -130,7 +130,7 @@ def test_matmul_16bit(cu, dt, ta, tb, m, n, k):
 @pytest.mark.parametrize("m, n, k", [(1408, 3072, 64), (2048, 4352, 320), (2048, 4096, 128)])
 def test_matmul_16bit_on_wgmma(cu, dt, m, n, k):
     """a @ b^T with wgmma's shapes (128 x 256 tiles, K in 128-byte rows) on a Hopper GPU: the
-    wgmma kernel, bias added in its epilogue."""
+    wgmma kernel, bias added in its epilogue; the other three layouts take it too."""
     import cupy
 
     from dptrain.backend.cuda import gemm
@@ -140,6 +140,11 @@ def test_matmul_16bit_on_wgmma(cu, dt, m, n, k):
     a, b, bias = rand(dt, m, k, seed=21), rand(dt, n, k, seed=22), rand(dt, n, seed=23)
     assert gemm.matmul_kernel(cu.asarray(a), cu.asarray(b), False, True) == "gemm_wgmma_kernel"
     close(*both(cu, dt, "matmul", a, b, False, True), dt)
+    # the other layouts: MN-major operands transposed to scratch first
+    at, bt = np.ascontiguousarray(a.T), np.ascontiguousarray(b.T)
+    for x, y, ta, tb in ((a, bt, False, False), (at, bt, True, False), (at, b, True, True)):
+        assert gemm.matmul_kernel(cu.asarray(x), cu.asarray(y), ta, tb) == "gemm_wgmma_kernel"
+        close(*both(cu, dt, "matmul", x, y, ta, tb), dt)
     got = cu.matmul(cu.asarray(a), cu.asarray(b), False, True, bias=cu.asarray(bias))
     ref = cpu.bias_add(cpu.matmul(f32(a, dt), f32(b, dt), False, True), f32(bias, dt))
     close(f32(cu.to_numpy(got), dt), f32(to16(ref, dt), dt), dt)
@@ -165,6 +170,36 @@ def test_conv2d_16bit_all_passes(cu, dt, xs, ws, stride, pad):
     gy = rand(dt, *ref.shape, seed=16)
     close(*both(cu, dt, "conv2d_backward_data", gy, w, xs, stride, pad), dt)
     close(*both(cu, dt, "conv2d_backward_weight", x, gy, ws, stride, pad), dt, factor=2)
+
+
+DIRECT_BWDW = [  # x shape, w shape, stride, padding: C_in*KH*KW <= 32, the tensor-core kernel
+    ((16, 1, 48, 48), (32, 1, 3, 3), (1, 1), (1, 1)),  # the reference CNN's first layer
+    ((3, 3, 9, 7), (20, 3, 3, 3), (1, 1), (1, 1)),  # K = 27 (4 n-tiles), odd rows, 20 channels
+    ((2, 2, 11, 10), (40, 2, 2, 2), (2, 1), (0, 1)),  # K = 8, two 32-channel groups, stride
+    ((2, 1, 9, 9), (6, 1, 4, 4), (3, 2), (2, 1)),  # K = 16, uneven stride and padding
+]
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+@pytest.mark.parametrize("xs, ws, stride, pad", DIRECT_BWDW)
+def test_direct_backward_weight_16bit(cu, dt, xs, ws, stride, pad):
+    from dptrain.backend.cuda import conv2d
+
+    assert conv2d._direct_kmax(ws[1] * ws[2] * ws[3])
+    x = rand(dt, *xs, seed=31)
+    ho = (xs[2] + 2 * pad[0] - ws[2]) // stride[0] + 1
+    wo = (xs[3] + 2 * pad[1] - ws[3]) // stride[1] + 1
+    gy = rand(dt, xs[0], ws[0], ho, wo, seed=32)
+    close(*both(cu, dt, "conv2d_backward_weight", x, gy, ws, stride, pad), dt, factor=2)
+    # gy starting 2 bytes past an aligned address: pixel pairs loaded one by one, same sums
+    import cupy
+
+    flat = cupy.empty(gy.size + 1, dtype=gy.dtype)
+    shifted = flat[1:].reshape(gy.shape)
+    shifted[...] = cu.asarray(gy)
+    got = cu.to_numpy(cu.conv2d_backward_weight(cu.asarray(x), shifted, ws, stride, pad))
+    again = cu.to_numpy(cu.conv2d_backward_weight(cu.asarray(x), cu.asarray(gy), ws, stride, pad))
+    assert got.tobytes() == again.tobytes()  # same partial sums in the same order
 
 
 @pytest.mark.parametrize("dt", DTYPES)

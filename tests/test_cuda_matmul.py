@@ -348,10 +348,33 @@ def test_wgmma_misaligned_out(hopper):
     assert np.isnan(cp.asnumpy(buf[:1])).all()
 
 
+# (batch_a, batch_b, m, n, k, ta, tb): the layouts whose MN-major operands are transposed to
+# scratch first.
+WGMMA_LAYOUTS = [
+    ((), (), 2048, 4096, 256, False, False),       # a @ b: b copied
+    ((), (), 2048, 4096, 256, True, False),        # a^T @ b: both copied
+    ((), (), 2048, 4096, 256, True, True),         # a^T @ b^T: a copied
+    ((4,), (4,), 1024, 2048, 288, True, False),    # batched, each matrix copied
+    ((3, 2), (), 1024, 3584, 96, False, False),    # folded batch, one b copied
+    ((), (4,), 1024, 2048, 128, True, False),      # a broadcast (stride 0): copied once
+]
+
+
+@pytest.mark.parametrize("batch_a,batch_b,m,n,k,ta,tb", WGMMA_LAYOUTS)
+def test_wgmma_other_layouts(hopper, batch_a, batch_b, m, n, k, ta, tb):
+    a, b = _operands(batch_a, batch_b, m, n, k, ta, tb)
+    ga, gb = cp.asarray(a), cp.asarray(b)
+    assert hopper.matmul_kernel(ga, gb, ta, tb) == WGMMA
+    shape = np.broadcast_shapes(batch_a, batch_b) + (m, n)
+    out = nan_like(shape)
+    assert hopper.matmul(ga, gb, ta, tb, out=out) is out
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    ref = np.matmul(np.swapaxes(a64, -1, -2) if ta else a64, np.swapaxes(b64, -1, -2) if tb else b64)
+    check(out, ref, "tf32")
+    assert np.array_equal(cp.asnumpy(ga), a) and np.array_equal(cp.asnumpy(gb), b)  # untouched
+
+
 @pytest.mark.parametrize("m,n,k,ta,tb,why", [
-    (2048, 4096, 256, False, False, "NN layout"),
-    (2048, 4096, 256, True, False, "TN layout"),
-    (2048, 4096, 256, True, True, "TT layout"),
     (2000, 4096, 256, False, True, "M not a multiple of 128"),
     (2048, 4000, 256, False, True, "N not a multiple of 256"),
     (2048, 4096, 260, False, True, "K not a multiple of 32"),

@@ -23,10 +23,12 @@ Conventions (the .cu files' headers have the kernel side):
 Hopper fast path (gemm_wgmma.cu, wgmma.mma_async, sm_90a): a "tf32" float32 matmul, or a
 bfloat16 / float16 one, runs there when the device is compute capability 9.0, the
 environment does not set DPTRAIN_WGMMA=0 (read when a plan is built), and the call has its
-shape: a @ b^T (trans_a False, trans_b True: both operands K-major), M % 128 == 0, N % 256
-== 0, K a multiple of one 128-byte row (32 floats, 64 16-bit values), a, b 16-byte aligned,
-and at least as many 128 x 256 output tiles as SMs (smaller problems keep the split-K
-kernel). `matmul_kernel` names the kernel a call uses.
+shape: M % 128 == 0, N % 256 == 0, K a multiple of one 128-byte row (32 floats, 64 16-bit
+values), and at least as many 128 x 256 output tiles as SMs (smaller problems keep the
+split-K kernel). The kernel reads both operands K-major (a @ b^T, a and b 16-byte aligned);
+the other layouts first copy the operand that is MN-major to a K-major scratch with the tiled
+transpose (2 x its bytes of traffic, 10-25% of the product's time at the sizes that qualify,
+against 2.5-3x from wgmma). `matmul_kernel` names the kernel a call uses.
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ import numpy as np
 from dptrain.backend.cuda import launch
 from dptrain.backend.cuda.launch import i32
 from dptrain.backend.cuda.runtime import runtime
-from dptrain.backend.cuda.transpose import broadcast_to
+from dptrain.backend.cuda.transpose import broadcast_to, transposer
 
 WGMMA_ENV = "DPTRAIN_WGMMA"  # "0" turns the Hopper wgmma path off
 _WGMMA_DEFAULT = True  # on where it applies, unless the environment says "0"
@@ -182,13 +184,14 @@ def _is_sm90(device_id: int) -> bool:
 
 
 def _wgmma_fits(a, b, ta, tb, m, n, k, nb) -> bool:
-    """True when gemm_wgmma.cu may compute this product (see the module docstring)."""
+    """True when gemm_wgmma.cu may compute this product (see the module docstring); an
+    operand that is transposed into a scratch copy first needs no alignment of its own."""
     bk = _WGMMA_ROW // a.itemsize  # K elements in one 128-byte row
-    return ((a.dtype in launch.HALVES or runtime.precision == "tf32") and not ta and tb
+    return ((a.dtype in launch.HALVES or runtime.precision == "tf32")
             and _wgmma_enabled()
             and _is_sm90(cupy.cuda.Device().id)
             and m % _WGMMA_BM == 0 and n % _WGMMA_BN == 0 and k % bk == 0 and k > 0
-            and a.data.ptr % 16 == 0 and b.data.ptr % 16 == 0
+            and (ta or a.data.ptr % 16 == 0) and (not tb or b.data.ptr % 16 == 0)
             and nb * (m // _WGMMA_BM) * (n // _WGMMA_BN) >= launch.sm_count()
             and (m // _WGMMA_BM) * (n // _WGMMA_BN) <= launch.INT32_MAX
             and nb <= launch.GRID_YZ_MAX)
@@ -251,7 +254,7 @@ def _plan_matmul(a, b, ta, tb, bias):
         m, nb, s_a = m * nb, 1, 0  # (batch, M, K) @ (K, N) is one (batch*M, K) @ (K, N)
     lda, ldb, ldc, s_c = a.shape[-1], b.shape[-1], n, m * n
     if _wgmma_fits(a, b, ta, tb, m, n, k, nb):
-        return _plan_wgmma(m, n, k, nb, s_a, s_b, bias_mode, out_shape, dt)
+        return _plan_wgmma(m, n, k, nb, s_a, s_b, bias_mode, out_shape, dt, ta, tb)
     if m > 128 * launch.GRID_YZ_MAX:
         raise ValueError(f"cuda.matmul: M = {m} exceeds the grid's limit of "
                          f"{128 * launch.GRID_YZ_MAX}")
@@ -303,9 +306,13 @@ def _plan_matmul(a, b, ta, tb, bias):
     return run
 
 
-def _plan_wgmma(m, n, k, nb, s_a, s_b, bias_mode, out_shape, dt):
-    """C = A @ B^T by gemm_wgmma.cu: one block per 128 x 256 tile, batch in grid z."""
+def _plan_wgmma(m, n, k, nb, s_a, s_b, bias_mode, out_shape, dt, ta=False, tb=True):
+    """C = A @ B^T by gemm_wgmma.cu: one block per 128 x 256 tile, batch in grid z. A stored
+    (K, M) (ta) or B stored (K, N) (not tb) is first transposed to K-major scratch, each
+    matrix of its batch (one where its batch stride is 0)."""
     fn = launch.kernel("gemm_wgmma.cu", "gemm_wgmma_kernel", launch.ctype(dt), smem=_WGMMA_SMEM)
+    a_to_kmajor = transposer(nb if s_a else 1, k, m, dt) if ta else None
+    b_to_kmajor = transposer(nb if s_b else 1, k, n, dt) if not tb else None
     pair = 2 * dt.itemsize  # the kernel stores pairs of elements
     grid = ((m // _WGMMA_BM) * (n // _WGMMA_BN), 1, nb)
     tail = (i32(m), i32(n), i32(k), np.int64(s_a), np.int64(s_b), np.int64(m * n), i32(bias_mode))
@@ -314,6 +321,10 @@ def _plan_wgmma(m, n, k, nb, s_a, s_b, bias_mode, out_shape, dt):
         c = output("matmul", out, out_shape, dt)
         # The kernel stores pairs: an `out=` view at an odd element offset gets a copy.
         dst = c if c.data.ptr % pair == 0 else launch.new(out_shape, dt)
+        if a_to_kmajor:
+            a = a_to_kmajor(a)
+        if b_to_kmajor:
+            b = b_to_kmajor(b)
         fn(grid, (256,), (a, b, dst, dst if bias is None else bias) + tail,
            shared_mem=_WGMMA_SMEM)
         if dst is not c:

@@ -41,6 +41,23 @@ def strided_copy(dst, src, src_strides):
     return dst
 
 
+def transposer(nb: int, rows: int, cols: int, dtype):
+    """run(a) -> a new contiguous (nb, cols, rows) array holding each of the nb (rows, cols)
+    matrices of the contiguous array a transposed (tile_transpose_kernel: both sides
+    contiguous). The fast GEMM and convolution paths copy their operands with it."""
+    if nb > launch.GRID_YZ_MAX or -(-rows // 32) > launch.GRID_YZ_MAX:
+        raise ValueError(f"cuda.transpose: {nb} matrices of {rows} rows exceed the grid's limit")
+    fn = launch.kernel(TR, "tile_transpose_kernel", launch.bits(np.dtype(dtype).itemsize)[0])
+    grid, tail = (-(-cols // 32), -(-rows // 32), nb), (np.int32(rows), np.int32(cols))
+
+    def run(a):
+        out = launch.new((nb, cols, rows), dtype)
+        fn(grid, (32, 8), (a, out) + tail)
+        return out
+
+    return run
+
+
 def copy(a):
     launch.check_arrays("copy", a)
     return strided_copy(launch.new(a.shape, a.dtype), a, launch.estrides(a))

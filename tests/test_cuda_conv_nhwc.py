@@ -1,0 +1,148 @@
+"""The channels-last backward-weight kernel (kernels/conv2d_nhwc.cu) in TF32, fp16 and bf16
+against the CPU backend (with the other two passes on the same shapes), on shapes that take it
+(C_in and Ho*Wo in whole 16-byte chunks) and reach its edges: partial tiles, strides, a 1x1
+filter, a non-square filter and split-K; the NCHW kernel on the same inputs agrees, and a
+misaligned gy falls back to it. Tolerances: the TF32 and 16-bit ones of test_cuda_matmul.py and
+test_cuda_amp.py (relative norm error 5e-3 for TF32; 2e-3 / 1.6e-2 for fp16 / bf16, twice
+that for backward-weight's long sums)."""
+import numpy as np
+import pytest
+
+from dptrain import backend
+from dptrain.backend.bfloat16 import BFLOAT16, from_bfloat16, to_bfloat16
+
+cp = pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+
+from dptrain.backend.cuda import conv2d, gemm  # noqa: E402 - after the CuPy check
+
+H = np.dtype(np.float16)
+F = np.dtype(np.float32)
+TOL = {F: 5e-3, H: 2e-3, BFLOAT16: 1.6e-2}
+DTYPES = [pytest.param(F, id="tf32"), pytest.param(H, id="fp16"), pytest.param(BFLOAT16, id="bf16")]
+cpu = backend.get("cpu")
+
+CASES = [  # x shape, w shape, stride, padding
+    ((4, 32, 12, 12), (64, 32, 3, 3), (1, 1), (1, 1)),  # a reference-CNN layer
+    ((2, 16, 10, 8), (24, 16, 3, 3), (1, 1), (1, 1)),  # 144 columns: a partial 96-column tile
+    ((3, 8, 9, 16), (136, 8, 3, 3), (2, 2), (1, 1)),  # stride 2, two 128-row tiles
+    ((2, 24, 8, 8), (40, 24, 1, 1), (1, 1), (0, 0)),  # 1x1: K = 24, one partial slab
+    ((2, 8, 12, 12), (16, 8, 5, 3), (1, 2), (2, 1)),  # non-square filter, uneven stride
+    ((64, 32, 8, 8), (32, 32, 3, 3), (1, 1), (1, 1)),  # K = 4096 pixels: split over grid z
+]
+
+
+@pytest.fixture(scope="module")
+def cu():
+    return backend.get("cuda")
+
+
+@pytest.fixture(autouse=True)
+def fresh_plans(cu):
+    """TF32 for float; plans rebuilt so DPTRAIN_NHWC_CONV is read afresh; NaN in the pool."""
+    gemm.clear_plans()
+    junk = cp.full(16 << 20, np.nan, dtype=np.float32)
+    del junk
+    with cu.runtime.precision_scope("tf32"):
+        yield
+    gemm.clear_plans()
+
+
+def to_dt(x, dt):
+    return to_bfloat16(x) if dt == BFLOAT16 else np.asarray(x, np.float32).astype(dt)
+
+
+def to_f32(a, dt):
+    return from_bfloat16(a) if dt == BFLOAT16 else np.asarray(a).astype(np.float32)
+
+
+def rand(dt, shape, seed):
+    return to_dt(np.random.default_rng(seed).standard_normal(shape), dt)
+
+
+def close(got, ref, dt, factor=1.0):
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    assert got.shape == ref.shape
+    assert np.isfinite(got).all(), "elements not written"
+    err = np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30)
+    assert err <= TOL[dt] * factor, f"relative error {err:.2e} > {TOL[dt] * factor:.1e}"
+
+
+def passes(cu, dt, x, w, gy, stride, pad):
+    """The three passes on the device, as float32 NumPy arrays."""
+    dx, dw, dgy = cu.asarray(x), cu.asarray(w), cu.asarray(gy)
+    out = (cu.conv2d_forward(dx, dw, None, stride, pad),
+           cu.conv2d_backward_data(dgy, dw, x.shape, stride, pad),
+           cu.conv2d_backward_weight(dx, dgy, w.shape, stride, pad))
+    return [to_f32(cu.to_numpy(o), dt) for o in out]
+
+
+def reference(dt, x, w, gy, stride, pad):
+    x, w, gy = (to_f32(a, dt).astype(np.float64) for a in (x, w, gy))
+    return (cpu.conv2d_forward(x, w, None, stride, pad),
+            cpu.conv2d_backward_data(gy, w, x.shape, stride, pad),
+            cpu.conv2d_backward_weight(x, gy, w.shape, stride, pad))
+
+
+def inputs(dt, xs, ws, stride, pad):
+    ho = (xs[2] + 2 * pad[0] - ws[2]) // stride[0] + 1
+    wo = (xs[3] + 2 * pad[1] - ws[3]) // stride[1] + 1
+    return (rand(dt, xs, 1), to_dt(np.random.default_rng(2).standard_normal(ws) * 0.2, dt),
+            rand(dt, (xs[0], ws[0], ho, wo), 3))
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+@pytest.mark.parametrize("xs, ws, stride, pad", CASES)
+def test_channels_last_passes_match_reference(cu, dt, xs, ws, stride, pad):
+    assert conv2d._nhwc(dt, xs[1], xs[0])  # backward-weight takes the channels-last kernel
+    x, w, gy = inputs(dt, xs, ws, stride, pad)
+    got, ref = passes(cu, dt, x, w, gy, stride, pad), reference(dt, x, w, gy, stride, pad)
+    for g, r, factor in zip(got, ref, (1, 1, 2)):
+        close(g, r, dt, factor)
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+def test_channels_last_and_nchw_kernels_agree(cu, dt, monkeypatch):
+    xs, ws, stride, pad = CASES[0]
+    x, w, gy = inputs(dt, xs, ws, stride, pad)
+    nhwc = passes(cu, dt, x, w, gy, stride, pad)
+    monkeypatch.setenv(conv2d.NHWC_ENV, "0")
+    gemm.clear_plans()
+    assert not conv2d._nhwc(dt, xs[1], xs[0])
+    nchw = passes(cu, dt, x, w, gy, stride, pad)
+    for a, b in zip(nhwc, nchw):
+        close(a, b, dt)
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+def test_misaligned_gy_falls_back(cu, dt):
+    """Backward-weight reads gy in 16-byte chunks; a view that starts mid-chunk takes the
+    NCHW kernel and gives the same result."""
+    xs, ws, stride, pad = CASES[0]
+    x, w, gy = inputs(dt, xs, ws, stride, pad)
+    dx = cu.asarray(x)
+    flat = cp.empty(gy.size + 1, dtype=gy.dtype)
+    shifted = flat[1:].reshape(gy.shape)  # 2 or 4 bytes past an aligned start
+    shifted[...] = cp.asarray(gy)
+    assert shifted.data.ptr % 16 != 0
+    got = to_f32(cu.to_numpy(cu.conv2d_backward_weight(dx, shifted, ws, stride, pad)), dt)
+    want = to_f32(cu.to_numpy(cu.conv2d_backward_weight(dx, cu.asarray(gy), ws, stride, pad)), dt)
+    close(got, want, dt)
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+def test_backward_weight_bitwise_repeatable(cu, dt):
+    xs, ws, stride, pad = CASES[-1]  # split over K: the fixed-order reduction
+    x, w, gy = inputs(dt, xs, ws, stride, pad)
+    dx, dgy = cu.asarray(x), cu.asarray(gy)
+    first = cu.to_numpy(cu.conv2d_backward_weight(dx, dgy, ws, stride, pad))
+    second = cu.to_numpy(cu.conv2d_backward_weight(dx, dgy, ws, stride, pad))
+    assert first.tobytes() == second.tobytes()
+
+
+def test_to_nhwc_is_a_transpose(cu):
+    x = np.random.default_rng(4).standard_normal((3, 40, 7, 9)).astype(np.float32)
+    for dt in (F, H):
+        a = x.astype(dt)
+        got = cp.asnumpy(conv2d._to_nhwc(a.shape, dt)(cp.asarray(a)))
+        assert np.array_equal(got, a.transpose(0, 2, 3, 1))
