@@ -38,6 +38,7 @@
 // instantiate: conv2d_bwdw_fp32_kernel<float, 64, 32>; conv2d_bwdw_fp32_kernel<float, 64, 128>
 // instantiate: conv2d_bwdw_fp32_kernel<float, 128, 32>; conv2d_bwdw_fp32_kernel<float, 128, 128>
 // instantiate: splitk_reduce_kernel<float>; conv2d_weight_reorder_kernel<float>
+// instantiate: splitk_reduce_warp_kernel<float>
 // instantiate: conv2d_b16_kernel<__half, 32>; conv2d_b16_kernel<__half, 64>
 // instantiate: conv2d_b16_kernel<__nv_bfloat16, 32>; conv2d_b16_kernel<__nv_bfloat16, 64>
 // instantiate: conv2d_b16_kernel<__half, 128>
@@ -61,6 +62,8 @@
 // instantiate: conv2d_bwdw_b16_kernel<__nv_bfloat16, 128, 96>
 // instantiate: splitk_reduce_kernel<__half, float>; conv2d_weight_reorder_kernel<__half>
 // instantiate: splitk_reduce_kernel<__nv_bfloat16, float>
+// instantiate: splitk_reduce_warp_kernel<__nv_bfloat16, float>
+// instantiate: splitk_reduce_warp_kernel<__half, float>
 // instantiate: conv2d_weight_reorder_kernel<__nv_bfloat16>
 
 #include "gemm_tiles.cuh"

@@ -33,7 +33,10 @@
 // instantiate: gemm_b16_kernel<__nv_bfloat16, true, false>
 // instantiate: gemm_b16_kernel<__nv_bfloat16, true, true>
 // instantiate: splitk_reduce_kernel<float>; splitk_reduce_kernel<__half, float>
+// instantiate: splitk_reduce_warp_kernel<float>
 // instantiate: splitk_reduce_kernel<__nv_bfloat16, float>
+// instantiate: splitk_reduce_warp_kernel<__nv_bfloat16, float>
+// instantiate: splitk_reduce_warp_kernel<__half, float>
 
 #include "gemm_tiles.cuh"
 

@@ -562,6 +562,38 @@ __device__ __forceinline__ void simt_mainloop(float (&acc)[Cfg::TM][Cfg::TN], co
 // C[b] = alpha * sum_s ws[s][b] (+ bias) (+ beta * C[b]), summed in split order so results do
 // not depend on scheduling. ws is dense [splits][batch][M][N] (float partials W for 16-bit
 // outputs); C rows are ldc apart. bias_mode: 0 none, 1 bias[n] (per column), 2 bias[m] (row).
+// Loads go 8 at a time ahead of their additions (same order), so a thread waits for memory
+// once per 8 splits rather than once per split.
+template <typename T, typename W>
+__device__ __forceinline__ void splitk_store(T* __restrict__ C, const T* __restrict__ bias,
+                                             float acc, long long b, int m, int n, int ldc,
+                                             long long sC, float alpha, float beta,
+                                             int bias_mode) {
+  float v = alpha * acc;
+  if (bias_mode == 1) v += as<float>(bias[n]);
+  if (bias_mode == 2) v += as<float>(bias[m]);
+  T* c = C + b * sC + (long long)m * ldc + n;
+  if (beta != 0.f) v += beta * as<float>(*c);
+  *c = as<T>(v);
+}
+
+// sum_{s = s0, s0 + ds, ... < splits} p[s * step], in that order.
+template <typename W>
+__device__ __forceinline__ float splitk_sum(const W* __restrict__ p, long long step, int s0,
+                                            int ds, int splits) {
+  float acc = 0.f;
+  int s = s0;
+  for (; s + 7 * ds < splits; s += 8 * ds) {
+    float v[8];
+#pragma unroll
+    for (int u = 0; u < 8; ++u) v[u] = as<float>(p[(s + u * ds) * step]);
+#pragma unroll
+    for (int u = 0; u < 8; ++u) acc += v[u];
+  }
+  for (; s < splits; s += ds) acc += as<float>(p[s * step]);
+  return acc;
+}
+
 template <typename T, typename W = T>
 __global__ void splitk_reduce_kernel(const W* __restrict__ ws, T* __restrict__ C,
                                      const T* __restrict__ bias, int splits, int batch, int M,
@@ -571,13 +603,30 @@ __global__ void splitk_reduce_kernel(const W* __restrict__ ws, T* __restrict__ C
   GRID_STRIDE(i, total) {
     const long long b = i / mn, r = i - b * mn;
     const int m = (int)(r / N), n = (int)(r - (long long)m * N);
-    float acc = 0.f;
-    for (int s = 0; s < splits; ++s) acc += as<float>(ws[(s * (long long)batch + b) * mn + r]);
-    float v = alpha * acc;
-    if (bias_mode == 1) v += as<float>(bias[n]);
-    if (bias_mode == 2) v += as<float>(bias[m]);
-    T* c = C + b * sC + (long long)m * ldc + n;
-    if (beta != 0.f) v += beta * as<float>(*c);
-    *c = as<T>(v);
+    const float acc = splitk_sum(ws + i, total, 0, 1, splits);
+    splitk_store<T, W>(C, bias, acc, b, m, n, ldc, sC, alpha, beta, bias_mode);
+  }
+}
+
+// The same for few outputs and many splits (a backward-weight's small filter over a long
+// batch): a warp per output, lane l summing splits l, l + 32, ... in order, then the lanes
+// in a fixed tree. Still independent of scheduling; a different order than the kernel above.
+template <typename T, typename W = T>
+__global__ void splitk_reduce_warp_kernel(const W* __restrict__ ws, T* __restrict__ C,
+                                          const T* __restrict__ bias, int splits, int batch,
+                                          int M, int N, int ldc, long long sC, float alpha,
+                                          float beta, int bias_mode) {
+  const long long mn = (long long)M * N, total = mn * batch;
+  const int lane = threadIdx.x & 31;
+  for (long long i = (blockIdx.x * (long long)blockDim.x + threadIdx.x) >> 5; i < total;
+       i += ((long long)gridDim.x * blockDim.x) >> 5) {
+    float acc = splitk_sum(ws + i, total, lane, 32, splits);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(FULL_MASK, acc, o);
+    if (lane == 0) {
+      const long long b = i / mn, r = i - b * mn;
+      const int m = (int)(r / N), n = (int)(r - (long long)m * N);
+      splitk_store<T, W>(C, bias, acc, b, m, n, ldc, sC, alpha, beta, bias_mode);
+    }
   }
 }

@@ -14,7 +14,7 @@
 //  * Avg pool: padding counts in the divisor (kh*kw), PyTorch's default.
 //  * Backward kernels write dx with `=` (they own every element of dx). No atomics:
 //    - max, windows that tile the input (the usual MaxPool2d(k)): one thread per window
-//      writes its kh*kw pixels;
+//      writes its kh*kw pixels (2 x 2: unrolled, max_pool_bwd_2x2_kernel);
 //    - max: one warp per plane zeroes the plane's dx, then walks the plane's outputs 32 at a
 //      time; lanes that picked the same input pixel are matched (__match_any_sync) and the
 //      lowest of them adds their gy, summed in lane order. The order depends only on the
@@ -89,6 +89,42 @@ __global__ void relu_max_pool_fwd_kernel(T* y, int* idx, const T* x, PoolGeom g)
   max_pool_fwd<T, true>(y, idx, x, g);
 }
 
+// MaxPool2d(2) (2 x 2 windows, stride 2, no padding: every window inside the image; the
+// launcher checks, and that the sizes fit int): max_pool_fwd with the window fixed at compile
+// time and 32-bit indices. The generic loop's bounds checks and 64-bit divisions made the
+// first layer's pool 3x slower than its memory traffic.
+template <typename T, bool kRelu>
+__device__ __forceinline__ void max_pool_fwd_2x2(T* y, int* idx, const T* x, const PoolGeom& g) {
+  using C = compute_t<T>;
+  const int out_plane = g.ho * g.wo;
+  GRID_STRIDE_32(i, g.n_c * out_plane) {
+    const int p = i / out_plane, r = i - p * out_plane, oh = r / g.wo, ow = r - oh * g.wo;
+    const T* xp = x + p * g.h * g.w;
+    const int pos0 = 2 * oh * g.w + 2 * ow;
+    C best = neg_inf<C>();
+    int arg = -1;
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {  // rows, then columns: the generic scan order
+      const int pos = pos0 + (t >> 1) * g.w + (t & 1);
+      C v = as<C>(xp[pos]);
+      if (kRelu && v < C(0)) v = C(0);
+      if (arg < 0 || v > best || (v != v && best == best)) { best = v; arg = pos; }
+    }
+    y[i] = as<T>(best);
+    idx[i] = (kRelu && !(best > C(0))) ? -1 : arg;
+  }
+}
+
+template <typename T>
+__global__ void max_pool_fwd_2x2_kernel(T* y, int* idx, const T* x, PoolGeom g) {
+  max_pool_fwd_2x2<T, false>(y, idx, x, g);
+}
+
+template <typename T>
+__global__ void relu_max_pool_fwd_2x2_kernel(T* y, int* idx, const T* x, PoolGeom g) {
+  max_pool_fwd_2x2<T, true>(y, idx, x, g);
+}
+
 // One warp per plane; see the header.
 template <typename T>
 __global__ void max_pool_bwd_kernel(T* dx, const T* gy, const int* idx, PoolGeom g) {
@@ -142,6 +178,24 @@ __global__ void max_pool_bwd_tiled_kernel(T* dx, const T* gy, const int* idx, Po
   }
 }
 
+// The same for 2 x 2 windows, unrolled.
+template <typename T>
+__global__ void max_pool_bwd_2x2_kernel(T* dx, const T* gy, const int* idx, PoolGeom g) {
+  const T zero = as<T>(0.f);
+  const int out_plane = g.ho * g.wo;
+  GRID_STRIDE_32(i, g.n_c * out_plane) {
+    const int p = i / out_plane, r = i - p * out_plane;
+    const int oh = r / g.wo, ow = r - oh * g.wo;
+    const int j = idx[i], row = 2 * oh * g.w + 2 * ow;
+    const T v = gy[i];
+    T* d = dx + p * g.h * g.w;
+    d[row] = row == j ? v : zero;
+    d[row + 1] = row + 1 == j ? v : zero;
+    d[row + g.w] = row + g.w == j ? v : zero;
+    d[row + g.w + 1] = row + g.w + 1 == j ? v : zero;
+  }
+}
+
 template <typename T>
 __global__ void avg_pool_fwd_kernel(T* y, const T* x, PoolGeom g) {
   using C = compute_t<T>;
@@ -187,6 +241,14 @@ __global__ void avg_pool_bwd_kernel(T* dx, const T* gy, PoolGeom g) {
 // instantiate: max_pool_bwd_tiled_kernel<float>; max_pool_bwd_tiled_kernel<double>
 // instantiate: max_pool_bwd_tiled_kernel<__half>; max_pool_bwd_tiled_kernel<__nv_bfloat16>
 // instantiate: relu_max_pool_fwd_kernel<__nv_bfloat16>; max_pool_fwd_kernel<__nv_bfloat16>
+// instantiate: max_pool_fwd_2x2_kernel<float>; max_pool_fwd_2x2_kernel<double>
+// instantiate: relu_max_pool_fwd_2x2_kernel<float>; relu_max_pool_fwd_2x2_kernel<double>
+// instantiate: max_pool_bwd_2x2_kernel<float>; max_pool_bwd_2x2_kernel<double>
+// instantiate: max_pool_fwd_2x2_kernel<__half>; relu_max_pool_fwd_2x2_kernel<__half>
+// instantiate: max_pool_bwd_2x2_kernel<__half>
+// instantiate: max_pool_fwd_2x2_kernel<__nv_bfloat16>
+// instantiate: relu_max_pool_fwd_2x2_kernel<__nv_bfloat16>
+// instantiate: max_pool_bwd_2x2_kernel<__nv_bfloat16>
 // instantiate: max_pool_bwd_kernel<__nv_bfloat16>
 // instantiate: avg_pool_fwd_kernel<__half>; avg_pool_bwd_kernel<__half>
 // instantiate: avg_pool_fwd_kernel<__nv_bfloat16>; avg_pool_bwd_kernel<__nv_bfloat16>

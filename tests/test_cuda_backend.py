@@ -490,14 +490,15 @@ def first_max_positions(x, k, s, p):
 
 
 @gpu
-def test_max_pool_ties_pick_the_first(cu, rng):
+@pytest.mark.parametrize("k, s, p", [(3, 2, 1), (2, 2, 0)])  # (2, 2, 0): the 2 x 2 kernel
+def test_max_pool_ties_pick_the_first(cu, rng, k, s, p):
     x = rng.integers(0, 3, (3, 5, 9, 7)).astype(F32)  # many ties in every window
-    y, _ = cpu.max_pool2d_forward(x, (3, 3), (2, 2), (1, 1))
-    dy, didx = cu.max_pool2d_forward(cu.asarray(x), (3, 3), (2, 2), (1, 1))
+    y, _ = cpu.max_pool2d_forward(x, (k, k), (s, s), (p, p))
+    dy, didx = cu.max_pool2d_forward(cu.asarray(x), (k, k), (s, s), (p, p))
     assert_exact(cu, dy, y)
     # Against the argmax rule itself: cpu.py (as of this writing) prefers a later offset when
     # the window's first offset ties for the maximum.
-    assert_exact(cu, didx, first_max_positions(x, 3, 2, 1))
+    assert_exact(cu, didx, first_max_positions(x, k, s, p))
 
 
 @gpu

@@ -125,11 +125,16 @@ def split_k(tiles: int, k: int, min_chunk: int, max_splits: int) -> tuple[int, i
 
 def reducer(file, splits, batch, m, n, ldc, sc, bias_mode, dtype=np.float32):
     """Launch of splitk_reduce_kernel: c = sum of the float partials in ws, in split order
-    (+ bias), rounded to c's `dtype`."""
+    (+ bias), rounded to c's `dtype`. Few outputs over many splits (under one thread per
+    output for 256 per SM, >= 16 splits: the backward-weight of a convolution) take
+    splitk_reduce_warp_kernel, a warp per output, rather than one thread waiting on each
+    split in turn."""
     half = np.dtype(dtype) in launch.HALVES
-    fn = launch.kernel(file, "splitk_reduce_kernel",
+    outputs = batch * m * n
+    warp = splits >= 16 and outputs < 256 * launch.sm_count()
+    fn = launch.kernel(file, "splitk_reduce_warp_kernel" if warp else "splitk_reduce_kernel",
                        *((launch.ctype(dtype), "float") if half else ("float",)))
-    grid = (max(1, min(-(-batch * m * n // 256), launch.sm_count() * 8)),)
+    grid = (max(1, min(-(-outputs * (32 if warp else 1) // 256), launch.sm_count() * 8)),)
     tail = (i32(splits), i32(batch), i32(m), i32(n), i32(ldc), np.int64(sc),
             np.float32(1.0), np.float32(0.0), i32(bias_mode))
     return lambda ws, c, bias: fn(grid, (256,), (ws, c, bias) + tail)

@@ -48,6 +48,8 @@ def _max_pool(op, kernel_name, x, kernel, stride, padding):
     launch.check_contiguous(op, x)
     geom, y_shape = _pool_geom(op, x.shape, kernel, stride, padding)
     y, idx = launch.new(y_shape, x.dtype), launch.new(y_shape, np.int32)
+    if (_pair(kernel), _pair(stride), _pair(padding)) == ((2, 2), (2, 2), (0, 0)):
+        kernel_name = kernel_name.replace("_fwd_kernel", "_fwd_2x2_kernel")  # MaxPool2d(2)
     if y.size:
         launch.grid_stride(launch.kernel(POOL, kernel_name, launch.ctype(x.dtype)),
                            y.size, (y, idx, x, geom))
@@ -96,8 +98,9 @@ def max_pool2d_backward(gy, idx, x_shape, *, window=None, workspace=None):
         kh, kw = tiles
         geom = launch.struct(launch.POOL_GEOM, n_c=n * c, h=h, w=w, ho=ho, wo=wo, kh=kh, kw=kw,
                              sh=kh, sw=kw)
-        launch.grid_stride(launch.kernel(POOL, "max_pool_bwd_tiled_kernel",
-                                         launch.ctype(gy.dtype)), gy.size, (dx, gy, idx, geom))
+        name = "max_pool_bwd_2x2_kernel" if tiles == (2, 2) else "max_pool_bwd_tiled_kernel"
+        launch.grid_stride(launch.kernel(POOL, name, launch.ctype(gy.dtype)), gy.size,
+                           (dx, gy, idx, geom))
         return dx
     # The window's shape is not needed (idx says where each maximum is): kh = kw = 0.
     geom = launch.struct(launch.POOL_GEOM, n_c=n * c, h=h, w=w, ho=ho, wo=wo, sh=1, sw=1)
