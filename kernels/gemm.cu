@@ -18,7 +18,8 @@
 //    chunks.
 //  * Split-K partials (ws) are float for every element type; the reduce rounds once.
 //  * Tiles: fp32 128x128x16, 256 threads, 8x8 per thread, 3-stage cp.async pipeline;
-//    tf32 and f16 128x128x32, 128 threads = 4 warps of 64x64, 3 stages. Dynamic shared memory sizes
+//    tf32 and f16 128x128x32, 128 threads = 4 warps of 64x64, 3 stages (f16 also 64x128 tiles,
+//    warps of 32x64, where 128-row tiles would leave SMs idle). Dynamic shared memory sizes
 //    and block sizes are computed by the launcher (kept in step with gemm_tiles.cuh; the
 //    kernels check their shared memory at entry).
 //
@@ -32,6 +33,12 @@
 // instantiate: gemm_b16_kernel<__half, true, false>; gemm_b16_kernel<__half, true, true>
 // instantiate: gemm_b16_kernel<__nv_bfloat16, true, false>
 // instantiate: gemm_b16_kernel<__nv_bfloat16, true, true>
+// instantiate: gemm_b16_kernel<__half, false, false, 64>; gemm_b16_kernel<__half, false, true, 64>
+// instantiate: gemm_b16_kernel<__half, true, false, 64>; gemm_b16_kernel<__half, true, true, 64>
+// instantiate: gemm_b16_kernel<__nv_bfloat16, false, false, 64>
+// instantiate: gemm_b16_kernel<__nv_bfloat16, false, true, 64>
+// instantiate: gemm_b16_kernel<__nv_bfloat16, true, false, 64>
+// instantiate: gemm_b16_kernel<__nv_bfloat16, true, true, 64>
 // instantiate: splitk_reduce_kernel<float>; splitk_reduce_kernel<__half, float>
 // instantiate: splitk_reduce_warp_kernel<float>
 // instantiate: splitk_reduce_kernel<__nv_bfloat16, float>
@@ -108,10 +115,10 @@ __global__ void __launch_bounds__(128, 2) gemm_tf32_kernel(GEMM_PARAMS) {
   MmaCoords<Cfg>().for_each(acc, [&](int r, int c, int, float v) { epi.store(m0 + r, n0 + c, v); });
 }
 
-template <typename T, bool TA, bool TB>
+template <typename T, bool TA, bool TB, int BM = 128>
 __global__ void __launch_bounds__(128, 2) gemm_b16_kernel(GEMM_PARAMS) {
   static_assert(sizeof(T) == 2, "16-bit operands");
-  using Cfg = MmaCfg<128, 128, 32, 2, 2, 3>;
+  using Cfg = MmaCfg<BM, 128, 32, 2, 2, 3>;  // BM 64: twice the blocks for small products
   // Rows padded by 8 elements (16 bytes): ldmatrix's eight row reads hit distinct banks.
   using LayA = TileLayout<Cfg::BM, Cfg::BK, !TA, 8, T>;
   using LayB = TileLayout<Cfg::BN, Cfg::BK, TB, 8, T>;

@@ -119,7 +119,9 @@ def test_bias_grad(cu, dt, shape):
 
 @pytest.mark.parametrize("dt", DTYPES)
 @pytest.mark.parametrize("ta, tb", [(False, False), (False, True), (True, False), (True, True)])
-@pytest.mark.parametrize("m, n, k", [(64, 256, 6272), (37, 50, 61), (256, 10, 256)])
+@pytest.mark.parametrize("m, n, k", [(64, 256, 6272), (37, 50, 61), (256, 10, 256),
+                                     (200, 300, 96),  # 64-row tiles, partial on both sides
+                                     (2048, 2300, 64)])  # 288 tiles of 128 rows
 def test_matmul_16bit(cu, dt, ta, tb, m, n, k):
     a = rand(dt, *((k, m) if ta else (m, k)), seed=11)
     b = rand(dt, *((n, k) if tb else (k, n)), seed=12)

@@ -264,7 +264,10 @@ def _plan_matmul(a, b, ta, tb, bias):
         raise ValueError(f"cuda.matmul: M = {m} exceeds the grid's limit of "
                          f"{128 * launch.GRID_YZ_MAX}")
 
-    splits, chunk = split_k(-(-m // 128) * -(-n // 128) * nb, k, 256, 64)
+    # 16-bit products whose 128 x 128 tiles leave SMs idle (the FC layers at small batches)
+    # take 64-row tiles: twice the blocks before any split of K.
+    bm = 64 if dt in launch.HALVES and -(-m // 128) * -(-n // 128) * nb < launch.sm_count() else 128
+    splits, chunk = split_k(-(-m // bm) * -(-n // 128) * nb, k, 256, 64)
     if nb * splits > launch.GRID_YZ_MAX:
         if nb > launch.GRID_YZ_MAX:
             raise ValueError(f"cuda.matmul: batch {nb} exceeds the grid's limit of "
@@ -275,8 +278,9 @@ def _plan_matmul(a, b, ta, tb, bias):
     flags = (str(ta).lower(), str(tb).lower())
     tf32 = runtime.precision == "tf32"
     if dt in launch.HALVES:
-        smem = 3 * 2 * (tile_floats(128, 32, not ta, 8) + tile_floats(128, 32, tb, 8))
-        fn = launch.kernel("gemm.cu", "gemm_b16_kernel", launch.ctype(dt), *flags, smem=smem)
+        smem = 3 * 2 * (tile_floats(bm, 32, not ta, 8) + tile_floats(128, 32, tb, 8))
+        fn = launch.kernel("gemm.cu", "gemm_b16_kernel", launch.ctype(dt), *flags,
+                           *(("64",) if bm == 64 else ()), smem=smem)
         block = (128,)
     elif tf32:
         smem = 3 * 4 * (tile_floats(128, 32, not ta, 8 if ta else 4)
@@ -287,7 +291,7 @@ def _plan_matmul(a, b, ta, tb, bias):
         smem = 3 * 4 * 2 * tile_floats(128, 16, False, 4)
         fn = launch.kernel("gemm.cu", "gemm_fp32_kernel", "float", *flags, smem=smem)
         block = (256,)
-    grid = (-(-n // 128), -(-m // 128), nb * splits)
+    grid = (-(-n // 128), -(-m // bm), nb * splits)
     # GEMM_PARAMS after (A, B, C, bias, ws): M N K lda ldb ldc sA sB sC batch splits kchunk
     # alpha beta bias_mode vec_a vec_b.
     tail = (i32(m), i32(n), i32(k), i32(lda), i32(ldb), i32(ldc),
