@@ -43,10 +43,18 @@ def test_cache_key_names_the_architecture(monkeypatch):
 
 def test_files_split_into_modules_by_element_family(monkeypatch):
     """A file's 16-bit instantiations build as modules of their own (compiled in parallel with
-    the rest); every kernel name maps to the module that holds it."""
+    the rest), a family of more than CHUNK instantiations as several; every kernel name maps
+    to the module that holds it."""
     monkeypatch.setattr(loader, "cuda_include_dir", lambda: Path("/toolkit/include"))
-    assert loader.parts("elementwise.cu") == ["main", "__half", "__nv_bfloat16"]
     assert loader.parts("optim.cu") == ["main"]
+    assert loader.parts("gemm_wgmma.cu") == ["main", "__half", "__nv_bfloat16"]
+    parts = loader.parts("elementwise.cu")
+    assert parts[:2] == ["main", "main.2"] and "__half" in parts and parts[-1].startswith("__nv")
+    source, _ = loader.source_and_options("elementwise.cu")
+    table = loader._part_table("elementwise.cu")
+    assert set(table) == set(loader.name_expressions(source)) and set(table.values()) == set(parts)
+    assert all(list(table.values()).count(p) <= loader.CHUNK for p in parts)
+    assert all(p.split(".")[0] == loader.part_of(n) for n, p in table.items())
     assert loader.part_of("map1_kernel<__half, Relu>") == "__half"
     assert loader.part_of("convert_kernel<float, __nv_bfloat16>") == "__nv_bfloat16"
     assert loader.part_of("loss_scale_update_kernel") == "main"

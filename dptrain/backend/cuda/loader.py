@@ -7,9 +7,9 @@ Every launcher in the cuda backend gets its kernels here (through ``launch.kerne
 The first request for a kernel compiles its file's part with NVRTC through
 ``cupy.RawModule``: a file's template instantiations (its ``// instantiate:`` lines, handed
 over as ``name_expressions``) are split by element family (float and the other types;
-``__half``; ``__nv_bfloat16``), one module each, so the 16-bit instantiations compile in
-parallel with the rest and only the families a run uses are built on demand. Later requests
-reuse the module. CuPy caches the compiled binary on disk
+``__half``; ``__nv_bfloat16``) and each family into modules of at most CHUNK
+instantiations, so the 16-bit instantiations and the heavy main loops compile in parallel
+and only the modules a run uses are built on demand. Later requests reuse the module. CuPy caches the compiled binary on disk
 (``$CUPY_CACHE_DIR``, default ~/.cupy/kernel_cache), so a second process start skips NVRTC.
 
 Cold start: ``compile_all()`` (what ``runtime.prepare()`` calls) builds every part of every
@@ -30,6 +30,7 @@ kept.
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import functools
 import hashlib
@@ -98,21 +99,38 @@ def name_expressions(source: str) -> list[str]:
 
 
 PARTS = ("main", "__half", "__nv_bfloat16")  # the element families a file's modules split by
+# Instantiations per module at most: a family with more is split in file order ("main",
+# "main.2", ...), so the heavy families (the convolutions' main loops) build on several
+# threads instead of holding up the rest.
+CHUNK = 8
 
 
 def part_of(name: str) -> str:
-    """The module part that instantiation `name` belongs to (see PARTS)."""
+    """The element family (one of PARTS) of instantiation `name`."""
     for part in PARTS[1:]:
         if part in name:
             return part
     return PARTS[0]
 
 
-def parts(filename: str) -> list[str]:
-    """The parts kernels/`filename` has instantiations in, in PARTS order."""
+def _part_table(filename: str) -> dict[str, str]:
+    """{instantiation: its module part} for kernels/`filename`: its family, and from the
+    CHUNK-th instantiation of a family on, the family with a chunk number."""
     source, _ = source_and_options(filename)
-    present = {part_of(n) for n in name_expressions(source)}
-    return [p for p in PARTS if p in present] or [PARTS[0]]
+    table, seen = {}, dict.fromkeys(PARTS, 0)
+    for name in name_expressions(source):
+        family = part_of(name)
+        chunk, seen[family] = seen[family] // CHUNK, seen[family] + 1
+        table[name] = family if chunk == 0 else f"{family}.{chunk + 1}"
+    return table
+
+
+def parts(filename: str) -> list[str]:
+    """The module parts of kernels/`filename`: families in PARTS order, each in chunks."""
+    table = _part_table(filename)
+    present = list(dict.fromkeys(table.values()))
+    ordered = [p for family in PARTS for p in present if p.split(".")[0] == family]
+    return ordered or [PARTS[0]]
 
 
 def _headers_digest() -> str:
@@ -190,7 +208,7 @@ def module(filename: str, part: str = PARTS[0]):
             import cupy
 
             source, options = source_and_options(filename)
-            names = [n for n in name_expressions(source) if part_of(n) == part]
+            names = [n for n, p in _part_table(filename).items() if p == part]
             mod = cupy.RawModule(code=source, options=options, name_expressions=names)
             mod.compile()
             with _table_lock:
@@ -211,6 +229,9 @@ def compile_all(workers: int | None = None) -> dict:
     device, arch = cupy.cuda.Device().id, device_arch()
     files = kernel_files(arch)
     units = [(f, part) for f in files for part in parts(f)]
+    # Largest first (instantiations as the measure of work), so no big one starts last.
+    size = {f: collections.Counter(_part_table(f).values()) for f in files}
+    units.sort(key=lambda u: -size[u[0]][u[1]])
     env = os.environ.get(WORKERS_ENV, "")
     if not workers and env:
         if not env.isdigit() or int(env) < 1:
@@ -239,4 +260,4 @@ def compile_all(workers: int | None = None) -> dict:
 @functools.lru_cache(maxsize=None)
 def function(filename: str, name: str):
     """The kernel `name` (a plain name or a template instantiation) from kernels/`filename`."""
-    return module(filename, part_of(name)).get_function(name)
+    return module(filename, _part_table(filename).get(name, part_of(name))).get_function(name)
