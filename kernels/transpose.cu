@@ -46,6 +46,33 @@ __global__ void tile_transpose_kernel(const U* __restrict__ in, U* __restrict__ 
   }
 }
 
+// The same for 16-bit elements with R and C even (4-byte-aligned rows): 64 x 64 tiles moved
+// as pairs, a 32-bit load of two neighbouring columns and a 32-bit store of two neighbouring
+// rows, so each warp request carries 128 bytes instead of 64 (the 32 x 32 kernel reached
+// about 1.5 TB/s on 16-bit data). Grid (column tiles of 64, row tiles of 64, batch).
+__global__ void tile_transpose_pairs_kernel(const unsigned short* __restrict__ in,
+                                            unsigned short* __restrict__ out, int R, int C) {
+  __shared__ unsigned short tile[64][66];  // 33 words a row
+  const long long base = (long long)blockIdx.z * R * C;
+  const int c0 = blockIdx.x * 64, r0 = blockIdx.y * 64, c = c0 + 2 * threadIdx.x;
+  for (int j = threadIdx.y; j < 64; j += 8) {
+    const int r = r0 + j;
+    if (r < R && c < C) {
+      const unsigned v = *reinterpret_cast<const unsigned*>(in + base + (long long)r * C + c);
+      *reinterpret_cast<unsigned*>(&tile[j][2 * threadIdx.x]) = v;
+    }
+  }
+  __syncthreads();
+  const int r = r0 + 2 * threadIdx.x;  // this thread's pair of input rows, output columns
+  for (int j = threadIdx.y; j < 64; j += 8) {
+    const int cc = c0 + j;
+    if (r < R && cc < C) {
+      const unsigned v = tile[2 * threadIdx.x][j] | (unsigned)tile[2 * threadIdx.x + 1][j] << 16;
+      *reinterpret_cast<unsigned*>(out + base + (long long)cc * R + r) = v;
+    }
+  }
+}
+
 // out[b, :] = in[idx[b] mod M, :], rows of `row` elements.
 template <typename U, typename L>
 __global__ void take_rows_kernel(U* out, const U* in, const L* idx, int B, long long M, long long row) {
@@ -75,3 +102,4 @@ __global__ void index_add_kernel(T* gx, const T* gy, const long long* idx, int m
 // instantiate: take_rows_kernel<unsigned char, long long>; take_rows_kernel<unsigned short, long long>; take_rows_kernel<unsigned int, long long>; take_rows_kernel<unsigned long long, long long>
 // instantiate: index_add_kernel<float>; index_add_kernel<double>
 // instantiate: tile_transpose_kernel<unsigned short>; tile_transpose_kernel<unsigned int>
+// instantiate: tile_transpose_pairs_kernel

@@ -140,8 +140,10 @@ def test_backward_weight_bitwise_repeatable(cu, dt):
     assert first.tobytes() == second.tobytes()
 
 
-def test_to_nhwc_is_a_transpose(cu):
-    x = np.random.default_rng(4).standard_normal((3, 40, 7, 9)).astype(np.float32)
+@pytest.mark.parametrize("shape", [(3, 40, 7, 9), (2, 66, 10, 13), (2, 130, 7, 10)])
+def test_to_nhwc_is_a_transpose(cu, shape):
+    """Both transpose kernels (16-bit pairs where the sides are even), partial tiles."""
+    x = np.random.default_rng(4).standard_normal(shape).astype(np.float32)
     for dt in (F, H):
         a = x.astype(dt)
         got = cp.asnumpy(conv2d._to_nhwc(a.shape, dt)(cp.asarray(a)))

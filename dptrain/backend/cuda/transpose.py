@@ -47,8 +47,13 @@ def transposer(nb: int, rows: int, cols: int, dtype):
     contiguous). The fast GEMM and convolution paths copy their operands with it."""
     if nb > launch.GRID_YZ_MAX or -(-rows // 32) > launch.GRID_YZ_MAX:
         raise ValueError(f"cuda.transpose: {nb} matrices of {rows} rows exceed the grid's limit")
-    fn = launch.kernel(TR, "tile_transpose_kernel", launch.bits(np.dtype(dtype).itemsize)[0])
-    grid, tail = (-(-cols // 32), -(-rows // 32), nb), (np.int32(rows), np.int32(cols))
+    if np.dtype(dtype).itemsize == 2 and rows % 2 == 0 and cols % 2 == 0:
+        fn = launch.kernel(TR, "tile_transpose_pairs_kernel")  # 16-bit pairs, 64 x 64 tiles
+        tile = 64
+    else:
+        fn = launch.kernel(TR, "tile_transpose_kernel", launch.bits(np.dtype(dtype).itemsize)[0])
+        tile = 32
+    grid, tail = (-(-cols // tile), -(-rows // tile), nb), (np.int32(rows), np.int32(cols))
 
     def run(a):
         out = launch.new((nb, cols, rows), dtype)
