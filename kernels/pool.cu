@@ -59,23 +59,33 @@ __device__ __forceinline__ void for_each_tap(const PoolGeom& g, const PoolWindow
   }
 }
 
-// kRelu: pool relu(x) (relu(v) = v < 0 ? 0 : v, NaN kept, as elementwise.cu's Relu) and
-// mark the windows whose maximum is not > 0 with idx -1.
+// The max scan of one window, fed its taps in scan order. kRelu: pool relu(x) (relu(v) =
+// v < 0 ? 0 : v, NaN kept, as elementwise.cu's Relu) and mark the windows whose maximum is
+// not > 0 with idx -1.
+template <typename C, bool kRelu>
+struct MaxScan {
+  C best;
+  int arg;
+  __device__ __forceinline__ MaxScan() : best(neg_inf<C>()), arg(-1) {}
+  __device__ __forceinline__ void take(C v, int pos) {
+    if (kRelu && v < C(0)) v = C(0);
+    if (arg < 0 || v > best || (v != v && best == best)) { best = v; arg = pos; }
+  }
+  template <typename T>
+  __device__ __forceinline__ void store(T* y, int* idx, long long i) const {
+    y[i] = as<T>(best);
+    idx[i] = (kRelu && !(best > C(0))) ? -1 : arg;
+  }
+};
+
 template <typename T, bool kRelu>
 __device__ __forceinline__ void max_pool_fwd(T* y, int* idx, const T* x, const PoolGeom& g) {
-  using C = compute_t<T>;
   GRID_STRIDE(i, (long long)g.n_c * g.ho * g.wo) {
     const PoolWindow win = pool_window(g, i);
     const T* xp = x + win.p * g.h * g.w;
-    C best = neg_inf<C>();
-    int arg = -1;
-    for_each_tap(g, win, [&](int pos) {
-      C v = as<C>(xp[pos]);
-      if (kRelu && v < C(0)) v = C(0);
-      if (arg < 0 || v > best || (v != v && best == best)) { best = v; arg = pos; }
-    });
-    y[i] = as<T>(best);
-    idx[i] = (kRelu && !(best > C(0))) ? -1 : arg;
+    MaxScan<compute_t<T>, kRelu> scan;
+    for_each_tap(g, win, [&](int pos) { scan.take(as<compute_t<T>>(xp[pos]), pos); });
+    scan.store(y, idx, i);
   }
 }
 
@@ -91,27 +101,22 @@ __global__ void relu_max_pool_fwd_kernel(T* y, int* idx, const T* x, PoolGeom g)
 
 // MaxPool2d(2) (2 x 2 windows, stride 2, no padding: every window inside the image; the
 // launcher checks, and that the sizes fit int): max_pool_fwd with the window fixed at compile
-// time and 32-bit indices. The generic loop's bounds checks and 64-bit divisions made the
-// first layer's pool 3x slower than its memory traffic.
+// time and 32-bit indices (the generic loop's bounds checks and 64-bit divisions were most
+// of the first layer's pooling time).
 template <typename T, bool kRelu>
 __device__ __forceinline__ void max_pool_fwd_2x2(T* y, int* idx, const T* x, const PoolGeom& g) {
-  using C = compute_t<T>;
   const int out_plane = g.ho * g.wo;
   GRID_STRIDE_32(i, g.n_c * out_plane) {
     const int p = i / out_plane, r = i - p * out_plane, oh = r / g.wo, ow = r - oh * g.wo;
     const T* xp = x + p * g.h * g.w;
     const int pos0 = 2 * oh * g.w + 2 * ow;
-    C best = neg_inf<C>();
-    int arg = -1;
+    MaxScan<compute_t<T>, kRelu> scan;
 #pragma unroll
     for (int t = 0; t < 4; ++t) {  // rows, then columns: the generic scan order
       const int pos = pos0 + (t >> 1) * g.w + (t & 1);
-      C v = as<C>(xp[pos]);
-      if (kRelu && v < C(0)) v = C(0);
-      if (arg < 0 || v > best || (v != v && best == best)) { best = v; arg = pos; }
+      scan.take(as<compute_t<T>>(xp[pos]), pos);
     }
-    y[i] = as<T>(best);
-    idx[i] = (kRelu && !(best > C(0))) ? -1 : arg;
+    scan.store(y, idx, i);
   }
 }
 
