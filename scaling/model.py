@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,6 +116,19 @@ def fit_compute(runs: list[dict]) -> Compute:
     return Compute(fixed, per_image)
 
 
+def newest_sweep(results: Path, runs: list[dict]) -> str | None:
+    """The newest sweep (by its meta.json date) with 1-GPU runs at two or more batch sizes:
+    today's step, which the predictions should be made from (older sweeps ran older kernels
+    or precisions)."""
+    dated = []
+    for source in {r["source"] for r in runs}:
+        sizes = {r["batch_per_gpu"] for r in runs if r["source"] == source and r["gpus"] == 1}
+        meta = results / source / "meta.json"
+        if len(sizes) >= 2 and meta.exists():
+            dated.append((json.loads(meta.read_text()).get("date", ""), source))
+    return max(dated)[1] if dated else None
+
+
 def fit_link(results: Path, args) -> Link:
     files = sorted(results.glob("comm-*.csv"))
     if not files:
@@ -181,14 +195,18 @@ class Model:
 def check_rows(model: Model, runs: list[dict]) -> list[dict]:
     """Predicted against measured efficiency for every measured multi-GPU run. A sweep with
     1-GPU runs at two batch sizes is predicted from its own compute line (sweeps of other
-    kernels or precisions step at other speeds); the others from `model`'s shared fit."""
+    kernels or precisions step at other speeds); one with a single batch size from `model`'s
+    line scaled through its 1-GPU step."""
     models = {}
     for source in {r["source"] for r in runs}:
+        mine = [r for r in runs if r["source"] == source]
         try:
-            own = fit_compute([r for r in runs if r["source"] == source])
-            models[source] = Model(own, model.link, model.args)
+            own = fit_compute(mine)
         except ScalingError:
-            models[source] = model
+            one = [r for r in mine if r["gpus"] == 1]
+            k = one[0]["step_s"] / model.compute.step_s(one[0]["batch_per_gpu"]) if one else 1.0
+            own = Compute(model.compute.fixed_s * k, model.compute.per_image_s * k)
+        models[source] = Model(own, model.link, model.args)
     base = {}
     for r in runs:
         if r["gpus"] == 1:
@@ -285,10 +303,14 @@ def main(argv) -> int:
     args = parse_args(argv)
     counts = common.parse_counts(args.gpus, "--gpus")
     runs = measured_runs(args.results)
-    model = Model(fit_compute(runs), fit_link(args.results, args), args)
+    newest = newest_sweep(args.results, runs)
+    fitted = [r for r in runs if r["source"] == newest] if newest else runs
+    model = Model(fit_compute(fitted), fit_link(args.results, args), args)
     link, comp = model.link, model.compute
     assumptions = (
-        f"Compute (fitted to the 1-GPU runs): step = {comp.fixed_s * 1e3:.3f} ms + "
+        f"Compute (fitted to the 1-GPU runs of {newest or 'every sweep'}"
+        f"{', the newest sweep with two batch sizes' if newest else ''}): step = "
+        f"{comp.fixed_s * 1e3:.3f} ms + "
         f"{comp.per_image_s * 1e6:.2f} us x per-GPU batch. Collective (fitted to the 2-rank "
         f"RS+AG measurements): alpha {link.alpha_s * 1e6:.1f} us, bus bandwidth "
         f"{link.bus_bytes_s / 1e9:.0f} GB/s within a host; ring step {args.hop_us_intra:g} us "
