@@ -166,11 +166,16 @@ class Tensor:
                 if gi is None or not need:
                     continue
                 prev = grads.get(id(inp))
+                if prev is not None and inp.dtype not in (prev.dtype, gi.dtype):
+                    # two 16-bit gradients of an fp32 leaf (ops.CastParameter): sum in fp32
+                    prev, gi = (be.astype(v, inp.dtype) for v in (prev, gi))
                 grads[id(inp)] = gi if prev is None else be.add(prev, gi)
 
     def _accumulate(self, g):
+        # g may be 16-bit for an fp32 leaf (ops.CastParameter): add_ casts as it adds
         if self.grad is None:
-            self.grad = Tensor(self.be.copy(g))
+            self.grad = Tensor(self.be.astype(g, self.dtype) if g.dtype != self.dtype
+                               else self.be.copy(g))
         else:
             self.be.add_(self.grad.data, g)
         for hook in self._grad_hooks:

@@ -192,6 +192,17 @@ def cast(x: Tensor, dtype) -> Tensor:
     return ops.Cast.apply(x, dtype=dtype)
 
 
+def cast_parameter(p: Tensor, dtype) -> Tensor:
+    """cast(p, dtype) for a parameter: the gradient returns in `dtype` and the leaf adds it
+    into its own .grad with the cast folded in (one kernel instead of two per parameter)."""
+    dtype = np.dtype(dtype)
+    if p.dtype == dtype or p._ctx is not None or not p.requires_grad:
+        return cast(p, dtype)
+    if not (_is_float(dtype) and _is_float(p.dtype)):
+        raise TypeError(f"cast_parameter: float to float only, got {p.dtype} to {dtype}")
+    return ops.CastParameter.apply(p, dtype=dtype)
+
+
 def _is_float(dtype) -> bool:
     return dtype.kind == "f" or dtype == BFLOAT16
 

@@ -94,6 +94,15 @@ __global__ void convert_kernel(To* out, const Ti* in, long long n) {
     out[i] = as<To>(in[i]);
 }
 
+// dst += src with src in a 16-bit type and dst float (a mixed-precision weight's gradient into
+// its fp32 .grad): the cast and the add of convert_kernel + map2_kernel<Add> in one pass,
+// the same arithmetic (the cast is exact, the sum in float).
+template <typename To, typename Ti>
+__global__ void accumulate_kernel(To* dst, const Ti* src, long long n) {
+  GRID_STRIDE(i, n)
+    dst[i] = dst[i] + as<To>(src[i]);
+}
+
 // instantiate: map1_kernel<float, Neg>; map1_kernel<float, Exp>; map1_kernel<float, Log>; map1_kernel<float, Sqrt>; map1_kernel<float, Tanh>; map1_kernel<float, Scale>; map1_kernel<float, Pow>; map1_kernel<float, Relu>; map1_kernel<float, Sigmoid>
 // instantiate: map1_kernel<double, Neg>; map1_kernel<double, Exp>; map1_kernel<double, Log>; map1_kernel<double, Sqrt>; map1_kernel<double, Tanh>; map1_kernel<double, Scale>; map1_kernel<double, Pow>; map1_kernel<double, Relu>; map1_kernel<double, Sigmoid>
 // instantiate: map2_kernel<float, Add>; map2_kernel<float, Sub>; map2_kernel<float, Mul>; map2_kernel<float, Div>; map2_kernel<float, ReluBack>; map2_kernel<float, SigmoidBack>; map2_kernel<float, TanhBack>; map2_kernel<float, PowBack>
@@ -122,5 +131,7 @@ __global__ void convert_kernel(To* out, const Ti* in, long long n) {
 // instantiate: bcast2_kernel<__nv_bfloat16, Add>; bcast2_kernel<__nv_bfloat16, Sub>
 // instantiate: bcast2_kernel<__nv_bfloat16, Mul>; bcast2_kernel<__nv_bfloat16, Div>
 // instantiate: convert_kernel<__half, float>; convert_kernel<float, __half>; convert_kernel<__half, double>; convert_kernel<double, __half>
+// instantiate: accumulate_kernel<float, __half>
 // instantiate: convert_kernel<__nv_bfloat16, float>; convert_kernel<float, __nv_bfloat16>
+// instantiate: accumulate_kernel<float, __nv_bfloat16>
 // instantiate: convert_kernel<__nv_bfloat16, double>; convert_kernel<double, __nv_bfloat16>

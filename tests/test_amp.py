@@ -31,6 +31,31 @@ def test_cast_forward_and_gradient_dtypes():
         F.cast(x, np.int32)
 
 
+def test_cast_parameter_accumulates_the_16_bit_gradient_into_fp32_bitwise():
+    """A parameter's 16-bit gradient is added into its fp32 .grad with the cast folded in:
+    the same bits as a cast followed by an add; two uses of one parameter sum in fp32."""
+    rng = np.random.default_rng(3)
+    w0 = rng.standard_normal((5, 6)).astype(np.float32)
+    x = Tensor(rng.standard_normal((4, 6)).astype(np.float16))
+    grads = []
+    for cast in (F.cast, F.cast_parameter):
+        w = Tensor(w0.copy(), requires_grad=True)
+        w.grad = Tensor(np.full_like(w0, 0.25))  # a flat buffer's view already holds a grad
+        (F.cast(F.linear(x, cast(w, HALF), None), np.float32) * 3.0).sum().backward()
+        grads.append(w.grad.numpy())
+        assert w.grad.dtype == np.float32
+    assert grads[0].tobytes() == grads[1].tobytes()
+    w = Tensor(w0.copy(), requires_grad=True)  # no grad yet; used twice
+    h = F.cast_parameter(w, HALF)
+    (F.cast(F.linear(x, h, None), np.float32).sum() + F.cast(F.linear(x, h, None), np.float32)
+     .sum()).backward()
+    assert w.grad.dtype == np.float32
+    ref = Tensor(w0.copy(), requires_grad=True)
+    (F.cast(F.linear(x, F.cast(ref, HALF), None), np.float32).sum() * 2.0).backward()
+    np.testing.assert_allclose(w.grad.numpy(), ref.grad.numpy(), rtol=1e-3)
+    assert F.cast_parameter(x, HALF) is x  # already 16-bit; non-leaves take F.cast
+
+
 @pytest.mark.parametrize("layer, shape", [(lambda: nn.Linear(6, 5), (4, 6)),
                                           (lambda: nn.Conv2d(3, 4, 3, padding=1), (2, 3, 5, 5))])
 def test_layers_compute_in_their_inputs_dtype_with_fp32_gradients(layer, shape):

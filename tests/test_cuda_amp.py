@@ -174,6 +174,20 @@ def test_conv2d_16bit_all_passes(cu, dt, xs, ws, stride, pad):
     close(*both(cu, dt, "conv2d_backward_weight", x, gy, ws, stride, pad), dt, factor=2)
 
 
+@pytest.mark.parametrize("dt", DTYPES)
+def test_add_folds_the_cast_of_a_16_bit_gradient(cu, dt):
+    """add_(fp32 dst, 16-bit src): one kernel, the bits of astype then add_ (what a mixed-
+    precision parameter's gradient accumulation did before)."""
+    src = rand(dt, 1000, 37, seed=41)
+    dst = np.random.default_rng(42).standard_normal((1000, 37)).astype(np.float32)
+    fused, ref = cu.asarray(dst), cu.asarray(dst)
+    cu.add_(fused, cu.asarray(src))
+    cu.add_(ref, cu.astype(cu.asarray(src), np.float32))
+    assert cu.to_numpy(fused).tobytes() == cu.to_numpy(ref).tobytes()
+    with pytest.raises(ValueError, match="shape"):
+        cu.add_(fused, cu.asarray(rand(dt, 37, seed=43)))
+
+
 DIRECT_BWDW = [  # x shape, w shape, stride, padding: C_in*KH*KW <= 32, the tensor-core kernel
     ((16, 1, 48, 48), (32, 1, 3, 3), (1, 1), (1, 1)),  # the reference CNN's first layer
     ((3, 3, 9, 7), (20, 3, 3, 3), (1, 1), (1, 1)),  # K = 27 (4 n-tiles), odd rows, 20 channels

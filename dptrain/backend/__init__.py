@@ -31,6 +31,8 @@ Conventions shared by all backends:
     the same results. Likewise ``max_pool2d_backward(..., window=(kernel, stride, padding))``
     may use the forward's window (the GPU's kernel for windows that tile the input); idx
     alone defines the result.
+  * ``add_(dst, src)`` accumulates a 16-bit src of dst's shape into a float32 dst, the cast
+    folded into the add (a mixed-precision parameter's gradient, ``ops.CastParameter``).
 
 The runtime (``be.runtime``), with the CPU's trivial meaning in brackets:
   ``current_stream()``, ``comm_stream()``   the stream ops launch on now; the one collectives

@@ -29,7 +29,7 @@ def _in_dtype_of(x, *params):
     for any other x."""
     if x.dtype.itemsize != 2:
         return params
-    return tuple(None if p is None else F.cast(p, x.dtype) for p in params)
+    return tuple(None if p is None else F.cast_parameter(p, x.dtype) for p in params)
 
 
 class _Workspace:

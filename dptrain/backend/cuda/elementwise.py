@@ -102,7 +102,19 @@ def div(a, b):
 
 
 def add_(dst, src):
-    """dst += src, in place (gradient accumulation); src broadcasts to dst."""
+    """dst += src, in place (gradient accumulation); src broadcasts to dst. A float32 dst
+    also takes a 16-bit src of its shape (a mixed-precision weight's gradient), cast and added
+    in one pass."""
+    if dst.dtype == np.float32 and getattr(src, "dtype", None) in launch.HALVES:
+        launch.check_arrays("add_", dst, src)
+        launch.check_contiguous("add_", dst, src)
+        if src.shape != dst.shape:
+            raise ValueError(f"cuda.add_: a {src.dtype} src must have dst's shape {dst.shape}, "
+                             f"got {src.shape}")
+        if dst.size:
+            fn = launch.kernel(EW, "accumulate_kernel", "float", launch.ctype(src.dtype))
+            launch.grid_stride(fn, dst.size, (dst, src, np.int64(dst.size)))
+        return dst
     launch.check_float("add_", dst, src, half=True)
     launch.check_contiguous("add_", dst)
     return _binary("add_", "Add", dst, src, out=dst)
