@@ -196,13 +196,10 @@ class Cast(Function):
         return (self.be.astype(gy, self.dtype),)
 
 
-class CastParameter(Function):
-    """A parameter (a leaf) in a 16-bit dtype (mixed precision). Its gradient goes back in the
-    16-bit dtype: the leaf adds it into its fp32 ``.grad`` in one pass (``Tensor._accumulate``,
-    a mixed-dtype ``add_``) rather than after a cast of its own."""
-
-    def forward(self, a, dtype):
-        return self.be.astype(a, dtype)
+class CastParameter(Cast):
+    """Cast of a parameter (a leaf) to a 16-bit dtype (mixed precision). Its gradient goes back
+    in the 16-bit dtype: the leaf adds it into its fp32 ``.grad`` in one pass
+    (``Tensor._accumulate``, a mixed-dtype ``add_``) rather than after a cast of its own."""
 
     def backward(self, gy):
         return (gy,)

@@ -60,14 +60,18 @@ def _chunk(dt) -> int:
     return 16 // np.dtype(dt).itemsize
 
 
+def _tensor_cores(dt) -> bool:
+    """Whether dtype dt computes on tensor cores now: 16-bit, or float32 under TF32."""
+    return np.dtype(dt) in launch.HALVES or runtime.precision == "tf32"
+
+
 def _nhwc(dt, c: int, nb: int) -> bool:
     """Whether the channels-last backward-weight kernel may gather c input channels of a
     batch of nb: tensor-core precisions only, c in whole chunks, within the copy's grid."""
     if (os.environ.get(NHWC_ENV, "1") == "0" or nb > launch.GRID_YZ_MAX
             or c > 32 * launch.GRID_YZ_MAX):
         return False
-    tensor_cores = np.dtype(dt) in launch.HALVES or runtime.precision == "tf32"
-    return tensor_cores and c % _chunk(dt) == 0
+    return _tensor_cores(dt) and c % _chunk(dt) == 0
 
 
 def _to_nhwc(shape, dt):
@@ -109,7 +113,7 @@ def _plan_direct_backward_weight(x_shape, w_shape, ho, wo, stride, padding, kmax
     f = "conv2d_backward_weight"
     geom = _direct_geom(x_shape, w_shape, ho, wo, stride, padding)
     m, k, npix = w_shape[0], w_shape[1] * w_shape[2] * w_shape[3], x_shape[0] * ho * wo
-    tensor_cores = dt in launch.HALVES or runtime.precision == "tf32"
+    tensor_cores = _tensor_cores(dt)
     if tensor_cores:  # 32 channels x all taps per block row
         groups, rows = -(-m // 32), x_shape[0] * ho
         blocks = max(1, min(-(-rows // 8), 4 * launch.sm_count() // groups))
