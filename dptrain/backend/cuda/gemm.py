@@ -188,13 +188,18 @@ def _is_sm90(device_id: int) -> bool:
     return int(cupy.cuda.Device(device_id).compute_capability) == 90
 
 
+def wgmma_available() -> bool:
+    """Whether the wgmma kernels may run: a compute capability 9.0 device, and DPTRAIN_WGMMA
+    not "0"."""
+    return _wgmma_enabled() and _is_sm90(cupy.cuda.Device().id)
+
+
 def _wgmma_fits(a, b, ta, tb, m, n, k, nb) -> bool:
     """True when gemm_wgmma.cu may compute this product (see the module docstring); an
     operand that is transposed into a scratch copy first needs no alignment of its own."""
     bk = _WGMMA_ROW // a.itemsize  # K elements in one 128-byte row
     return ((a.dtype in launch.HALVES or runtime.precision == "tf32")
-            and _wgmma_enabled()
-            and _is_sm90(cupy.cuda.Device().id)
+            and wgmma_available()
             and m % _WGMMA_BM == 0 and n % _WGMMA_BN == 0 and k % bk == 0 and k > 0
             and (ta or a.data.ptr % 16 == 0) and (not tb or b.data.ptr % 16 == 0)
             and nb * (m // _WGMMA_BM) * (n // _WGMMA_BN) >= launch.sm_count()
