@@ -66,31 +66,10 @@
 // instantiate: splitk_reduce_warp_kernel<__half, float>
 // instantiate: conv2d_weight_reorder_kernel<__nv_bfloat16>
 
+#include "conv_geom.cuh"
 #include "gemm_tiles.cuh"
 
 // ----------------------------------------------------------------------------- forward / bwd-data
-
-struct ConvGeom {
-  int Nb, M, C;        // batch; channels of out (GEMM rows); channels summed over
-  int Hs, Ws, Ho, Wo;  // spatial size of src; of out
-  int KH, KW, sh, sw, ph, pw;
-  int mode;  // 0 forward, 1 backward-data
-};
-
-// Source pixel read by output pixel (oy, ox) through filter tap (kh, kw); false if none.
-__device__ __forceinline__ bool conv_tap(const ConvGeom& g, int oy, int ox, int kh, int kw,
-                                         int& iy, int& ix) {
-  if (g.mode == 0) {
-    iy = oy * g.sh - g.ph + kh;
-    ix = ox * g.sw - g.pw + kw;
-    return (unsigned)iy < (unsigned)g.Hs && (unsigned)ix < (unsigned)g.Ws;
-  }
-  const int ty = oy + g.ph - kh, tx = ox + g.pw - kw;
-  if (ty < 0 || tx < 0) return false;
-  iy = ty / g.sh;
-  ix = tx / g.sw;
-  return iy * g.sh == ty && ix * g.sw == tx && iy < g.Hs && ix < g.Ws;
-}
 
 // wr[m][khw*C + c] = w[m*w_sm + c*w_sc + khw]: the weight in the implicit GEMM's K order.
 // forward: m = c_out, c = c_in (w_sm = C_in*KH*KW, w_sc = KH*KW);

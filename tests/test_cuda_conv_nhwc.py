@@ -8,19 +8,13 @@ that for backward-weight's long sums)."""
 import numpy as np
 import pytest
 
+from convcheck import DTYPES, F, H, close, inputs, passes, reference, to_f32
 from dptrain import backend
-from dptrain.backend.bfloat16 import BFLOAT16, from_bfloat16, to_bfloat16
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
 from dptrain.backend.cuda import conv2d, gemm  # noqa: E402 - after the CuPy check
-
-H = np.dtype(np.float16)
-F = np.dtype(np.float32)
-TOL = {F: 5e-3, H: 2e-3, BFLOAT16: 1.6e-2}
-DTYPES = [pytest.param(F, id="tf32"), pytest.param(H, id="fp16"), pytest.param(BFLOAT16, id="bf16")]
-cpu = backend.get("cpu")
 
 CASES = [  # x shape, w shape, stride, padding
     ((4, 32, 12, 12), (64, 32, 3, 3), (1, 1), (1, 1)),  # a reference-CNN layer
@@ -48,54 +42,34 @@ def fresh_plans(cu):
     gemm.clear_plans()
 
 
-def to_dt(x, dt):
-    return to_bfloat16(x) if dt == BFLOAT16 else np.asarray(x, np.float32).astype(dt)
+
+@pytest.fixture(scope="module")
+def cu():
+    return backend.get("cuda")
 
 
-def to_f32(a, dt):
-    return from_bfloat16(a) if dt == BFLOAT16 else np.asarray(a).astype(np.float32)
+@pytest.fixture(autouse=True)
+def fresh_plans(cu):
+    """TF32 for float; plans rebuilt so DPTRAIN_NHWC_CONV is read afresh; NaN in the pool."""
+    gemm.clear_plans()
+    junk = cp.full(16 << 20, np.nan, dtype=np.float32)
+    del junk
+    with cu.runtime.precision_scope("tf32"):
+        yield
+    gemm.clear_plans()
 
 
-def rand(dt, shape, seed):
-    return to_dt(np.random.default_rng(seed).standard_normal(shape), dt)
-
-
-def close(got, ref, dt, factor=1.0):
-    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
-    assert got.shape == ref.shape
-    assert np.isfinite(got).all(), "elements not written"
-    err = np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30)
-    assert err <= TOL[dt] * factor, f"relative error {err:.2e} > {TOL[dt] * factor:.1e}"
-
-
-def passes(cu, dt, x, w, gy, stride, pad):
-    """The three passes on the device, as float32 NumPy arrays."""
-    dx, dw, dgy = cu.asarray(x), cu.asarray(w), cu.asarray(gy)
-    out = (cu.conv2d_forward(dx, dw, None, stride, pad),
-           cu.conv2d_backward_data(dgy, dw, x.shape, stride, pad),
-           cu.conv2d_backward_weight(dx, dgy, w.shape, stride, pad))
-    return [to_f32(cu.to_numpy(o), dt) for o in out]
-
-
-def reference(dt, x, w, gy, stride, pad):
-    x, w, gy = (to_f32(a, dt).astype(np.float64) for a in (x, w, gy))
-    return (cpu.conv2d_forward(x, w, None, stride, pad),
-            cpu.conv2d_backward_data(gy, w, x.shape, stride, pad),
-            cpu.conv2d_backward_weight(x, gy, w.shape, stride, pad))
-
-
-def inputs(dt, xs, ws, stride, pad):
-    ho = (xs[2] + 2 * pad[0] - ws[2]) // stride[0] + 1
-    wo = (xs[3] + 2 * pad[1] - ws[3]) // stride[1] + 1
-    return (rand(dt, xs, 1), to_dt(np.random.default_rng(2).standard_normal(ws) * 0.2, dt),
-            rand(dt, (xs[0], ws[0], ho, wo), 3))
+def bwdw_kernel(cu, x, w, gy, stride, pad):
+    """The kernel backward-weight's plan picks for these (host) inputs."""
+    return conv2d.conv2d_kernels(cu.asarray(x), cu.asarray(w), cu.asarray(gy), stride,
+                                 pad)["backward_weight"]
 
 
 @pytest.mark.parametrize("dt", DTYPES)
 @pytest.mark.parametrize("xs, ws, stride, pad", CASES)
 def test_channels_last_passes_match_reference(cu, dt, xs, ws, stride, pad):
-    assert conv2d._nhwc(dt, xs[1], xs[0])  # backward-weight takes the channels-last kernel
     x, w, gy = inputs(dt, xs, ws, stride, pad)
+    assert bwdw_kernel(cu, x, w, gy, stride, pad) == "conv2d_bwdw_nhwc_kernel"
     got, ref = passes(cu, dt, x, w, gy, stride, pad), reference(dt, x, w, gy, stride, pad)
     for g, r, factor in zip(got, ref, (1, 1, 2)):
         close(g, r, dt, factor)
@@ -108,7 +82,7 @@ def test_channels_last_and_nchw_kernels_agree(cu, dt, monkeypatch):
     nhwc = passes(cu, dt, x, w, gy, stride, pad)
     monkeypatch.setenv(conv2d.NHWC_ENV, "0")
     gemm.clear_plans()
-    assert not conv2d._nhwc(dt, xs[1], xs[0])
+    assert bwdw_kernel(cu, x, w, gy, stride, pad) != "conv2d_bwdw_nhwc_kernel"
     nchw = passes(cu, dt, x, w, gy, stride, pad)
     for a, b in zip(nhwc, nchw):
         close(a, b, dt)
@@ -125,6 +99,8 @@ def test_misaligned_gy_falls_back(cu, dt):
     shifted = flat[1:].reshape(gy.shape)  # 2 or 4 bytes past an aligned start
     shifted[...] = cp.asarray(gy)
     assert shifted.data.ptr % 16 != 0
+    nchw = "conv2d_bwdw_tf32_kernel" if dt == F else "conv2d_bwdw_b16_kernel"
+    assert conv2d.conv2d_kernels(dx, cu.asarray(w), shifted, stride, pad)["backward_weight"] == nchw
     got = to_f32(cu.to_numpy(cu.conv2d_backward_weight(dx, shifted, ws, stride, pad)), dt)
     want = to_f32(cu.to_numpy(cu.conv2d_backward_weight(dx, cu.asarray(gy), ws, stride, pad)), dt)
     close(got, want, dt)

@@ -1,4 +1,4 @@
-"""Launchers of kernels/conv2d.cu: 2-D convolution forward, backward-data and backward-weight
+"""Launchers of kernels/conv2d*.cu: 2-D convolution forward, backward-data and backward-weight
 as implicit GEMMs (no im2col buffer), planned like matmul (gemm.py).
 
 Conventions (the .cu file's header has the kernel side):
@@ -16,6 +16,11 @@ Conventions (the .cu file's header has the kernel side):
     conv2d_nhwc.cu's kernel, whose im2col gathers are 16-byte cp.async chunks (1.3-1.8x
     faster at the reference CNN's shapes, the copy included). DPTRAIN_NHWC_CONV=0 keeps
     conv2d.cu's NCHW gathers.
+  * Forward and backward-data on Hopper (conv2d_wgmma.cu, wgmma with channels-last 16-byte
+    gathers; DPTRAIN_WGMMA_CONV=1, off by default until it has been timed on a GPU): the
+    source is copied to NHWC first, and the kernel needs the summed channels in whole 16-byte
+    chunks; otherwise conv2d.cu's mma.sync kernels run.
+  * `conv2d_kernels` names the kernel each pass's plan runs (tests, benchmarks).
   * Small filters (C_in*KH*KW <= 32, e.g. a first layer on 1-3 channel images) run the
     direct kernels of conv2d_direct.cu instead, forward (<= 128 output channels) and
     backward-weight: there the implicit GEMM wastes most of each K slab. The forward is FFMA
@@ -34,7 +39,7 @@ import numpy as np
 from dptrain.backend.cuda import launch
 from dptrain.backend.cuda.arrays import fill_
 from dptrain.backend.cuda.gemm import (operand_dtype, output, plan, reducer, sig, split_k,
-                                       tile_floats)
+                                       tile_floats, wgmma_available)
 from dptrain.backend.cuda.launch import i32
 from dptrain.backend.cuda.runtime import runtime
 from dptrain.backend.cuda.transpose import transposer
@@ -43,6 +48,10 @@ CONV = "conv2d.cu"
 DIRECT = "conv2d_direct.cu"
 DIRECT_ENV = "DPTRAIN_DIRECT_CONV"  # "0": the implicit GEMM for every shape
 NHWC = "conv2d_nhwc.cu"
+WGMMA_CONV = "conv2d_wgmma.cu"
+# "1": forward / backward-data on conv2d_wgmma.cu where it applies. Off by default until it has
+# been run and timed on a Hopper GPU against conv2d.cu's kernels (it has not yet been).
+WGMMA_CONV_ENV = "DPTRAIN_WGMMA_CONV"
 NHWC_ENV = "DPTRAIN_NHWC_CONV"  # "0": backward-weight keeps the NCHW gathers
 DIRECT_MAX_K, DIRECT_MAX_M = 32, 128  # C_in*KH*KW; output channels (forward)
 _DIRECT_MG = {4: 8, 8: 4, 12: 4, 16: 4, 20: 2, 24: 2, 28: 2, 32: 2}  # KMAX -> channels/thread
@@ -106,6 +115,7 @@ def _plan_direct_forward(x_shape, w_shape, ho, wo, stride, padding, kmax, dt):
             fn(grid, (256,), (w, x, bias if has_bias else y, y, np.int32(has_bias), geom))
         return y
 
+    run.kernel = "conv2d_direct_fwd_kernel"
     return run
 
 
@@ -117,15 +127,15 @@ def _plan_direct_backward_weight(x_shape, w_shape, ho, wo, stride, padding, kmax
     if tensor_cores:  # 32 channels x all taps per block row
         groups, rows = -(-m // 32), x_shape[0] * ho
         blocks = max(1, min(-(-rows // 8), 4 * launch.sm_count() // groups))
-        fn = launch.kernel(DIRECT, "conv2d_direct_bwdw_mma_kernel", launch.ctype(dt),
-                           str(-(-k // 8)))
+        name = "conv2d_direct_bwdw_mma_kernel"
+        fn = launch.kernel(DIRECT, name, launch.ctype(dt), str(-(-k // 8)))
     else:
         mg = _DIRECT_MG[kmax]
         groups = -(-m // mg)
         # About three resident blocks per SM over all groups (the accumulators limit occupancy).
         blocks = max(1, min(-(-npix // 256), 3 * launch.sm_count() // groups))
-        fn = launch.kernel(DIRECT, "conv2d_direct_bwdw_kernel", launch.ctype(dt), str(kmax),
-                           str(mg))
+        name = "conv2d_direct_bwdw_kernel"
+        fn = launch.kernel(DIRECT, name, launch.ctype(dt), str(kmax), str(mg))
     if groups > launch.GRID_YZ_MAX:
         raise ValueError(f"cuda.{f}: {m} output channels exceed the grid's limit")
     reduce = reducer(CONV, blocks, 1, m, k, k, 0, 0, dt)
@@ -144,6 +154,13 @@ def _plan_direct_backward_weight(x_shape, w_shape, ho, wo, stride, padding, kmax
         reduce(ws, gw, gw)
         return gw
 
+    run.kernel = name
+    return run
+
+
+def _empty(run):
+    """A plan with nothing to compute (an empty batch or channel axis)."""
+    run.kernel = "none"
     return run
 
 
@@ -189,50 +206,86 @@ def _plan_implicit(fn_name, mode, out_shape, m, c, hs, ws, ho, wo, kh, kw, strid
     nb = out_shape[0]
     npix, k = nb * ho * wo, kh * kw * c
     if npix == 0 or m == 0:
-        return lambda w, src, bias, out: output(fn_name, out, out_shape, dt)
+        return _empty(lambda w, src, bias, out: output(fn_name, out, out_shape, dt))
     reorder = launch.kernel(CONV, "conv2d_weight_reorder_kernel", launch.ctype(dt))
     r_grid = (max(1, min(-(-m * k // 256), launch.sm_count() * 4)),)
     r_tail = (i32(m), i32(c), i32(kh * kw), i32(w_sm), i32(w_sc))
-    bm = _rows_tile(m)
-    if dt in launch.HALVES:
-        smem = 3 * 2 * (tile_floats(bm, 32, True, 8) + tile_floats(128, 32, False, 8))
-        fn = launch.kernel(CONV, "conv2d_b16_kernel", launch.ctype(dt), str(bm), smem=smem)
-        block = (128,)
-    elif runtime.precision == "tf32":
-        smem = 3 * 4 * (tile_floats(bm, 32, True, 4) + tile_floats(128, 32, False, 8))
-        fn = launch.kernel(CONV, "conv2d_tf32_kernel", "float", str(bm), smem=smem)
-        block = (128,)
-    else:
-        smem = 4 * 4 * (tile_floats(bm, 8, False, 4) + tile_floats(128, 8, False, 4))
-        fn = launch.kernel(CONV, "conv2d_fp32_kernel", "float", str(bm), smem=smem)
-        block = (256,)
-    grid = (-(-npix // 128), -(-m // bm))
     (sh, sw), (ph, pw) = stride, padding
-    # CONV_PARAMS after (wr, src, bias, out, has_bias): Nb M C Hs Ws Ho Wo KH KW sh sw ph pw
-    # vec_w mode.
-    tail = (i32(nb), i32(m), i32(c), i32(hs), i32(ws), i32(ho), i32(wo), i32(kh),
-            i32(kw), i32(sh), i32(sw), i32(ph), i32(pw), i32(k % (16 // dt.itemsize) == 0),
-            i32(mode))
+    # The kernels' parameters after (wr, src, bias, out, has_bias).
+    geom = (i32(nb), i32(m), i32(c), i32(hs), i32(ws), i32(ho), i32(wo), i32(kh), i32(kw),
+            i32(sh), i32(sw), i32(ph), i32(pw))
+    if _wgmma_conv(dt, c, nb, npix, m):
+        name, fn, grid, block, smem = _wgmma_kernel(m, npix, dt)
+        tail = geom + (i32(mode),)
+        to_nhwc = _to_nhwc((nb, c, hs, ws), dt)
+    else:
+        name, fn, grid, block, smem = _mma_kernel(m, npix, dt)
+        tail = geom + (i32(k % _chunk(dt) == 0), i32(mode))  # + vec_w
+        to_nhwc = None
 
     def run(w, src, bias, out):
         y = output(fn_name, out, out_shape, dt)
         wr = launch.new((m, k), dt)
         if k:
             reorder(r_grid, (256,), (w, wr) + r_tail)
+        if to_nhwc:
+            src = to_nhwc(src)
         has_bias = bias is not None
         fn(grid, block, (wr, src, bias if has_bias else y, y, np.int32(has_bias)) + tail,
            shared_mem=smem)
         return y
 
+    run.kernel = name
     return run
+
+
+def _wgmma_conv(dt, c: int, nb: int, npix: int, m: int) -> bool:
+    """Whether conv2d_wgmma.cu computes a forward / backward-data pass summing c channels:
+    a Hopper GPU, a tensor-core precision, c in whole 16-byte chunks (each chunk of the
+    channels-last gather is then one tap), and a grid and transpose within their limits."""
+    return (os.environ.get(WGMMA_CONV_ENV, "0") == "1" and _tensor_cores(dt)
+            and wgmma_available() and c % _chunk(dt) == 0 and nb <= launch.GRID_YZ_MAX
+            and -(-c // 32) <= launch.GRID_YZ_MAX and -(-npix // 128) <= launch.INT32_MAX
+            and -(-m // 128) <= launch.GRID_YZ_MAX)
+
+
+def _wgmma_kernel(m, npix, dt):
+    """conv2d_wgmma_kernel for m output channels: 32 / 64 / 128 of them per block (the
+    smallest covering m), 128 pixels per block. (name, kernel, grid, block, shared memory)"""
+    bn = _rows_tile(m)
+    smem = 4 * (128 + bn) * 128 + 1024  # wgmma.cuh's smem_bytes<128, bn>()
+    name = "conv2d_wgmma_kernel"
+    fn = launch.kernel(WGMMA_CONV, name, launch.ctype(dt), str(bn), smem=smem)
+    return name, fn, (-(-npix // 128), -(-m // bn)), (256,), smem
+
+
+def _mma_kernel(m, npix, dt):
+    """conv2d.cu's implicit GEMM for m output channels: mma.sync (TF32, 16-bit) or FFMA.
+    (name, kernel, grid, block, shared memory)"""
+    bm = _rows_tile(m)
+    if dt in launch.HALVES:
+        smem = 3 * 2 * (tile_floats(bm, 32, True, 8) + tile_floats(128, 32, False, 8))
+        name, ctype, block = "conv2d_b16_kernel", launch.ctype(dt), (128,)
+    elif runtime.precision == "tf32":
+        smem = 3 * 4 * (tile_floats(bm, 32, True, 4) + tile_floats(128, 32, False, 8))
+        name, ctype, block = "conv2d_tf32_kernel", "float", (128,)
+    else:
+        smem = 4 * 4 * (tile_floats(bm, 8, False, 4) + tile_floats(128, 8, False, 4))
+        name, ctype, block = "conv2d_fp32_kernel", "float", (256,)
+    fn = launch.kernel(CONV, name, ctype, str(bm), smem=smem)
+    return name, fn, (-(-npix // 128), -(-m // bm)), block, smem
 
 
 def conv2d_forward(x, w, b, stride, padding, *, out=None, workspace=None):
     """y[n, co] = sum over (ci, kh, kw) of w[co, ci, kh, kw] * x[n, ci, shifted] (+ b[co])."""
+    return _forward(x, w, b, stride, padding)(w, x, b, out)
+
+
+def _forward(x, w, b, stride, padding):
     f = "conv2d_forward"
     key = (f, sig(f, "x", x), sig(f, "w", w), sig(f, "b", b), _key(stride), _key(padding),
            runtime.precision)
-    return plan(key, lambda: _plan_forward(x, w, b, stride, padding))(w, x, b, out)
+    return plan(key, lambda: _plan_forward(x, w, b, stride, padding))
 
 
 def _plan_forward(x, w, b, stride, padding):
@@ -259,11 +312,14 @@ def _plan_forward(x, w, b, stride, padding):
 
 def conv2d_backward_data(gy, w, x_shape, stride, padding, *, out=None, workspace=None):
     """Gradient of conv2d_forward with respect to x, of shape x_shape."""
+    return _backward_data(gy, w, x_shape, stride, padding)(w, gy, None, out)
+
+
+def _backward_data(gy, w, x_shape, stride, padding):
     f = "conv2d_backward_data"
     key = (f, sig(f, "gy", gy), sig(f, "w", w), _key(x_shape), _key(stride), _key(padding),
            runtime.precision)
-    return plan(key, lambda: _plan_backward_data(gy, w, x_shape, stride, padding))(
-        w, gy, None, out)
+    return plan(key, lambda: _plan_backward_data(gy, w, x_shape, stride, padding))
 
 
 def _plan_backward_data(gy, w, x_shape, stride, padding):
@@ -285,11 +341,22 @@ def _plan_backward_data(gy, w, x_shape, stride, padding):
 
 def conv2d_backward_weight(x, gy, w_shape, stride, padding, *, out=None, workspace=None):
     """Gradient of conv2d_forward with respect to w, of shape w_shape; bitwise repeatable."""
+    return _backward_weight(x, gy, w_shape, stride, padding)(x, gy, out)
+
+
+def _backward_weight(x, gy, w_shape, stride, padding):
     f = "conv2d_backward_weight"
     key = (f, sig(f, "x", x), sig(f, "gy", gy), _key(w_shape), _key(stride), _key(padding),
            runtime.precision)
-    return plan(key, lambda: _plan_backward_weight(x, gy, w_shape, stride, padding))(
-        x, gy, out)
+    return plan(key, lambda: _plan_backward_weight(x, gy, w_shape, stride, padding))
+
+
+def conv2d_kernels(x, w, gy, stride, padding) -> dict[str, str]:
+    """The kernel each pass of this convolution runs, as the plans choose it now (for tests
+    and benchmarks): {"forward": ..., "backward_data": ..., "backward_weight": ...}."""
+    return {"forward": _forward(x, w, None, stride, padding).kernel,
+            "backward_data": _backward_data(gy, w, x.shape, stride, padding).kernel,
+            "backward_weight": _backward_weight(x, gy, w.shape, stride, padding).kernel}
 
 
 def _plan_backward_weight(x, gy, w_shape, stride, padding):
@@ -308,7 +375,7 @@ def _plan_backward_weight(x, gy, w_shape, stride, padding):
     out_shape = (cout, cin, kh, kw)
     m, ncol, k = cout, cin * kh * kw, n * ho * wo
     if m == 0 or ncol == 0:
-        return lambda x, gy, out: output(f, out, out_shape, dt)
+        return _empty(lambda x, gy, out: output(f, out, out_shape, dt))
     kmax = _direct_kmax(ncol)
     if kmax:
         return _plan_direct_backward_weight(x.shape, out_shape, ho, wo, (sh, sw), (ph, pw), kmax,
@@ -317,7 +384,8 @@ def _plan_backward_weight(x, gy, w_shape, stride, padding):
     if -(-m // bm) > launch.GRID_YZ_MAX:
         raise ValueError(f"cuda.{f}: {m} output channels exceed the grid's limit")
     splits, chunk = split_k(-(-m // bm) * -(-ncol // bn), k, 512, 1024)
-    nhwc = _nhwc(dt, cin, n) and (ho * wo) % _chunk(dt) == 0
+    # The chunks of gy need 16-byte alignment (part of the plan's key).
+    nhwc = _nhwc(dt, cin, n) and (ho * wo) % _chunk(dt) == 0 and gy.data.ptr % 16 == 0
     if dt in launch.HALVES:
         smem = 3 * 2 * (tile_floats(bm, 32, True, 8) + tile_floats(bn, 32, True, 8))
         name = "conv2d_bwdw_b16_kernel"
@@ -343,7 +411,7 @@ def _plan_backward_weight(x, gy, w_shape, stride, padding):
     def run(x, gy, out):
         gw = output(f, out, out_shape, dt)
         ws = launch.new((splits, m, ncol), np.float32) if reduce else gw
-        if nhwc and gy.data.ptr % 16 == 0:  # the chunks of gy need 16-byte alignment
+        if nhwc:
             fn_cl(grid, (256,), (to_nhwc(x), gy, gw, ws) + tail, shared_mem=smem_cl)
         else:
             fn(grid, (256,), (x, gy, gw, ws) + tail, shared_mem=smem)
@@ -351,4 +419,5 @@ def _plan_backward_weight(x, gy, w_shape, stride, padding):
             reduce(ws, gw, gw)
         return gw
 
+    run.kernel = "conv2d_bwdw_nhwc_kernel" if nhwc else name
     return run

@@ -1,0 +1,118 @@
+// conv2d_wgmma.cu: 2D convolution forward and backward-data as implicit GEMMs on Hopper
+// tensor cores (wgmma.mma_async, sm_90a): TF32 on float, bf16 / fp16 on 16-bit types, fp32
+// accumulate. Launcher: dptrain/backend/cuda/conv2d.py, which picks this kernel on compute
+// capability 9.0 for tensor-core precisions when the summed channels come in whole 16-byte
+// chunks; otherwise conv2d.cu's mma.sync kernels run.
+//
+// Conventions
+//  * The GEMM of conv2d.cu's forward / backward-data (ConvGeom, conv_tap in conv_geom.cuh),
+//    transposed: rows are output pixels q = (n, oy, ox) (GEMM M, 128 per block), columns
+//    the output channels m (GEMM N, BN per block), K = KH*KW*C in (kh, kw, c) order.
+//  * A (pixels x K) is gathered from the source in channels-last layout, src[n, y, x, c]
+//    (the launcher transposes the NCHW tensor first): with C a multiple of the 16-byte
+//    chunk (4 floats, 8 16-bit values) every chunk of a pixel's K row is one filter tap's
+//    contiguous channels, so the im2col gather is wgmma's own 16-byte cp.async load with a
+//    per-chunk address (zero-fill outside the image, past K and past the last pixel).
+//  * B (channels x K) is the weight reordered by conv2d_weight_reorder_kernel (conv2d.cu),
+//    wr[m][(kh*KW + kw)*C + c]: dense and K-major, rows past M zero-filled.
+//  * The output is NCHW, out[n, m, oy, ox] = acc (+ bias[m]), written with `=`: per
+//    accumulator, lanes along the pixels (8 consecutive pixels of one channel per quad).
+//  * Tiles, swizzle and pipeline: wgmma.cuh. 256 threads = two warpgroups of 64 pixels.
+//
+// nvrtc-options: -arch=sm_90a
+// instantiate: conv2d_wgmma_kernel<float, 32>; conv2d_wgmma_kernel<float, 64>
+// instantiate: conv2d_wgmma_kernel<float, 128>
+// instantiate: conv2d_wgmma_kernel<__nv_bfloat16, 32>; conv2d_wgmma_kernel<__nv_bfloat16, 64>
+// instantiate: conv2d_wgmma_kernel<__nv_bfloat16, 128>
+// instantiate: conv2d_wgmma_kernel<__half, 32>; conv2d_wgmma_kernel<__half, 64>
+// instantiate: conv2d_wgmma_kernel<__half, 128>
+
+#include "common.cuh"
+#include "conv_geom.cuh"
+#include "wgmma.cuh"
+
+namespace wgmma_conv {
+constexpr int BM = 128, THREADS = 256;
+constexpr int A_ROWS = BM / (THREADS / 8);  // pixel rows each thread loads: 4
+}  // namespace wgmma_conv
+
+template <typename T, int BN>
+__global__ void __launch_bounds__(wgmma_conv::THREADS, BN <= 64 ? 2 : 1)
+    conv2d_wgmma_kernel(const T* __restrict__ wr, const T* __restrict__ src,
+                        const T* __restrict__ bias, T* __restrict__ out, int has_bias, int Nb,
+                        int M, int C, int Hs, int Ws, int Ho, int Wo, int KH, int KW, int sh,
+                        int sw, int ph, int pw, int mode) {
+  using namespace wgmma_tiles;
+  using namespace wgmma_conv;
+  constexpr int BK = ROW_BYTES / sizeof(T), CHUNK = 16 / sizeof(T);  // elements
+  constexpr int B_ROWS = BN / (THREADS / 8);  // weight rows each thread loads
+  static_assert(B_ROWS >= 1, "at least one weight row per thread");
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  unsigned dyn;
+  asm volatile("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(dyn));
+  if (dyn < (unsigned)smem_bytes<BM, BN>()) __trap();  // the launcher must pass it
+
+  const ConvGeom g{Nb, M, C, Hs, Ws, Ho, Wo, KH, KW, sh, sw, ph, pw, mode};
+  const int K = KH * KW * C, hw = Ho * Wo, npix = Nb * hw;
+  const int q0 = blockIdx.x * BM, m0 = blockIdx.y * BN;
+
+  // Loader: 16-byte chunk lc = tid % 8 of tile rows lrow + 32 j. The pixel rows' coordinates
+  // are worked out once; each slab then costs one tap decode per thread.
+  const int lrow = threadIdx.x >> 3, lc = threadIdx.x & 7;
+  long long pbase[A_ROWS];  // offset of the pixel's image in src; -1 past the last pixel
+  int py[A_ROWS], px[A_ROWS];
+#pragma unroll
+  for (int j = 0; j < A_ROWS; ++j) {
+    const int q = q0 + lrow + 32 * j;
+    const int n = q / hw, p = q - n * hw;
+    py[j] = p / Wo;
+    px[j] = p - py[j] * Wo;
+    pbase[j] = q < npix ? (long long)n * Hs * Ws * C : -1;
+  }
+
+  float acc[BN / 2];
+#pragma unroll
+  for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+  wgmma_mainloop<T, BM, BN>(acc, smem_base(smem_raw), (K + BK - 1) / BK,
+                            [&](int kt, u32 sa, u32 sb) {
+    const int k = kt * BK + lc * CHUNK;  // this thread's chunk: one tap, CHUNK channels
+    const bool kok = k < K;
+    const int khw = k / C, c = k - khw * C, kh = khw / KW, kw = khw - kh * KW;
+#pragma unroll
+    for (int j = 0; j < A_ROWS; ++j) {
+      int iy = 0, ix = 0;
+      const bool ok = kok && pbase[j] >= 0 && conv_tap(g, py[j], px[j], kh, kw, iy, ix);
+      const T* p = ok ? src + pbase[j] + (long long)(iy * Ws + ix) * C + c : src;
+      cp_async16(sa + swizzled(lrow + 32 * j, lc), p, ok ? 16 : 0);
+    }
+#pragma unroll
+    for (int j = 0; j < B_ROWS; ++j) {
+      const int m = m0 + lrow + 32 * j;
+      const bool ok = kok && m < M;
+      cp_async16(sb + swizzled(lrow + 32 * j, lc), ok ? wr + (long long)m * K + k : wr,
+                 ok ? 16 : 0);
+    }
+  });
+
+  // Epilogue: the thread's two pixel rows (row and row + 8), then each pair of channels.
+  long long obase[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int q = q0 + (threadIdx.x >> 7) * 64 + ((threadIdx.x >> 5) & 3) * 16 +
+                  ((threadIdx.x & 31) >> 2) + 8 * h;
+    const int n = q / hw;
+    obase[h] = q < npix ? (long long)n * M * hw + (q - n * hw) : -1;
+  }
+  for_each_pair<BN>(acc, [&](int, int col, float x0, float y0, float x1, float y1) {
+    const float v[2][2] = {{x0, y0}, {x1, y1}};
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {  // channel m0 + col + e
+      const int m = m0 + col + e;
+      if (m >= M) break;
+      const float b = has_bias ? as<float>(bias[m]) : 0.f;
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        if (obase[h] >= 0) out[obase[h] + (long long)m * hw] = as<T>(has_bias ? v[h][e] + b : v[h][e]);
+    }
+  });
+}

@@ -1,0 +1,116 @@
+"""The Hopper convolution kernel (kernels/conv2d_wgmma.cu: forward and backward-data on wgmma,
+channels-last gathers) in TF32, fp16 and bf16 against the float64 CPU reference, on shapes
+that reach its edges: partial pixel and channel tiles, a partial K slab, strides (backward-data's
+exact-division taps), padding, 1x1 and non-square filters, a bias; the mma.sync kernels agree on
+the same inputs, channels not in whole 16-byte chunks fall back to them, and results repeat
+bitwise. Needs a compute capability 9.0 GPU (skipped elsewhere). Tolerances: convcheck.TOL."""
+import numpy as np
+import pytest
+
+from convcheck import DTYPES, close, cpu, inputs, passes, reference, to_dt, to_f32
+from dptrain import backend
+
+cp = pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+
+from dptrain.backend.cuda import conv2d, gemm  # noqa: E402 - after the CuPy check
+
+WGMMA = "conv2d_wgmma_kernel"
+CASES = [  # x shape, w shape, stride, padding
+    ((4, 32, 12, 12), (64, 32, 3, 3), (1, 1), (1, 1)),  # a reference-CNN layer (K = 288)
+    ((2, 64, 6, 6), (128, 64, 3, 3), (1, 1), (1, 1)),  # the next one: a 128-channel tile
+    ((3, 16, 9, 11), (24, 16, 3, 3), (1, 1), (1, 1)),  # 24 channels of a 32 tile; 297 pixels
+    ((2, 8, 10, 10), (136, 8, 3, 3), (2, 2), (1, 1)),  # stride 2; K = 72, a partial slab
+    ((2, 24, 8, 8), (40, 24, 1, 1), (1, 1), (0, 0)),  # 1x1: K = 24
+    ((2, 8, 12, 12), (48, 16, 5, 3), (1, 2), (2, 1)),  # non-square filter, uneven stride
+    ((64, 32, 16, 16), (32, 64, 3, 3), (1, 1), (1, 1)),  # 16,384 pixels: many blocks
+]
+
+
+def fix(xs, ws):
+    """CASES lists C_in on the weight where it differs from the input: use the weight's."""
+    return (xs[0], ws[1]) + tuple(xs[2:]), ws
+
+
+@pytest.fixture(scope="module")
+def cu():
+    if int(cp.cuda.Device().compute_capability) != 90:
+        pytest.skip("wgmma needs compute capability 9.0")
+    return backend.get("cuda")
+
+
+@pytest.fixture(autouse=True)
+def fresh_plans(cu, monkeypatch):
+    """The wgmma kernel on; TF32 for float; plans rebuilt so DPTRAIN_WGMMA_CONV is read
+    afresh; NaN in the pool."""
+    monkeypatch.setenv(conv2d.WGMMA_CONV_ENV, "1")
+    gemm.clear_plans()
+    junk = cp.full(16 << 20, np.nan, dtype=np.float32)
+    del junk
+    with cu.runtime.precision_scope("tf32"):
+        yield
+    gemm.clear_plans()
+
+
+def kernels(cu, x, w, gy, stride, pad):
+    return conv2d.conv2d_kernels(cu.asarray(x), cu.asarray(w), cu.asarray(gy), stride, pad)
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+@pytest.mark.parametrize("xs, ws, stride, pad", CASES)
+def test_wgmma_passes_match_reference(cu, dt, xs, ws, stride, pad):
+    xs, ws = fix(xs, ws)
+    x, w, gy = inputs(dt, xs, ws, stride, pad)
+    ran = kernels(cu, x, w, gy, stride, pad)
+    assert ran["forward"] == WGMMA
+    assert ran["backward_data"] == WGMMA
+    got, ref = passes(cu, dt, x, w, gy, stride, pad), reference(dt, x, w, gy, stride, pad)
+    for g, r, factor in zip(got, ref, (1, 1, 2)):
+        close(g, r, dt, factor)
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+def test_bias_in_the_epilogue(cu, dt):
+    xs, ws, stride, pad = CASES[2]
+    x, w, _ = inputs(dt, xs, ws, stride, pad)
+    b = to_dt(np.random.default_rng(7).standard_normal(ws[0]), dt)
+    got = to_f32(cu.to_numpy(cu.conv2d_forward(cu.asarray(x), cu.asarray(w), cu.asarray(b),
+                                               stride, pad)), dt)
+    x64, w64, b64 = (to_f32(a, dt).astype(np.float64) for a in (x, w, b))
+    close(got, cpu.conv2d_forward(x64, w64, b64, stride, pad), dt)
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+def test_wgmma_and_mma_kernels_agree(cu, dt, monkeypatch):
+    xs, ws, stride, pad = CASES[0]
+    x, w, gy = inputs(dt, xs, ws, stride, pad)
+    fast = passes(cu, dt, x, w, gy, stride, pad)[:2]
+    monkeypatch.setenv(conv2d.WGMMA_CONV_ENV, "0")
+    gemm.clear_plans()
+    assert kernels(cu, x, w, gy, stride, pad)["forward"] != WGMMA
+    slow = passes(cu, dt, x, w, gy, stride, pad)[:2]
+    for a, b in zip(fast, slow):
+        close(a, b, dt)
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+def test_channels_not_in_whole_chunks_fall_back(cu, dt):
+    """6 channels are not a whole 16-byte chunk in any precision: the mma.sync kernels run."""
+    xs, ws, stride, pad = (2, 6, 9, 9), (24, 6, 3, 3), (1, 1), (1, 1)
+    x, w, gy = inputs(dt, xs, ws, stride, pad)
+    ran = kernels(cu, x, w, gy, stride, pad)
+    assert ran["forward"] != WGMMA and ran["backward_data"] == WGMMA  # gy has 24 channels
+    got, ref = passes(cu, dt, x, w, gy, stride, pad), reference(dt, x, w, gy, stride, pad)
+    for g, r, factor in zip(got, ref, (1, 1, 2)):
+        close(g, r, dt, factor)
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+def test_wgmma_bitwise_repeatable(cu, dt):
+    xs, ws, stride, pad = CASES[-1]
+    xs, ws = fix(xs, ws)
+    x, w, gy = inputs(dt, xs, ws, stride, pad)
+    dx, dw, dgy = cu.asarray(x), cu.asarray(w), cu.asarray(gy)
+    for run in (lambda: cu.conv2d_forward(dx, dw, None, stride, pad),
+                lambda: cu.conv2d_backward_data(dgy, dw, x.shape, stride, pad)):
+        assert cu.to_numpy(run()).tobytes() == cu.to_numpy(run()).tobytes()
