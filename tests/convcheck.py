@@ -1,6 +1,8 @@
 """Shared by the GPU convolution tests: inputs, the float64 CPU reference of the three passes,
 and the relative-norm comparison with each precision's tolerance (the TF32 and 16-bit ones of
 test_cuda_matmul.py and test_cuda_amp.py)."""
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -55,3 +57,21 @@ def inputs(dt, xs, ws, stride, pad):
     wo = (xs[3] + 2 * pad[1] - ws[3]) // stride[1] + 1
     return (rand(dt, xs, 1), to_dt(np.random.default_rng(2).standard_normal(ws) * 0.2, dt),
             rand(dt, (xs[0], ws[0], ho, wo), 3))
+
+
+@contextlib.contextmanager
+def fresh_conv_plans(cu):
+    """TF32 for float32, launch plans rebuilt on entry and exit (so environment switches are
+    read afresh), and NaN left in CuPy's memory pool, so an element a kernel fails to write
+    shows up as NaN."""
+    import cupy
+    from dptrain.backend.cuda import gemm
+
+    gemm.clear_plans()
+    junk = cupy.full(16 << 20, np.nan, dtype=np.float32)
+    del junk
+    try:
+        with cu.runtime.precision_scope("tf32"):
+            yield
+    finally:
+        gemm.clear_plans()

@@ -8,7 +8,7 @@ that for backward-weight's long sums)."""
 import numpy as np
 import pytest
 
-from convcheck import DTYPES, F, H, close, inputs, passes, reference, to_f32
+from convcheck import DTYPES, F, H, close, fresh_conv_plans, inputs, passes, reference, to_f32
 from dptrain import backend
 
 cp = pytest.importorskip("cupy")
@@ -34,29 +34,8 @@ def cu():
 @pytest.fixture(autouse=True)
 def fresh_plans(cu):
     """TF32 for float; plans rebuilt so DPTRAIN_NHWC_CONV is read afresh; NaN in the pool."""
-    gemm.clear_plans()
-    junk = cp.full(16 << 20, np.nan, dtype=np.float32)
-    del junk
-    with cu.runtime.precision_scope("tf32"):
+    with fresh_conv_plans(cu):
         yield
-    gemm.clear_plans()
-
-
-
-@pytest.fixture(scope="module")
-def cu():
-    return backend.get("cuda")
-
-
-@pytest.fixture(autouse=True)
-def fresh_plans(cu):
-    """TF32 for float; plans rebuilt so DPTRAIN_NHWC_CONV is read afresh; NaN in the pool."""
-    gemm.clear_plans()
-    junk = cp.full(16 << 20, np.nan, dtype=np.float32)
-    del junk
-    with cu.runtime.precision_scope("tf32"):
-        yield
-    gemm.clear_plans()
 
 
 def bwdw_kernel(cu, x, w, gy, stride, pad):

@@ -7,7 +7,8 @@ bitwise. Needs a compute capability 9.0 GPU (skipped elsewhere). Tolerances: con
 import numpy as np
 import pytest
 
-from convcheck import DTYPES, close, cpu, inputs, passes, reference, to_dt, to_f32
+from convcheck import (DTYPES, close, cpu, fresh_conv_plans, inputs, passes, reference, to_dt,
+                       to_f32)
 from dptrain import backend
 
 cp = pytest.importorskip("cupy")
@@ -44,12 +45,8 @@ def fresh_plans(cu, monkeypatch):
     """The wgmma kernel on; TF32 for float; plans rebuilt so DPTRAIN_WGMMA_CONV is read
     afresh; NaN in the pool."""
     monkeypatch.setenv(conv2d.WGMMA_CONV_ENV, "1")
-    gemm.clear_plans()
-    junk = cp.full(16 << 20, np.nan, dtype=np.float32)
-    del junk
-    with cu.runtime.precision_scope("tf32"):
+    with fresh_conv_plans(cu):
         yield
-    gemm.clear_plans()
 
 
 def kernels(cu, x, w, gy, stride, pad):
