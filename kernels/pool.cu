@@ -78,8 +78,9 @@ struct MaxScan {
   }
 };
 
+// kRelu: max pool of relu(x), see MaxScan.
 template <typename T, bool kRelu>
-__device__ __forceinline__ void max_pool_fwd(T* y, int* idx, const T* x, const PoolGeom& g) {
+__global__ void max_pool_fwd_kernel(T* y, int* idx, const T* x, PoolGeom g) {
   GRID_STRIDE(i, (long long)g.n_c * g.ho * g.wo) {
     const PoolWindow win = pool_window(g, i);
     const T* xp = x + win.p * g.h * g.w;
@@ -89,22 +90,12 @@ __device__ __forceinline__ void max_pool_fwd(T* y, int* idx, const T* x, const P
   }
 }
 
-template <typename T>
-__global__ void max_pool_fwd_kernel(T* y, int* idx, const T* x, PoolGeom g) {
-  max_pool_fwd<T, false>(y, idx, x, g);
-}
-
-template <typename T>
-__global__ void relu_max_pool_fwd_kernel(T* y, int* idx, const T* x, PoolGeom g) {
-  max_pool_fwd<T, true>(y, idx, x, g);
-}
-
 // MaxPool2d(2) (2 x 2 windows, stride 2, no padding: every window inside the image; the
-// launcher checks, and that the sizes fit int): max_pool_fwd with the window fixed at compile
-// time and 32-bit indices (the generic loop's bounds checks and 64-bit divisions: a third of
-// the step's pooling time, 110 -> 71 us at batch 256 under ncu).
+// launcher checks, and that the sizes fit int): max_pool_fwd_kernel with the window fixed at
+// compile time and 32-bit indices (the generic loop's bounds checks and 64-bit divisions: a
+// third of the step's pooling time, 110 -> 71 us at batch 256 under ncu).
 template <typename T, bool kRelu>
-__device__ __forceinline__ void max_pool_fwd_2x2(T* y, int* idx, const T* x, const PoolGeom& g) {
+__global__ void max_pool_fwd_2x2_kernel(T* y, int* idx, const T* x, PoolGeom g) {
   const int out_plane = g.ho * g.wo;
   GRID_STRIDE_32(i, g.n_c * out_plane) {
     const int p = i / out_plane, r = i - p * out_plane, oh = r / g.wo, ow = r - oh * g.wo;
@@ -118,16 +109,6 @@ __device__ __forceinline__ void max_pool_fwd_2x2(T* y, int* idx, const T* x, con
     }
     scan.store(y, idx, i);
   }
-}
-
-template <typename T>
-__global__ void max_pool_fwd_2x2_kernel(T* y, int* idx, const T* x, PoolGeom g) {
-  max_pool_fwd_2x2<T, false>(y, idx, x, g);
-}
-
-template <typename T>
-__global__ void relu_max_pool_fwd_2x2_kernel(T* y, int* idx, const T* x, PoolGeom g) {
-  max_pool_fwd_2x2<T, true>(y, idx, x, g);
 }
 
 // One warp per plane; see the header.
@@ -239,20 +220,21 @@ __global__ void avg_pool_bwd_kernel(T* dx, const T* gy, PoolGeom g) {
   }
 }
 
-// instantiate: relu_max_pool_fwd_kernel<float>; relu_max_pool_fwd_kernel<double>
-// instantiate: max_pool_fwd_kernel<float>; max_pool_fwd_kernel<double>; max_pool_bwd_kernel<float>; max_pool_bwd_kernel<double>
+// instantiate: max_pool_fwd_kernel<float, false>; max_pool_fwd_kernel<double, false>
+// instantiate: max_pool_fwd_kernel<float, true>; max_pool_fwd_kernel<double, true>
+// instantiate: max_pool_bwd_kernel<float>; max_pool_bwd_kernel<double>
 // instantiate: avg_pool_fwd_kernel<float>; avg_pool_fwd_kernel<double>; avg_pool_bwd_kernel<float>; avg_pool_bwd_kernel<double>
-// instantiate: relu_max_pool_fwd_kernel<__half>; max_pool_fwd_kernel<__half>; max_pool_bwd_kernel<__half>
+// instantiate: max_pool_fwd_kernel<__half, false>; max_pool_fwd_kernel<__half, true>; max_pool_bwd_kernel<__half>
 // instantiate: max_pool_bwd_tiled_kernel<float>; max_pool_bwd_tiled_kernel<double>
 // instantiate: max_pool_bwd_tiled_kernel<__half>; max_pool_bwd_tiled_kernel<__nv_bfloat16>
-// instantiate: relu_max_pool_fwd_kernel<__nv_bfloat16>; max_pool_fwd_kernel<__nv_bfloat16>
-// instantiate: max_pool_fwd_2x2_kernel<float>; max_pool_fwd_2x2_kernel<double>
-// instantiate: relu_max_pool_fwd_2x2_kernel<float>; relu_max_pool_fwd_2x2_kernel<double>
+// instantiate: max_pool_fwd_kernel<__nv_bfloat16, false>; max_pool_fwd_kernel<__nv_bfloat16, true>
+// instantiate: max_pool_fwd_2x2_kernel<float, false>; max_pool_fwd_2x2_kernel<double, false>
+// instantiate: max_pool_fwd_2x2_kernel<float, true>; max_pool_fwd_2x2_kernel<double, true>
 // instantiate: max_pool_bwd_2x2_kernel<float>; max_pool_bwd_2x2_kernel<double>
-// instantiate: max_pool_fwd_2x2_kernel<__half>; relu_max_pool_fwd_2x2_kernel<__half>
+// instantiate: max_pool_fwd_2x2_kernel<__half, false>; max_pool_fwd_2x2_kernel<__half, true>
 // instantiate: max_pool_bwd_2x2_kernel<__half>
-// instantiate: max_pool_fwd_2x2_kernel<__nv_bfloat16>
-// instantiate: relu_max_pool_fwd_2x2_kernel<__nv_bfloat16>
+// instantiate: max_pool_fwd_2x2_kernel<__nv_bfloat16, false>
+// instantiate: max_pool_fwd_2x2_kernel<__nv_bfloat16, true>
 // instantiate: max_pool_bwd_2x2_kernel<__nv_bfloat16>
 // instantiate: max_pool_bwd_kernel<__nv_bfloat16>
 // instantiate: avg_pool_fwd_kernel<__half>; avg_pool_bwd_kernel<__half>

@@ -43,28 +43,27 @@ def _pool_geom(op, x_shape, kernel, stride, padding):
     return geom, (n, c, ho, wo)
 
 
-def _max_pool(op, kernel_name, x, kernel, stride, padding):
+def _max_pool(op, relu, x, kernel, stride, padding):
     launch.check_float(op, x, half=True)
     launch.check_contiguous(op, x)
     geom, y_shape = _pool_geom(op, x.shape, kernel, stride, padding)
     y, idx = launch.new(y_shape, x.dtype), launch.new(y_shape, np.int32)
-    if (_pair(kernel), _pair(stride), _pair(padding)) == ((2, 2), (2, 2), (0, 0)):
-        kernel_name = kernel_name.replace("_fwd_kernel", "_fwd_2x2_kernel")  # MaxPool2d(2)
+    two = (_pair(kernel), _pair(stride), _pair(padding)) == ((2, 2), (2, 2), (0, 0))
+    name = "max_pool_fwd_2x2_kernel" if two else "max_pool_fwd_kernel"  # MaxPool2d(2): unrolled
     if y.size:
-        launch.grid_stride(launch.kernel(POOL, kernel_name, launch.ctype(x.dtype)),
-                           y.size, (y, idx, x, geom))
+        fn = launch.kernel(POOL, name, launch.ctype(x.dtype), "true" if relu else "false")
+        launch.grid_stride(fn, y.size, (y, idx, x, geom))
     return y, idx
 
 
 def max_pool2d_forward(x, kernel, stride, padding, *, workspace=None):
     """Returns (y, idx): idx is the flat h*W+w position in x of each window's maximum (int32)."""
-    return _max_pool("max_pool2d_forward", "max_pool_fwd_kernel", x, kernel, stride, padding)
+    return _max_pool("max_pool2d_forward", False, x, kernel, stride, padding)
 
 
 def relu_max_pool2d_forward(x, kernel, stride, padding, *, workspace=None):
     """max_pool2d_forward(relu(x)) in one pass; idx = -1 where the maximum is not > 0."""
-    return _max_pool("relu_max_pool2d_forward", "relu_max_pool_fwd_kernel", x, kernel, stride,
-                     padding)
+    return _max_pool("relu_max_pool2d_forward", True, x, kernel, stride, padding)
 
 
 def _tiles(window, x_shape, y_shape) -> tuple[int, int] | None:
