@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
+import hashlib
 import importlib.util
 import json
 import os
@@ -122,12 +123,31 @@ def cap_counts(counts: list[int], device: str, gpus: list[str], dry_run: bool) -
 
 
 def git_commit() -> str | None:
+    """HEAD's short hash, with "-dirty" when the tracked files differ from it (a copied or
+    edited tree: then only source_digest() says which code ran)."""
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                             capture_output=True, text=True, timeout=10)
+        out = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+SOURCE_DIRS = ("dptrain", "kernels", "scaling")
+SOURCE_SUFFIXES = (".py", ".cu", ".cuh")
+
+
+def source_digest(root: Path = ROOT) -> str:
+    """A digest of the code that ran (every .py / .cu / .cuh under dptrain/, kernels/ and
+    scaling/, by relative path and content): the same for a commit's checkout and for any
+    copy of it, whatever git knows there."""
+    h = hashlib.sha256()
+    for d in SOURCE_DIRS:
+        for path in sorted((root / d).rglob("*")):
+            if path.suffix in SOURCE_SUFFIXES and path.is_file() and "__pycache__" not in path.parts:
+                h.update(path.relative_to(root).as_posix().encode() + b"\0")
+                h.update(path.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
 
 
 def machine_meta(script: str, argv: list[str], device: str, gpus: list[str], **extra) -> dict:
@@ -142,6 +162,7 @@ def machine_meta(script: str, argv: list[str], device: str, gpus: list[str], **e
         "device": device,
         "gpus": gpus,
         "git_commit": git_commit(),
+        "source_digest": source_digest(),
         **extra,
     }
 
@@ -380,7 +401,8 @@ def markdown_table(columns: list[tuple[str, str, str]], rows: list[dict]) -> str
 def write_markdown(path: Path, title: str, meta: dict, body: list[str]) -> None:
     """A Markdown file headed by a comment giving machine, date and exact command."""
     header = (f"<!-- machine: {describe_machine(meta)}; platform: {meta['platform']}; "
-              f"commit: {meta.get('git_commit')}\n     command: {meta['command']} -->")
+              f"commit: {meta.get('git_commit')} (sources {meta.get('source_digest')})\n"
+              f"     command: {meta['command']} -->")
     text = "\n\n".join([header, f"# {title}",
                         f"{describe_machine(meta)}. Command: `{meta['command']}`", *body])
     Path(path).write_text(text.rstrip() + "\n")

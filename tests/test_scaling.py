@@ -446,3 +446,23 @@ def test_threads_sweep_on_gpu(tmp_path, cache):
         assert float(r["val_loss"]) == pytest.approx(ref, rel=1e-4)
         assert float(r["train_loss"]) == pytest.approx(float(rows[0]["train_loss"]), rel=1e-4)
     check_outputs(out, "threads", result)
+
+
+def test_source_digest_names_the_code_not_the_checkout(tmp_path):
+    """Two copies of the same sources share a digest; editing one kernel changes it; files
+    outside the source folders do not count."""
+    from scaling import common
+
+    for root in (tmp_path / "a", tmp_path / "b"):
+        (root / "kernels").mkdir(parents=True)
+        (root / "dptrain" / "__pycache__").mkdir(parents=True)
+        (root / "kernels" / "k.cu").write_text("__global__ void k() {}\n")
+        (root / "dptrain" / "m.py").write_text("x = 1\n")
+        (root / "dptrain" / "__pycache__" / "m.pyc").write_bytes(b"\0")
+    (tmp_path / "b" / "notes.md").write_text("not code\n")
+    a, b = common.source_digest(tmp_path / "a"), common.source_digest(tmp_path / "b")
+    assert a == b and len(a) == 16
+    (tmp_path / "b" / "kernels" / "k.cu").write_text("__global__ void k() { }\n")
+    assert common.source_digest(tmp_path / "b") != a
+    meta = common.machine_meta("ops", [], "cpu", [])
+    assert meta["source_digest"] == common.source_digest()
