@@ -3,11 +3,16 @@ for fp16 loss scaling.
 
 The policy lives where the work already happens:
   * the training step casts each batch to the 16-bit type, and a layer fed 16-bit
-    activations casts its weight and bias to them as it uses them (``nn.layers``), so every
-    activation and its gradient is 16-bit and the matrix products run on 16-bit tensor cores
-    with fp32 accumulation;
-  * the parameters, their gradients (the cast's backward returns fp32), the gradient exchange
-    and the optimizer stay fp32: the flat buffers are the master weights;
+    activations takes its weight and bias in that type (``nn.layers``), so every activation
+    and its gradient is 16-bit and the matrix products run on 16-bit tensor cores with fp32
+    accumulation;
+  * the parameters, their gradients (the 16-bit gradient is added into the fp32 one), the
+    gradient exchange and the optimizer stay fp32: the flat buffers are the master weights;
+  * in training those 16-bit weights are a shadow of the flat buffer (``shadow_dtype``,
+    dptrain.flat): each rank casts the shard it updated, the all-gather moves the 16-bit
+    shards (half the bytes of fp32) and the layers read them without a cast of their own;
+    the bits are those of casting every weight in every forward, which eager use outside
+    training (no shadow) still does;
   * the logits go back to fp32 for the loss and the metrics.
 
 bfloat16 keeps fp32's exponent range (8 exponent bits, 7 mantissa bits): it needs no loss
@@ -23,6 +28,8 @@ scheme of Micikevicius et al., "Mixed Precision Training", 2018). Nothing reache
 inside the step: ``read()`` reports the overflows at the loop's metric reads.
 """
 from __future__ import annotations
+
+import os
 
 import numpy as np
 
@@ -45,6 +52,19 @@ def compute_dtype(precision: str) -> np.dtype:
     """The activation dtype of `precision`: float16 for fp16, bfloat16 (uint16 storage) for
     bf16, float32 for the others."""
     return COMPUTE_DTYPES.get(precision, np.dtype(np.float32))
+
+
+# DPTRAIN_SHADOW=0: no 16-bit shadow; each layer casts its fp32 weights every forward and the
+# all-gather moves fp32 (the same results, for comparison)
+SHADOW_ENV = "DPTRAIN_SHADOW"
+
+
+def shadow_dtype(precision: str):
+    """The dtype of the parameters' 16-bit shadow in training at `precision` (dptrain.flat), or
+    None: fp32 activations need none, and DPTRAIN_SHADOW=0 turns it off."""
+    if precision not in COMPUTE_DTYPES or os.environ.get(SHADOW_ENV, "1") == "0":
+        return None
+    return COMPUTE_DTYPES[precision]
 
 
 def check_runtime(precision: str, runtime) -> None:

@@ -118,6 +118,8 @@ class MPIComm:
         recv[...] = out
 
     def all_gather(self, send, recv):
+        if send.dtype == np.float16:  # moves bits: MPI's 16-bit float type is optional
+            send, recv = send.view(np.uint16), recv.view(np.uint16)
         self.comm.Allgather(np.array(send, copy=True), recv)
 
     def all_reduce(self, buf, op="sum"):

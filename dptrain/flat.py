@@ -10,6 +10,13 @@ buckets of about ``bucket_bytes``: backward produces gradients last layer
 first, so each bucket is complete, and its exchange can start, while backward
 still works on earlier layers. Every bucket's length divides by the world size
 times an alignment, so each rank owns an equal, aligned slice of each bucket.
+
+Mixed precision (``shadow_dtype``, float16 or bfloat16) adds a third buffer, ``shadow``: the
+fp32 ``data`` cast to the 16-bit dtype, laid out alike, with each parameter's slice as
+``p.shadow``. The layers read it instead of casting their weights every forward, and the
+all-gather moves it instead of ``data`` (half the bytes). Whoever writes ``data`` keeps it
+current: the optimizer casts its updated shard (``cast_shadow``), the reducer the whole
+buffer after a broadcast or a gather of ``data`` (dptrain.reducer), a resume after loading.
 """
 from __future__ import annotations
 
@@ -36,7 +43,8 @@ class Bucket:
 
 
 class FlatParameters:
-    def __init__(self, params, world_size: int = 1, bucket_bytes: int | None = None):
+    def __init__(self, params, world_size: int = 1, bucket_bytes: int | None = None,
+                 shadow_dtype=None):
         params = list(params)
         if not params:
             raise ValueError("no parameters to flatten")
@@ -65,6 +73,13 @@ class FlatParameters:
             be.copy_(view, p.data.reshape(-1))
             p.data = view.reshape(p.shape)
             p.grad = Tensor(self.grad[start : start + p.size].reshape(p.shape))
+        self.shadow = None
+        if shadow_dtype is not None:
+            self.shadow = be.empty((self.numel,), shadow_dtype)
+            for p in params:
+                start = self.offsets[id(p)]
+                p.shadow = self.shadow[start : start + p.size].reshape(p.shape)
+            self.cast_shadow()
 
     def _close(self, bucket: Bucket, offset: int) -> Bucket:
         bucket.stop = _round_up(max(offset, bucket.start + 1), ALIGN * self.world_size)
@@ -73,6 +88,15 @@ class FlatParameters:
 
     def zero_grad(self):
         self.be.fill_(self.grad, 0.0)
+
+    def cast_shadow(self, segments=None):
+        """shadow[start:stop] = data[start:stop] in 16 bits, one cast per [start, stop) of
+        `segments` (default: the whole buffer); nothing without a shadow. Casting here what
+        each rank updated gives the bits every layer's own cast of the weights gave."""
+        if self.shadow is None:
+            return
+        for start, stop in segments if segments is not None else [(0, self.numel)]:
+            self.be.copy_(self.shadow[start:stop], self.data[start:stop])
 
     def shard_segments(self, rank: int) -> list[tuple[int, int]]:
         """The [start, stop) ranges of the flat buffers that `rank` owns, one per bucket."""

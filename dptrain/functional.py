@@ -194,13 +194,18 @@ def cast(x: Tensor, dtype) -> Tensor:
 
 def cast_parameter(p: Tensor, dtype) -> Tensor:
     """cast(p, dtype) for a parameter: the gradient returns in `dtype` and the leaf adds it
-    into its own .grad with the cast folded in (one kernel instead of two per parameter)."""
+    into its own .grad with the cast folded in (one kernel instead of two per parameter).
+    A parameter whose 16-bit shadow (kept current by training, dptrain.flat) has `dtype`
+    gives that shadow instead of a fresh cast: the same bits, no kernel."""
     dtype = np.dtype(dtype)
     if p.dtype == dtype or p._ctx is not None or not p.requires_grad:
         return cast(p, dtype)
     if not (_is_float(dtype) and _is_float(p.dtype)):
         raise TypeError(f"cast_parameter: float to float only, got {p.dtype} to {dtype}")
-    return ops.CastParameter.apply(p, dtype=dtype)
+    shadow = getattr(p, "shadow", None)
+    if shadow is not None and shadow.dtype != dtype:
+        shadow = None
+    return ops.CastParameter.apply(p, dtype=dtype, shadow=shadow)
 
 
 def _is_float(dtype) -> bool:

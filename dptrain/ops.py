@@ -199,7 +199,15 @@ class Cast(Function):
 class CastParameter(Cast):
     """Cast of a parameter (a leaf) to a 16-bit dtype (mixed precision). Its gradient goes back
     in the 16-bit dtype: the leaf adds it into its fp32 ``.grad`` in one pass
-    (``Tensor._accumulate``, a mixed-dtype ``add_``) rather than after a cast of its own."""
+    (``Tensor._accumulate``, a mixed-dtype ``add_``) rather than after a cast of its own.
+    ``shadow``: the parameter's 16-bit copy that training keeps current (dptrain.flat),
+    returned as it is: no kernel."""
+
+    def forward(self, a, dtype, shadow=None):
+        if shadow is None:
+            return super().forward(a, dtype)
+        self.dtype = a.dtype
+        return shadow
 
     def backward(self, gy):
         return (gy,)

@@ -3,6 +3,8 @@
 An optimizer owns some [start, stop) segments of the flat parameter buffer (its
 shard of each bucket; the whole buffer in a single process) and keeps state only
 for them (ZeRO-1).
+Under mixed precision the update ends by casting the updated shard into the flat buffers'
+16-bit shadow (dptrain.flat), inside the step, so a captured graph replays that cast too.
 Per-step scalars (learning rate, Adam's bias corrections) go into a small device
 array ``hyper`` before each update, so the update itself reads no host values
 and can be replayed from a captured CUDA graph. Slot ``SKIP_SLOT`` of ``hyper`` is
@@ -65,6 +67,12 @@ class Optimizer:
         return [self.lr]
 
     def update(self):
+        """Update this rank's shard (device work only), then its 16-bit shadow, if any: the
+        copy that the all-gather moves and the layers read."""
+        self.update_shard()
+        self.flat.cast_shadow(self.segments)
+
+    def update_shard(self):
         raise NotImplementedError
 
     # -- state for checkpoints: host copies of the shard's buffers
@@ -136,7 +144,7 @@ class SGD(Optimizer):
         self.momentum, self.weight_decay, self.nesterov = momentum, weight_decay, nesterov
         self.buf = self._state() if momentum else None
 
-    def update(self):
+    def update_shard(self):
         for p, g, buf in self._views(self.buf):
             self.be.sgd_step_(p, g, buf, self.hyper, self.momentum, self.weight_decay,
                               self.nesterov)
@@ -159,7 +167,7 @@ class AdamW(Optimizer):
         t = self.steps
         return [self.lr, 1.0 - self.beta1**t, 1.0 - self.beta2**t]
 
-    def update(self):
+    def update_shard(self):
         for p, g, m, v in self._views(self.m, self.v):
             self.be.adamw_step_(p, g, m, v, self.hyper, self.beta1, self.beta2, self.eps,
                                 self.weight_decay)

@@ -6,15 +6,19 @@ Per step:
      step), first layers first, on a communication stream; each layer's forward waits
      only for its own bucket, so the large late layers' gathers overlap the early layers'
      forward. (On the first step the gather changes nothing: every rank already holds
-     rank 0's broadcast parameters.)
+     rank 0's broadcast parameters.) Under mixed precision it gathers the parameters'
+     16-bit shadow (dptrain.flat), which is all the layers read, at half the bytes; the
+     fp32 ``data`` then stays current only in this rank's shard.
   2. backward runs; when the last gradient of a bucket is accumulated, that bucket's
      reduce-scatter (mean over ranks) is issued on the communication stream, ordered after
      the compute stream by an event, so it overlaps the rest of backward;
   3. ``finish_backward`` issues any bucket not yet sent and makes the compute stream wait;
   4. the optimizer updates only this rank's shard of each bucket (ZeRO-1).
-``sync_parameters`` gathers and waits at once, before anything reads whole parameters
-outside a step (evaluation, saving, the replica check). Reduce-scatter and all-gather
-work in place in the flat buffers: rank r's shard of a bucket is the r-th of its N slices.
+``sync_parameters`` gathers the fp32 ``data`` and waits at once, then casts the whole
+shadow from it, before anything reads whole parameters outside a step (evaluation, saving,
+checkpoints, the replica check): they see fp32 master weights exactly as without a shadow.
+Reduce-scatter and all-gather work in place in the flat buffers: rank r's shard of a bucket
+is the r-th of its N slices.
 
 Streams, events and the timing of exposed communication come from the backend's runtime,
 so this file reads the same on every device (on the CPU the streams are one, the events
@@ -54,7 +58,7 @@ class Reducer:
             for i in range(len(self.flat.buckets)):
                 self._reduce_scatter(i)  # of zeros: changes nothing
             self.finish_backward()
-            self.sync_parameters()
+        self.sync_parameters()  # and the shadow from the broadcast parameters
 
     def begin_step(self):
         self.pending = [len(b.params) for b in self.flat.buckets]
@@ -62,10 +66,15 @@ class Reducer:
 
     # -- parameters: all-gather the updated shards
     def gather_parameters(self):
-        """Issue the all-gather of every bucket, first layers (the last buckets) first."""
+        """Issue the all-gather of every bucket, first layers (the last buckets) first: of
+        the 16-bit shadow where there is one (what the layers read), else of the fp32 data."""
+        shadow = self.flat.shadow
+        self._gather(shadow if shadow is not None else self.flat.data)
+
+    def _gather(self, data):
         if self.size == 1:
             return
-        rt, comm_stream, data = self.rt, self.rt.comm_stream(), self.flat.data
+        rt, comm_stream = self.rt, self.rt.comm_stream()
         rt.order(comm_stream, rt.current_stream())
         with rt.on(comm_stream):
             for i in reversed(range(len(self.flat.buckets))):
@@ -90,9 +99,11 @@ class Reducer:
             self.gathering = False
 
     def sync_parameters(self):
-        """Gather the latest shards and wait: whole parameters for evaluation or saving."""
-        self.gather_parameters()
+        """Gather the latest fp32 shards and wait, then cast the whole shadow from them:
+        whole, current parameters in both dtypes for evaluation, saving or checking."""
+        self._gather(self.flat.data)
         self.wait_gathered()
+        self.flat.cast_shadow()
 
     # -- gradients: reduce-scatter each bucket as backward completes it
     def _grad_ready(self, param):

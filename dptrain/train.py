@@ -2,8 +2,9 @@
 
 ``TrainStep`` is everything one step runs on the device: all-gather the parameters, take
 the batch from the device loader, forward, backward with the gradient exchange, optimizer
-update, metric sums. It reads no device value on the host, so the backend's runtime can
-capture it once and replay it. ``train()`` around it owns epochs, logging, evaluation and
+update (in mixed precision ending with the cast of the updated shard to 16 bits), metric
+sums. It reads no device value on the host, so the backend's runtime can capture it once
+and replay it. ``train()`` around it owns epochs, logging, evaluation and
 the files a run leaves behind; it never asks which device it runs on.
 """
 from __future__ import annotations
@@ -248,10 +249,13 @@ def train(cfg: TrainConfig, echo=print) -> dict:
     started = time.perf_counter()
     first_on_host(world, be.runtime.prepare)  # every kernel, built once per host, up front
     prepare_s = time.perf_counter() - started
-    flat = FlatParameters(model.parameters(), world.size, int(cfg.bucket_mb * 2**20))
+    # 16-bit precisions: the layers read a 16-bit shadow of the parameters, all-gathered in
+    # place of the fp32 shards (dptrain.flat, dptrain.reducer)
+    flat = FlatParameters(model.parameters(), world.size, int(cfg.bucket_mb * 2**20),
+                          shadow_dtype=amp.shadow_dtype(cfg.precision))
     opt = build_optimizer(cfg, flat, flat.shard_segments(world.rank))
     reducer = Reducer(flat, world, model)
-    reducer.broadcast_parameters()
+    reducer.broadcast_parameters()  # also casts the whole shadow
     broadcast_buffers(model, world.comm)
 
     sampler = StrideSampler(len(train_set.labels), cfg.batch_size, world.size, world.rank,

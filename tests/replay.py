@@ -19,11 +19,12 @@ def train_steps(device, build, image_shape, classes, graph, steps, seed, images=
     """(model, snapshots): `build()`'s model after `steps` steps of `optimizer` on batches of
     `batch` of `images` random images (the same for the same seed), with a host copy of the
     flat parameters after every step; precision "fp16" trains in mixed precision, with the
-    loss scaler and the non-finite guard of a real run."""
+    loss scaler and the non-finite guard of a real run, and "fp16"/"bf16" with the
+    parameters' 16-bit shadow unless DPTRAIN_SHADOW=0 (dptrain.amp.shadow_dtype)."""
     be = backend.get(device)
     dp.manual_seed(seed)
     model = build().to(device)
-    flat = FlatParameters(model.parameters())
+    flat = FlatParameters(model.parameters(), shadow_dtype=amp.shadow_dtype(precision))
     opt = optimizer(flat)
     reducer = Reducer(flat, dist.World(comm=dist.LocalComm(be)), model)
     rng = np.random.default_rng(seed)

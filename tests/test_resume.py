@@ -45,6 +45,8 @@ def _full_run(ranks, tmp, cache, extra=()):
     # and the interval doubles it again within the run)
     (0, ("--model", "cnn", "--precision", "fp16", "--loss-scale", str(2.0**20),
          "--loss-scale-interval", "3")),
+    # fp16 over 2 ranks: the resumed parameters' 16-bit shadow is what the ranks all-gather
+    pytest.param(2, ("--model", "cnn", "--precision", "fp16"), marks=needs_mpi),
 ])
 def test_resume_from_step_10_is_bitwise_the_full_run(ranks, extra, tmp_path, cache):
     full_losses, full_w = _full_run(ranks, tmp_path, cache, extra)

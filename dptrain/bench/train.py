@@ -103,7 +103,7 @@ def our_step(be, model_name, state, data, optimizer, graph, precision="fp32"):
     model = build_model(model_name, data.image_shape, NUM_CLASSES)
     model.load_state_dict(state)
     model.to(be.name)
-    flat = FlatParameters(model.parameters())
+    flat = FlatParameters(model.parameters(), shadow_dtype=amp.shadow_dtype(precision))
     opt = (SGD(flat, lr=0.01, momentum=0.9) if optimizer == "sgd"
            else AdamW(flat, lr=1e-3, weight_decay=0.01))
     reducer = Reducer(flat, dist.World(comm=dist.LocalComm(be)))

@@ -10,7 +10,13 @@ from dptrain.autograd import Tensor
 
 
 class Parameter(Tensor):
-    """A tensor that a Module owns and an optimizer updates."""
+    """A tensor that a Module owns and an optimizer updates.
+
+    ``shadow``: under mixed-precision training, its 16-bit copy (a view of the flat buffers'
+    shadow, dptrain.flat), which F.cast_parameter hands the layers instead of casting; None
+    elsewhere."""
+
+    shadow = None
 
     def __init__(self, data):
         super().__init__(data, requires_grad=True)

@@ -6,7 +6,8 @@ Conventions:
     a training step) and set_scalar_ (asynchronous on the current stream, from pageable memory,
     so the host values may be reused at once). to_numpy is the one device-to-host read.
   * astype launches convert_kernel (kernels/elementwise.cu): C casts, float to int truncating
-    toward zero as NumPy does; copy_ casts first, then copies through strides (transpose.cu).
+    toward zero as NumPy does; copy_ converts straight into a contiguous dst of src's shape,
+    else casts first, then copies through strides (transpose.cu).
 """
 from __future__ import annotations
 
@@ -50,6 +51,8 @@ def copy_(dst, src):
     if not launch.is_cupy(src):
         src = cupy.asarray(np.asarray(src, dtype=dst.dtype, order="C"))
     if src.dtype != dst.dtype:
+        if src.shape == dst.shape and src.flags.c_contiguous and dst.flags.c_contiguous:
+            return _convert(dst, src)  # one kernel, no temporary (the 16-bit shadow's cast)
         src = astype(src, dst.dtype)
     if launch.broadcast_shape("copy_", dst.shape, src.shape) != tuple(dst.shape):
         raise ValueError(f"cuda.copy_: cannot copy shape {src.shape} into {dst.shape}")
@@ -73,14 +76,17 @@ def astype(a, dtype):
     dtype = np.dtype(dtype)
     if a.dtype == dtype:
         return a if a.flags.c_contiguous else copy(a)  # as np.ascontiguousarray
+    return _convert(launch.new(a.shape, dtype), a if a.flags.c_contiguous else copy(a))
+
+
+def _convert(out, src):
+    """out[...] = src cast to out's dtype (both contiguous, one shape): convert_kernel."""
     for half in launch.HALVES:  # 16-bit floats convert to and from float32 / float64 only
-        if half in (a.dtype, dtype) and not {a.dtype, dtype} <= {half, *launch.FLOATS}:
+        if half in (src.dtype, out.dtype) and not {src.dtype, out.dtype} <= {half, *launch.FLOATS}:
             name = "bfloat16 (uint16)" if half == launch.BFLOAT16 else str(half)
             raise TypeError(f"cuda.astype: {name} converts to and from float32 and float64 "
-                            f"only, not {a.dtype} to {dtype}")
-    src = a if a.flags.c_contiguous else copy(a)
-    out = launch.new(a.shape, dtype)
-    if a.size:
-        fn = launch.kernel(EW, "convert_kernel", launch.ctype(dtype), launch.ctype(a.dtype))
-        launch.grid_stride(fn, a.size, (out, src, np.int64(a.size)))
+                            f"only, not {src.dtype} to {out.dtype}")
+    if src.size:
+        fn = launch.kernel(EW, "convert_kernel", launch.ctype(out.dtype), launch.ctype(src.dtype))
+        launch.grid_stride(fn, src.size, (out, src, np.int64(src.size)))
     return out

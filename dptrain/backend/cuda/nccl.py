@@ -36,6 +36,9 @@ class NCCLComm:
         self.dtypes = {np.dtype(np.float32): nccl.NCCL_FLOAT32,
                        np.dtype(np.float64): nccl.NCCL_FLOAT64,
                        np.dtype(np.float16): nccl.NCCL_FLOAT16,
+                       # uint16 is bfloat16 here (the 16-bit parameter shadow's all-gather);
+                       # ncclBfloat16 = 9 since NCCL 2.10, where CuPy does not name it
+                       np.dtype(np.uint16): getattr(nccl, "NCCL_BFLOAT16", 9),
                        np.dtype(np.int64): nccl.NCCL_INT64}  # batch norm's batch counter
 
     def _dtype(self, array):
