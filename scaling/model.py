@@ -18,7 +18,8 @@
 * With overlap (what dptrain does): the reduce-scatters overlap the rest of backward (about
   2/3 of compute) except the last bucket backward produces, and the all-gathers overlap the
   forward (about 1/3) except the first bucket it needs: exposed = t(last RS) + t(first AG) +
-  what the others do not hide. Without overlap every collective is exposed.
+  what the others do not hide. Without overlap every collective is exposed. In bf16 / fp16
+  the all-gathers move the parameters' 16-bit copy, half the bytes (--gather-bytes 2).
 
 Efficiency: strong scaling at fixed global batch G, E = compute(G) / (n * step(G/n, n)); weak
 scaling at fixed per-GPU batch b, E = compute(b) / step(b, n). The model is checked against
@@ -155,16 +156,20 @@ def bucket_bytes(model: str, image_shape, classes: int, bucket_mb: float, n: int
     return [(b.stop - b.start) * flat.dtype.itemsize for b in flat.buckets]
 
 
-def exposed_s(buckets: list[int], n: int, link: Link, compute_s: float, overlap: bool) -> float:
-    """Communication time per step that compute waits for."""
-    times = [link.collective_s(b, n) for b in buckets]
+def exposed_s(buckets: list[int], n: int, link: Link, compute_s: float, overlap: bool,
+              gather_fraction: float = 1.0) -> float:
+    """Communication time per step that compute waits for; the all-gathers move
+    `gather_fraction` of each bucket's (fp32 gradient) bytes: 0.5 where they send the
+    parameters' 16-bit copy."""
+    rs = [link.collective_s(b, n) for b in buckets]
+    ag = [link.collective_s(b * gather_fraction, n) for b in buckets]
     if not overlap:
-        return 2 * sum(times)
+        return sum(rs) + sum(ag)
     # buckets[0] holds the last layers: backward produces it first and the forward needs it
     # last, so the last bucket is both the last reduce-scattered and the first gathered.
-    hidden_rs = max(0.0, sum(times[:-1]) - 2 / 3 * compute_s)
-    hidden_ag = max(0.0, sum(times[:-1]) - 1 / 3 * compute_s)
-    return 2 * times[-1] + hidden_rs + hidden_ag
+    hidden_rs = max(0.0, sum(rs[:-1]) - 2 / 3 * compute_s)
+    hidden_ag = max(0.0, sum(ag[:-1]) - 1 / 3 * compute_s)
+    return rs[-1] + ag[-1] + hidden_rs + hidden_ag
 
 
 class Model:
@@ -174,7 +179,8 @@ class Model:
     def step_s(self, batch_per_gpu: float, n: int, overlap: bool = True) -> float:
         c = self.compute.step_s(batch_per_gpu)
         buckets = bucket_bytes(self.args.model, (1, 48, 48), 7, self.args.bucket_mb, n)
-        return c + exposed_s(buckets, n, self.link, c, overlap)
+        return c + exposed_s(buckets, n, self.link, c, overlap,
+                             getattr(self.args, "gather_bytes", 4) / 4)
 
     def strong(self, global_batch: float, n: int, overlap: bool = True) -> float:
         return self.compute.step_s(global_batch) / (n * self.step_s(global_batch / n, n, overlap))
@@ -282,6 +288,9 @@ def parse_args(argv):
     p.add_argument("--gpus", default="8,64,512", help="GPU counts to predict")
     p.add_argument("--model", default="cnn", help="model whose gradient buckets are exchanged")
     p.add_argument("--bucket-mb", type=float, default=4.0)
+    p.add_argument("--gather-bytes", type=int, choices=(2, 4), default=4,
+                   help="bytes per parameter in the all-gather: 4 (fp32 / tf32, and the "
+                        "16-bit runs measured before the 16-bit shadow), 2 (bf16 / fp16 now)")
     p.add_argument("--strong-batch", type=common.positive_int, default=1024,
                    help="global batch of the strong-scaling prediction")
     p.add_argument("--weak-batch", type=common.positive_int, default=256,

@@ -52,3 +52,14 @@ def test_bad_gpu_list_is_one_line_error(capsys):
 def test_fit_line_needs_two_sizes():
     with pytest.raises(sm.ScalingError):
         sm.fit_line([(1.0, 2.0)])
+
+
+def test_a_16_bit_all_gather_exposes_less():
+    """Half the all-gather's bytes (the parameters' 16-bit copy) never costs time, and saves
+    some where the exchange is exposed (no overlap, many ranks)."""
+    full, _ = _model()
+    half, _ = _model(gather_bytes=2)
+    for n in (8, 64, 512):
+        assert half.step_s(256, n, overlap=False) < full.step_s(256, n, overlap=False)
+        assert half.step_s(256, n) <= full.step_s(256, n)
+    assert half.step_s(256, 1) == full.step_s(256, 1)
