@@ -248,3 +248,14 @@ def test_two_gpus_gather_16_bits_and_match_the_fp32_gather_bitwise(precision, ha
              "--eval-every", "4", "--log-every", "1", "--optimizer", "adamw", "--seed", "3",
              "--no-progress", "--precision", precision]
     _two_ranks_with_and_without_shadow(flags, tmp_path, cache, "cuda", half, steps=8)
+
+
+def test_loading_weights_refreshes_the_shadow():
+    """Any load_state_dict (a resume, or a user's) leaves the layers' 16-bit copy current."""
+    model = _model()
+    flat = FlatParameters(model.parameters(), shadow_dtype=HALF)
+    state = {k: np.full(v.shape, 0.75, np.float32) for k, v in model.state_dict().items()}
+    assert not np.any(flat.shadow == HALF.type(0.75))
+    model.load_state_dict(state)
+    for p in model.parameters():
+        assert np.all(p.shadow == HALF.type(0.75))

@@ -147,4 +147,6 @@ class Module:
                 )
         for name, p in params.items():
             p.be.copy_(p.data, p.be.asarray(np.asarray(state[name], dtype=p.dtype)))
+            if p.shadow is not None:  # mixed-precision training's 16-bit copy follows
+                p.be.copy_(p.shadow, p.data)
         return self
