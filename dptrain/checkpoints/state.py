@@ -11,8 +11,8 @@ Saved (a collective: every rank takes part, rank 0 writes):
   * with fp16 mixed precision, the loss scale and its count of good steps;
   * the configuration, checked on resume against the settings that must not change.
 
-Restored in place: parameters through ``load_state_dict`` (copies into the flat buffer, then
-cast into its 16-bit shadow under mixed precision),
+Restored in place: parameters through ``load_state_dict`` (copies into the flat buffer, and
+its 16-bit shadow under mixed precision),
 optimizer state through ``runtime.upload_`` into the existing shards, random state through
 ``set_rng_state``, so a step already captured as a graph keeps reading the same buffers.
 
@@ -192,7 +192,6 @@ class Checkpointing:
                              f"checkpoint, {self.steps_per_epoch} in this run")
         try:
             self.model.load_state_dict(files[MODEL], source=where)
-            self.opt.flat.cast_shadow()  # mixed precision: the layers read the 16-bit copy
             per = {}
             for full, a in files[OPTIM].items():
                 key, _, name = full.partition(":")
