@@ -147,6 +147,7 @@ class Module:
                 )
         for name, p in params.items():
             p.be.copy_(p.data, p.be.asarray(np.asarray(state[name], dtype=p.dtype)))
-            if p.shadow is not None:  # mixed-precision training's 16-bit copy follows
+            # a parameter's 16-bit copy in mixed-precision training follows (buffers have none)
+            if getattr(p, "shadow", None) is not None:
                 p.be.copy_(p.shadow, p.data)
         return self
