@@ -39,7 +39,7 @@ import numpy as np
 from dptrain.backend.cuda import launch
 from dptrain.backend.cuda.arrays import fill_
 from dptrain.backend.cuda.gemm import (operand_dtype, output, plan, reducer, sig, split_k,
-                                       tile_floats, wgmma_available)
+                                       tile_floats, wgmma_available, wgmma_smem)
 from dptrain.backend.cuda.launch import i32
 from dptrain.backend.cuda.runtime import runtime
 from dptrain.backend.cuda.transpose import transposer
@@ -74,13 +74,17 @@ def _tensor_cores(dt) -> bool:
     return np.dtype(dt) in launch.HALVES or runtime.precision == "tf32"
 
 
+def _channels_last(dt, c: int, nb: int) -> bool:
+    """Whether a channels-last kernel may gather c channels of a batch of nb: a tensor-core
+    precision, c in whole 16-byte chunks, and the NHWC copy (_to_nhwc) within its grid."""
+    return (_tensor_cores(dt) and c % _chunk(dt) == 0 and nb <= launch.GRID_YZ_MAX
+            and c <= 32 * launch.GRID_YZ_MAX)
+
+
 def _nhwc(dt, c: int, nb: int) -> bool:
     """Whether the channels-last backward-weight kernel may gather c input channels of a
-    batch of nb: tensor-core precisions only, c in whole chunks, within the copy's grid."""
-    if (os.environ.get(NHWC_ENV, "1") == "0" or nb > launch.GRID_YZ_MAX
-            or c > 32 * launch.GRID_YZ_MAX):
-        return False
-    return _tensor_cores(dt) and c % _chunk(dt) == 0
+    batch of nb (DPTRAIN_NHWC_CONV not "0")."""
+    return os.environ.get(NHWC_ENV, "1") != "0" and _channels_last(dt, c, nb)
 
 
 def _to_nhwc(shape, dt):
@@ -240,12 +244,11 @@ def _plan_implicit(fn_name, mode, out_shape, m, c, hs, ws, ho, wo, kh, kw, strid
 
 
 def _wgmma_conv(dt, c: int, nb: int, npix: int, m: int) -> bool:
-    """Whether conv2d_wgmma.cu computes a forward / backward-data pass summing c channels:
-    a Hopper GPU, a tensor-core precision, c in whole 16-byte chunks (each chunk of the
-    channels-last gather is then one tap), and a grid and transpose within their limits."""
-    return (os.environ.get(WGMMA_CONV_ENV, "0") == "1" and _tensor_cores(dt)
-            and wgmma_available() and c % _chunk(dt) == 0 and nb <= launch.GRID_YZ_MAX
-            and -(-c // 32) <= launch.GRID_YZ_MAX and -(-npix // 128) <= launch.INT32_MAX
+    """Whether conv2d_wgmma.cu computes a forward / backward-data pass summing c channels
+    (DPTRAIN_WGMMA_CONV=1): a Hopper GPU, a channels-last gather (each 16-byte chunk is then
+    one tap) and a grid within its limits."""
+    return (os.environ.get(WGMMA_CONV_ENV, "0") == "1" and wgmma_available()
+            and _channels_last(dt, c, nb) and -(-npix // 128) <= launch.INT32_MAX
             and -(-m // 128) <= launch.GRID_YZ_MAX)
 
 
@@ -253,7 +256,7 @@ def _wgmma_kernel(m, npix, dt):
     """conv2d_wgmma_kernel for m output channels: 32 / 64 / 128 of them per block (the
     smallest covering m), 128 pixels per block. (name, kernel, grid, block, shared memory)"""
     bn = _rows_tile(m)
-    smem = 4 * (128 + bn) * 128 + 1024  # wgmma.cuh's smem_bytes<128, bn>()
+    smem = wgmma_smem(128, bn)
     name = "conv2d_wgmma_kernel"
     fn = launch.kernel(WGMMA_CONV, name, launch.ctype(dt), str(bn), smem=smem)
     return name, fn, (-(-npix // 128), -(-m // bn)), (256,), smem

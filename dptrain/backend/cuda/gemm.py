@@ -46,7 +46,16 @@ from dptrain.backend.cuda.transpose import broadcast_to, transposer
 
 WGMMA_ENV = "DPTRAIN_WGMMA"  # "0" turns the Hopper wgmma path off
 _WGMMA_DEFAULT = True  # on where it applies, unless the environment says "0"
-_WGMMA_BM, _WGMMA_BN, _WGMMA_ROW, _WGMMA_SMEM = 128, 256, 128, 4 * 48 * 1024 + 1024
+_WGMMA_BM, _WGMMA_BN, _WGMMA_ROW = 128, 256, 128
+
+
+def wgmma_smem(bm: int, bn: int) -> int:
+    """Dynamic shared memory of a wgmma.cuh kernel with bm x bn block tiles: its
+    smem_bytes<bm, bn>() (4 stages of both 128-byte-row tiles, + slack to align)."""
+    return 4 * (bm + bn) * _WGMMA_ROW + 1024
+
+
+_WGMMA_SMEM = wgmma_smem(_WGMMA_BM, _WGMMA_BN)
 
 
 # ----------------------------------------------------------------------------- plans
