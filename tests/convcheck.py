@@ -45,6 +45,13 @@ def passes(cu, dt, x, w, gy, stride, pad):
     return [to_f32(cu.to_numpy(o), dt) for o in out]
 
 
+def planned_kernels(cu, x, w, gy, stride, pad):
+    """The kernel each pass's plan picks for these host inputs (conv2d.conv2d_kernels)."""
+    from dptrain.backend.cuda import conv2d
+
+    return conv2d.conv2d_kernels(cu.asarray(x), cu.asarray(w), cu.asarray(gy), stride, pad)
+
+
 def reference(dt, x, w, gy, stride, pad):
     x, w, gy = (to_f32(a, dt).astype(np.float64) for a in (x, w, gy))
     return (cpu.conv2d_forward(x, w, None, stride, pad),

@@ -8,7 +8,8 @@ that for backward-weight's long sums)."""
 import numpy as np
 import pytest
 
-from convcheck import DTYPES, F, H, close, fresh_conv_plans, inputs, passes, reference, to_f32
+from convcheck import (DTYPES, F, H, close, fresh_conv_plans, inputs, passes, planned_kernels,
+                       reference, to_f32)
 from dptrain import backend
 
 cp = pytest.importorskip("cupy")
@@ -16,6 +17,7 @@ pytestmark = pytest.mark.gpu
 
 from dptrain.backend.cuda import conv2d, gemm  # noqa: E402 - after the CuPy check
 
+NHWC_KERNEL = "conv2d_bwdw_nhwc_kernel"
 CASES = [  # x shape, w shape, stride, padding
     ((4, 32, 12, 12), (64, 32, 3, 3), (1, 1), (1, 1)),  # a reference-CNN layer
     ((2, 16, 10, 8), (24, 16, 3, 3), (1, 1), (1, 1)),  # 144 columns: a partial 96-column tile
@@ -38,17 +40,11 @@ def fresh_plans(cu):
         yield
 
 
-def bwdw_kernel(cu, x, w, gy, stride, pad):
-    """The kernel backward-weight's plan picks for these (host) inputs."""
-    return conv2d.conv2d_kernels(cu.asarray(x), cu.asarray(w), cu.asarray(gy), stride,
-                                 pad)["backward_weight"]
-
-
 @pytest.mark.parametrize("dt", DTYPES)
 @pytest.mark.parametrize("xs, ws, stride, pad", CASES)
 def test_channels_last_passes_match_reference(cu, dt, xs, ws, stride, pad):
     x, w, gy = inputs(dt, xs, ws, stride, pad)
-    assert bwdw_kernel(cu, x, w, gy, stride, pad) == "conv2d_bwdw_nhwc_kernel"
+    assert planned_kernels(cu, x, w, gy, stride, pad)["backward_weight"] == NHWC_KERNEL
     got, ref = passes(cu, dt, x, w, gy, stride, pad), reference(dt, x, w, gy, stride, pad)
     for g, r, factor in zip(got, ref, (1, 1, 2)):
         close(g, r, dt, factor)
@@ -61,7 +57,7 @@ def test_channels_last_and_nchw_kernels_agree(cu, dt, monkeypatch):
     nhwc = passes(cu, dt, x, w, gy, stride, pad)
     monkeypatch.setenv(conv2d.NHWC_ENV, "0")
     gemm.clear_plans()
-    assert bwdw_kernel(cu, x, w, gy, stride, pad) != "conv2d_bwdw_nhwc_kernel"
+    assert planned_kernels(cu, x, w, gy, stride, pad)["backward_weight"] != NHWC_KERNEL
     nchw = passes(cu, dt, x, w, gy, stride, pad)
     for a, b in zip(nhwc, nchw):
         close(a, b, dt)
