@@ -9,8 +9,9 @@ The first request for a kernel compiles its file's part with NVRTC through
 over as ``name_expressions``) are split by element family (float and the other types;
 ``__half``; ``__nv_bfloat16``) and each family into modules of at most CHUNK
 instantiations, so the 16-bit instantiations and the heavy main loops compile in parallel
-and only the modules a run uses are built on demand. Later requests reuse the module. CuPy caches the compiled binary on disk
-(``$CUPY_CACHE_DIR``, default ~/.cupy/kernel_cache), so a second process start skips NVRTC.
+and only the modules a run uses are built on demand. Later requests reuse the module. CuPy
+caches the compiled binary on disk (``$CUPY_CACHE_DIR``, default ~/.cupy/kernel_cache), so a
+second process start skips NVRTC.
 
 Cold start: ``compile_all()`` (what ``runtime.prepare()`` calls) builds every part of every
 file this GPU can run ahead of the first step, one thread per part. Threads, not processes, because
