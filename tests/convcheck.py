@@ -59,6 +59,14 @@ def reference(dt, x, w, gy, stride, pad):
             cpu.conv2d_backward_weight(x, gy, w.shape, stride, pad))
 
 
+def passes_match_reference(cu, dt, x, w, gy, stride, pad):
+    """The three passes on the device against the float64 reference, each within dt's
+    tolerance (twice it for backward-weight's long sums)."""
+    got, ref = passes(cu, dt, x, w, gy, stride, pad), reference(dt, x, w, gy, stride, pad)
+    for g, r, factor in zip(got, ref, (1, 1, 2)):
+        close(g, r, dt, factor)
+
+
 def inputs(dt, xs, ws, stride, pad):
     ho = (xs[2] + 2 * pad[0] - ws[2]) // stride[0] + 1
     wo = (xs[3] + 2 * pad[1] - ws[3]) // stride[1] + 1
