@@ -25,7 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository (dptrain/, datasets/, scaling/)
 
-# The keys of LOGDIR/summary.json that the sweeps read (dptrain.train and scaling/torch_ddp.py
+# The keys of LOGDIR/summary.json that the sweeps read (dptrain.run.train and scaling/torch_ddp.py
 # both write them).
 SUMMARY_KEYS = ("train_loss", "val_loss", "val_accuracy", "wall_s", "train_s", "images_per_s",
                 "world_size", "global_batch_size")
@@ -185,9 +185,9 @@ def note(text: str) -> None:
 
 
 def find_launcher(choice: str, dry_run: bool):
-    """The MPI launcher (Open MPI's mpirun, MPICH's mpiexec or srun; dptrain.launch), with
+    """The MPI launcher (Open MPI's mpirun, MPICH's mpiexec or srun; dptrain.dist.launcher), with
     the flavour-specific flags and variables it needs."""
-    from dptrain.launch import LaunchError, find_launcher as find
+    from dptrain.dist.launcher import LaunchError, find_launcher as find
 
     try:
         return find(choice, dry_run)

@@ -6,7 +6,7 @@ T threads: one block of T threads up to 1,024, then blocks of 1,024 threads (T =
 is 2 blocks, ... 32,768 is 32), set with the CUDA backend's launch_shape override. Two
 workloads, on one GPU, with the same inputs at every T:
   inference  the reference CNN (fixed initial weights) over --val-images validation images
-  training   --steps steps of --batch-size images (dptrain.train.train; its train_s;
+  training   --steps steps of --batch-size images (dptrain.run.train.train; its train_s;
              eager steps unless --cuda-graph)
 The sweep and both workloads are dptrain.bench.threads; this script runs them, adds the
 baselines and writes the tables and plots.
@@ -115,7 +115,7 @@ def torch_workloads(device: str, args, val, train_set):
 
     from dptrain.data import StrideSampler
     from dptrain.optim import LRSchedule
-    from dptrain.train import TrainConfig
+    from dptrain.run.config import TrainConfig
     from scaling import torch_ddp as td
 
     dev = torch.device("cuda" if device == "cuda" else "cpu")

@@ -37,7 +37,7 @@ import numpy as np  # noqa: E402
 
 
 def parse_args(argv):
-    from dptrain.train import TrainConfig
+    from dptrain.run.config import TrainConfig
 
     d = {f.name: f.default for f in fields(TrainConfig)}
     p = argparse.ArgumentParser(prog="python -m scaling.torch_ddp", description=__doc__,
@@ -98,7 +98,7 @@ def reference_cnn(torch, image_shape=(1, 48, 48), num_classes=7, seed=0):
 
 
 def make_optimizer(torch, params, args):
-    """dptrain.train.build_optimizer's choice, in torch (same defaults: betas, eps)."""
+    """dptrain.run.train.build_optimizer's choice, in torch (same defaults: betas, eps)."""
     if args.optimizer == "sgd":
         return torch.optim.SGD(params, lr=args.lr, momentum=args.momentum,
                                weight_decay=args.weight_decay, nesterov=args.nesterov)

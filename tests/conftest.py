@@ -1,5 +1,15 @@
-"""Shared test set-up: the `gpu` marker skips where no GPU (or no CuPy) is present."""
+"""Shared test set-up: the `gpu` marker skips where no GPU (or no CuPy) is present.
+
+The tests sit in folders that mirror dptrain's packages (engine, backend, dist, data, run,
+cli, models) plus studies (scaling, benchmarks); what several of them share (launchers,
+fixtures, reference checks, the scripts MPI tests start) is in helpers/, importable by name.
+"""
+import sys
+from pathlib import Path
+
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
 
 from dptrain.backend import cuda_available
 

@@ -12,6 +12,7 @@ A backend has two halves, with the same names on every device:
   over MPI), so the reducer and the training loop read the same on both devices.
 
 Nothing outside ``dptrain/backend/`` imports CuPy or asks which device it runs on.
+The backend imports no other package of dptrain: it is the lowest layer.
 
 Conventions shared by all backends:
   * Functions return new contiguous arrays unless named ``*_`` (in place).

@@ -8,6 +8,9 @@ modules the scaling scripts call: ``threads`` (the launch-shape sweep and its wo
 ``machine`` (what a result records about the GPU). Our ops run through the backend; the
 references they are measured against (cuBLAS, CuPy's kernels) and CUDA-event timing come
 from ``dptrain.backend.cuda.vendor``.
+
+May import any package of dptrain; none imports it (``python -m dptrain bench`` loads it by
+name), nor does anything outside bench/, scaling/ and tests/.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ def main(argv) -> int:
     """`python -m dptrain bench SUITE ...`: run one suite's main()."""
     import importlib
 
-    from dptrain.argtypes import Parser as _Parser
+    from dptrain.cli.argtypes import Parser as _Parser
 
     p = _Parser(prog="python -m dptrain bench", description="Benchmarks.")
     p.add_argument("suite", choices=SUITES,

@@ -53,7 +53,7 @@ def counting(be):
 def forward_flops_per_image(model_name: str, image_shape, num_classes: int) -> dict:
     """{"flops", "conv2d_forward", "matmul"} of one forward pass, per image."""
     from dptrain import backend
-    from dptrain.autograd import Tensor, no_grad
+    from dptrain.engine.autograd import Tensor, no_grad
     from dptrain.nn import build_model
 
     be = backend.get("cpu")

@@ -93,7 +93,7 @@ class CpuTimer:
 
 def sixteen(prec):
     """The 16-bit dtype of precision `prec` (bf16, fp16), or None for fp32 / tf32."""
-    from dptrain import amp
+    from dptrain.run import amp
 
     return amp.COMPUTE_DTYPES.get(prec)
 

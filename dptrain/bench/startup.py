@@ -49,8 +49,8 @@ def train_in_fresh_process(device, cache, data_cache, log_dir, steps) -> dict:
 
 def main(argv=None, echo=print) -> int:
     from dptrain import backend
-    from dptrain.argtypes import Parser as _Parser
-    from dptrain.argtypes import positive_int as _positive_int
+    from dptrain.cli.argtypes import Parser as _Parser
+    from dptrain.cli.argtypes import positive_int as _positive_int
 
     p = _Parser(prog="python -m dptrain bench startup", description=__doc__,
                 formatter_class=__import__("argparse").RawDescriptionHelpFormatter)

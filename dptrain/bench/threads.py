@@ -10,7 +10,7 @@ The workloads build everything they need from dptrain's public API, so that only
 follows the model and training-loop interfaces:
   ``inference(device, val, seed)``  the reference CNN (fixed initial weights) over a
                                     validation set, loss and accuracy summed on the device
-  ``training(device, ...)``         a few steps of ``dptrain.train.train`` (its ``train_s``)
+  ``training(device, ...)``         a few steps of ``dptrain.run.train.train`` (its ``train_s``)
 Each returns ``run() -> (seconds, info)``; ``measure`` repeats one, ``sweep`` runs them under
 each launch shape. ``scaling/threads.py`` turns the results into tables and plots.
 """
@@ -80,9 +80,9 @@ def inference(device: str, val, seed: int, batch_size: int = 1000):
     correct counts summed on the device and read once at the end (that read ends the timing).
     Returns run() -> (seconds, {"val_loss", "val_accuracy"})."""
     import dptrain
-    import dptrain.functional as F
+    import dptrain.engine.functional as F
     from dptrain import backend
-    from dptrain.autograd import Tensor, no_grad
+    from dptrain.engine.autograd import Tensor, no_grad
     from dptrain.nn import build_model
 
     be = backend.get(device)
@@ -116,11 +116,12 @@ def inference(device: str, val, seed: int, batch_size: int = 1000):
 def training(device: str, *, steps: int, batch_size: int, train_images: int, val_images: int,
              seed: int = 0, cache_dir: str | None = None, cuda_graph: bool = False):
     """A function running ``steps`` training steps of ``batch_size`` with
-    ``dptrain.train.train`` on ``device`` (synthetic data, one epoch, progress off). Eager
+    ``dptrain.run.train.train`` on ``device`` (synthetic data, one epoch, progress off). Eager
     steps unless ``cuda_graph``, so every timed step runs the same way. ``val_images``: the
     validation set train() evaluates at its end (not timed; keep it small).
     Returns run() -> (train_s, {"train_loss"})."""
-    from dptrain.train import TrainConfig, train
+    from dptrain.run.config import TrainConfig
+    from dptrain.run.train import train
 
     options = {}
     if "cuda_graph" in TrainConfig.__dataclass_fields__:

@@ -1,12 +1,14 @@
 """The PyTorch side of ``bench train``: the twin of one of our models and its training step.
 
-``twin(model)`` builds the ``torch.nn.Sequential`` equal to one of our Sequential models
+``twin(model)`` (dptrain.run.torch_twin) builds the ``torch.nn.Sequential`` equal to one of our Sequential models
 (Conv2d, Linear, ReLU, MaxPool2d, AvgPool2d, Flatten, Dropout) and loads our weights into it
 (the names agree: "0.weight", ...); None for a model with other layers (no torch columns
 for it). ``training_step(...)`` returns the step in one of PyTorch's modes (``MODES``), on
 uint8 images already on the device, gathered and normalised inside the step as ours does.
 """
 from __future__ import annotations
+
+from dptrain.run.torch_twin import twin  # noqa: F401  (the model twins live with the product)
 
 # mode -> what it is; eager / graph / compile run in fp32 or tf32 (MATMUL_PRECISIONS),
 # graph-autocast-cl in bf16 or fp16 (AUTOCAST_PRECISIONS).
@@ -32,70 +34,6 @@ def version() -> str:
     import torch
 
     return torch.__version__
-
-
-def twin(model):
-    """The torch.nn.Sequential equal to `model` with its weights, or None."""
-    import numpy as np
-    import torch
-    import torch.nn as tnn
-
-    from dptrain import nn
-
-    if isinstance(model, nn.ResNet):
-        return _resnet_twin(model)
-    if not isinstance(model, nn.Sequential):
-        return None
-    layers = []
-    for layer in model:
-        if isinstance(layer, nn.Conv2d):
-            cout, cin, kh, kw = layer.weight.shape
-            layers.append(tnn.Conv2d(cin, cout, (kh, kw), layer.stride, layer.padding,
-                                     bias=getattr(layer, "bias", None) is not None))
-        elif isinstance(layer, nn.Linear):
-            layers.append(tnn.Linear(layer.in_features, layer.out_features,
-                                     bias=getattr(layer, "bias", None) is not None))
-        elif isinstance(layer, nn.ReLU):
-            layers.append(tnn.ReLU())
-        elif isinstance(layer, nn.MaxPool2d):
-            layers.append(tnn.MaxPool2d(*layer.args))
-        elif isinstance(layer, nn.AvgPool2d):
-            layers.append(tnn.AvgPool2d(*layer.args))
-        elif isinstance(layer, nn.Flatten):
-            layers.append(tnn.Flatten(layer.start_axis))
-        elif isinstance(layer, nn.Dropout):
-            layers.append(tnn.Dropout(layer.p))
-        else:
-            return None
-    net = tnn.Sequential(*layers)
-    net.load_state_dict({k: torch.from_numpy(np.ascontiguousarray(v))
-                         for k, v in model.state_dict().items()})
-    return net
-
-
-def _resnet_twin(model):
-    """torchvision's resnet18 with our stem (input channels; for small images a 3x3 stride-1
-    conv and no max-pool) and our weights: the state_dict names are torchvision's. None when
-    torchvision is missing or the model is not the [2, 2, 2, 2] layout."""
-    import numpy as np
-    import torch
-    import torch.nn as tnn
-
-    try:
-        from torchvision.models import resnet18
-    except ImportError:
-        return None
-    cout, cin, kh, kw = model.conv1.weight.shape
-    net = resnet18(num_classes=model.fc.out_features)
-    net.conv1 = tnn.Conv2d(cin, cout, (kh, kw), 1 if kh == 3 else 2, kh // 2, bias=False)
-    if model.maxpool is None:
-        net.maxpool = tnn.Identity()
-    try:
-        net.load_state_dict({k: torch.from_numpy(np.ascontiguousarray(v))
-                             for k, v in model.state_dict().items()})
-    except RuntimeError:
-        return None
-    return net
 
 
 def _optimizer(params, name, device_graph):

@@ -92,13 +92,14 @@ def our_step(be, model_name, state, data, optimizer, graph, precision="fp32"):
     """(step, sync) of our TrainStep on `data` (uint8 images held on the device), starting
     from the weights `state`, eager or captured and replayed; fp16 (mixed precision) runs
     with its loss scaler and the non-finite guard, as training does (bf16 needs neither)."""
-    from dptrain import amp, dist
+    from dptrain.run import amp
+    from dptrain import dist
     from dptrain.data import DeviceLoader
-    from dptrain.flat import FlatParameters
+    from dptrain.dist.flat import FlatParameters
     from dptrain.nn import build_model
     from dptrain.optim import SGD, AdamW
-    from dptrain.reducer import Reducer
-    from dptrain.train import CAPTURE_WARMUP, TrainStep
+    from dptrain.dist.reducer import Reducer
+    from dptrain.run.step import CAPTURE_WARMUP, TrainStep
 
     model = build_model(model_name, data.image_shape, NUM_CLASSES)
     model.load_state_dict(state)
@@ -110,7 +111,7 @@ def our_step(be, model_name, state, data, optimizer, graph, precision="fp32"):
     loader = DeviceLoader(data, be, len(data.labels))
     dtype, guard = amp.compute_dtype(precision), None
     if precision in amp.LOSS_SCALED:
-        from dptrain.nonfinite import NonFiniteGuard
+        from dptrain.run.nonfinite import NonFiniteGuard
 
         guard = NonFiniteGuard(opt, dist.LocalComm(be), 0, amp.LossScaler(be))
     step_fn = TrainStep(model, opt, reducer, loader, guard, dtype)
@@ -231,8 +232,8 @@ def write_json(path, header, rows, profiles):
 
 
 def _parser():
-    from dptrain.argtypes import Parser as _Parser
-    from dptrain.argtypes import positive_int as _positive_int
+    from dptrain.cli.argtypes import Parser as _Parser
+    from dptrain.cli.argtypes import positive_int as _positive_int
 
     p = _Parser(prog="python -m dptrain bench train", description=__doc__,
                 formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
@@ -263,9 +264,10 @@ def _parser():
 
 def main(argv=None, echo=print) -> int:
     args = _parser().parse_args(argv)
-    from dptrain import amp, backend, nn
+    from dptrain.run import amp
+    from dptrain import backend, nn
     from dptrain.bench.profile import format_rows
-    from dptrain.random import manual_seed
+    from dptrain.engine.rng import manual_seed
 
     try:
         device = backend.resolve_device(args.device)
@@ -296,7 +298,7 @@ def main(argv=None, echo=print) -> int:
     gpus = machine.gpu_names() if graphs else []
     gpu = gpus[0] if gpus else ""
     peaks = peak_tflops(args.peak_tflops, gpu)
-    from dptrain.train import CAPTURE_WARMUP
+    from dptrain.run.step import CAPTURE_WARMUP
 
     # warm-up covers the eager steps and the capture of a graph, so neither is timed
     timing = (args.steps, max(args.warmup, CAPTURE_WARMUP + 1), args.repeats)

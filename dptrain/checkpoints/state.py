@@ -30,7 +30,7 @@ import numpy as np
 
 from dptrain.checkpoints.store import CheckpointError, CheckpointStore, load
 from dptrain.errors import UsageError
-from dptrain.random import init_rng
+from dptrain.engine.rng import init_rng
 
 # Settings a resumed run must share with the checkpoint (flag name, config field).
 MUST_MATCH = (("--model", "model"), ("--dataset", "dataset"), ("--train-images", "train_images"),
@@ -69,7 +69,7 @@ class Checkpointing:
                  warn=None, loader=None, scaler=None):
         self.cfg, self.world, self.model, self.opt = cfg, world, model, optimizer
         self.loader = loader  # the training loader: its augmentation draws are saved too
-        self.scaler = scaler  # fp16's loss scale (dptrain.amp), or None
+        self.scaler = scaler  # fp16's loss scale (dptrain.run.amp), or None
         self.reducer, self.steps_per_epoch = reducer, steps_per_epoch
         self.be = optimizer.be
         self.echo = echo

@@ -1,4 +1,7 @@
-"""Modules, layers and models."""
+"""Modules, layers and models.
+
+May import: dptrain.backend, dptrain.engine (and the face: errors, fileio).
+"""
 from dptrain.nn.layers import (
     AvgPool2d, Conv2d, Dropout, Flatten, Linear, MaxPool2d, ReLU, Sequential,
 )

@@ -12,10 +12,10 @@ import math
 
 import numpy as np
 
-from dptrain import functional as F
+from dptrain.engine import functional as F
 from dptrain.nn.layers import Linear
 from dptrain.nn.module import Module, Parameter
-from dptrain.random import init_rng
+from dptrain.engine.rng import init_rng
 
 
 class MultiHeadAttention(Module):

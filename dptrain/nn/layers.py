@@ -5,10 +5,10 @@ import math
 
 import numpy as np
 
-from dptrain import functional as F
+from dptrain.engine import functional as F
 from dptrain.nn import fusion
 from dptrain.nn.module import Module, Parameter
-from dptrain.random import init_rng
+from dptrain.engine.rng import init_rng
 
 
 def _uniform(shape, bound):

@@ -6,14 +6,14 @@ from collections import OrderedDict
 import numpy as np
 
 from dptrain import backend
-from dptrain.autograd import Tensor
+from dptrain.engine.autograd import Tensor
 
 
 class Parameter(Tensor):
     """A tensor that a Module owns and an optimizer updates.
 
     ``shadow``: under mixed-precision training, its 16-bit copy (a view of the flat buffers'
-    shadow, dptrain.flat), which F.cast_parameter hands the layers instead of casting; None
+    shadow, dptrain.dist.flat), which F.cast_parameter hands the layers instead of casting; None
     elsewhere."""
 
     shadow = None

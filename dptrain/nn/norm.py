@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from dptrain import functional as F
-from dptrain.autograd import Tensor
+from dptrain.engine import functional as F
+from dptrain.engine.autograd import Tensor
 from dptrain.nn.module import Module, Parameter
 
 

@@ -1,7 +1,7 @@
 """Global average pooling: torch.nn.AdaptiveAvgPool2d with output size 1."""
 from __future__ import annotations
 
-from dptrain import functional as F
+from dptrain.engine import functional as F
 from dptrain.nn.module import Module
 
 

@@ -15,12 +15,12 @@ import math
 
 import numpy as np
 
-from dptrain import functional as F
+from dptrain.engine import functional as F
 from dptrain.nn.layers import Conv2d, Linear, MaxPool2d, ReLU, Sequential
 from dptrain.nn.module import Module, Parameter
 from dptrain.nn.norm import BatchNorm2d
 from dptrain.nn.pooling import AdaptiveAvgPool2d
-from dptrain.random import init_rng
+from dptrain.engine.rng import init_rng
 
 SMALL_IMAGE_MAX = 64  # inputs up to this many pixels a side get the 3x3 stem, no max-pool
 

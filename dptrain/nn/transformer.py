@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dptrain import functional as F
+from dptrain.engine import functional as F
 from dptrain.nn.attention import MultiHeadAttention
 from dptrain.nn.layers import Dropout, Linear
 from dptrain.nn.module import Module, Parameter

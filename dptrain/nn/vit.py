@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from dptrain import functional as F
+from dptrain.engine import functional as F
 from dptrain.nn.layers import Conv2d, Dropout, Linear, Sequential
 from dptrain.nn.module import Module, Parameter
 from dptrain.nn.transformer import LayerNorm, TransformerEncoderLayer
-from dptrain.random import init_rng
+from dptrain.engine.rng import init_rng
 
 
 def default_patch_size(height: int, width: int) -> int:

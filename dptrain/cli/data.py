@@ -1,0 +1,207 @@
+"""``python -m dptrain data pack|info|synth``: make and inspect packed datasets.
+
+    data pack SRC OUT       any dataset (an image folder, the MNIST/CIFAR-10 files, the
+                            FER-2013 CSV) to the packed format (dptrain/data/formats/packed.py)
+    data info OUT           what a packed dataset holds (--verify: check every file's SHA-256)
+    data synth --images N OUT   the synthetic shapes, generated over all CPUs, packed
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import numpy as np
+
+from dptrain.errors import UsageError
+
+
+def detect_format(src: str) -> str:
+    """The dataset format of a path: a .csv file is FER-2013; a folder is a packed dataset
+    (header.json), MNIST (IDX files), CIFAR-10 (its batches), else an image folder."""
+    from dptrain.data.formats import cifar10, mnist, packed
+
+    if os.path.isfile(src):
+        if src.lower().endswith(".csv"):
+            return "fer2013"
+        if os.path.basename(src) == packed.HEADER:
+            return "packed"
+        raise UsageError(f"{src}: cannot tell the dataset format of this file; pass --dataset")
+    if not os.path.isdir(src):
+        raise UsageError(f"{src}: no such file or directory")
+    if os.path.isfile(os.path.join(src, packed.HEADER)):
+        return "packed"
+    for name, module in (("mnist", mnist), ("cifar10", cifar10)):
+        try:
+            module.sources(src)
+            return name
+        except UsageError:
+            pass
+    if os.path.isfile(os.path.join(src, "fer2013.csv")):
+        return "fer2013"
+    return "imagefolder"
+
+
+class _Bar:
+    """A progress bar of images: tqdm when installed, else a line now and then."""
+
+    def __init__(self, total: int, desc: str):
+        self.total, self.desc, self.last, self.start = total, desc, 0.0, time.monotonic()
+        try:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=desc, unit="img", unit_scale=True,
+                            file=sys.stderr, mininterval=0.5)
+        except ImportError:
+            self.bar = None
+        self.done = 0
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.bar is not None:
+            self.bar.update(done - self.done)
+        elif time.monotonic() - self.last > 2 or done == total:
+            print(f"{self.desc}: {done}/{total} images", file=sys.stderr, flush=True)
+            self.last = time.monotonic()
+        self.done = done
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _check_out(out: str) -> None:
+    from dptrain.data.formats import packed
+
+    if os.path.isfile(out):
+        raise UsageError(f"{out}: is a file; OUT must be a directory (new, empty or packed)")
+    if os.path.isdir(out) and os.listdir(out) and not os.path.isfile(
+            os.path.join(out, packed.HEADER)):
+        raise UsageError(f"{out}: exists and is not empty (nor a packed dataset to replace)")
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.access(parent if not os.path.isdir(out) else out, os.W_OK):
+        raise UsageError(f"{out}: not writable")
+
+
+def _parser():
+    from dptrain.cli.argtypes import Parser as _Parser
+    from dptrain.cli.argtypes import non_negative_float as _non_negative_float
+    from dptrain.cli.argtypes import positive_int as _positive_int
+
+    p = _Parser(prog="python -m dptrain data", description="Make and inspect packed datasets.")
+    sub = p.add_subparsers(dest="action", required=True, parser_class=_Parser)
+    pack = sub.add_parser("pack", help="convert a dataset to the packed format",
+                          description="Decode a dataset once into the packed format: uint8 "
+                          "(N, C, H, W) images, int64 labels, class names and per-channel "
+                          "mean/std, memory-mapped by training (--dataset packed --data-dir OUT).")
+    pack.add_argument("src", metavar="SRC", help="the dataset's files (folder or CSV)")
+    pack.add_argument("out", metavar="OUT", help="the packed dataset's directory")
+    pack.add_argument("--dataset", default=None,
+                      choices=("imagefolder", "mnist", "cifar10", "fer2013", "packed"),
+                      help="SRC's format (default: detected)")
+    pack.add_argument("--channels", type=int, default=None, choices=(1, 3))
+    pack.add_argument("--image-size", type=_positive_int, default=None, metavar="S")
+    pack.add_argument("--val-fraction", type=_non_negative_float, default=0.1,
+                      help="held out as the val split when SRC has no test split")
+    pack.add_argument("--seed", type=int, default=0, help="seeds the --val-fraction split")
+    pack.add_argument("--on-bad-image", default="error", choices=("error", "skip"))
+    pack.add_argument("--cache-dir", default=None)
+    info = sub.add_parser("info", help="describe a packed dataset")
+    info.add_argument("path", metavar="OUT")
+    info.add_argument("--verify", action="store_true", help="check every file's SHA-256")
+    synth = sub.add_parser("synth", help="write the synthetic shapes as a packed dataset",
+                           description="Generate the built-in 48x48 shapes over all CPUs "
+                           "and write them packed.")
+    synth.add_argument("out", metavar="OUT")
+    synth.add_argument("--images", type=_positive_int, required=True, metavar="N",
+                       help="training images")
+    synth.add_argument("--val-images", type=int, default=None, metavar="M",
+                       help="validation images (default N/10, at least 1)")
+    synth.add_argument("--seed", type=int, default=0)
+    synth.add_argument("--workers", type=_positive_int, default=None,
+                       help="worker processes (default: the CPUs this process may use)")
+    return p
+
+
+def pack(args) -> int:
+    from dptrain.data import get_dataset
+    from dptrain.data.formats import packed
+
+    kind = args.dataset or detect_format(args.src)
+    _check_out(args.out)
+    if os.path.abspath(args.src) == os.path.abspath(args.out):
+        raise UsageError(f"{args.out}: OUT must differ from SRC")
+    options = dict(data_dir=args.src, channels=args.channels, image_size=args.image_size,
+                   val_fraction=args.val_fraction, on_bad_image=args.on_bad_image)
+    start = time.perf_counter()
+    sets = {split: get_dataset(kind, split, None, args.seed, args.cache_dir, **options)
+            for split in ("train", "val")}
+    train = sets["train"]
+    header = packed.write(args.out, {s: (d.images, d.labels) for s, d in sets.items()},
+                          train.class_names, train.mean, train.std,
+                          source=f"{kind}:{os.path.abspath(args.src)}")
+    counts = ", ".join(f"{s} {v['count']}" for s, v in header["splits"].items())
+    print(f"packed {kind} {args.src} -> {args.out}: {counts} images of "
+          f"{'x'.join(map(str, header['image_shape']))}, {len(train.class_names)} classes "
+          f"({time.perf_counter() - start:.1f} s)")
+    return 0
+
+
+def info(args) -> int:
+    from dptrain.data.formats import packed
+
+    header = packed.read_header(args.path)
+    shape = "x".join(map(str, header["image_shape"]))
+    names = header["class_names"]
+    print(f"{args.path}: dptrain packed dataset v{header['version']}")
+    print(f"  images:  {shape} uint8 (C x H x W)")
+    print(f"  classes: {len(names)}: {', '.join(names[:20])}{' ...' if len(names) > 20 else ''}")
+    print(f"  mean:    {', '.join(f'{v:.4f}' for v in header['mean'])}")
+    print(f"  std:     {', '.join(f'{v:.4f}' for v in header['std'])}")
+    if header.get("source"):
+        print(f"  source:  {header['source']}")
+    for split, entry in header["splits"].items():
+        nbytes = entry["images"]["bytes"] + entry["labels"]["bytes"]
+        print(f"  {split + ':':<8} {entry['count']} images ({nbytes / 2**20:.1f} MiB)")
+        if args.verify:
+            images, labels, _ = packed.load_split(args.path, split, verify=True)
+            counts = np.bincount(labels, minlength=len(names))
+            print(f"           SHA-256 verified; per class: {' '.join(map(str, counts))}")
+    return 0
+
+
+def synth(args) -> int:
+    from dptrain.data.formats import packed
+    from dptrain.data.formats.common import channel_stats
+    from dptrain.data.parallel import default_workers
+    from dptrain.data.synthetic import CLASSES, generate_parallel, split_seed
+
+    _check_out(args.out)
+    if args.seed < 0:
+        raise UsageError(f"--seed {args.seed}: must be >= 0")
+    n_val = args.val_images if args.val_images is not None else max(1, args.images // 10)
+    if n_val < 0:
+        raise UsageError(f"--val-images {n_val}: must be >= 0")
+    workers = args.workers or default_workers()
+    start = time.perf_counter()
+    splits = {}
+    for split, n in (("train", args.images), ("val", n_val)):
+        if n == 0:
+            continue
+        bar = _Bar(n, f"synth {split}")
+        try:
+            splits[split] = generate_parallel(split_seed(args.seed, split), np.arange(n),
+                                              workers, progress=bar)
+        finally:
+            bar.close()
+    mean, std = channel_stats(splits["train"][0])
+    packed.write(args.out, splits, CLASSES, mean, std,
+                 source=f"synthetic:seed{args.seed}")
+    seconds = time.perf_counter() - start
+    print(f"wrote {args.images} + {n_val} synthetic images to {args.out} in {seconds:.1f} s "
+          f"({(args.images + n_val) / seconds:,.0f} images/s, {workers} workers)")
+    return 0
+
+
+def main(argv) -> int:
+    args = _parser().parse_args(argv)
+    return {"pack": pack, "info": info, "synth": synth}[args.action](args)

@@ -1,0 +1,76 @@
+"""`python -m dptrain train`: its parser is built from TrainConfig's fields (dptrain.run.config),
+so an option is declared once, with its type, default, choices and help; `--config FILE.toml`
+reads the same keys (dptrain.cli.config)."""
+from __future__ import annotations
+
+import argparse
+import typing
+from dataclasses import MISSING
+
+from dptrain.cli.argtypes import (HelpFormatter, Parser, non_negative_float, non_negative_int,
+                                  positive_float, positive_int, widths)
+
+# (the field's Python type, its bound) -> the argparse type that checks it
+ARG_TYPES = {
+    (int, "positive"): positive_int, (int, "non_negative"): non_negative_int,
+    (float, "positive"): positive_float, (float, "non_negative"): non_negative_float,
+    (tuple, "widths"): widths, (int, None): int, (float, None): float, (str, None): None,
+}
+
+
+def _value_type(hint):
+    """int, float, str, bool or tuple: the type a field holds when it is not None."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+    return typing.get_origin(args[0]) or args[0]
+
+
+def train_parser() -> argparse.ArgumentParser:
+    from dptrain.cli.commands import version
+    from dptrain.run.config import TrainConfig, flag, options
+
+    p = Parser(
+        prog="python -m dptrain train",
+        description="Train a model on this process, or on every rank mpirun / srun started "
+        "(GPU when available, else CPU). Rank 0 shows progress and writes LOGDIR/metrics.jsonl "
+        "and LOGDIR/summary.json.",
+        formatter_class=HelpFormatter,
+    )
+    p.add_argument("--version", action="version", version=version())
+    p.add_argument("--config", default=None, metavar="FILE.toml",
+                   help="take any of these options from a TOML file (keys as the options, "
+                   "without the dashes: batch-size = 128); options given here override it")
+    hints, groups = typing.get_type_hints(TrainConfig), {}
+    for f in options():
+        meta = f.metadata
+        group = groups.get(meta["group"]) or groups.setdefault(
+            meta["group"], p.add_argument_group(meta["group"]))
+        assert f.default is not MISSING, f.name
+        kind = _value_type(hints[f.name])
+        if kind is bool:
+            group.add_argument(flag(f), dest=f.name, help=meta["help"].replace("%", "%%"),
+                               action="store_false" if f.default else "store_true")
+            continue
+        group.add_argument(flag(f), dest=f.name, default=f.default, help=meta["help"].replace("%", "%%"),
+                           type=ARG_TYPES[kind, meta["bound"]], choices=meta["choices"],
+                           metavar=meta["metavar"])
+    return p
+
+
+def main(argv) -> int:
+    from dptrain.cli.config import apply_config
+    from dptrain.run.config import TrainConfig
+    from dptrain.run.train import train
+
+    parser = train_parser()
+    apply_config(parser, argv)
+    args = vars(parser.parse_args(argv))
+    args.pop("config")
+    if args["global_batch_size"] is not None and args["batch_size"] is not None:
+        parser.error(f"--global-batch-size {args['global_batch_size']} and --batch-size "
+                     f"{args['batch_size']}: give one of them")
+    if args["torch"]:
+        from dptrain.run.torch_twin import require_torch
+
+        require_torch()
+    train(TrainConfig(**args), echo=lambda text: print(text, flush=True))
+    return 0

@@ -1,0 +1,22 @@
+"""Everything that spans processes: the world, the gradient exchange and keeping a job alive.
+
+    world.py       which rank this is, the communicators (Local, MPI; NCCL lives in the backend)
+    flat.py        all parameters and gradients in one padded buffer per dtype, 16-bit shadow
+    reducer.py     buckets of that buffer: reduce-scatter, this rank's shard, all-gather
+    launcher.py    finding mpirun / mpiexec / srun and building their command lines
+    slurm.py       the world from SLURM_* when srun started the ranks without MPI
+    rendezvous.py  the TCP meeting place for that case, answering mpi4py's calls
+    watchdog.py    aborts a job whose collective or step never finishes
+    stopping.py    SIGINT/SIGTERM: every rank stops after the same step
+    startup.py     once-per-host work (kernel builds) while the host's other ranks wait
+
+May import: dptrain.errors, dptrain.fileio, dptrain.backend, dptrain.engine. Never the loop,
+the command line or the benchmarks.
+"""
+from dptrain.dist.world import (SIMULATED_HOSTS_ENV, LocalComm, MPIComm, World,
+                                check_foreign_launcher, constants, guarded, host_communicator,
+                                init, launched_by_mpi)
+
+__all__ = ["World", "LocalComm", "MPIComm", "init", "guarded", "constants",
+           "host_communicator", "launched_by_mpi", "check_foreign_launcher",
+           "SIMULATED_HOSTS_ENV"]

@@ -1,0 +1,344 @@
+"""The functional API (``import dptrain.engine.functional as F``) and the Tensor methods built on it.
+
+Arguments follow PyTorch: NCHW activations, conv weight (C_out, C_in, kH, kW),
+linear weight (out, in), y = x W^T + b.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from dptrain.engine import ops
+from dptrain.engine.autograd import Tensor, as_tensor
+from dptrain.backend.bfloat16 import BFLOAT16
+
+
+def _pair(value, name):
+    pair = (value, value) if isinstance(value, (int, np.integer)) else tuple(value)
+    if len(pair) != 2 or not all(isinstance(v, (int, np.integer)) for v in pair):
+        raise ValueError(f"{name} must be an int or a pair of ints, got {value!r}")
+    return int(pair[0]), int(pair[1])
+
+
+def _check_nchw(x: Tensor, op: str):
+    if x.ndim != 4:
+        raise ValueError(f"{op} expects a 4-D NCHW input, got shape {x.shape}")
+
+
+# ----------------------------------------------------------------------------- layers
+
+
+def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
+    if x.shape[-1] != w.shape[1]:
+        raise ValueError(f"linear: input has {x.shape[-1]} features, weight expects {w.shape[1]}")
+    return ops.Linear.apply(x, w) if b is None else ops.Linear.apply(x, w, b)
+
+
+def conv2d(x: Tensor, w: Tensor, b: Tensor | None = None, stride=1, padding=0, *,
+           workspace=None) -> Tensor:
+    """Convolution; `workspace` (``x.be.new_workspace()``) lets the backend reuse memory and
+    work between calls without changing any result (``nn.Conv2d`` keeps one across steps)."""
+    _check_nchw(x, "conv2d")
+    if x.shape[1] != w.shape[1]:
+        raise ValueError(f"conv2d: input has {x.shape[1]} channels, weight expects {w.shape[1]}")
+    stride, padding = _pair(stride, "stride"), _pair(padding, "padding")
+    args = (x, w) if b is None else (x, w, b)
+    return ops.Conv2d.apply(*args, stride=stride, padding=padding, workspace=workspace)
+
+
+def _pool_args(x, kernel_size, stride, padding, op):
+    _check_nchw(x, op)
+    kernel = _pair(kernel_size, "kernel_size")
+    stride = kernel if stride is None else _pair(stride, "stride")
+    padding = _pair(padding, "padding")
+    if any(p * 2 > k for p, k in zip(padding, kernel)):
+        raise ValueError(f"{op}: padding {padding} must be at most half the kernel {kernel}")
+    return dict(kernel=kernel, stride=stride, padding=padding)
+
+
+def max_pool2d(x: Tensor, kernel_size, stride=None, padding=0, *, workspace=None) -> Tensor:
+    """Max-pooling; `workspace` as in conv2d."""
+    args = _pool_args(x, kernel_size, stride, padding, "max_pool2d")
+    return ops.MaxPool2d.apply(x, **args, workspace=workspace)
+
+
+def relu_max_pool2d(x: Tensor, kernel_size, stride=None, padding=0, *, workspace=None) -> Tensor:
+    """max_pool2d(relu(x)) in one op (what nn.Sequential runs for a ReLU then a MaxPool2d)."""
+    args = _pool_args(x, kernel_size, stride, padding, "relu_max_pool2d")
+    return ops.ReLUMaxPool2d.apply(x, **args, workspace=workspace)
+
+
+def avg_pool2d(x: Tensor, kernel_size, stride=None, padding=0) -> Tensor:
+    return ops.AvgPool2d.apply(x, **_pool_args(x, kernel_size, stride, padding, "avg_pool2d"))
+
+
+def relu(x: Tensor, *, workspace=None) -> Tensor:
+    return ops.ReLU.apply(x, workspace=workspace)
+
+
+def sigmoid(x: Tensor) -> Tensor:
+    return ops.Sigmoid.apply(x)
+
+
+def tanh(x: Tensor) -> Tensor:
+    return ops.Tanh.apply(x)
+
+
+def _on_last_axis(fn, x: Tensor, axis: int) -> Tensor:
+    """Apply a last-axis op along `axis` by moving that axis last and back."""
+    axis = axis % x.ndim
+    if axis == x.ndim - 1:
+        return fn.apply(x)
+    perm = tuple(i for i in range(x.ndim) if i != axis) + (axis,)
+    return transpose(fn.apply(transpose(x, *perm)), *np.argsort(perm))
+
+
+def softmax(x: Tensor, axis: int = -1) -> Tensor:
+    return _on_last_axis(ops.Softmax, x, axis)
+
+
+def log_softmax(x: Tensor, axis: int = -1) -> Tensor:
+    return _on_last_axis(ops.LogSoftmax, x, axis)
+
+
+def cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
+    """Mean over the batch of -log softmax(logits)[label]; labels are integer class ids."""
+    if logits.ndim != 2:
+        raise ValueError(f"cross_entropy expects (N, C) logits, got shape {logits.shape}")
+    if not isinstance(labels, Tensor):
+        labels = Tensor(logits.be.asarray(np.asarray(labels, dtype=np.int64)))
+    if labels.dtype.kind not in "iu" or labels.shape != logits.shape[:1]:
+        raise ValueError(
+            f"cross_entropy expects integer labels of shape {logits.shape[:1]}, "
+            f"got {labels.dtype} {labels.shape}"
+        )
+    return ops.CrossEntropy.apply(logits, labels)
+
+
+def dropout(x: Tensor, p: float = 0.5, training: bool = True) -> Tensor:
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+    if not training or p == 0.0:
+        return x
+    return ops.Dropout.apply(x, p=p)
+
+
+# ----------------------------------------------------------------------------- tensor algebra
+
+
+def add(a, b):
+    return ops.Add.apply(*_both(a, b))
+
+
+def sub(a, b):
+    return ops.Sub.apply(*_both(a, b))
+
+
+def mul(a, b):
+    return ops.Mul.apply(*_both(a, b))
+
+
+def div(a, b):
+    return ops.Div.apply(*_both(a, b))
+
+
+def _both(a, b):
+    like = a if isinstance(a, Tensor) else b
+    return as_tensor(a, like), as_tensor(b, like)
+
+
+def matmul(a: Tensor, b: Tensor, *, trans_a: bool = False, trans_b: bool = False) -> Tensor:
+    """a @ b over the last two axes (either operand transposed first); batch axes broadcast."""
+    if trans_a or trans_b:
+        return ops.MatMul.apply(a, b, trans_a=trans_a, trans_b=trans_b)
+    return ops.MatMul.apply(a, b)
+
+
+def power(x: Tensor, p) -> Tensor:
+    if isinstance(p, Tensor) or not np.isscalar(p):
+        raise TypeError("Tensor ** supports a scalar exponent only")
+    return ops.PowScalar.apply(x, p=float(p))
+
+
+def sum(x: Tensor, axis=None, keepdims: bool = False) -> Tensor:  # noqa: A001
+    return ops.Sum.apply(x, axis=_axis(axis), keepdims=keepdims)
+
+
+def mean(x: Tensor, axis=None, keepdims: bool = False) -> Tensor:
+    return ops.Mean.apply(x, axis=_axis(axis), keepdims=keepdims)
+
+
+def max(x: Tensor, axis=None, keepdims: bool = False) -> Tensor:  # noqa: A001
+    return ops.Max.apply(x, axis=_axis(axis), keepdims=keepdims)
+
+
+def _axis(axis):
+    return tuple(axis) if isinstance(axis, (list, tuple)) else axis
+
+
+def reshape(x: Tensor, *shape) -> Tensor:
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+        shape = tuple(shape[0])
+    return ops.Reshape.apply(x, shape=tuple(int(s) for s in shape))
+
+
+def cast(x: Tensor, dtype) -> Tensor:
+    """x in float dtype `dtype` (x itself when it has it); the gradient flows back in x's.
+    bfloat16 is ``dptrain.backend.bfloat16.BFLOAT16`` (uint16 storage, GPU only)."""
+    dtype = np.dtype(dtype)
+    if x.dtype == dtype:
+        return x
+    if not (_is_float(dtype) and _is_float(x.dtype)):
+        raise TypeError(f"cast: float to float only, got {x.dtype} to {dtype}")
+    return ops.Cast.apply(x, dtype=dtype)
+
+
+def cast_parameter(p: Tensor, dtype) -> Tensor:
+    """cast(p, dtype) for a parameter: the gradient returns in `dtype` and the leaf adds it
+    into its own .grad with the cast folded in (one kernel instead of two per parameter).
+    A parameter whose 16-bit shadow (kept current by training, dptrain.dist.flat) has `dtype`
+    gives that shadow instead of a fresh cast: the same bits, no kernel."""
+    dtype = np.dtype(dtype)
+    if p.dtype == dtype or p._ctx is not None or not p.requires_grad:
+        return cast(p, dtype)
+    if not (_is_float(dtype) and _is_float(p.dtype)):
+        raise TypeError(f"cast_parameter: float to float only, got {p.dtype} to {dtype}")
+    shadow = getattr(p, "shadow", None)
+    if shadow is not None and shadow.dtype != dtype:
+        shadow = None
+    return ops.CastParameter.apply(p, dtype=dtype, shadow=shadow)
+
+
+def _is_float(dtype) -> bool:
+    return dtype.kind == "f" or dtype == BFLOAT16
+
+
+def transpose(x: Tensor, *axes) -> Tensor:
+    if len(axes) == 1 and isinstance(axes[0], (tuple, list)):
+        axes = tuple(axes[0])
+    axes = tuple(int(a) for a in axes) if axes else tuple(reversed(range(x.ndim)))
+    return ops.Transpose.apply(x, axes=axes)
+
+
+def flatten(x: Tensor, start_axis: int = 1) -> Tensor:
+    start_axis %= x.ndim
+    return reshape(x, *x.shape[:start_axis], -1)
+
+
+def getitem(x: Tensor, index) -> Tensor:
+    if isinstance(index, Tensor):
+        index = index.data
+    return ops.GetItem.apply(x, index=index)
+
+
+def concatenate(tensors, axis: int = 0) -> Tensor:
+    tensors = list(tensors)
+    if not tensors:
+        raise ValueError("concatenate needs at least one tensor")
+    return ops.Concatenate.apply(*tensors, axis=axis)
+
+
+# ----------------------------------------------------------------------------- transformer
+
+
+def broadcast_to(x: Tensor, shape) -> Tensor:
+    """x broadcast to `shape` (NumPy's rules), e.g. a class token repeated over the batch."""
+    return ops.BroadcastTo.apply(x, shape=tuple(int(s) for s in shape))
+
+
+def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5) -> Tensor:
+    """Layer norm over the last axis: (x - mean) / sqrt(var + eps) * weight + bias."""
+    if weight.shape != x.shape[-1:] or bias.shape != x.shape[-1:]:
+        raise ValueError(f"layer_norm: weight {weight.shape} and bias {bias.shape} must be "
+                         f"({x.shape[-1]},) for input {x.shape}")
+    return ops.LayerNorm.apply(x, weight, bias, eps=float(eps))
+
+
+def gelu(x: Tensor) -> Tensor:
+    """The exact GELU, x * Phi(x) (PyTorch's default, approximate='none')."""
+    return ops.GELU.apply(x)
+
+
+def _lengths(key_lengths):
+    return key_lengths.data if isinstance(key_lengths, Tensor) else key_lengths
+
+
+def masked_softmax(x: Tensor, causal: bool = False, key_lengths=None,
+                   scale: float = 1.0) -> Tensor:
+    """softmax(scale * x) over the last axis (keys) of x (B, ..., Tq, Tk); `causal` masks key
+    j > query i, `key_lengths` (B,) ints keep keys j < key_lengths[b]. Masked keys get 0; a
+    row with no key left is all zeros. Flags, not a mask tensor."""
+    return ops.MaskedSoftmax.apply(x, causal=bool(causal), key_lengths=_lengths(key_lengths),
+                                   scale=float(scale))
+
+
+def scaled_dot_product_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False,
+                                 key_lengths=None, scale: float | None = None,
+                                 dropout_p: float = 0.0, training: bool = True) -> Tensor:
+    """softmax(q k^T * scale, masked) v over the last two axes; q (..., Tq, E), k (..., Tk, E),
+    v (..., Tk, Ev); scale defaults to 1/sqrt(E); dropout on the attention weights."""
+    if q.shape[-1] != k.shape[-1] or k.shape[-2] != v.shape[-2]:
+        raise ValueError(f"scaled_dot_product_attention: q {q.shape}, k {k.shape} and v "
+                         f"{v.shape} do not fit")
+    scale = 1.0 / float(np.sqrt(q.shape[-1])) if scale is None else scale
+    weights = masked_softmax(matmul(q, k, trans_b=True), causal, key_lengths, scale)
+    return matmul(dropout(weights, dropout_p, training), v)
+
+
+# ----------------------------------------------------------------------------- normalisation, global pooling
+
+
+def batch_norm(x: Tensor, weight: Tensor, bias: Tensor, running=None, training: bool = True,
+               momentum: float = 0.1, eps: float = 1e-5, comm=None) -> Tensor:
+    """Batch normalisation over axis 1. ``running``: (mean, var, num_batches_tracked) Tensors,
+    updated in place in training and used in eval; ``comm``: all-reduce the batch statistics
+    over its ranks (sync-BN). See ops.BatchNorm."""
+    if x.ndim < 2 or weight.shape != (x.shape[1],) or bias.shape != (x.shape[1],):
+        raise ValueError(f"batch_norm: input {x.shape} needs a channel axis 1 and weight and "
+                         f"bias of its size, got {weight.shape}, {bias.shape}")
+    if not training and running is None:
+        raise ValueError("batch_norm: eval mode needs the running estimates")
+    arrays = None if running is None else tuple(t.data for t in running)
+    return ops.BatchNorm.apply(x, weight, bias, running=arrays, training=training,
+                               momentum=momentum, eps=eps, comm=comm)
+
+
+def adaptive_avg_pool2d(x: Tensor, output_size=1) -> Tensor:
+    """Global average pooling (output_size 1 only): the mean over H and W, as (N, C, 1, 1)."""
+    _check_nchw(x, "adaptive_avg_pool2d")
+    if _pair(output_size, "output_size") != (1, 1):
+        raise ValueError(f"adaptive_avg_pool2d: only output_size 1 is supported, "
+                         f"got {output_size!r}")
+    return mean(x, axis=(2, 3), keepdims=True)
+
+
+# ----------------------------------------------------------------------------- Tensor methods
+
+_METHODS = {
+    "__add__": add,
+    "__radd__": lambda a, b: add(b, a),
+    "__sub__": sub,
+    "__rsub__": lambda a, b: sub(b, a),
+    "__mul__": mul,
+    "__rmul__": lambda a, b: mul(b, a),
+    "__truediv__": div,
+    "__rtruediv__": lambda a, b: div(b, a),
+    "__matmul__": matmul,
+    "__pow__": power,
+    "__neg__": lambda x: ops.Neg.apply(x),
+    "__getitem__": getitem,
+    "sum": sum,
+    "mean": mean,
+    "max": max,
+    "exp": lambda x: ops.Exp.apply(x),
+    "log": lambda x: ops.Log.apply(x),
+    "sqrt": lambda x: ops.Sqrt.apply(x),
+    "relu": relu,
+    "sigmoid": sigmoid,
+    "tanh": tanh,
+    "reshape": reshape,
+    "transpose": transpose,
+    "flatten": flatten,
+    "T": property(lambda x: transpose(x)),
+}
+for _name, _fn in _METHODS.items():
+    setattr(Tensor, _name, _fn)

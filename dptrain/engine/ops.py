@@ -1,0 +1,512 @@
+"""Differentiable primitives: one Function per op, forward and backward side by side.
+
+Every op works on raw backend arrays through ``self.be`` and never looks at the
+device. Inputs that broadcast get their gradient summed back to their own shape.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from dptrain.engine.autograd import Function
+from dptrain.engine.rng import data_shard
+
+# ----------------------------------------------------------------------------- elementwise
+
+
+class Add(Function):
+    def forward(self, a, b):
+        self.shapes = a.shape, b.shape
+        return self.be.add(a, b)
+
+    def backward(self, gy):
+        sa, sb = self.shapes
+        return self.be.sum_to_shape(gy, sa), self.be.sum_to_shape(gy, sb)
+
+
+class Sub(Function):
+    def forward(self, a, b):
+        self.shapes = a.shape, b.shape
+        return self.be.sub(a, b)
+
+    def backward(self, gy):
+        sa, sb = self.shapes
+        gb = self.be.sum_to_shape(self.be.neg(gy), sb) if self.needs_grad[1] else None
+        return self.be.sum_to_shape(gy, sa), gb
+
+
+class Mul(Function):
+    def forward(self, a, b):
+        self.a, self.b = a, b
+        return self.be.mul(a, b)
+
+    def backward(self, gy):
+        be, a, b = self.be, self.a, self.b
+        ga = be.sum_to_shape(be.mul(gy, b), a.shape) if self.needs_grad[0] else None
+        gb = be.sum_to_shape(be.mul(gy, a), b.shape) if self.needs_grad[1] else None
+        return ga, gb
+
+
+class Div(Function):
+    def forward(self, a, b):
+        self.a, self.b = a, b
+        return self.be.div(a, b)
+
+    def backward(self, gy):
+        be, a, b = self.be, self.a, self.b
+        ga = be.sum_to_shape(be.div(gy, b), a.shape) if self.needs_grad[0] else None
+        gb = None
+        if self.needs_grad[1]:  # d(a/b)/db = -a / b^2
+            gb = be.sum_to_shape(be.neg(be.div(be.mul(gy, a), be.mul(b, b))), b.shape)
+        return ga, gb
+
+
+class Neg(Function):
+    def forward(self, a):
+        return self.be.neg(a)
+
+    def backward(self, gy):
+        return (self.be.neg(gy),)
+
+
+class PowScalar(Function):
+    def forward(self, a, p):
+        self.a, self.p = a, p
+        return self.be.pow_scalar(a, p)
+
+    def backward(self, gy):
+        return (self.be.pow_scalar_backward(self.a, gy, self.p),)
+
+
+class Exp(Function):
+    def forward(self, a):
+        self.y = self.be.exp(a)
+        return self.y
+
+    def backward(self, gy):
+        return (self.be.mul(gy, self.y),)
+
+
+class Log(Function):
+    def forward(self, a):
+        self.a = a
+        return self.be.log(a)
+
+    def backward(self, gy):
+        return (self.be.div(gy, self.a),)
+
+
+class Sqrt(Function):
+    def forward(self, a):
+        self.y = self.be.sqrt(a)
+        return self.y
+
+    def backward(self, gy):  # d sqrt(a) = 1 / (2 sqrt(a))
+        return (self.be.div(self.be.scale(gy, 0.5), self.y),)
+
+
+class ReLU(Function):
+    def forward(self, a, workspace=None):
+        self.y, self.workspace = self.be.relu(a), workspace
+        return self.y
+
+    def backward(self, gy):
+        return (self.be.relu_backward(self.y, gy, workspace=self.workspace),)
+
+
+class Sigmoid(Function):
+    def forward(self, a):
+        self.y = self.be.sigmoid(a)
+        return self.y
+
+    def backward(self, gy):
+        return (self.be.sigmoid_backward(self.y, gy),)
+
+
+class Tanh(Function):
+    def forward(self, a):
+        self.y = self.be.tanh(a)
+        return self.y
+
+    def backward(self, gy):
+        return (self.be.tanh_backward(self.y, gy),)
+
+
+# ----------------------------------------------------------------------------- reductions
+
+
+def _kept_shape(shape, axis):
+    """The shape a reduction over `axis` has with keepdims=True."""
+    if axis is None:
+        return (1,) * len(shape)
+    axes = {a % len(shape) for a in np.atleast_1d(axis).tolist()}
+    return tuple(1 if i in axes else n for i, n in enumerate(shape))
+
+
+class Sum(Function):
+    def forward(self, a, axis=None, keepdims=False):
+        self.shape, self.axis = a.shape, axis
+        return self.be.sum(a, axis=axis, keepdims=keepdims)
+
+    def backward(self, gy):
+        gy = gy.reshape(_kept_shape(self.shape, self.axis))
+        return (self.be.broadcast_to(gy, self.shape),)
+
+
+class Mean(Function):
+    def forward(self, a, axis=None, keepdims=False):
+        self.shape, self.axis = a.shape, axis
+        self.count = int(np.prod(a.shape)) // int(np.prod(_kept_shape(a.shape, axis)))
+        return self.be.scale(self.be.sum(a, axis=axis, keepdims=keepdims), 1.0 / self.count)
+
+    def backward(self, gy):
+        gy = self.be.scale(gy, 1.0 / self.count).reshape(_kept_shape(self.shape, self.axis))
+        return (self.be.broadcast_to(gy, self.shape),)
+
+
+class Max(Function):
+    def forward(self, a, axis=None, keepdims=False):
+        self.a, self.axis, self.keepdims = a, axis, keepdims
+        self.y = self.be.max(a, axis=axis, keepdims=keepdims)
+        return self.y
+
+    def backward(self, gy):
+        return (self.be.max_backward(self.a, self.y, gy, self.axis, self.keepdims),)
+
+
+# ----------------------------------------------------------------------------- shape
+
+
+class Reshape(Function):
+    def forward(self, a, shape):
+        self.shape = a.shape
+        return a.reshape(shape)
+
+    def backward(self, gy):
+        return (gy.reshape(self.shape),)
+
+
+class Cast(Function):
+    """A copy in another float dtype (mixed precision); the gradient goes back to the input's."""
+
+    def forward(self, a, dtype):
+        self.dtype = a.dtype
+        return self.be.astype(a, dtype)
+
+    def backward(self, gy):
+        return (self.be.astype(gy, self.dtype),)
+
+
+class CastParameter(Cast):
+    """Cast of a parameter (a leaf) to a 16-bit dtype (mixed precision). Its gradient goes back
+    in the 16-bit dtype: the leaf adds it into its fp32 ``.grad`` in one pass
+    (``Tensor._accumulate``, a mixed-dtype ``add_``) rather than after a cast of its own.
+    ``shadow``: the parameter's 16-bit copy that training keeps current (dptrain.dist.flat),
+    returned as it is: no kernel."""
+
+    def forward(self, a, dtype, shadow=None):
+        if shadow is None:
+            return super().forward(a, dtype)
+        self.dtype = a.dtype
+        return shadow
+
+    def backward(self, gy):
+        return (gy,)
+
+
+class Transpose(Function):
+    def forward(self, a, axes):
+        self.axes = axes
+        return self.be.transpose(a, axes)
+
+    def backward(self, gy):
+        return (self.be.transpose(gy, tuple(np.argsort(self.axes))),)
+
+
+class GetItem(Function):
+    def forward(self, a, index):
+        self.shape, self.index = a.shape, index
+        return self.be.getitem(a, index)
+
+    def backward(self, gy):
+        return (self.be.getitem_backward(gy, self.shape, self.index),)
+
+
+class Concatenate(Function):
+    def forward(self, *arrays, axis=0):
+        self.axis = axis
+        self.sizes = [a.shape[axis] for a in arrays]
+        return self.be.concatenate(arrays, axis)
+
+    def backward(self, gy):
+        grads, start = [], 0
+        axis = self.axis % gy.ndim
+        for size, need in zip(self.sizes, self.needs_grad):
+            index = (slice(None),) * axis + (slice(start, start + size),)
+            grads.append(self.be.getitem(gy, index) if need else None)
+            start += size
+        return tuple(grads)
+
+
+# ----------------------------------------------------------------------------- matrix products
+
+
+class MatMul(Function):
+    """op(a) @ op(b) over the last two axes, op transposing where trans_a / trans_b say; batch
+    axes broadcast, and each gradient is summed back to its operand's shape."""
+
+    def forward(self, a, b, trans_a=False, trans_b=False):
+        if a.ndim < 2 or b.ndim < 2:
+            raise ValueError(f"matmul needs operands of at least 2 dims, got {a.shape} @ {b.shape}")
+        self.a, self.b, self.ta, self.tb = a, b, trans_a, trans_b
+        if trans_a or trans_b:
+            return self.be.matmul(a, b, trans_a=trans_a, trans_b=trans_b)
+        return self.be.matmul(a, b)
+
+    def backward(self, gy):
+        be, a, b, ta, tb = self.be, self.a, self.b, self.ta, self.tb
+        ga = gb = None
+        if self.needs_grad[0]:  # d op(a) = gy @ op(b)^T
+            ga = (be.matmul(b, gy, trans_a=tb, trans_b=True) if ta
+                  else be.matmul(gy, b, trans_b=not tb))
+            ga = be.sum_to_shape(ga, a.shape)
+        if self.needs_grad[1]:  # d op(b) = op(a)^T @ gy
+            gb = (be.matmul(gy, a, trans_a=True, trans_b=ta) if tb
+                  else be.matmul(a, gy, trans_a=not ta))
+            gb = be.sum_to_shape(gb, b.shape)
+        return ga, gb
+
+
+class Linear(Function):
+    """y = x W^T + b over the last axis of x; W is (out, in) as in PyTorch."""
+
+    def forward(self, x, w, b=None):
+        self.x_shape = x.shape
+        self.x2 = x.reshape(-1, x.shape[-1])
+        self.w = w
+        y = self.be.matmul(self.x2, w, trans_b=True)
+        if b is not None:
+            y = self.be.bias_add(y, b)
+        return y.reshape(x.shape[:-1] + (w.shape[0],))
+
+    def backward(self, gy):
+        be = self.be
+        g2 = gy.reshape(-1, gy.shape[-1])
+        gx = be.matmul(g2, self.w).reshape(self.x_shape) if self.needs_grad[0] else None
+        gw = be.matmul(g2, self.x2, trans_a=True) if self.needs_grad[1] else None
+        gb = be.bias_grad(g2) if len(self.needs_grad) > 2 and self.needs_grad[2] else None
+        return gx, gw, gb
+
+
+# ----------------------------------------------------------------------------- convolution and pooling
+
+
+class Conv2d(Function):
+    """Convolution. `workspace` (from ``be.new_workspace()``, owned by the caller, e.g. a
+    layer that keeps one across steps) is where the backend may reuse memory and work; without
+    one, this call makes its own, so its backward can still reuse its forward's work."""
+
+    def forward(self, x, w, b=None, stride=(1, 1), padding=(0, 0), workspace=None):
+        self.x, self.w, self.stride, self.padding = x, w, stride, padding
+        self.workspace = self.be.new_workspace() if workspace is None else workspace
+        return self.be.conv2d_forward(x, w, b, stride, padding, workspace=self.workspace)
+
+    def backward(self, gy):
+        be, x, w, ws = self.be, self.x, self.w, self.workspace
+        gx = gw = gb = None
+        if self.needs_grad[0]:
+            gx = be.conv2d_backward_data(gy, w, x.shape, self.stride, self.padding, workspace=ws)
+        if self.needs_grad[1]:
+            gw = be.conv2d_backward_weight(x, gy, w.shape, self.stride, self.padding,
+                                           workspace=ws)
+        if len(self.needs_grad) > 2 and self.needs_grad[2]:
+            gb = be.bias_grad(gy)
+        self.workspace = None  # not needed any more (a second backward works without it)
+        return gx, gw, gb
+
+
+class MaxPool2d(Function):
+    def forward(self, x, kernel, stride, padding, workspace=None):
+        self.x_shape, self.workspace = x.shape, workspace
+        self.window = (kernel, stride, padding)
+        y, self.idx = self.be.max_pool2d_forward(x, kernel, stride, padding, workspace=workspace)
+        return y
+
+    def backward(self, gy):
+        return (self.be.max_pool2d_backward(gy, self.idx, self.x_shape, window=self.window,
+                                            workspace=self.workspace),)
+
+
+class ReLUMaxPool2d(Function):
+    """max_pool2d(relu(x)) as one op: one pass forward, and the pool's backward alone (the
+    windows whose maximum is not > 0 carry idx -1 and get no gradient), so neither relu's
+    output nor its backward pass exists. Same values and gradients as the two ops."""
+
+    def forward(self, x, kernel, stride, padding, workspace=None):
+        self.x_shape, self.workspace = x.shape, workspace
+        self.window = (kernel, stride, padding)
+        y, self.idx = self.be.relu_max_pool2d_forward(x, kernel, stride, padding,
+                                                      workspace=workspace)
+        return y
+
+    backward = MaxPool2d.backward
+
+
+class AvgPool2d(Function):
+    def forward(self, x, kernel, stride, padding):
+        self.x_shape, self.args = x.shape, (kernel, stride, padding)
+        return self.be.avg_pool2d_forward(x, kernel, stride, padding)
+
+    def backward(self, gy):
+        return (self.be.avg_pool2d_backward(gy, self.x_shape, *self.args),)
+
+
+# ----------------------------------------------------------------------------- softmax family (last axis)
+
+
+class Softmax(Function):
+    def forward(self, x):
+        self.y = self.be.softmax(x)
+        return self.y
+
+    def backward(self, gy):
+        return (self.be.softmax_backward(self.y, gy),)
+
+
+class LogSoftmax(Function):
+    def forward(self, x):
+        self.y = self.be.log_softmax(x)
+        return self.y
+
+    def backward(self, gy):
+        return (self.be.log_softmax_backward(self.y, gy),)
+
+
+class CrossEntropy(Function):
+    """Mean cross-entropy of (N, C) logits against integer labels (N,)."""
+
+    def forward(self, logits, labels):
+        self.labels = labels
+        loss, self.probs = self.be.cross_entropy_forward(logits, labels)
+        return loss
+
+    def backward(self, gloss):
+        return self.be.cross_entropy_backward(self.probs, self.labels, gloss), None
+
+
+class Dropout(Function):
+    """x * mask. Axis 0 is the batch: with a data shard of N ranks (dptrain.engine.rng), the mask
+    of the N-times-larger global batch is drawn and this rank's rows (rank::N) kept, so every
+    sample gets the mask it would get in one process."""
+
+    def forward(self, x, p):
+        rank, size = data_shard()
+        if size == 1 or x.ndim == 0:
+            self.mask = self.be.dropout_mask(x.shape, p, x.dtype)
+        else:
+            full = self.be.dropout_mask((x.shape[0] * size,) + tuple(x.shape[1:]), p, x.dtype)
+            self.mask = self.be.getitem(full, slice(rank, None, size))
+        return self.be.mul(x, self.mask)
+
+    def backward(self, gy):
+        return (self.be.mul(gy, self.mask),)
+
+
+# ----------------------------------------------------------------------------- transformer
+
+
+class BroadcastTo(Function):
+    """a broadcast to `shape` (a copy); the gradient sums back to a's shape."""
+
+    def forward(self, a, shape):
+        self.shape = a.shape
+        return self.be.broadcast_to(a, shape)
+
+    def backward(self, gy):
+        return (self.be.sum_to_shape(gy, self.shape),)
+
+
+class LayerNorm(Function):
+    """Layer norm over the last axis, with weight and bias (D,); saves mean and rstd."""
+
+    def forward(self, x, weight, bias, eps=1e-5):
+        self.x, self.weight = x, weight
+        y, self.mean, self.rstd = self.be.layer_norm_forward(x, weight, bias, eps)
+        return y
+
+    def backward(self, gy):
+        return self.be.layer_norm_backward(gy, self.x, self.weight, self.mean, self.rstd)
+
+
+class GELU(Function):
+    """x * Phi(x), the exact (erf) form."""
+
+    def forward(self, x):
+        self.x = x
+        return self.be.gelu(x)
+
+    def backward(self, gy):
+        return (self.be.gelu_backward(self.x, gy),)
+
+
+class MaskedSoftmax(Function):
+    """softmax(scale * x) over the last axis, keys masked by flags (causal, key_lengths)."""
+
+    def forward(self, x, causal=False, key_lengths=None, scale=1.0):
+        self.scale = scale
+        self.y = self.be.masked_softmax(x, causal=causal, key_lengths=key_lengths, scale=scale)
+        return self.y
+
+    def backward(self, gy):
+        return (self.be.masked_softmax_backward(self.y, gy, scale=self.scale),)
+
+
+# ----------------------------------------------------------------------------- normalisation
+
+
+class BatchNorm(Function):
+    """Batch normalisation over axis 1 of x (NCHW or (N, C)) with weight and bias (C,).
+
+    Training: normalise with the batch's statistics; with ``comm`` (a communicator of more
+    than one rank, sync-BN) they are the statistics of all ranks' batches, all-reduced in the
+    forward (the mean, then the variance about it) and again in the backward (the sums the
+    input gradient needs), on the current stream, so the step stays capturable. ``running``
+    (mean, var, num_batches_tracked arrays) is then updated in place on the device. Eval:
+    normalise with ``running``'s estimates. The weight and bias gradients are this rank's own
+    sums (the reducer averages them like every gradient); the input gradient is that of the
+    sum of all ranks' losses, which the reducer's mean turns into the global batch's."""
+
+    def forward(self, x, weight, bias, running=None, training=True, momentum=0.1, eps=1e-5,
+                comm=None):
+        be = self.be
+        self.comm = comm if comm is not None and comm.size > 1 else None
+        self.count = (x.size // x.shape[1]) * (self.comm.size if self.comm else 1)
+        self.training, self.eps = training, eps
+        if training:
+            mean = be.batch_norm_mean(x)
+            if self.comm:
+                self.comm.all_reduce(mean, "mean")  # equal counts: the mean of the means
+            var = be.batch_norm_var(x, mean)
+            if self.comm:
+                self.comm.all_reduce(var, "mean")
+            if running is not None:
+                be.batch_norm_update_(*running, mean, var, momentum, self.count)
+        else:
+            mean, var = running[0], running[1]
+        self.x, self.weight, self.mean, self.var = x, weight, mean, var
+        return be.batch_norm_forward(x, mean, var, weight, bias, eps)
+
+    def backward(self, gy):
+        be = self.be
+        sums = be.batch_norm_backward_reduce(gy, self.x, self.mean, self.var, self.eps)
+        gw = be.getitem(sums, 1) if self.needs_grad[1] else None  # this rank's own sums
+        gb = be.getitem(sums, 0) if self.needs_grad[2] else None
+        gx = None
+        if self.needs_grad[0]:
+            if not self.training:  # the statistics are constants: dx = gy * weight * invstd
+                sums = be.zeros(sums.shape, sums.dtype)
+            elif self.comm:  # all ranks' sums, in a copy (gw and gb may be views of sums)
+                sums = be.copy(sums)
+                self.comm.all_reduce(sums.reshape(-1), "sum")
+            gx = be.batch_norm_backward_data(gy, self.x, self.mean, self.var, self.weight, sums,
+                                             self.eps, self.count)
+        return gx, gw, gb

@@ -1,0 +1,12 @@
+"""Optimizers and learning-rate schedules.
+
+    optimizers.py  SGD (momentum, Nesterov, weight decay) and AdamW over segments of the flat
+                   parameter buffer: each rank keeps state only for its shard (ZeRO-1)
+    schedule.py    the learning rate at a step (warmup; constant, step or cosine decay)
+
+May import: dptrain.backend, dptrain.engine, dptrain.dist.flat.
+"""
+from dptrain.optim.optimizers import OPTIMIZERS, SKIP_SLOT, SGD, AdamW, Optimizer
+from dptrain.optim.schedule import LRSchedule
+
+__all__ = ["Optimizer", "SGD", "AdamW", "OPTIMIZERS", "SKIP_SLOT", "LRSchedule"]

@@ -1,0 +1,177 @@
+"""Optimizers over flat buffers.
+
+An optimizer owns some [start, stop) segments of the flat parameter buffer (its
+shard of each bucket; the whole buffer in a single process) and keeps state only
+for them (ZeRO-1).
+Under mixed precision the update ends by casting the updated shard into the flat buffers'
+16-bit shadow (dptrain.dist.flat), inside the step, so a captured graph replays that cast too.
+Per-step scalars (learning rate, Adam's bias corrections) go into a small device
+array ``hyper`` before each update, so the update itself reads no host values
+and can be replayed from a captured CUDA graph. Slot ``SKIP_SLOT`` of ``hyper`` is
+written on the device (by the non-finite check of dptrain.run.nonfinite): non-zero skips
+the update. A skipped step still counts in ``steps`` (AdamW's bias correction).
+
+For checkpoints, ``gather_state`` collects the full state from every rank's shards
+(name -> per-parameter arrays, independent of the world size) and ``scatter_state``
+puts such a state back into this rank's shards, whatever world size wrote it.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from dptrain.dist.flat import FlatParameters
+
+SKIP_SLOT = 3  # hyper[SKIP_SLOT] != 0: the optimizer kernels leave param and state untouched
+
+
+class Optimizer:
+    def __init__(self, params, lr: float, segments=None):
+        if lr <= 0:
+            raise ValueError(f"learning rate must be positive, got {lr}")
+        self.flat = params if isinstance(params, FlatParameters) else FlatParameters(params)
+        self.be = self.flat.be
+        self.segments = list(segments) if segments is not None else [(0, self.flat.numel)]
+        self.numel = sum(stop - start for start, stop in self.segments)
+        self.lr = float(lr)
+        self.steps = 0
+        self.hyper = self.be.zeros((4,), self.flat.dtype)
+
+    def _state(self):
+        return self.be.zeros((self.numel,), self.flat.dtype)
+
+    def _views(self, *states):
+        """Per segment: (param view, grad view, state views...) — one kernel launch each."""
+        offset = 0
+        for start, stop in self.segments:
+            n = stop - start
+            yield (self.flat.data[start:stop], self.flat.grad[start:stop],
+                   *(s[offset : offset + n] if s is not None else None for s in states))
+            offset += n
+
+    def zero_grad(self):
+        self.flat.zero_grad()
+
+    def step(self):
+        """Advance one step: write this step's scalars, then update the shard."""
+        self.begin_step()
+        self.update()
+
+    def begin_step(self):
+        """Count the step and write its scalars to the device (host side, outside any graph)."""
+        self.steps += 1
+        self.be.set_scalar_(self.hyper, self.hyper_values())
+
+    def hyper_values(self) -> list[float]:
+        return [self.lr]
+
+    def update(self):
+        """Update this rank's shard (device work only), then its 16-bit shadow, if any: the
+        copy that the all-gather moves and the layers read."""
+        self.update_shard()
+        self.flat.cast_shadow(self.segments)
+
+    def update_shard(self):
+        raise NotImplementedError
+
+    # -- state for checkpoints: host copies of the shard's buffers
+    def state_arrays(self) -> dict:
+        return {}
+
+    def state_dict(self) -> dict:
+        state = {k: self.be.to_numpy(v) for k, v in self.state_arrays().items()}
+        return {"steps": self.steps, "lr": self.lr, **state}
+
+    def load_state_dict(self, state: dict):
+        self.steps, self.lr = int(state["steps"]), float(state["lr"])
+        for k, v in self.state_arrays().items():
+            self.be.copy_(v, self.be.asarray(np.asarray(state[k], dtype=self.flat.dtype)))
+
+    # -- state for checkpoints: the whole state, gathered from every rank's shard
+    def gather_state(self, comm, named_params) -> dict:
+        """Every rank's shard of each state buffer, all-gathered over `comm` (a collective:
+        every rank calls it) and cut per parameter: {state name: {param name: host array}}.
+        The result does not depend on the world size or the bucket layout."""
+        flat, be = self.flat, self.be
+        out = {}
+        for key, shard in self.state_arrays().items():
+            full = be.zeros((flat.numel,), flat.dtype)
+            offset = 0
+            for bucket, (start, stop) in zip(flat.buckets, self.segments):
+                be.copy_(full[start:stop], shard[offset : offset + stop - start])
+                offset += stop - start
+                if comm.size > 1:  # in place: this rank's slice is its own shard
+                    comm.all_gather(full[start:stop], full[bucket.start : bucket.stop])
+            host = be.to_numpy(full)
+            out[key] = {name: host[flat.offsets[id(p)] : flat.offsets[id(p)] + p.size]
+                        .reshape(p.shape).copy() for name, p in named_params}
+        return out
+
+    def scatter_state(self, state: dict, named_params, source="checkpoint"):
+        """Write a state from gather_state (any world size) into this rank's shards, in
+        place (the buffers a captured step reads stay where they are)."""
+        flat, be = self.flat, self.be
+        mine = self.state_arrays()
+        if set(mine) != set(state):
+            raise ValueError(f"{source}: optimizer state holds {sorted(state) or 'nothing'}, "
+                             f"this optimizer needs {sorted(mine) or 'nothing'}")
+        for key, shard in mine.items():
+            full = np.zeros(flat.numel, dtype=flat.dtype)
+            for name, p in named_params:
+                if name not in state[key]:
+                    raise ValueError(f"{source}: optimizer state {key} lacks {name}")
+                value = np.asarray(state[key][name])
+                if value.shape != tuple(p.shape):
+                    raise ValueError(f"{source}: optimizer state {key} of {name} has shape "
+                                     f"{value.shape}, the model expects {tuple(p.shape)}")
+                start = flat.offsets[id(p)]
+                full[start : start + p.size] = value.reshape(-1)
+            host = np.concatenate([full[start:stop] for start, stop in self.segments])
+            be.runtime.upload_(shard, host)
+
+
+class SGD(Optimizer):
+    """SGD with momentum, Nesterov momentum and (coupled) weight decay, as torch.optim.SGD."""
+
+    def __init__(self, params, lr=0.01, momentum=0.0, weight_decay=0.0, nesterov=False,
+                 segments=None):
+        super().__init__(params, lr, segments)
+        if momentum < 0 or weight_decay < 0:
+            raise ValueError("momentum and weight decay must be non-negative")
+        if nesterov and momentum == 0:
+            raise ValueError("nesterov momentum needs momentum > 0")
+        self.momentum, self.weight_decay, self.nesterov = momentum, weight_decay, nesterov
+        self.buf = self._state() if momentum else None
+
+    def update_shard(self):
+        for p, g, buf in self._views(self.buf):
+            self.be.sgd_step_(p, g, buf, self.hyper, self.momentum, self.weight_decay,
+                              self.nesterov)
+
+    def state_arrays(self):
+        return {"momentum_buffer": self.buf} if self.buf is not None else {}
+
+
+class AdamW(Optimizer):
+    """Adam with decoupled weight decay, as torch.optim.AdamW."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
+                 segments=None):
+        super().__init__(params, lr, segments)
+        self.beta1, self.beta2 = betas
+        self.eps, self.weight_decay = eps, weight_decay
+        self.m, self.v = self._state(), self._state()
+
+    def hyper_values(self):
+        t = self.steps
+        return [self.lr, 1.0 - self.beta1**t, 1.0 - self.beta2**t]
+
+    def update_shard(self):
+        for p, g, m, v in self._views(self.m, self.v):
+            self.be.adamw_step_(p, g, m, v, self.hyper, self.beta1, self.beta2, self.eps,
+                                self.weight_decay)
+
+    def state_arrays(self):
+        return {"exp_avg": self.m, "exp_avg_sq": self.v}
+
+
+OPTIMIZERS = {"sgd": SGD, "adamw": AdamW}

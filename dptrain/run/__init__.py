@@ -1,0 +1,17 @@
+"""One training run: the loop and what watches over it.
+
+    config.py      TrainConfig: every option of `train`, declared once (type, default, help)
+    train.py       train(): set-up, epochs, logging, evaluation, the files a run leaves
+    step.py        TrainStep: one capture-friendly step (gather, forward, backward, update)
+    evaluate.py    validation on the device, metrics gathered over the ranks
+    amp.py         mixed precision: the precision policy and fp16 loss scaling
+    nonfinite.py   the on-device guard against NaN / infinite losses and gradients
+    metrics.py     metrics.jsonl, summaries, throughput, fresh log directories
+    progress.py    the progress bar
+    preflight.py   output paths checked before any work
+    debug.py       step hooks for tests and debugging
+    torch_twin.py  the same model and optimizer in PyTorch (for --torch and the benchmarks)
+
+May import every package below it (backend, engine, nn, optim, dist, data, checkpoints);
+never cli/ or bench/.
+"""

@@ -1,0 +1,235 @@
+"""Cold start: kernels built ahead of the first step (a no-op on the CPU), once per host under
+mpirun, keyed by source + options + GPU architecture; images/s leaves out the warm-up and
+capture steps, and summary.json reports the start-up time apart."""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dptrain import backend
+from mpilaunch import mpi_command, mpi_env, needs_mpi
+from dptrain.run.metrics import Throughput
+from dptrain.run.config import TrainConfig
+from dptrain.run.step import CAPTURE_WARMUP, TrainStep
+from dptrain.run.train import train
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# The loader by path: importing the dptrain.backend.cuda package would need CuPy.
+_spec = importlib.util.spec_from_file_location(
+    "_startup_loader", ROOT / "dptrain" / "backend" / "cuda" / "loader.py")
+loader = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(loader)
+
+
+def test_cpu_prepare_builds_nothing():
+    assert backend.get("cpu").runtime.prepare() == {"files": 0, "built": 0, "seconds": 0.0,
+                                                    "workers": 0}
+
+
+def test_cache_key_names_the_architecture(monkeypatch):
+    monkeypatch.setattr(loader, "cuda_include_dir", lambda: Path("/toolkit/include"))
+    key = loader.cache_key("elementwise.cu", "90")
+    assert key == loader.cache_key("elementwise.cu", "90")  # a pure function of its inputs
+    assert key != loader.cache_key("elementwise.cu", "80")
+    assert key != loader.cache_key("reduce.cu", "90")
+    # the options are part of it
+    monkeypatch.setattr(loader, "cuda_include_dir", lambda: Path("/other/include"))
+    assert key != loader.cache_key("elementwise.cu", "90")
+
+
+def test_files_split_into_modules_by_element_family(monkeypatch):
+    """A file's 16-bit instantiations build as modules of their own (compiled in parallel with
+    the rest), a family of more than CHUNK instantiations as several; every kernel name maps
+    to the module that holds it."""
+    monkeypatch.setattr(loader, "cuda_include_dir", lambda: Path("/toolkit/include"))
+    assert loader.parts("optim.cu") == ["main"]
+    assert loader.parts("gemm_wgmma.cu") == ["main", "__half", "__nv_bfloat16"]
+    parts = loader.parts("elementwise.cu")
+    assert parts[:2] == ["main", "main.2"] and "__half" in parts and parts[-1].startswith("__nv")
+    source, _ = loader.source_and_options("elementwise.cu")
+    table = loader._part_table("elementwise.cu")
+    assert set(table) == set(loader.name_expressions(source)) and set(table.values()) == set(parts)
+    assert all(list(table.values()).count(p) <= loader.CHUNK for p in parts)
+    assert all(p.split(".")[0] == loader.part_of(n) for n, p in table.items())
+    assert loader.part_of("map1_kernel<__half, Relu>") == "__half"
+    assert loader.part_of("convert_kernel<float, __nv_bfloat16>") == "__nv_bfloat16"
+    assert loader.part_of("loss_scale_update_kernel") == "main"
+    keys = {loader.cache_key("elementwise.cu", "90", part) for part in loader.PARTS}
+    assert len(keys) == 3
+    source, _ = loader.source_and_options("elementwise.cu")
+    names = loader.name_expressions(source)
+    assert sum(loader.part_of(n) == "main" for n in names) > 0
+    assert {loader.part_of(n) for n in names} == set(loader.PARTS)
+
+
+def test_cache_key_follows_sources_and_headers(monkeypatch, tmp_path):
+    monkeypatch.setattr(loader, "cuda_include_dir", lambda: Path("/toolkit/include"))
+    monkeypatch.setenv(loader.KERNEL_DIR_ENV, str(tmp_path))
+    (tmp_path / "a.cu").write_text('#include "h.cuh"\n// instantiate: k\n')
+    (tmp_path / "h.cuh").write_text("// v1\n")
+    first = loader.cache_key("a.cu", "90")
+    (tmp_path / "h.cuh").write_text("// v2\n")
+    second = loader.cache_key("a.cu", "90")
+    (tmp_path / "a.cu").write_text('#include "h.cuh"\n// instantiate: k; k2\n')
+    assert len({first, second, loader.cache_key("a.cu", "90")}) == 3
+
+
+def test_arch_specific_files_are_built_only_for_their_gpu(monkeypatch):
+    monkeypatch.setattr(loader, "cuda_include_dir", lambda: Path("/toolkit/include"))
+    every = sorted(p.name for p in loader.kernel_dir().glob("*.cu"))
+    hopper, ampere = loader.kernel_files("90"), loader.kernel_files("80")
+    assert hopper == every
+    hopper_only = {"gemm_wgmma.cu", "conv2d_wgmma.cu"}
+    assert set(ampere) == set(every) - hopper_only
+
+
+def test_throughput_leaves_out_the_warmup_steps():
+    meter = Throughput(images_per_step=10, warmup_steps=2)
+    time.sleep(0.2)  # the first step, compiling
+    meter.step()
+    assert meter.window() is None  # nothing timed yet
+    time.sleep(0.2)  # the capture
+    meter.step()
+    for _ in range(4):
+        time.sleep(0.01)
+        meter.step()
+    rate = meter.window()
+    assert meter.total_steps == 4 and meter.total_s < 0.15
+    assert rate == pytest.approx(40 / meter.total_s) and rate > 40 / 0.15
+
+
+def _tiny_config(tmp_path, **kw):
+    base = dict(device="cpu", model="mlp", dataset="synthetic", train_images=160, val_images=32,
+                epochs=1, max_steps=8, batch_size=16, log_every=2, warmup_steps=0,
+                cache_dir=str(tmp_path / "cache"), log_dir=str(tmp_path / "L"), progress=False)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def test_slow_first_step_is_not_in_images_per_s(tmp_path, monkeypatch):
+    calls = []
+    step = TrainStep.__call__
+
+    def slow_first(self):
+        calls.append(1)
+        if len(calls) == 1:
+            time.sleep(1.0)  # as a first step that compiles its kernels
+        step(self)
+
+    monkeypatch.setattr(TrainStep, "__call__", slow_first)
+    summary = train(_tiny_config(tmp_path), echo=lambda _: None)
+    assert summary["steps"] == 8
+    assert summary["warmup_steps_excluded"] == CAPTURE_WARMUP + 1
+    assert summary["train_s"] < 0.9, summary  # the 1 s of the first step is not training time
+    assert summary["images_per_s"] == pytest.approx(5 * 16 / summary["train_s"])
+    assert summary["startup_s"] > 1.0  # the slow first step is start-up
+    saved = json.loads((tmp_path / "L" / "summary.json").read_text())
+    assert saved["startup_s"] == summary["startup_s"] and saved["prepare_s"] >= 0
+    # the per-window loss still averages every step of its window
+    losses = [json.loads(line) for line in (tmp_path / "L" / "metrics.jsonl").open()]
+    assert all(r["loss"] == r["loss"] for r in losses if "loss" in r)  # no NaN
+    assert [r["images_per_s"] is None for r in losses if "loss" in r][:2] == [True, False]
+
+
+def test_short_runs_keep_one_timed_step(tmp_path):
+    summary = train(_tiny_config(tmp_path, max_steps=2), echo=lambda _: None)
+    assert summary["warmup_steps_excluded"] == 1 and summary["images_per_s"] > 0
+
+
+def test_cli_reports_startup_apart(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "dptrain", "train", "--device", "cpu", "--model", "mlp",
+           "--train-images", "160", "--val-images", "32", "--epochs", "1", "--max-steps", "6",
+           "--batch-size", "16", "--no-progress", "--cache-dir", str(tmp_path / "cache"),
+           "--log-dir", str(tmp_path / "L")]
+    began = time.perf_counter()
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    elapsed = time.perf_counter() - began
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((tmp_path / "L" / "summary.json").read_text())
+    # from process start (imports, data, model) to the first timed step: within the run
+    assert 0.05 < summary["startup_s"] < elapsed
+    assert summary["warmup_steps_excluded"] == 3 and summary["images_per_s"] > 0
+
+
+# A fake compile behind an on-disk cache: the first caller "compiles" (slowly) and writes the
+# cache entry; a later caller finds it and loads. Each call leaves a line in a log.
+_FAKE = r"""
+import os, sys, time
+from pathlib import Path
+from dptrain import backend, dist
+from dptrain.dist.startup import first_on_host
+
+cache = Path(sys.argv[1])
+world = dist.init(backend.get("cpu"))
+
+def fake_prepare():
+    began = time.time()
+    entry = cache / "kernels.cubin"
+    if entry.exists():
+        kind = "load"
+    else:
+        time.sleep(0.5)
+        tmp = cache / f"tmp{world.rank}"
+        tmp.write_text("binary")
+        os.replace(tmp, entry)
+        kind = "compile"
+    with open(cache / f"log{world.rank}", "w") as f:
+        f.write(f"{kind} {began} {time.time()} {world.local_rank} {world.local_size}\n")
+
+first_on_host(world, fake_prepare)
+"""
+
+
+@needs_mpi
+def test_one_compile_per_host_under_mpirun(tmp_path):
+    script = tmp_path / "fake.py"
+    script.write_text(_FAKE)
+    env = mpi_env(dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"))
+    cmd = mpi_command(2, [sys.executable, str(script), str(tmp_path)])
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    logs = {}
+    for rank in (0, 1):
+        kind, began, ended, local_rank, local_size = (tmp_path / f"log{rank}").read_text().split()
+        logs[int(local_rank)] = (kind, float(began), float(ended))
+        assert local_size == "2"
+    assert logs[0][0] == "compile" and logs[1][0] == "load"  # compiled once on this host
+    assert logs[1][1] >= logs[0][2]  # the second rank started after the first had finished
+
+
+@pytest.mark.gpu
+def test_prepare_leaves_nothing_to_build_for_a_training_step():
+    from dptrain.backend.cuda import loader as cuda_loader
+
+    be = backend.get("cuda")
+    report = be.runtime.prepare()
+    assert report["files"] == len(cuda_loader.kernel_files(cuda_loader.device_arch()))
+    built = cuda_loader.builds
+    assert be.runtime.prepare()["built"] == 0  # a second call finds every module built
+    from dptrain import nn
+    from replay import train_steps
+
+    # eager steps, the capture, a replay
+    train_steps("cuda", lambda: nn.cnn((1, 48, 48), 7), (1, 48, 48), 7, graph=True,
+                steps=CAPTURE_WARMUP + 2, seed=0, images=64, batch=32)
+    be.runtime.synchronize()
+    assert cuda_loader.builds == built
+
+
+def test_bench_startup_reports_each_build(tmp_path):
+    from dptrain.bench import startup
+
+    out = []
+    assert startup.main(["--device", "cpu", "--workers", "2", "--no-train",
+                         "--json", str(tmp_path / "s.json")], echo=out.append) == 0
+    doc = json.loads((tmp_path / "s.json").read_text())
+    assert [b["cache"] for b in doc["build"]] == ["empty", "empty", "warm"]
+    assert all(b["files"] == 0 for b in doc["build"])  # nothing to compile on the CPU
+    assert out[0].startswith("kernel build, cpu") and len(out) == 2 + 3

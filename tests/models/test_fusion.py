@@ -1,0 +1,67 @@
+"""Layer fusion (nn.fusion): fused ops give the values and gradients of the layers they replace."""
+import numpy as np
+import pytest
+
+import dptrain.engine.functional as F
+from dptrain.engine.autograd import Tensor
+from dptrain.backend import cpu
+from dptrain.nn import MaxPool2d, ReLU, Sequential, cnn, fusion
+
+POOLS = [((2, 2), (2, 2), (0, 0)), ((3, 3), (2, 2), (1, 1)), ((3, 2), (1, 2), (1, 0))]
+
+
+def _tricky(rng, shape):
+    """Random values with ties, zeros (relu's kink) and negatives-only windows. (No NaN: the
+    unfused CPU max pool may then point idx at another element of a NaN window; the fused op
+    gives NaN windows no gradient on both backends, see test_cuda_backend.)"""
+    x = rng.integers(-3, 3, shape).astype(np.float32) * 0.5
+    x[0, 0] = -1.0
+    return x
+
+
+@pytest.mark.parametrize("kernel,stride,padding", POOLS, ids=str)
+def test_relu_max_pool_equals_relu_then_max_pool(kernel, stride, padding):
+    rng = np.random.default_rng(0)
+    x = _tricky(rng, (2, 3, 7, 6))
+    y, idx = cpu.relu_max_pool2d_forward(x, kernel, stride, padding)
+    r = cpu.relu(x)
+    y2, idx2 = cpu.max_pool2d_forward(r, kernel, stride, padding)
+    assert np.array_equal(y, y2)
+    assert ((idx == idx2) | (idx == -1)).all() and (idx == -1).any()
+    gy = rng.standard_normal(y.shape).astype(np.float32)
+    fused = cpu.max_pool2d_backward(gy, idx, x.shape)
+    unfused = cpu.relu_backward(r, cpu.max_pool2d_backward(gy, idx2, x.shape))
+    assert np.array_equal(fused, unfused)
+
+
+def _forward_backward(model, x):
+    xt = Tensor(x, requires_grad=True)
+    out = model(xt)
+    (out * out).sum().backward()
+    return out.numpy(), xt.grad.numpy(), [p.grad.numpy() for p in model.parameters()]
+
+
+def test_fused_cnn_equals_unfused_bitwise(monkeypatch):
+    """The reference CNN's ReLU + MaxPool2d pairs run fused; outputs and gradients are the
+    same bits as with fusion off."""
+    model = cnn(image_shape=(1, 16, 16), num_classes=5, widths=(4, 8), hidden=16)
+    assert sum(callable(s) and not hasattr(s, "forward") for s in model._steps()) == 2
+    x = _tricky(np.random.default_rng(1), (3, 1, 16, 16))
+    fused = _forward_backward(model, x)
+    for p in model.parameters():
+        p.grad = None
+    monkeypatch.setenv(fusion.FUSE_ENV, "0")
+    assert all(hasattr(s, "forward") for s in model._steps())
+    unfused = _forward_backward(model, x)
+    for a, b in zip([fused[0], fused[1], *fused[2]], [unfused[0], unfused[1], *unfused[2]]):
+        assert np.array_equal(a, b)
+
+
+def test_layers_with_hooks_are_not_fused():
+    relu, pool = ReLU(), MaxPool2d(2)
+    seq = Sequential(relu, pool)
+    assert len(seq._steps()) == 1
+    pool.register_forward_pre_hook(lambda m: None)
+    assert seq._steps() == [relu, pool]
+    x = Tensor(np.arange(16, dtype=np.float32).reshape(1, 1, 4, 4) - 8)
+    assert np.array_equal(seq(x).numpy(), F.max_pool2d(F.relu(x), 2).numpy())

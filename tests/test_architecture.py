@@ -1,0 +1,102 @@
+"""The layering of dptrain's packages, checked from the source's import statements.
+
+Each package may import only the packages listed for it (lower layers); the README's Layout
+section draws the same picture. Lazy imports inside functions count too. Two more rules:
+nothing outside dptrain/backend/ imports CuPy, and no package of the product imports
+dptrain.bench (the `bench` command is loaded by name, by the dispatcher).
+"""
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FACE = {"errors", "fileio"}  # the package face's helpers: any layer may use them
+
+# package -> the packages it may import (besides itself and FACE), lowest layer first
+ALLOWED = {
+    "backend": set(),
+    "engine": {"backend"},
+    "nn": {"backend", "engine"},
+    "dist": {"backend", "engine"},
+    "optim": {"backend", "engine", "dist"},
+    "data": {"backend", "dist"},
+    "checkpoints": {"backend", "engine", "nn", "dist", "optim", "data"},
+    "run": {"backend", "engine", "nn", "dist", "optim", "data", "checkpoints"},
+    "cli": {"backend", "engine", "nn", "dist", "optim", "data", "checkpoints", "run"},
+    "bench": {"backend", "engine", "nn", "dist", "optim", "data", "checkpoints", "run", "cli"},
+}
+TOP_LEVEL = {"__init__", "__main__"} | FACE  # the only modules beside the packages
+
+
+def imported_modules(path: Path):
+    """(line, module) of every absolute import in a file, functions' bodies included."""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            yield node.lineno, node.module
+            if node.module == "dptrain":  # from dptrain import nn: the package nn
+                for alias in node.names:
+                    yield node.lineno, f"dptrain.{alias.name}"
+
+
+def violations(root: Path) -> list[str]:
+    found = []
+    package_dir = root / "dptrain"
+    for path in sorted(package_dir.rglob("*.py")):
+        rel = path.relative_to(package_dir)
+        owner = rel.parts[0] if len(rel.parts) > 1 else rel.stem
+        where = f"dptrain/{rel.as_posix()}"
+        if owner not in ALLOWED and owner not in TOP_LEVEL:
+            found.append(f"{where}: a module at the top of dptrain/ that is neither a package "
+                         f"nor the face ({', '.join(sorted(TOP_LEVEL))})")
+            continue
+        for line, module in imported_modules(path):
+            parts = module.split(".")
+            if parts[0] == "cupy" and owner != "backend":
+                found.append(f"{where}:{line}: imports CuPy outside dptrain/backend/")
+            if parts[0] != "dptrain" or len(parts) < 2:
+                continue
+            target = parts[1]
+            if target == owner or target in FACE or target == "__version__":
+                continue
+            if owner in TOP_LEVEL:  # the face re-exports the engine; __main__ runs the cli
+                if target in {"engine", "cli"}:
+                    continue
+            elif target in ALLOWED.get(owner, set()):
+                continue
+            found.append(f"{where}:{line}: {owner} may not import dptrain.{target}")
+    return found
+
+
+def test_packages_import_only_lower_layers():
+    assert violations(ROOT) == []
+
+
+def test_the_check_catches_a_forbidden_import(tmp_path):
+    """The rules bite: an engine module that imports the loop, a layer importing CuPy, the
+    loop importing a benchmark and a loose module at the top are each reported."""
+    pkg = tmp_path / "dptrain"
+    for sub in ("engine", "nn", "run"):
+        (pkg / sub).mkdir(parents=True)
+    (pkg / "engine" / "ops.py").write_text("def f():\n    from dptrain.run import train\n")
+    (pkg / "nn" / "layers.py").write_text("import cupy\nfrom dptrain import engine\n")
+    (pkg / "run" / "loop.py").write_text("import dptrain.bench.train\n")
+    (pkg / "helpers.py").write_text("")
+    found = violations(tmp_path)
+    assert found == [
+        "dptrain/engine/ops.py:2: engine may not import dptrain.run",
+        "dptrain/helpers.py: a module at the top of dptrain/ that is neither a package nor "
+        "the face (__init__, __main__, errors, fileio)",
+        "dptrain/nn/layers.py:1: imports CuPy outside dptrain/backend/",
+        "dptrain/run/loop.py:1: run may not import dptrain.bench",
+    ]
+
+
+def test_tests_mirror_the_packages():
+    """Test files live in folders named after what they test, helpers in one place."""
+    folders = {p.name for p in (ROOT / "tests").iterdir() if p.is_dir() and p.name[0] != "_"
+               and p.name != "__pycache__"}
+    assert folders <= set(ALLOWED) | {"models", "studies", "helpers"}, folders
+    loose = {p.name for p in (ROOT / "tests").glob("*.py")}
+    assert loose == {"conftest.py", "test_architecture.py"}, loose
