@@ -2,7 +2,8 @@
 
 A backend has two halves, with the same names on every device:
 
-* **Array ops** (``OPS``): plain functions over raw arrays (NumPy for ``cpu``, CuPy arrays
+* **Array ops** (``OPS``, registered with ``@op`` where they are defined,
+  dptrain.backend.registry): plain functions over raw arrays (NumPy for ``cpu``, CuPy arrays
   filled by our own kernels for ``cuda``). Ops, layers and optimizers call ``be.<name>(...)``
   on the backend of their inputs and never branch on the device.
 * **The runtime** (``be.runtime``, the names in ``RUNTIME``): streams and the ordering between
@@ -88,46 +89,6 @@ from __future__ import annotations
 
 import importlib
 
-OPS = (
-    # arrays
-    "asarray", "to_numpy", "empty", "zeros", "full", "copy", "copy_", "fill_",
-    "set_scalar_", "transpose", "getitem", "getitem_backward", "concatenate",
-    "broadcast_to", "sum_to_shape", "astype",
-    # elementwise (NumPy broadcasting)
-    "add", "sub", "mul", "div", "neg", "pow_scalar", "pow_scalar_backward",
-    "exp", "log", "sqrt", "relu", "relu_backward", "sigmoid", "sigmoid_backward",
-    "tanh", "tanh_backward", "add_", "scale",
-    # reductions
-    "sum", "max", "max_backward",
-    # matrix products
-    "matmul", "bias_add", "bias_grad",
-    # convolution and pooling
-    "conv2d_forward", "conv2d_backward_data", "conv2d_backward_weight",
-    "max_pool2d_forward", "max_pool2d_backward", "relu_max_pool2d_forward",
-    "avg_pool2d_forward", "avg_pool2d_backward",
-    # softmax family
-    "softmax", "softmax_backward", "log_softmax", "log_softmax_backward",
-    "cross_entropy_forward", "cross_entropy_backward", "count_correct",
-    # transformer ops (layer norm over the last axis, exact GELU, attention's masked softmax)
-    "layer_norm_forward", "layer_norm_backward", "gelu", "gelu_backward",
-    "masked_softmax", "masked_softmax_backward",
-    # randomness (state in be.runtime)
-    "dropout_mask",
-    # optimizers (flat buffers, in place)
-    "sgd_step_", "adamw_step_",
-    # training guard: flag[0] = 1 if it is non-zero or x holds a NaN/inf (empty x: normalise)
-    "nonfinite_flag_",
-    # fp16 loss scaling: x /= scale[0]; state [scale, good steps, overflows] adapts on device
-    "unscale_", "loss_scale_update_",
-    # data
-    "gather_normalize", "augment_crop_flip",
-    # batch normalisation (per channel: axis 1)
-    "batch_norm_mean", "batch_norm_var", "batch_norm_forward", "batch_norm_update_",
-    "batch_norm_backward_reduce", "batch_norm_backward_data",
-    # reusable memory and work, owned by the caller (see above)
-    "new_workspace",
-)
-
 RUNTIME = (
     "current_stream", "comm_stream", "on", "record", "wait", "order", "synchronize", "prepare",
     "capture", "records_graphs", "comm_timer", "upload_",
@@ -139,6 +100,14 @@ RUNTIME = (
 DEVICES = ("cpu", "cuda")
 _loaded: dict[str, object] = {}
 default_seed = 0  # set by dptrain.manual_seed; a backend loaded later starts from it
+
+
+def __getattr__(name):
+    # OPS, the contract: the ops the NumPy reference registers (dptrain.backend.registry).
+    # Computed on first use, so importing this package loads no backend.
+    if name == "OPS":
+        return get("cpu").OPS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def get(device: str):

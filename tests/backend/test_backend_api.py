@@ -1,9 +1,45 @@
-"""Each backend provides every op the contract lists."""
+"""Each backend provides every op the contract lists: the ops the NumPy reference registers."""
+import ast
 import importlib.util
+from pathlib import Path
 
 import pytest
 
 from dptrain import backend
+
+BACKEND_DIR = Path(backend.__file__).parent
+
+
+def registered_in_source(device: str) -> set:
+    """Names of the functions marked @op in dptrain/backend/<device>/, read from the source
+    (no import: the CUDA backend's contract is checked without CuPy too)."""
+    names = set()
+    for path in (BACKEND_DIR / device).glob("*.py"):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.FunctionDef) and any(
+                    (d.func if isinstance(d, ast.Call) else d).id == "op"
+                    for d in node.decorator_list
+                    if isinstance(d.func if isinstance(d, ast.Call) else d, ast.Name)):
+                names.add(node.name)
+    return names
+
+
+def test_both_backends_register_the_same_ops():
+    assert registered_in_source("cpu") == set(backend.OPS)
+    cuda_only = registered_in_source("cuda") - set(backend.OPS)
+    cpu_only = set(backend.OPS) - registered_in_source("cuda")
+    assert not cuda_only and not cpu_only, (cuda_only, cpu_only)
+
+
+def test_an_op_registered_twice_is_an_error():
+    from dptrain.backend import registry
+
+    def relu(x):
+        return x
+
+    relu.__module__ = "dptrain.backend.cpu.extra"
+    with pytest.raises(RuntimeError, match="op relu registered twice"):
+        registry.op(relu)
 
 
 def test_cpu_backend_implements_every_op():

@@ -34,8 +34,10 @@ def cu():
 
 
 @pytest.fixture(autouse=True)
-def fresh_plans(cu):
-    """TF32 for float; plans rebuilt so DPTRAIN_NHWC_CONV is read afresh; NaN in the pool."""
+def fresh_plans(cu, monkeypatch):
+    """The direct kernels off (they would take the small-K cases, the 1x1 one included); TF32
+    for float; plans rebuilt so the switches are read afresh; NaN in the pool."""
+    monkeypatch.setenv(conv2d.DIRECT_ENV, "0")
     with fresh_conv_plans(cu):
         yield
 

@@ -37,9 +37,11 @@ def cu():
 
 @pytest.fixture(autouse=True)
 def fresh_plans(cu, monkeypatch):
-    """The wgmma kernel on; TF32 for float; plans rebuilt so DPTRAIN_WGMMA_CONV is read
-    afresh; NaN in the pool."""
+    """The wgmma kernel on and the direct kernels off (they would take the small-K cases,
+    the 1x1 one included); TF32 for float; plans rebuilt so the switches are read afresh;
+    NaN in the pool."""
     monkeypatch.setenv(conv2d.WGMMA_CONV_ENV, "1")
+    monkeypatch.setenv(conv2d.DIRECT_ENV, "0")
     with fresh_conv_plans(cu):
         yield
 

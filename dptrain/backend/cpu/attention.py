@@ -21,6 +21,8 @@ import math
 import numpy as np
 from numpy.polynomial import chebyshev as _cheb
 
+from dptrain.backend.registry import op
+
 # ----------------------------------------------------------------------------- erf
 # NumPy has no erf. Chebyshev interpolants of math.erf / math.erfc, fitted once at import
 # (Chebyshev nodes, a few hundred math.erf calls):
@@ -93,6 +95,7 @@ def erf(x):
 # ----------------------------------------------------------------------------- layer norm
 
 
+@op
 def layer_norm_forward(x, weight, bias, eps=1e-5):
     """y = (x - mean) * rstd * weight + bias over the last axis; also mean and rstd."""
     t = x.dtype.type
@@ -104,6 +107,7 @@ def layer_norm_forward(x, weight, bias, eps=1e-5):
     return y, mean[..., 0].copy(), rstd[..., 0].copy()
 
 
+@op
 def layer_norm_backward(gy, x, weight, mean, rstd):
     """(gx, gweight, gbias) of layer_norm_forward, from its saved mean and rstd."""
     d = x.shape[-1]
@@ -133,11 +137,13 @@ def _cdf(x):
     return phi
 
 
+@op
 def gelu(x):
     """x * Phi(x), the exact (erf) GELU; computed in float64, returned in x's dtype."""
     return (x * _cdf(x)).astype(x.dtype)
 
 
+@op
 def gelu_backward(x, gy):
     """gy * (Phi(x) + x phi(x)), from the forward input x."""
     x64 = x.astype(np.float64)
@@ -174,6 +180,7 @@ def check_masked_softmax_args(op, shape, causal, key_lengths):
                          f"({shape[0]},) (one length per batch element)")
 
 
+@op
 def masked_softmax(x, causal=False, key_lengths=None, scale=1.0):
     """softmax(scale * x) over the last axis with masked keys at probability 0 (see above)."""
     if key_lengths is not None:
@@ -193,6 +200,7 @@ def masked_softmax(x, causal=False, key_lengths=None, scale=1.0):
     return e / np.where(s > 0, s, 1).astype(x.dtype)
 
 
+@op
 def masked_softmax_backward(y, gy, scale=1.0):
     """scale * y * (gy - sum(gy * y)) over the last axis: 0 wherever y is 0 (masked)."""
     t = y.dtype.type

@@ -12,6 +12,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from dptrain.backend.cpu.ops import _gemm
 from dptrain.backend.cpu.workspace import checked, scratch
+from dptrain.backend.registry import op
 
 # ----------------------------------------------------------------------------- convolution
 
@@ -68,6 +69,7 @@ def _per_image(cols, n):
     return cols.reshape(cols.shape[0], n, -1).transpose(1, 0, 2)
 
 
+@op(fp32_math=True)
 def conv2d_forward(x, w, b, stride, padding, *, workspace=None):
     """Cross-correlation of NCHW x with w (C_out, C_in, kH, kW), plus b (or None).
 
@@ -114,6 +116,7 @@ def _channels_first(gy, workspace):
     return g
 
 
+@op(fp32_math=True)
 def conv2d_backward_data(gy, w, x_shape, stride, padding, *, workspace=None):
     """Gradient of conv2d_forward with respect to x, of shape x_shape."""
     workspace = checked(workspace)
@@ -132,6 +135,7 @@ def conv2d_backward_data(gy, w, x_shape, stride, padding, *, workspace=None):
     return np.ascontiguousarray(dxp[:, :, ph : ph + h, pw : pw + wd].transpose(1, 0, 2, 3))
 
 
+@op(fp32_math=True)
 def conv2d_backward_weight(x, gy, w_shape, stride, padding, *, workspace=None):
     """Gradient of conv2d_forward with respect to w, of shape w_shape.
 
@@ -156,6 +160,7 @@ def conv2d_backward_weight(x, gy, w_shape, stride, padding, *, workspace=None):
 # ----------------------------------------------------------------------------- pooling
 
 
+@op
 def max_pool2d_forward(x, kernel, stride, padding, *, workspace=None):
     """Returns (y, idx): idx is the flat h*W+w position in x of each window's maximum (int32).
 
@@ -213,6 +218,7 @@ def _max_pool_2x2(x, workspace):
     return y, idx
 
 
+@op
 def relu_max_pool2d_forward(x, kernel, stride, padding, *, workspace=None):
     """max_pool2d_forward(relu(x)), with idx = -1 where the window's maximum is not > 0:
     relu's gradient is zero there, and max_pool2d_backward skips idx < 0."""
@@ -222,6 +228,7 @@ def relu_max_pool2d_forward(x, kernel, stride, padding, *, workspace=None):
     return y, idx
 
 
+@op
 def max_pool2d_backward(gy, idx, x_shape, *, window=None, workspace=None):
     """Gradient of max_pool2d_forward: gy added at each window's argmax idx (none where
     idx < 0, as relu_max_pool2d_forward marks windows whose gradient is zero). `window`
@@ -241,6 +248,7 @@ def max_pool2d_backward(gy, idx, x_shape, *, window=None, workspace=None):
     return dx.reshape(x_shape)
 
 
+@op(fp32_math=True)
 def avg_pool2d_forward(x, kernel, stride, padding):
     """Average over each window, padding counted in the divisor (PyTorch's default)."""
     kh, kw = kernel
@@ -248,6 +256,7 @@ def avg_pool2d_forward(x, kernel, stride, padding):
     return np.ascontiguousarray(win.mean(axis=(4, 5), dtype=x.dtype))
 
 
+@op(fp32_math=True)
 def avg_pool2d_backward(gy, x_shape, kernel, stride, padding):
     n, c, h, w = x_shape
     (kh, kw), (sh, sw), (ph, pw) = kernel, stride, padding

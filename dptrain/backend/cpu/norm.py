@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from dptrain.backend.registry import op
+
 
 def _axes(x):
     return (0,) + tuple(range(2, x.ndim))
@@ -34,11 +36,13 @@ def _count(x):
     return x.size // x.shape[1] if x.shape[1] else 0
 
 
+@op
 def batch_norm_mean(x):
     """Per-channel mean of x over every axis but 1."""
     return (x.sum(axis=_axes(x), dtype=np.float64) / max(_count(x), 1)).astype(x.dtype)
 
 
+@op
 def batch_norm_var(x, mean):
     """Per-channel mean of (x - mean)^2 over every axis but 1 (the biased variance)."""
     d = x.astype(np.float64) - _channel(mean, x)
@@ -49,12 +53,14 @@ def _invstd(var, eps):
     return (1.0 / np.sqrt(var.astype(np.float64) + eps)).astype(var.dtype)
 
 
+@op
 def batch_norm_forward(x, mean, var, weight, bias, eps):
     """y = (x - mean) / sqrt(var + eps) * weight + bias, per channel."""
     scale = _invstd(var, eps) * weight
     return (x - _channel(mean, x)) * _channel(scale, x) + _channel(bias, x)
 
 
+@op
 def batch_norm_update_(running_mean, running_var, num_batches_tracked, mean, var, momentum,
                        count):
     """running = (1 - momentum) * running + momentum * batch (var unbiased over `count`),
@@ -69,6 +75,7 @@ def batch_norm_update_(running_mean, running_var, num_batches_tracked, mean, var
     return running_mean
 
 
+@op
 def batch_norm_backward_reduce(gy, x, mean, var, eps):
     """(2, C): [sum of gy, sum of gy * xhat] per channel (bias and weight gradients)."""
     xhat = (x.astype(np.float64) - _channel(mean, x)) * _channel(_invstd(var, eps), x)
@@ -77,6 +84,7 @@ def batch_norm_backward_reduce(gy, x, mean, var, eps):
     return sums.astype(gy.dtype)
 
 
+@op
 def batch_norm_backward_data(gy, x, mean, var, weight, sums, eps, count):
     """dx = weight * invstd * (gy - sums[0] / count - xhat * sums[1] / count)."""
     invstd = _invstd(var, eps)

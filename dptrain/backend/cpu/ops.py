@@ -11,6 +11,7 @@ import numpy as np
 from dptrain.backend.bfloat16 import BFLOAT16
 from dptrain.backend.cpu.runtime import runtime
 from dptrain.backend.cpu.workspace import checked, scratch
+from dptrain.backend.registry import op
 
 name = "cpu"
 
@@ -18,47 +19,57 @@ name = "cpu"
 # ----------------------------------------------------------------------------- arrays
 
 
+@op
 def asarray(a, dtype=None):
     return np.asarray(a, dtype=dtype, order="C")  # (ascontiguousarray would make 0-d 1-d)
 
 
+@op
 def to_numpy(a):
     return np.asarray(a)
 
 
+@op
 def empty(shape, dtype=np.float32):
     return np.empty(shape, dtype=dtype)
 
 
+@op
 def zeros(shape, dtype=np.float32):
     return np.zeros(shape, dtype=dtype)
 
 
+@op
 def full(shape, value, dtype=np.float32):
     return np.full(shape, value, dtype=dtype)
 
 
+@op
 def copy(a):
     return np.array(a, copy=True, order="C")
 
 
+@op
 def copy_(dst, src):
     with np.errstate(over="ignore"):  # to float16: too large becomes inf, as in astype
         np.copyto(dst, src)
     return dst
 
 
+@op
 def fill_(a, value):
     a.fill(value)
     return a
 
 
+@op
 def set_scalar_(buf, values):
     """Write host floats into the first len(values) slots of a small device array."""
     buf[: len(values)] = values
     return buf
 
 
+@op
 def astype(a, dtype):
     if BFLOAT16 in (np.dtype(dtype), a.dtype) and np.dtype(dtype) != a.dtype:
         raise TypeError("cpu.astype: bfloat16 (uint16 storage) is computed on the GPU only")
@@ -66,28 +77,34 @@ def astype(a, dtype):
         return np.ascontiguousarray(a, dtype=dtype)
 
 
+@op
 def transpose(a, axes):
     return np.ascontiguousarray(np.transpose(a, axes))
 
 
+@op
 def getitem(a, index):
     return np.asarray(a[index], order="C")
 
 
+@op
 def getitem_backward(gy, shape, index):
     gx = np.zeros(shape, dtype=gy.dtype)
     np.add.at(gx, index, gy)
     return gx
 
 
+@op
 def concatenate(arrays, axis):
     return np.concatenate(arrays, axis=axis)
 
 
+@op
 def broadcast_to(a, shape):
     return np.ascontiguousarray(np.broadcast_to(a, shape))
 
 
+@op
 def sum_to_shape(g, shape):
     """Sum a broadcast gradient back down to `shape` (the inverse of broadcasting)."""
     shape = tuple(shape)
@@ -103,60 +120,74 @@ def sum_to_shape(g, shape):
 # ----------------------------------------------------------------------------- elementwise
 
 
+@op
 def add(a, b):
     return np.add(a, b)
 
 
+@op
 def sub(a, b):
     return np.subtract(a, b)
 
 
+@op
 def mul(a, b):
     return np.multiply(a, b)
 
 
+@op
 def div(a, b):
     return np.divide(a, b)
 
 
+@op
 def neg(a):
     return np.negative(a)
 
 
+@op
 def scale(a, s):
     return a * a.dtype.type(s)
 
 
+@op
 def add_(dst, src):
     """dst += src, in place (gradient accumulation)."""
     np.add(dst, src, out=dst)
     return dst
 
 
+@op
 def pow_scalar(a, p):
     return np.power(a, a.dtype.type(p))
 
 
+@op
 def pow_scalar_backward(x, gy, p):
     return gy * x.dtype.type(p) * np.power(x, x.dtype.type(p - 1))
 
 
+@op
 def exp(a):
     return np.exp(a)
 
 
+@op
 def log(a):
     return np.log(a)
 
 
+@op
 def sqrt(a):
     return np.sqrt(a)
 
 
+@op
 def relu(a):
     return np.maximum(a, a.dtype.type(0))
 
 
+@op
 def relu_backward(y, gy, *, workspace=None):
     """gy where y > 0, else 0. The mask is a scratch array of the workspace when one is given
     (a fresh bool array each call can cost page faults; see NOTES.md)."""
@@ -164,20 +195,24 @@ def relu_backward(y, gy, *, workspace=None):
     return gy * np.greater(y, 0, out=mask)
 
 
+@op
 def sigmoid(a):
     # Split by sign so neither branch overflows.
     e = np.exp(-np.abs(a))
     return np.where(a >= 0, 1 / (1 + e), e / (1 + e)).astype(a.dtype)
 
 
+@op
 def sigmoid_backward(y, gy):
     return gy * y * (1 - y)
 
 
+@op
 def tanh(a):
     return np.tanh(a)
 
 
+@op
 def tanh_backward(y, gy):
     return gy * (1 - y * y)
 
@@ -185,14 +220,17 @@ def tanh_backward(y, gy):
 # ----------------------------------------------------------------------------- reductions
 
 
+@op(fp32_math=True)
 def sum(a, axis=None, keepdims=False):  # noqa: A001 - the op's name
     return np.asarray(np.sum(a, axis=axis, keepdims=keepdims), dtype=a.dtype)
 
 
+@op
 def max(a, axis=None, keepdims=False):  # noqa: A001
     return np.asarray(np.max(a, axis=axis, keepdims=keepdims))
 
 
+@op
 def max_backward(x, y, gy, axis=None, keepdims=False):
     """Gradient of max: split evenly among the elements that tie for the maximum."""
     if not keepdims:
@@ -220,6 +258,7 @@ def _gemm(a, b):
     return a @ b
 
 
+@op(fp32_math=True)
 def matmul(a, b, trans_a=False, trans_b=False):
     """a @ b over the last two axes, either operand optionally transposed; batch axes broadcast."""
     if trans_a:
@@ -235,11 +274,13 @@ def _channel_shape(y):
     return (1, -1) + (1,) * (y.ndim - 2)
 
 
+@op
 def bias_add(y, b):
     """y + b with b broadcast along axis 1 (channels of NCHW, features of (N, F))."""
     return y + b.reshape(_channel_shape(y))
 
 
+@op(fp32_math=True)
 def bias_grad(gy):
     """Sum of gy over every axis but 1: the bias gradient of bias_add."""
     if gy.ndim <= 2 or gy.size == 0:
@@ -255,24 +296,29 @@ def bias_grad(gy):
 # All along the last axis; ops move the axis there first.
 
 
+@op(fp32_math=True)
 def softmax(x):
     e = np.exp(x - x.max(axis=-1, keepdims=True))
     return e / e.sum(axis=-1, keepdims=True)
 
 
+@op(fp32_math=True)
 def softmax_backward(y, gy):
     return y * (gy - (gy * y).sum(axis=-1, keepdims=True))
 
 
+@op(fp32_math=True)
 def log_softmax(x):
     shifted = x - x.max(axis=-1, keepdims=True)
     return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
 
 
+@op(fp32_math=True)
 def log_softmax_backward(y, gy):
     return gy - np.exp(y) * gy.sum(axis=-1, keepdims=True)
 
 
+@op(fp32_math=True)
 def cross_entropy_forward(logits, labels):
     """Mean cross-entropy of (N, C) logits against int labels: (loss as a 0-d array, softmax)."""
     logp = log_softmax(logits)
@@ -281,6 +327,7 @@ def cross_entropy_forward(logits, labels):
     return np.asarray(loss, dtype=logits.dtype), np.exp(logp)
 
 
+@op(fp32_math=True)
 def cross_entropy_backward(probs, labels, gloss):
     n = probs.shape[0]
     g = probs.copy()
@@ -288,6 +335,7 @@ def cross_entropy_backward(probs, labels, gloss):
     return g * (gloss / probs.dtype.type(n))
 
 
+@op
 def count_correct(logits, labels):
     """Number of rows whose arg-max equals the label, as a 0-d float32 array (no host sync)."""
     return np.asarray((logits.argmax(axis=-1) == labels).sum(), dtype=np.float32)
@@ -296,6 +344,7 @@ def count_correct(logits, labels):
 # ----------------------------------------------------------------------------- randomness
 
 
+@op
 def dropout_mask(shape, p, dtype=np.float32):
     """Keep each element with probability 1-p, scaled by 1/(1-p) (inverted dropout); the
     numbers come from the runtime's generator."""
@@ -311,6 +360,7 @@ def dropout_mask(shape, p, dtype=np.float32):
 SKIP_SLOT = 3
 
 
+@op
 def sgd_step_(param, grad, buf, hyper, momentum, weight_decay, nesterov):
     """PyTorch SGD: d = g + wd*p; buf = m*buf + d; d = d + m*buf (nesterov) or buf; p -= lr*d."""
     if hyper[SKIP_SLOT] != 0:
@@ -325,6 +375,7 @@ def sgd_step_(param, grad, buf, hyper, momentum, weight_decay, nesterov):
     return param
 
 
+@op
 def adamw_step_(param, grad, m, v, hyper, beta1, beta2, eps, weight_decay):
     """AdamW with decoupled weight decay; hyper = [lr, 1 - beta1**t, 1 - beta2**t, skip]."""
     if hyper[SKIP_SLOT] != 0:
@@ -340,6 +391,7 @@ def adamw_step_(param, grad, m, v, hyper, beta1, beta2, eps, weight_decay):
     return param
 
 
+@op
 def nonfinite_flag_(flag, x):
     """flag (one element) = 1 if it is non-zero or x holds a NaN or an infinity, else 0;
     an empty x only normalises the flag. In place."""
@@ -348,12 +400,14 @@ def nonfinite_flag_(flag, x):
     return flag
 
 
+@op
 def unscale_(x, scale):
     """x /= scale[0], in place (scale: one float32 element; fp16 loss scaling)."""
     np.divide(x, x.dtype.type(scale.reshape(-1)[0]), out=x)
     return x
 
 
+@op
 def loss_scale_update_(state, overflow, interval):
     """state = [scale, good steps, overflow steps] (float32), in place: an overflow
     (overflow[0] != 0) halves the scale, restarts the good-step count and counts itself;
@@ -389,6 +443,7 @@ def _channel_affine(images, mean, std):
             (mean / std).astype(np.float32).reshape(where))
 
 
+@op
 def gather_normalize(images, idx, mean, std):
     """Rows idx of a uint8 (M, C, H, W) image array as float32, scaled to [0,1] then
     (x-mean)/std; mean and std are scalars or per-channel sequences of length C."""
@@ -424,6 +479,7 @@ def augment_draws(seed, counter, index, pad):
         np.int64), ((h >> np.uint64(48)) & np.uint64(1)).astype(bool)
 
 
+@op
 def augment_crop_flip(x, state, pad, first=0, stride=1):
     """Random crop with zero padding and horizontal flip of a float batch x (B, C, H, W),
     out of place; ``state`` is a uint64 array [seed, counter] that this call advances by

@@ -27,6 +27,8 @@ import weakref
 
 import numpy as np
 
+from dptrain.backend.registry import op
+
 
 class Workspace:
     """Scratch arrays, one per name, and the work kept in them (see the module docstring)."""
@@ -73,6 +75,7 @@ class Workspace:
         return f"Workspace({len(self._arrays)} arrays, {self.nbytes() / 2**20:.1f} MiB)"
 
 
+@op
 def new_workspace():
     """A fresh, empty workspace for the ops that take ``workspace=``."""
     return Workspace()

@@ -17,8 +17,10 @@ import numpy as np
 from dptrain.backend.cuda import launch
 from dptrain.backend.cuda.elementwise import EW, fill_
 from dptrain.backend.cuda.transpose import copy, strided_copy
+from dptrain.backend.registry import op
 
 
+@op
 def asarray(a, dtype=None):
     if launch.is_cupy(a):
         if dtype is not None and a.dtype != np.dtype(dtype):
@@ -29,22 +31,27 @@ def asarray(a, dtype=None):
     return cupy.asarray(np.asarray(a, dtype=dtype, order="C"))
 
 
+@op
 def to_numpy(a):
     return cupy.asnumpy(a) if launch.is_cupy(a) else np.asarray(a)
 
 
+@op
 def empty(shape, dtype=np.float32):
     return launch.new(shape, dtype)
 
 
+@op
 def zeros(shape, dtype=np.float32):
     return fill_(launch.new(shape, dtype), 0)
 
 
+@op
 def full(shape, value, dtype=np.float32):
     return fill_(launch.new(shape, dtype), value)
 
 
+@op
 def copy_(dst, src):
     """dst[...] = src: src broadcasts to dst and is cast to dst's dtype; host data is uploaded."""
     launch.check_arrays("copy_", dst)
@@ -59,6 +66,7 @@ def copy_(dst, src):
     return strided_copy(dst, src, launch.bstrides(src, dst.shape))
 
 
+@op
 def set_scalar_(buf, values):
     """Write host floats into the first len(values) slots of `buf` (asynchronous copy)."""
     launch.check_arrays("set_scalar_", buf)
@@ -71,6 +79,7 @@ def set_scalar_(buf, values):
     return buf
 
 
+@op
 def astype(a, dtype):
     launch.check_arrays("astype", a)
     dtype = np.dtype(dtype)
@@ -90,3 +99,9 @@ def _convert(out, src):
         fn = launch.kernel(EW, "convert_kernel", launch.ctype(out.dtype), launch.ctype(src.dtype))
         launch.grid_stride(fn, src.size, (out, src, np.int64(src.size)))
     return out
+
+
+@op
+def new_workspace():
+    """No reusable work between calls here (the convolutions gather in place): None."""
+    return None

@@ -19,6 +19,7 @@ from dptrain.backend.cpu.attention import check_masked_softmax_args
 from dptrain.backend.cuda import launch
 from dptrain.backend.cuda.arrays import asarray
 from dptrain.backend.cuda.reduce import sum as _sum
+from dptrain.backend.registry import op
 
 AT = "attention.cu"
 
@@ -33,6 +34,7 @@ def _check_vector(op, name, v, d, like):
 # ----------------------------------------------------------------------------- layer norm
 
 
+@op
 def layer_norm_forward(x, weight, bias, eps=1e-5):
     """(y, mean, rstd): layer norm of x over its last axis; mean, rstd of shape x.shape[:-1]."""
     r, d = launch.rows("layer_norm_forward", x)
@@ -48,6 +50,7 @@ def layer_norm_forward(x, weight, bias, eps=1e-5):
     return y, mean, rstd
 
 
+@op
 def layer_norm_backward(gy, x, weight, mean, rstd):
     """(gx, gweight, gbias) of layer_norm_forward, from its saved mean and rstd."""
     r, d = launch.rows("layer_norm_backward", x)
@@ -82,11 +85,13 @@ def _flat(op, kernel, *arrays):
     return out
 
 
+@op
 def gelu(x):
     """x * Phi(x), the exact (erf) GELU."""
     return _flat("gelu", "gelu_fwd_kernel", x)
 
 
+@op
 def gelu_backward(x, gy):
     """gy * (Phi(x) + x phi(x)), from the forward input x."""
     return _flat("gelu_backward", "gelu_bwd_kernel", x, gy)
@@ -95,6 +100,7 @@ def gelu_backward(x, gy):
 # ----------------------------------------------------------------------------- masked softmax
 
 
+@op
 def masked_softmax(x, causal=False, key_lengths=None, scale=1.0):
     """softmax(scale * x) over the last axis, keys masked by `causal` (key j > query i) and
     `key_lengths` (keys j >= key_lengths[b] of batch element b) at probability exactly 0."""
@@ -121,6 +127,7 @@ def masked_softmax(x, causal=False, key_lengths=None, scale=1.0):
     return y
 
 
+@op
 def masked_softmax_backward(y, gy, scale=1.0):
     """scale * y * (gy - sum(gy * y)) over the last axis, from the forward output y."""
     r, c = launch.rows("masked_softmax_backward", y)

@@ -43,6 +43,7 @@ from dptrain.backend.cuda.gemm import (operand_dtype, output, plan, reducer, sig
 from dptrain.backend.cuda.launch import i32
 from dptrain.backend.cuda.runtime import runtime
 from dptrain.backend.cuda.transpose import transposer
+from dptrain.backend.registry import op
 
 CONV = "conv2d.cu"
 DIRECT = "conv2d_direct.cu"
@@ -279,6 +280,7 @@ def _mma_kernel(m, npix, dt):
     return name, fn, (-(-npix // 128), -(-m // bm)), block, smem
 
 
+@op
 def conv2d_forward(x, w, b, stride, padding, *, out=None, workspace=None):
     """y[n, co] = sum over (ci, kh, kw) of w[co, ci, kh, kw] * x[n, ci, shifted] (+ b[co])."""
     return _forward(x, w, b, stride, padding)(w, x, b, out)
@@ -313,6 +315,7 @@ def _plan_forward(x, w, b, stride, padding):
                           (ph, pw), cin * kh * kw, kh * kw, dt)
 
 
+@op
 def conv2d_backward_data(gy, w, x_shape, stride, padding, *, out=None, workspace=None):
     """Gradient of conv2d_forward with respect to x, of shape x_shape."""
     return _backward_data(gy, w, x_shape, stride, padding)(w, gy, None, out)
@@ -342,6 +345,7 @@ def _plan_backward_data(gy, w, x_shape, stride, padding):
                           (ph, pw), kh * kw, cin * kh * kw, dt)
 
 
+@op
 def conv2d_backward_weight(x, gy, w_shape, stride, padding, *, out=None, workspace=None):
     """Gradient of conv2d_forward with respect to w, of shape w_shape; bitwise repeatable."""
     return _backward_weight(x, gy, w_shape, stride, padding)(x, gy, out)

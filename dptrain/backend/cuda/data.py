@@ -29,6 +29,7 @@ import numpy as np
 from dptrain.backend.cuda import launch
 from dptrain.backend.cuda.runtime import runtime
 from dptrain.backend.cuda.transpose import copy
+from dptrain.backend.registry import op
 
 DATA = "data.cu"
 MAX_CHANNELS = 16  # DP_MAX_CHANNELS in kernels/data.cu
@@ -58,6 +59,7 @@ def _channel_affine(images, mean, std):
                                    shift=np.pad(shift, (0, MAX_CHANNELS - channels)))
 
 
+@op
 def gather_normalize(images, idx, mean, std):
     """Rows idx of a uint8 (M, C, H, W) image array as float32, scaled to [0,1] then (x-mean)/std."""
     launch.check_arrays("gather_normalize", images)
@@ -83,6 +85,7 @@ def gather_normalize(images, idx, mean, std):
     return out
 
 
+@op
 def augment_crop_flip(x, state, pad, first=0, stride=1):
     """Random crop (zero padding ``pad``) and horizontal flip of x (B, C, H, W), out of
     place; advances state[1] by one on the device."""
@@ -108,6 +111,7 @@ def augment_crop_flip(x, state, pad, first=0, stride=1):
     return out
 
 
+@op
 def dropout_mask(shape, p, dtype=np.float32):
     """Keep each element with probability 1-p, scaled by 1/(1-p) (inverted dropout)."""
     if not 0.0 <= p < 1.0:

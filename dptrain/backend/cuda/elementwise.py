@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from dptrain.backend.cuda import launch
+from dptrain.backend.registry import op
 
 EW = "elementwise.cu"
 
@@ -73,6 +74,7 @@ def _binary(op, functor, a, b, out=None):
     return out
 
 
+@op
 def fill_(a, value):
     """a[...] = value, in place: `value` converted to a's dtype, written as raw bits."""
     launch.check_arrays("fill_", a)
@@ -85,22 +87,27 @@ def fill_(a, value):
     return a
 
 
+@op
 def add(a, b):
     return _binary("add", "Add", a, b)
 
 
+@op
 def sub(a, b):
     return _binary("sub", "Sub", a, b)
 
 
+@op
 def mul(a, b):
     return _binary("mul", "Mul", a, b)
 
 
+@op
 def div(a, b):
     return _binary("div", "Div", a, b)
 
 
+@op
 def add_(dst, src):
     """dst += src, in place (gradient accumulation); src broadcasts to dst. A float32 dst
     also takes a 16-bit src of its shape (a mixed-precision weight's gradient), cast and added
@@ -120,58 +127,72 @@ def add_(dst, src):
     return _binary("add_", "Add", dst, src, out=dst)
 
 
+@op
 def neg(a):
     return _map1("neg", "Neg", a)
 
 
+@op
 def scale(a, s):
     return _map1("scale", "Scale", a, s)
 
 
+@op
 def pow_scalar(a, p):
     return _map1("pow_scalar", "Pow", a, p)
 
 
+@op
 def pow_scalar_backward(x, gy, p):
     return _map2("pow_scalar_backward", "PowBack", x, gy, p, p - 1)
 
 
+@op
 def exp(a):
     return _map1("exp", "Exp", a)
 
 
+@op
 def log(a):
     return _map1("log", "Log", a)
 
 
+@op
 def sqrt(a):
     return _map1("sqrt", "Sqrt", a)
 
 
+@op
 def relu(a):
     return _map1("relu", "Relu", a)
 
 
+@op
 def relu_backward(y, gy, *, workspace=None):
     return _map2("relu_backward", "ReluBack", y, gy)
 
 
+@op
 def sigmoid(a):
     return _map1("sigmoid", "Sigmoid", a)
 
 
+@op
 def sigmoid_backward(y, gy):
     return _map2("sigmoid_backward", "SigmoidBack", y, gy)
 
 
+@op
 def tanh(a):
     return _map1("tanh", "Tanh", a)
 
 
+@op
 def tanh_backward(y, gy):
     return _map2("tanh_backward", "TanhBack", y, gy)
 
 
+@op
 def bias_add(y, b):
     """y + b with b broadcast along axis 1 (channels of NCHW, features of (N, F))."""
     launch.check_float("bias_add", y, b, half=True)

@@ -43,6 +43,7 @@ from dptrain.backend.cuda import launch
 from dptrain.backend.cuda.launch import i32
 from dptrain.backend.cuda.runtime import runtime
 from dptrain.backend.cuda.transpose import broadcast_to, transposer
+from dptrain.backend.registry import op
 
 WGMMA_ENV = "DPTRAIN_WGMMA"  # "0" turns the Hopper wgmma path off
 _WGMMA_DEFAULT = True  # on where it applies, unless the environment says "0"
@@ -230,6 +231,7 @@ def matmul_kernel(a, b, trans_a=False, trans_b=False, *, bias=None) -> str:
     return _matmul_plan(a, b, trans_a, trans_b, bias).kernel
 
 
+@op
 def matmul(a, b, trans_a=False, trans_b=False, *, bias=None, out=None):
     """a @ b over the last two axes (either operand transposed first); batch axes broadcast.
 

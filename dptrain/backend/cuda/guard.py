@@ -9,10 +9,12 @@ from __future__ import annotations
 import numpy as np
 
 from dptrain.backend.cuda import launch
+from dptrain.backend.registry import op
 
 GUARD = "guard.cu"
 
 
+@op
 def nonfinite_flag_(flag, x):
     launch.check_float("nonfinite_flag_", flag, x)
     launch.check_contiguous("nonfinite_flag_", flag, x)
@@ -23,6 +25,7 @@ def nonfinite_flag_(flag, x):
     return flag
 
 
+@op
 def unscale_(x, scale):
     """x /= scale[0] in place (scale: a one-element float32 device array)."""
     launch.check_float("unscale_", x)
@@ -36,6 +39,7 @@ def unscale_(x, scale):
     return x
 
 
+@op
 def loss_scale_update_(state, overflow, interval):
     """state = [scale, good steps, overflow steps] (float32): halve on overflow[0] != 0, double
     after `interval` good steps in a row. One thread; in place."""

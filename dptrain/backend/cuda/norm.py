@@ -18,6 +18,7 @@ import math
 import numpy as np
 
 from dptrain.backend.cuda import launch
+from dptrain.backend.registry import op
 
 NORM = "norm.cu"
 
@@ -49,6 +50,7 @@ def _channel_grid(fn, c, args):
     fn((grid,), (threads,), args)
 
 
+@op
 def batch_norm_mean(x):
     """Per-channel mean of x over every axis but 1."""
     n, c, s = _geometry("batch_norm_mean", x)
@@ -61,6 +63,7 @@ def batch_norm_mean(x):
     return mean
 
 
+@op
 def batch_norm_var(x, mean):
     """Per-channel mean of (x - mean)^2 over every axis but 1 (the biased variance)."""
     n, c, s = _geometry("batch_norm_var", x)
@@ -74,6 +77,7 @@ def batch_norm_var(x, mean):
     return var
 
 
+@op
 def batch_norm_forward(x, mean, var, weight, bias, eps):
     """y = (x - mean) / sqrt(var + eps) * weight + bias, per channel."""
     n, c, s = _geometry("batch_norm_forward", x)
@@ -87,6 +91,7 @@ def batch_norm_forward(x, mean, var, weight, bias, eps):
     return y
 
 
+@op
 def batch_norm_update_(running_mean, running_var, num_batches_tracked, mean, var, momentum,
                        count):
     """running = (1 - momentum) * running + momentum * batch (var unbiased over `count`),
@@ -108,6 +113,7 @@ def batch_norm_update_(running_mean, running_var, num_batches_tracked, mean, var
     return running_mean
 
 
+@op
 def batch_norm_backward_reduce(gy, x, mean, var, eps):
     """(2, C): [sum of gy, sum of gy * xhat] per channel (bias and weight gradients)."""
     op = "batch_norm_backward_reduce"
@@ -124,6 +130,7 @@ def batch_norm_backward_reduce(gy, x, mean, var, eps):
     return sums
 
 
+@op
 def batch_norm_backward_data(gy, x, mean, var, weight, sums, eps, count):
     """dx = weight * invstd * (gy - sums[0] / count - xhat * sums[1] / count)."""
     op = "batch_norm_backward_data"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from dptrain.backend.cuda import launch
+from dptrain.backend.registry import op
 
 OPT = "optim.cu"
 
@@ -26,6 +27,7 @@ def _check_flat(op, param, *others):
             raise ValueError(f"cuda.{op}: buffer of {a.size} elements, param has {param.size}")
 
 
+@op
 def sgd_step_(param, grad, buf, hyper, momentum, weight_decay, nesterov):
     """PyTorch SGD: d = g + wd*p; buf = m*buf + d; d = d + m*buf (nesterov) or buf; p -= lr*d."""
     _check_flat("sgd_step_", param, grad, *([buf] if momentum else []))
@@ -41,6 +43,7 @@ def sgd_step_(param, grad, buf, hyper, momentum, weight_decay, nesterov):
     return param
 
 
+@op
 def adamw_step_(param, grad, m, v, hyper, beta1, beta2, eps, weight_decay):
     """AdamW with decoupled weight decay; hyper = [lr, 1 - beta1**t, 1 - beta2**t]."""
     _check_flat("adamw_step_", param, grad, m, v)

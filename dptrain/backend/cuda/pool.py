@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from dptrain.backend.cuda import launch
+from dptrain.backend.registry import op
 
 POOL = "pool.cu"
 
@@ -56,11 +57,13 @@ def _max_pool(op, relu, x, kernel, stride, padding):
     return y, idx
 
 
+@op
 def max_pool2d_forward(x, kernel, stride, padding, *, workspace=None):
     """Returns (y, idx): idx is the flat h*W+w position in x of each window's maximum (int32)."""
     return _max_pool("max_pool2d_forward", False, x, kernel, stride, padding)
 
 
+@op
 def relu_max_pool2d_forward(x, kernel, stride, padding, *, workspace=None):
     """max_pool2d_forward(relu(x)) in one pass; idx = -1 where the maximum is not > 0."""
     return _max_pool("relu_max_pool2d_forward", True, x, kernel, stride, padding)
@@ -77,6 +80,7 @@ def _tiles(window, x_shape, y_shape) -> tuple[int, int] | None:
     return (kh, kw) if tiles else None
 
 
+@op
 def max_pool2d_backward(gy, idx, x_shape, *, window=None, workspace=None):
     """dx: gy at each window's idx. `window` = (kernel, stride, padding) of the forward, if
     given, lets windows that tile the input take the one-thread-per-window kernel."""
@@ -109,6 +113,7 @@ def max_pool2d_backward(gy, idx, x_shape, *, window=None, workspace=None):
     return dx
 
 
+@op
 def avg_pool2d_forward(x, kernel, stride, padding):
     """Average over each window, padding counted in the divisor (PyTorch's default)."""
     launch.check_float("avg_pool2d_forward", x, half=True)
@@ -121,6 +126,7 @@ def avg_pool2d_forward(x, kernel, stride, padding):
     return y
 
 
+@op
 def avg_pool2d_backward(gy, x_shape, kernel, stride, padding):
     launch.check_float("avg_pool2d_backward", gy, half=True)
     launch.check_contiguous("avg_pool2d_backward", gy)

@@ -20,6 +20,7 @@ import numpy as np
 
 from dptrain.backend.cuda import launch
 from dptrain.backend.cuda.elementwise import fill_
+from dptrain.backend.registry import op
 
 RED = "reduce.cu"
 SPLIT_MIN_K = 16384  # a reduction this long over few outputs is split in two passes
@@ -112,18 +113,21 @@ def _reduce(op, a, axes, out_shape):
     return out
 
 
+@op
 def sum(a, axis=None, keepdims=False):  # noqa: A001 - the op's name
     launch.check_float("sum", a, half=True)
     axes = _axes("sum", a.ndim, axis)
     return _reduce("SumOp", a, axes, _reduced_shape(a.shape, axes, keepdims))
 
 
+@op
 def max(a, axis=None, keepdims=False):  # noqa: A001
     launch.check_float("max", a, half=True)
     axes = _axes("max", a.ndim, axis)
     return _reduce("MaxOp", a, axes, _reduced_shape(a.shape, axes, keepdims))
 
 
+@op
 def max_backward(x, y, gy, axis=None, keepdims=False):
     """Gradient of max: split evenly among the elements that tie for the maximum."""
     launch.check_float("max_backward", x, y, gy)
@@ -142,6 +146,7 @@ def max_backward(x, y, gy, axis=None, keepdims=False):
     return gx
 
 
+@op
 def sum_to_shape(g, shape):
     """Sum a broadcast gradient back down to `shape` (the inverse of broadcasting)."""
     shape = tuple(shape)
@@ -159,6 +164,7 @@ def sum_to_shape(g, shape):
     return out.reshape(shape)
 
 
+@op
 def bias_grad(gy):
     """Sum of gy over every axis but 1: the bias gradient of bias_add."""
     launch.check_float("bias_grad", gy, half=True)
@@ -188,6 +194,7 @@ def _channel_sum(gy, n, c, planes):
     return out
 
 
+@op
 def count_correct(logits, labels):
     """Number of rows whose arg-max equals the label, as a 0-d float32 array (no host sync)."""
     launch.check_float("count_correct", logits)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from dptrain.backend.cuda import launch
+from dptrain.backend.registry import op
 
 SM = "softmax.cu"
 
@@ -27,22 +28,27 @@ def _row_op(op, kernel, log, first, *rest):
     return out
 
 
+@op
 def softmax(x):
     return _row_op("softmax", "softmax_fwd_kernel", False, x)
 
 
+@op
 def softmax_backward(y, gy):
     return _row_op("softmax_backward", "softmax_bwd_kernel", False, y, gy)
 
 
+@op
 def log_softmax(x):
     return _row_op("log_softmax", "softmax_fwd_kernel", True, x)
 
 
+@op
 def log_softmax_backward(y, gy):
     return _row_op("log_softmax_backward", "softmax_bwd_kernel", True, y, gy)
 
 
+@op
 def cross_entropy_forward(logits, labels):
     """Mean cross-entropy of (N, C) logits against int labels: (loss as a 0-d array, softmax)."""
     r, c = launch.rows("cross_entropy_forward", logits)
@@ -61,6 +67,7 @@ def cross_entropy_forward(logits, labels):
     return loss, probs
 
 
+@op
 def cross_entropy_backward(probs, labels, gloss):
     """(probs - onehot(labels)) * gloss / N; gloss is the 0-d loss gradient on the device."""
     r, c = launch.rows("cross_entropy_backward", probs)

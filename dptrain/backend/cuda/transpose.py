@@ -21,6 +21,7 @@ import numpy as np
 
 from dptrain.backend.cuda import launch
 from dptrain.backend.cuda.elementwise import fill_
+from dptrain.backend.registry import op
 
 TR = "transpose.cu"
 
@@ -63,11 +64,13 @@ def transposer(nb: int, rows: int, cols: int, dtype):
     return run
 
 
+@op
 def copy(a):
     launch.check_arrays("copy", a)
     return strided_copy(launch.new(a.shape, a.dtype), a, launch.estrides(a))
 
 
+@op
 def transpose(a, axes):
     launch.check_arrays("transpose", a)
     axes = tuple(range(a.ndim))[::-1] if axes is None else tuple(int(x) % a.ndim for x in axes)
@@ -109,6 +112,7 @@ def _row_index(index, rows):
     return None
 
 
+@op
 def getitem(a, index):
     launch.check_arrays("getitem", a)
     if _is_basic(index):
@@ -130,6 +134,7 @@ def getitem(a, index):
     return res if res.flags.c_contiguous else copy(res)
 
 
+@op
 def getitem_backward(gy, shape, index):
     """Gradient of getitem: zeros of `shape` with gy added at `index` (repeats accumulate)."""
     launch.check_arrays("getitem_backward", gy)
@@ -155,6 +160,7 @@ def getitem_backward(gy, shape, index):
     return gx
 
 
+@op
 def concatenate(arrays, axis):
     arrays = list(arrays)
     launch.check_arrays("concatenate", *arrays)
@@ -178,6 +184,7 @@ def concatenate(arrays, axis):
     return out
 
 
+@op
 def broadcast_to(a, shape):
     launch.check_arrays("broadcast_to", a)
     shape = tuple(shape)
