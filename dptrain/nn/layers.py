@@ -1,14 +1,16 @@
 """Layers with PyTorch's shapes, names and default initialisation."""
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
 
 from dptrain.engine import functional as F
+from dptrain.engine.autograd import Tensor
+from dptrain.engine.rng import init_rng
 from dptrain.nn import fusion
 from dptrain.nn.module import Module, Parameter
-from dptrain.engine.rng import init_rng
 
 
 def _uniform(shape, bound):
@@ -23,13 +25,32 @@ def _init_weight_and_bias(module, weight_shape, fan_in, bias):
     module.bias = Parameter(_uniform((weight_shape[0],), bound)) if bias else None
 
 
-def _in_dtype_of(x, *params):
+def in_dtype_of(x, *params):
     """The parameters in the dtype of 16-bit activations x (mixed precision: the layer computes
     in 16 bits while the parameters, their gradients and the optimizer stay fp32); as they are
     for any other x."""
     if x.dtype.itemsize != 2:
         return params
     return tuple(None if p is None else F.cast_parameter(p, x.dtype) for p in params)
+
+
+def float32_island(forward):
+    """For a layer's forward that has no 16-bit kernels yet: in a mixed-precision model its
+    16-bit tensor arguments are cast to float32, the layer computes in float32 exactly as in an
+    fp32 model (its parameters as they are), and its output is cast back to the input's dtype.
+    Any other input passes straight through. Two casts each way is the price until the layer
+    gets 16-bit kernels of its own."""
+    def is_half(a):
+        return isinstance(a, Tensor) and a.dtype.itemsize == 2
+
+    @functools.wraps(forward)
+    def wrapper(self, x, *args):
+        if not is_half(x):
+            return forward(self, x, *args)
+        up = [F.cast(a, np.float32) if is_half(a) else a for a in (x, *args)]
+        return F.cast(forward(self, *up), x.dtype)
+
+    return wrapper
 
 
 class _Workspace:
@@ -52,7 +73,7 @@ class Linear(Module):
         _init_weight_and_bias(self, (out_features, in_features), in_features, bias)
 
     def forward(self, x):
-        return F.linear(x, *_in_dtype_of(x, self.weight, self.bias))
+        return F.linear(x, *in_dtype_of(x, self.weight, self.bias))
 
 
 class Conv2d(Module):
@@ -66,7 +87,7 @@ class Conv2d(Module):
         self.workspace = _Workspace()
 
     def forward(self, x):
-        weight, bias = _in_dtype_of(x, self.weight, self.bias)
+        weight, bias = in_dtype_of(x, self.weight, self.bias)
         return F.conv2d(x, weight, bias, self.stride, self.padding,
                         workspace=self.workspace(x))
 
@@ -120,6 +141,7 @@ class Dropout(Module):
         super().__init__()
         self.p = p
 
+    @float32_island  # the mask kernel draws float32 (the same mask in every precision)
     def forward(self, x):
         return F.dropout(x, self.p, self.training)
 

@@ -5,6 +5,7 @@ import numpy as np
 
 from dptrain.engine import functional as F
 from dptrain.engine.autograd import Tensor
+from dptrain.nn.layers import float32_island
 from dptrain.nn.module import Module, Parameter
 
 
@@ -29,6 +30,7 @@ class BatchNorm2d(Module):
         self.register_buffer("num_batches_tracked", Tensor(np.zeros((), np.int64)))
         self.comm = None
 
+    @float32_island  # fp32 statistics and arithmetic; no 16-bit kernels yet
     def forward(self, x):
         if x.ndim != 4:
             raise ValueError(f"BatchNorm2d expects NCHW input, got shape {x.shape}")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from dptrain.engine import functional as F
-from dptrain.nn.layers import Conv2d, Dropout, Linear, Sequential
+from dptrain.nn.layers import Conv2d, Dropout, Linear, Sequential, in_dtype_of
 from dptrain.nn.module import Module, Parameter
 from dptrain.nn.transformer import LayerNorm, TransformerEncoderLayer
 from dptrain.engine.rng import init_rng
@@ -55,8 +55,9 @@ class VisionTransformer(Module):
         patches = self.patch_embed(x)  # (B, D, H/p, W/p)
         b, d = patches.shape[:2]
         tokens = patches.reshape(b, d, -1).transpose(0, 2, 1)  # (B, N, D)
-        cls = F.broadcast_to(self.cls_token, (b, 1, d))
-        x = self.pos_drop(F.concatenate([cls, tokens], axis=1) + self.pos_embed)
+        cls_token, pos_embed = in_dtype_of(tokens, self.cls_token, self.pos_embed)
+        cls = F.broadcast_to(cls_token, (b, 1, d))
+        x = self.pos_drop(F.concatenate([cls, tokens], axis=1) + pos_embed)
         x = self.norm(self.blocks(x))
         return self.head(x[:, 0])
 

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+import dptrain as dp
 import dptrain.engine.functional as F
 from dptrain.run import amp
 from dptrain import backend, dist, nn
@@ -14,6 +15,8 @@ from dptrain.engine.autograd import Tensor
 from dptrain.errors import NonFiniteError
 from dptrain.run.nonfinite import NonFiniteGuard
 from dptrain.optim import SGD
+from dptrain.run.config import TrainConfig
+from dptrain.run.train import train
 from mpilaunch import HAVE_MPI, run
 
 cpu = backend.get("cpu")
@@ -133,12 +136,61 @@ def test_a_non_finite_loss_still_stops_an_fp16_run():
         guard.read(1)
 
 
+class _Unknown(nn.Module):
+    """A leaf layer amp knows nothing of (a user's own)."""
+
+    def forward(self, x):
+        return x
+
+
 @pytest.mark.parametrize("model", ["resnet18", "vit"])
-def test_models_without_a_16_bit_path_are_refused_by_name(model):
+def test_models_with_float32_islands_run_16_bit(model):
+    """Batch norm, layer norm, GELU, dropout and attention run in fp32 inside a 16-bit model
+    (nn.layers.float32_island): allowed in fp16 / bf16; auto picks bf16 where the islands were
+    measured to pay (batch norm: resnet18), TF32 for the transformer."""
     net = nn.build_model(model, (3, 32, 32), 10)
-    with pytest.raises(ValueError, match=r"--precision fp16: layer .* has no 16-bit path"):
+    amp.check_model(net, "fp16")
+    amp.check_model(net, "bf16")
+    auto = {"resnet18": "bf16", "vit": "tf32"}[model]
+    assert amp.resolve("auto", _runtime("tf32", ("bf16", "fp16")), net) == auto
+
+
+def test_a_layer_amp_does_not_know_is_refused_by_name():
+    net = nn.Sequential(nn.Linear(4, 4), _Unknown())
+    with pytest.raises(ValueError, match=r"--precision fp16: layer '1' \(_Unknown\) has no "
+                       r"16-bit path"):
         amp.check_model(net, "fp16")
     amp.check_model(net, "tf32")  # nothing to check
+
+
+@pytest.mark.parametrize("layer", [nn.BatchNorm2d(5), nn.Dropout(0.3)])
+def test_a_float32_island_is_the_fp32_layer_between_two_casts(layer):
+    """Forward and backward of an islanded layer on fp16 input: exactly the fp32 layer on the
+    input cast up, its output (and the input's gradient) cast back down."""
+    def half_values(seed):  # values fp16 holds exactly, so only the layer's rounding differs
+        rng = np.random.default_rng(seed)
+        return rng.standard_normal((4, 5, 3, 3)).astype(np.float16).astype(np.float32)
+
+    x32, gy = half_values(3), half_values(4)
+    results = []
+    for dtype in (np.float16, np.float32):
+        dp.manual_seed(11)  # the same dropout mask both times
+        leaf = dp.tensor(x32, requires_grad=True)
+        y = layer(F.cast(leaf, dtype))
+        assert y.dtype == dtype
+        (F.cast(y, np.float32) * dp.tensor(gy)).sum().backward()
+        results.append((y.numpy(), leaf.grad.numpy()))
+    (y16, g16), (y32, g32) = results
+    assert np.array_equal(y16, y32.astype(np.float16).astype(np.float32))
+    assert np.array_equal(g16, (g32.astype(np.float16)).astype(np.float32))
+
+
+@pytest.mark.parametrize("model", ["resnet18", "vit"])
+def test_fp16_training_of_models_with_islands(tmp_path, model):
+    summary = train(TrainConfig(model=model, precision="fp16", device="cpu", train_images=64,
+                                val_images=16, epochs=1, max_steps=3, batch_size=8,
+                                progress=False, cache_dir=str(tmp_path)), echo=lambda s: None)
+    assert summary["config"]["precision"] == "fp16" and np.isfinite(summary["train_loss"])
 
 
 def _runtime(precision, mixed):
@@ -147,10 +199,10 @@ def _runtime(precision, mixed):
 
 
 def test_auto_precision_is_bf16_on_a_gpu_for_models_with_a_16_bit_path():
-    cnn, resnet = nn.build_model("cnn", (1, 48, 48), 7), nn.build_model("resnet18", (3, 32, 32), 10)
+    cnn, vit = nn.build_model("cnn", (1, 48, 48), 7), nn.build_model("vit", (3, 32, 32), 10)
     gpu = _runtime("tf32", ("bf16", "fp16"))
     assert amp.resolve("auto", gpu, cnn) == "bf16"
-    assert amp.resolve("auto", gpu, resnet) == "tf32"
+    assert amp.resolve("auto", gpu, vit) == "tf32"
     assert amp.resolve("auto", _runtime("fp32", ()), cnn) == "fp32"  # no bf16 tensor cores
     assert amp.resolve("auto", cpu.runtime, cnn) == "fp32"
     assert amp.resolve("fp16", cpu.runtime, cnn) == "fp16"
@@ -184,8 +236,8 @@ def test_bf16_is_refused_off_the_gpu():
 
 
 def test_layers_without_16_bit_kernels_are_named():
-    net = nn.Sequential(nn.Flatten(), nn.Linear(4, 3), nn.Dropout(0.5))
-    with pytest.raises(ValueError, match=r"layer '2' \(Dropout\) has no 16-bit path"):
+    net = nn.Sequential(nn.Flatten(), nn.Linear(4, 3), _Unknown())
+    with pytest.raises(ValueError, match=r"layer '2' \(_Unknown\) has no 16-bit path"):
         amp.check_model(net, "bf16")
     assert amp.resolve("auto", _runtime("tf32", ("bf16", "fp16")), net) == "tf32"
 
