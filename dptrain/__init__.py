@@ -4,6 +4,10 @@
     from dptrain import functional as F
     x = dp.tensor(array, requires_grad=True)
 
+    world = dp.dist.init()                            # data parallel: see dp.DataParallel
+    ddp = dp.DataParallel(model, "adamw", lr=1e-3)
+    step = ddp.compile(lambda batch: F.mse_loss(ddp(batch[0]), batch[1]))
+
 The packages, lowest first (each imports only those below it; tests/test_architecture.py
 checks):
     backend/      the device, chosen once: NumPy reference or our CUDA kernels, and the runtime
@@ -24,4 +28,27 @@ from dptrain.engine.rng import manual_seed
 
 __version__ = "0.1.0"
 __all__ = ["Tensor", "tensor", "no_grad", "is_grad_enabled", "concatenate", "manual_seed",
-           "functional"]
+           "functional", "DataParallel", "ArrayDataset", "launch"]
+
+# The packages a script uses, loaded on first use (``import dptrain`` stays light).
+_SUBPACKAGES = ("backend", "nn", "dist", "optim", "data", "checkpoints", "run")
+
+
+def __getattr__(name):
+    if name == "DataParallel":
+        from dptrain.run.parallel import DataParallel
+
+        return DataParallel
+    if name == "launch":
+        from dptrain.run.script import launch
+
+        return launch
+    if name == "ArrayDataset":
+        from dptrain.data.arrays import ArrayDataset
+
+        return ArrayDataset
+    if name in _SUBPACKAGES:
+        import importlib
+
+        return importlib.import_module(f"dptrain.{name}")
+    raise AttributeError(f"module 'dptrain' has no attribute {name!r}")

@@ -21,7 +21,7 @@ def parser() -> argparse.ArgumentParser:
     from dptrain.cli.argtypes import non_negative_int as non_negative_int_arg
     from dptrain.cli.argtypes import positive_int as positive_int_arg
     from dptrain.data import DATASETS
-    from dptrain.nn import MODELS
+    from dptrain.cli.train import model_name
     from dptrain.run.config import DEVICE_DEFAULTS
 
     cpu, gpu = DEVICE_DEFAULTS["cpu"], DEVICE_DEFAULTS["cuda"]
@@ -36,7 +36,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--images", type=positive_int_arg, default=None,
                    help=f"images of the split (default {cpu['val_images']} on CPU, "
                    f"{gpu['val_images']} on GPU; for a dataset of fixed size, all of it)")
-    p.add_argument("--model", default=None, choices=sorted(MODELS),
+    p.add_argument("--model", default=None, type=model_name, metavar="MODEL",
                    help="network (default: the one recorded in the weights file, else cnn)")
     p.add_argument("--seed", type=non_negative_int_arg, default=0,
                    help="dataset seed (as given to train)")

@@ -10,8 +10,20 @@ from dataclasses import MISSING
 from dptrain.cli.argtypes import (HelpFormatter, Parser, non_negative_float, non_negative_int,
                                   positive_float, positive_int, widths)
 
+def model_name(text):
+    """An argparse type: a model of dptrain.nn.MODELS, or FILE.py:FUNCTION /
+    package.module:FUNCTION (loaded when the run builds it)."""
+    from dptrain.nn import MODELS
+
+    if text in MODELS or ":" in text:
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} is not a model: choose {', '.join(MODELS)} "
+                                     f"or FILE.py:FUNCTION / package.module:FUNCTION")
+
+
 # (the field's Python type, its bound) -> the argparse type that checks it
 ARG_TYPES = {
+    (str, "model"): model_name,
     (int, "positive"): positive_int, (int, "non_negative"): non_negative_int,
     (float, "positive"): positive_float, (float, "non_negative"): non_negative_float,
     (tuple, "widths"): widths, (int, None): int, (float, None): float, (str, None): None,

@@ -15,6 +15,8 @@ The package's shape, from disk to the device:
   content, written atomically, loaded as memory maps shared by the ranks of a host.
 * **Generation** (``parallel.py``): a dataset whose rows can be made independently renders
   them over forked worker processes into shared memory.
+* **Arrays** (``arrays.py``): ``ArrayDataset``, the user's own arrays (any shape and dtype,
+  memory maps too) with the same stride sharding; image arrays also feed the loader.
 * **Sampler** (``sampler.py``): every rank draws the same per-epoch permutation and takes
   every N-th position, so N ranks at batch B equal one process at batch N*B.
 * **Loader** (``loader.py``): ``DeviceLoader`` puts a dataset on the device (resident, or
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 from dptrain.errors import UsageError
 
+from .arrays import ArrayDataset
 from .formats import cifar10, fer2013, imagefolder, mnist
 from .formats.common import factory as _file_factory
 from .formats.packed import packed_dataset
@@ -76,5 +79,5 @@ def get_dataset(name: str, split: str, n_images: int | None, seed: int = 0,
     return factory(split, n_images, seed=seed, cache_dir=cache_dir, **options)
 
 
-__all__ = ["DATASETS", "get_dataset", "fixed_size", "DeviceLoader", "StrideSampler", "SyntheticDataset",
+__all__ = ["ArrayDataset", "DATASETS", "get_dataset", "fixed_size", "DeviceLoader", "StrideSampler", "SyntheticDataset",
            "SyntheticSpec"]

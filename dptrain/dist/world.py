@@ -153,6 +153,7 @@ class World:
         self.comm = comm if comm is not None else LocalComm()
         self.mpi_comm = mpi_comm
         self.host_comm = host_comm
+        self.be = getattr(self.comm, "be", None)  # the backend init built it for
 
     @property
     def is_root(self) -> bool:
@@ -186,8 +187,35 @@ def host_communicator(world, key=None):
 _job_comm = None  # the world communicator init built on: guarded aborts it
 
 
-def init(be) -> World:
-    """Build the world for backend `be`, selecting this rank's device first."""
+def init(be=None, device: str = "auto") -> World:
+    """The world of this process: under mpirun or srun its rank among the job's, else a
+    world of one. Selects this rank's device before anything is allocated on it.
+
+    ``be``: the backend module (dptrain.backend.get); without it, the backend of ``device``
+    ("auto": the GPU where CuPy sees one, else the CPU). The world is built once per
+    process: a later ``init()`` returns it (``current()`` too); ``world.be`` is its backend.
+    """
+    global _current
+    if be is None:
+        from dptrain import backend
+
+        if _current is not None and device == "auto":
+            return _current
+        be = backend.get(backend.resolve_device(device))
+    _current = _init(be)
+    _current.be = be
+    return _current
+
+
+def current():
+    """The world the last ``init`` built, or None."""
+    return _current
+
+
+_current = None
+
+
+def _init(be) -> World:
     global _job_comm
     if not launched_by_mpi():
         tasks = slurm.from_env()

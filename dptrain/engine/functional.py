@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dptrain.engine import ops
+from dptrain.engine import losses, ops
 from dptrain.engine.autograd import Tensor, as_tensor
 from dptrain.backend.bfloat16 import BFLOAT16
 
@@ -100,8 +100,9 @@ def log_softmax(x: Tensor, axis: int = -1) -> Tensor:
     return _on_last_axis(ops.LogSoftmax, x, axis)
 
 
-def cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
-    """Mean over the batch of -log softmax(logits)[label]; labels are integer class ids."""
+def cross_entropy(logits: Tensor, labels: Tensor, label_smoothing: float = 0.0) -> Tensor:
+    """Mean over the batch of -log softmax(logits)[label]; labels are integer class ids.
+    ``label_smoothing`` s in [0, 1): against (1 - s) one-hot + s / C, as PyTorch's."""
     if logits.ndim != 2:
         raise ValueError(f"cross_entropy expects (N, C) logits, got shape {logits.shape}")
     if not isinstance(labels, Tensor):
@@ -111,7 +112,16 @@ def cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
             f"cross_entropy expects integer labels of shape {logits.shape[:1]}, "
             f"got {labels.dtype} {labels.shape}"
         )
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"cross_entropy: label_smoothing must be in [0, 1), got "
+                         f"{label_smoothing}")
+    if label_smoothing:
+        return losses.smoothed_cross_entropy(logits, labels, float(label_smoothing))
     return ops.CrossEntropy.apply(logits, labels)
+
+
+mse_loss = losses.mse_loss
+binary_cross_entropy_with_logits = losses.binary_cross_entropy_with_logits
 
 
 def dropout(x: Tensor, p: float = 0.5, training: bool = True) -> Tensor:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dptrain.nn.layers import Conv2d, Flatten, Linear, MaxPool2d, ReLU, Sequential
 from dptrain.nn.resnet import resnet18
+from dptrain.nn.user import build_user_model, is_user_model
 from dptrain.nn.vit import vit
 
 
@@ -40,7 +41,10 @@ MODELS = {"cnn": cnn, "mlp": mlp, "resnet18": resnet18, "vit": vit}
 
 def build_model(name: str, image_shape, num_classes: int, hidden=None):
     """Model `name` for images of `image_shape`; `hidden` (widths of the hidden layers, the
-    --hidden flag) applies to the mlp only."""
+    --hidden flag) applies to the mlp only. A `name` with a colon, ``FILE.py:FUNCTION`` or
+    ``package.module:FUNCTION``, is a user's function returning a Module (dptrain.nn.user)."""
+    if is_user_model(name):
+        return build_user_model(name, image_shape, num_classes, hidden)
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
     options = {}

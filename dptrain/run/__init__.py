@@ -2,7 +2,11 @@
 
     config.py      TrainConfig: every option of `train`, declared once (type, default, help)
     train.py       train(): set-up, epochs, logging, evaluation, the files a run leaves
-    step.py        TrainStep: one capture-friendly step (gather, forward, backward, update)
+    step.py        Step: the capture-friendly step machinery (gather, forward, backward with
+                   the exchange, guard, shard update, metric sums); TrainStep: train's loss
+    parallel.py    DataParallel: a user's model on that machinery (the library API)
+    compiled.py    a user's step function compiled: fixed input buffers, capture, metrics
+    script.py      launch(main): a user's script ending bad input in one line
     evaluate.py    validation on the device, metrics gathered over the ranks
     amp.py         mixed precision: the precision policy and fp16 loss scaling
     nonfinite.py   the on-device guard against NaN / infinite losses and gradients

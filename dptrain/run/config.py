@@ -41,7 +41,11 @@ DATA, OPTIM, DEVICE, OUTPUT, FAILURES, TESTING = (
 @dataclass
 class TrainConfig:
     # model and data
-    model: str = option("cnn", "network to train", DATA, choices=tuple(sorted(MODELS)))
+    model: str = option(
+        "cnn", f"network to train: {', '.join(sorted(MODELS))}, or FILE.py:FUNCTION / "
+        "package.module:FUNCTION, a function of yours returning a dptrain.nn.Module (given "
+        "image_shape, num_classes where it takes them)", DATA, bound="model",
+        metavar="MODEL")
     hidden: tuple | None = option(
         None, "--model mlp: widths of the hidden layers (any number; default 512,256)", DATA,
         bound="widths", metavar="W1,W2,...")

@@ -1,9 +1,12 @@
-"""``TrainStep``: everything one step runs on the device.
+"""The captured step: everything one optimisation step runs on the device.
 
-All-gather the parameters, take the batch from the device loader, forward, backward with the
-gradient exchange, optimizer update (in mixed precision ending with the cast of the updated
-shard to 16 bits), metric sums. It reads no device value on the host, so the backend's
-runtime can capture it once and replay it.
+``Step`` is the machinery every training step shares, whoever wrote its loss: all-gather
+the parameters, zero the gradients, call the loss function (forward), backward with the
+gradient exchange, the non-finite guard, the optimizer update of this rank's shard (in
+mixed precision ending with the cast of that shard to 16 bits), and the metric sums. It
+reads no device value on the host, so the backend's runtime can capture it once and replay
+it. ``TrainStep`` is `train`'s classification step on top of it; ``dptrain.run.parallel``
+(the public ``DataParallel``) puts a user's step function on top of it.
 """
 from __future__ import annotations
 
@@ -11,47 +14,101 @@ import numpy as np
 
 import dptrain.engine.functional as F
 from dptrain.engine.autograd import Tensor
+from dptrain.errors import UsageError
 
 # capture() runs this many eager steps before it records the graph; the throughput meter
 # leaves out those and the capturing step (CAPTURE_WARMUP + 1 steps): see warmup_steps_excluded.
 CAPTURE_WARMUP = 2
+REDUCTIONS = ("mean", "sum")  # how a metric combines over the ranks
 
 
-class TrainStep:
-    """One optimisation step on the loader's current batch, metrics summed on the device."""
+class Step:
+    """One optimisation step around ``loss_fn() -> (loss, {name: value})``.
 
-    def __init__(self, model, optimizer, reducer, loader, guard=None, dtype=np.float32):
-        self.model, self.opt, self.reducer, self.loader = model, optimizer, reducer, loader
-        self.guard = guard  # the non-finite check: decides on the device if the update applies
-        self.dtype = np.dtype(dtype)  # of the activations (float16: mixed precision, dptrain.run.amp)
+    ``loss`` is a scalar Tensor that requires grad; the values (Tensors or device arrays of
+    a fixed shape) are summed on the device, step after step, until ``read_sums``.
+    ``reduce`` maps a metric name to how ``read_sums`` combines it over the ranks, "mean"
+    (default) or "sum"; the loss is averaged.
+    """
+
+    def __init__(self, optimizer, reducer, loss_fn, guard=None, reduce=None):
+        self.opt, self.reducer, self.loss_fn, self.guard = optimizer, reducer, loss_fn, guard
         self.scaler = guard.scaler if guard is not None else None
         self.be = optimizer.be
-        self.loss_sum = self.be.zeros((), optimizer.flat.dtype)
-        self.correct_sum = self.be.zeros((), np.float32)
+        self.reduce = dict(reduce or {})
+        for name, how in self.reduce.items():
+            if how not in REDUCTIONS:
+                raise ValueError(f"metric {name!r}: reduce over ranks by one of "
+                                 f"{REDUCTIONS}, got {how!r}")
+        self.sums = None  # name -> device array, made by the first (eager) call
 
     def __call__(self):
-        be = self.be
         self.reducer.gather_parameters()  # last step's updated shards; overlaps the forward
-        x, y = self.loader.batch()
         self.opt.zero_grad()
-        logits = F.cast(self.model(F.cast(Tensor(x), self.dtype)), np.float32)
-        loss = F.cross_entropy(logits, Tensor(y))
+        loss, metrics = self.loss_fn()
+        _check_loss(loss)
         # buckets start their reduce-scatter as their gradients complete
         loss.backward(self.scaler.seed() if self.scaler is not None else None)
         self.reducer.finish_backward()
         if self.guard is not None:
             self.guard(loss.data)
         self.opt.update()  # this rank's shard only; gathered at the start of the next step
-        be.add_(self.loss_sum, loss.data)
-        be.add_(self.correct_sum, be.count_correct(logits.data, y))
+        self._accumulate({"loss": loss, **metrics})
+
+    def _accumulate(self, values):
+        be = self.be
+        arrays = {k: v.data if isinstance(v, Tensor) else v for k, v in values.items()}
+        if self.sums is None:  # eager, before any capture: fixed buffers from here on
+            self.sums = {k: be.zeros(tuple(a.shape), np.float32) for k, a in arrays.items()}
+        if set(arrays) != set(self.sums):
+            raise UsageError(f"the step returned metrics {sorted(arrays)}, earlier steps "
+                             f"{sorted(self.sums)}: return the same names every step")
+        for name, value in arrays.items():
+            if tuple(value.shape) != self.sums[name].shape:
+                raise UsageError(f"metric {name!r} has shape {tuple(value.shape)}, earlier "
+                                 f"steps {self.sums[name].shape}")
+            be.add_(self.sums[name], value)
+
+    def read_sums(self, comm) -> dict:
+        """{name: sum since the last read, combined over the ranks} as host floats (arrays
+        for metrics that are not scalars), then zeroed. Every rank calls this at the same
+        step (collectives); it synchronises."""
+        out = {}
+        for name, buf in (self.sums or {}).items():
+            comm.all_reduce(buf.reshape(-1), self.reduce.get(name, "mean"))
+            host = self.be.to_numpy(buf)
+            out[name] = float(host) if host.ndim == 0 else host.copy()
+            self.be.fill_(buf, 0.0)
+        return out
+
+
+def _check_loss(loss):
+    if not isinstance(loss, Tensor):
+        raise UsageError(f"the step function must return the loss as a Tensor (or (loss, "
+                         f"metrics)), got {type(loss).__name__}")
+    if loss.size != 1 or not loss.requires_grad:
+        why = "does not require grad" if loss.size == 1 else f"has shape {loss.shape}"
+        raise UsageError(f"the step function's loss must be a scalar Tensor computed from the "
+                         f"model's parameters; it {why}")
+
+
+class TrainStep(Step):
+    """`train`'s step: cross-entropy on the loader's current batch, correct predictions summed
+    as a metric."""
+
+    def __init__(self, model, optimizer, reducer, loader, guard=None, dtype=np.float32):
+        super().__init__(optimizer, reducer, self._classify, guard, reduce={"correct": "sum"})
+        self.model, self.loader = model, loader
+        self.dtype = np.dtype(dtype)  # of the activations (16-bit: mixed precision, run.amp)
+
+    def _classify(self):
+        x, y = self.loader.batch()
+        logits = F.cast(self.model(F.cast(Tensor(x), self.dtype)), np.float32)
+        loss = F.cross_entropy(logits, Tensor(y))
+        return loss, {"correct": self.be.count_correct(logits.data, y)}
 
     def read_metrics(self, comm) -> tuple[float, float]:
         """(sum of losses averaged over ranks, correct predictions summed over ranks) since
         the last read. Every rank calls this at the same step (collectives); it synchronises."""
-        comm.all_reduce(self.loss_sum.reshape(1), "mean")
-        comm.all_reduce(self.correct_sum.reshape(1), "sum")
-        loss, correct = float(self.be.to_numpy(self.loss_sum)), float(
-            self.be.to_numpy(self.correct_sum))
-        self.be.fill_(self.loss_sum, 0.0)
-        self.be.fill_(self.correct_sum, 0.0)
-        return loss, correct
+        sums = self.read_sums(comm)
+        return sums.get("loss", 0.0), sums.get("correct", 0.0)

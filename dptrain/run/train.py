@@ -5,6 +5,7 @@ files a run leaves behind; it never asks which device it runs on. Metrics are re
 """
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from dataclasses import asdict
@@ -13,8 +14,6 @@ from dptrain import backend, dist
 from dptrain.checkpoints import Checkpointing
 from dptrain.checkpoints.weights import load_weights, save_weights, weights_metadata
 from dptrain.data import DeviceLoader, StrideSampler, get_dataset
-from dptrain.dist.flat import FlatParameters
-from dptrain.dist.reducer import Reducer
 from dptrain.dist.startup import first_on_host, process_age_s
 from dptrain.dist.stopping import StopRequests, signal_name
 from dptrain.dist.watchdog import Watchdog
@@ -26,14 +25,14 @@ from dptrain.run import amp
 from dptrain.run.config import DEFAULT_BATCH, TrainConfig, defaults_for
 from dptrain.run.debug import step_hooks
 from dptrain.run.evaluate import broadcast_buffers, evaluate
+from dptrain.run.parallel import DataParallel
 from dptrain.run.metrics import MetricsLog, Throughput, fresh_log_dir
-from dptrain.run.nonfinite import NonFiniteGuard
 from dptrain.run.preflight import check_outputs
 from dptrain.run.progress import Progress
 from dptrain.run.step import CAPTURE_WARMUP, TrainStep
 
 
-def build_optimizer(cfg: TrainConfig, flat: FlatParameters, segments):
+def build_optimizer(cfg: TrainConfig, flat, segments):
     cls = OPTIMIZERS[cfg.optimizer]
     if cls.__name__ == "SGD":
         return cls(flat, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
@@ -101,14 +100,13 @@ def train(cfg: TrainConfig, echo=print) -> dict:
     started = time.perf_counter()
     first_on_host(world, be.runtime.prepare)  # every kernel, built once per host, up front
     prepare_s = time.perf_counter() - started
-    # 16-bit precisions: the layers read a 16-bit shadow of the parameters, all-gathered in
-    # place of the fp32 shards (dptrain.dist.flat, dptrain.dist.reducer)
-    flat = FlatParameters(model.parameters(), world.size, int(cfg.bucket_mb * 2**20),
-                          shadow_dtype=amp.shadow_dtype(cfg.precision))
-    opt = build_optimizer(cfg, flat, flat.shard_segments(world.rank))
-    reducer = Reducer(flat, world, model)
-    reducer.broadcast_parameters()  # also casts the whole shadow
-    broadcast_buffers(model, world.comm)
+    # the flat parameters, ZeRO-1 optimizer shards, the bucketed exchange, the 16-bit shadow
+    # (mixed precision), the loss scaler (fp16) and the non-finite guard: the library's own
+    ddp = DataParallel(model, functools.partial(build_optimizer, cfg), world=world,
+                       precision=cfg.precision, sync="broadcast", bucket_mb=cfg.bucket_mb,
+                       skip_nonfinite=cfg.skip_nonfinite, loss_scale=cfg.loss_scale,
+                       loss_scale_interval=cfg.loss_scale_interval)
+    flat, opt, reducer, scaler, guard = ddp.flat, ddp.optimizer, ddp.reducer, ddp.scaler, ddp.guard
 
     sampler = StrideSampler(len(train_set.labels), cfg.batch_size, world.size, world.rank,
                             seed=cfg.seed, drop_last=cfg.drop_last)
@@ -131,16 +129,13 @@ def train(cfg: TrainConfig, echo=print) -> dict:
     val_loader = DeviceLoader(val_set, be, cfg.batch_size)
     # Exact resume: restores parameters, optimizer shards, step, RNG and augmentation states
     # in place.
-    dtype = amp.compute_dtype(cfg.precision)
-    scaler = (amp.LossScaler(be, cfg.loss_scale, cfg.loss_scale_interval)
-              if cfg.precision in amp.LOSS_SCALED else None)
+    dtype = ddp.dtype
     ckpt = Checkpointing(cfg, world, model, opt, reducer, steps_per_epoch, echo=echo,
                          warn=lambda text: print(text, file=sys.stderr, flush=True),
                          loader=loader, scaler=scaler)
     first_step = ckpt.resume()
-    guard = NonFiniteGuard(opt, world.comm, cfg.skip_nonfinite, scaler)
     step_fn = TrainStep(model, opt, reducer, loader, guard, dtype)
-    run_step = be.runtime.capture(step_fn, warmup=CAPTURE_WARMUP) if cfg.cuda_graph else step_fn
+    run_step = ddp.capture(step_fn) if cfg.cuda_graph else step_fn
     hooks = step_hooks(cfg, world, reducer, flat, scaler)
     log = MetricsLog(cfg.log_dir if root else None, append=first_step > 0)
     log.config(asdict(cfg))

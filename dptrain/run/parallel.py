@@ -1,0 +1,204 @@
+"""``DataParallel``: a model of the user's, trained data-parallel with `train`'s machinery.
+
+    world = dptrain.dist.init()                      # mpirun / srun / one process
+    dp.manual_seed(0)                                # the same initial weights on every rank
+    ddp = dptrain.DataParallel(Net(), optimizer="adamw", lr=1e-3)
+    step = ddp.compile(lambda batch: F.mse_loss(ddp(batch[0]), batch[1]))
+    for x, y in data.batches(32, world, epoch):       # this rank's rows of the global batch
+        step((x, y))
+
+What it sets up is what `python -m dptrain train` runs: the parameters in one flat buffer
+(dptrain.dist.flat) cut into buckets, reduce-scatter of each bucket as backward completes
+it, each rank updating only its shard with optimizer state for that shard only (ZeRO-1),
+all-gather at the start of the next step (of the 16-bit shadow in mixed precision), the
+non-finite guard and fp16 loss scaling (dptrain.run.nonfinite, dptrain.run.amp), and the
+step captured once by the backend's runtime and replayed (dptrain.run.compiled).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+import dptrain.engine.functional as F
+from dptrain import dist
+from dptrain.backend.bfloat16 import BFLOAT16
+from dptrain.dist.flat import FlatParameters
+from dptrain.dist.reducer import Reducer
+from dptrain.engine.autograd import Tensor
+from dptrain.errors import UsageError
+from dptrain.optim import OPTIMIZERS
+from dptrain.run import amp
+from dptrain.run.evaluate import broadcast_buffers
+from dptrain.run.nonfinite import NonFiniteGuard
+
+SYNC_MODES = ("check", "broadcast")
+
+
+def make_optimizer(spec, flat, segments, **options):
+    """The optimizer over `segments` of `flat`: `spec` is a name of dptrain.optim.OPTIMIZERS
+    ("sgd", "adamw") with `options` (lr, momentum, weight_decay, ...), or a callable
+    ``spec(flat, segments=...)`` such as ``functools.partial(AdamW, lr=1e-3)``."""
+    if callable(spec):
+        return spec(flat, segments=segments, **options)
+    if spec not in OPTIMIZERS:
+        raise UsageError(f"optimizer {spec!r}: choose one of {', '.join(OPTIMIZERS)} or pass "
+                         f"a callable (e.g. functools.partial(dptrain.optim.AdamW, lr=1e-3))")
+    return OPTIMIZERS[spec](flat, segments=segments, **options)
+
+
+class DataParallel:
+    """Wraps `model` for data-parallel training over `world` (default: ``dist.init()``).
+
+    Arguments:
+      optimizer   "adamw", "sgd" (with ``**options``: lr, weight_decay, momentum, ...) or a
+                  callable ``(flat, segments=...) -> Optimizer``
+      precision   "auto" (bf16 where the device and every layer have it, else TF32 where
+                  the GPU has it, else fp32), "fp32", "tf32", "bf16" or "fp16" (loss scaled)
+      sync        "check" (default): stop with one line naming the parameters that differ
+                  between ranks at the start (seed every rank alike, dptrain.manual_seed);
+                  "broadcast": copy rank 0's parameters to every rank
+      bucket_mb   size of the gradient-exchange buckets
+      skip_nonfinite  steps with a NaN/inf loss or gradient that may be skipped (0: the
+                  first one stops the run at the next ``step.metrics()``)
+      loss_scale, loss_scale_interval  fp16's dynamic loss scale
+
+    Only parameters with ``requires_grad`` are trained and exchanged (set it False to
+    freeze a part of the model). Call the wrapper, ``ddp(x)``, in the step function: it
+    feeds the model `precision`'s activations and returns float32 outputs. Between steps
+    only this rank's shard of the fp32 parameters is current: ``sync_parameters()`` (which
+    ``state_dict()`` calls) gathers them all before evaluating or saving.
+    """
+
+    def __init__(self, model, optimizer="adamw", *, world=None, precision="auto",
+                 sync="check", bucket_mb=4.0, skip_nonfinite=0, loss_scale=amp.INIT_SCALE,
+                 loss_scale_interval=amp.INTERVAL, **options):
+        if sync not in SYNC_MODES:
+            raise UsageError(f"sync={sync!r}: choose one of {', '.join(SYNC_MODES)}")
+        world = world or dist.current() or dist.init()
+        be = world.be
+        if be is None:
+            raise UsageError("DataParallel: the world has no backend; build it with "
+                             "dptrain.dist.init()")
+        self.world, self.be, self.model = world, be, model.to(be.runtime.name)
+        self.precision = self._resolve_precision(precision)
+        self.dtype = amp.compute_dtype(self.precision)
+        trained = [p for p in model.parameters() if p.requires_grad]
+        if not trained:
+            raise UsageError("DataParallel: the model has no parameter that requires grad")
+        if sync == "check":
+            _check_replicas(model, world, be)
+        self.flat = FlatParameters(trained, world.size, int(bucket_mb * 2**20),
+                                   shadow_dtype=amp.shadow_dtype(self.precision))
+        self.optimizer = make_optimizer(optimizer, self.flat,
+                                        self.flat.shard_segments(world.rank), **options)
+        self.reducer = Reducer(self.flat, world, model)
+        self.reducer.broadcast_parameters()  # equal already when checked; casts the shadow
+        for p in model.parameters():
+            if not p.requires_grad:  # frozen: not in the flat buffer, so sent on its own
+                world.comm.broadcast(p.data.reshape(-1), 0)
+        broadcast_buffers(model, world.comm)
+        self.scaler = (amp.LossScaler(be, loss_scale, loss_scale_interval)
+                       if self.precision in amp.LOSS_SCALED else None)
+        self.guard = NonFiniteGuard(self.optimizer, world.comm, skip_nonfinite, self.scaler)
+
+    def _resolve_precision(self, precision):
+        runtime = self.be.runtime
+        try:
+            runtime.set_precision("auto" if precision in amp.COMPUTE_DTYPES else precision)
+            precision = amp.resolve(precision, runtime, self.model)
+            amp.check_runtime(precision, runtime)
+            amp.check_model(self.model, precision)
+        except ValueError as exc:
+            raise UsageError(str(exc).replace("--precision", "precision")) from None
+        return precision
+
+    # -- the forward, in the step's precision
+    def __call__(self, *inputs):
+        """model(*inputs) with float inputs cast to the compute dtype and float outputs
+        back to float32 (mixed precision: 16-bit activations, fp32 loss)."""
+        cast_in = [F.cast(x, self.dtype) if isinstance(x, Tensor) and x.dtype.kind == "f"
+                   and self.dtype != np.float32 else x for x in inputs]
+        return _to_float32(self.model(*cast_in))
+
+    def compile(self, fn, *, capture=True, reduce=None):
+        """The step that trains on one batch: ``step(batch)`` copies `batch` (an array, or
+        a tuple, list or dict of arrays; host or device; float64 becomes float32) into fixed
+        device buffers and runs ``fn(batch)`` on them as Tensors, then backward, the
+        gradient exchange and the optimizer update.
+
+        ``fn(batch)`` returns the loss (a scalar Tensor) or ``(loss, {name: value})`` with
+        metrics the step sums on the device (scalars or fixed-shape Tensors); ``reduce``
+        maps a metric to "mean" (default) or "sum" over the ranks; ``step.metrics()`` reads
+        them. With ``capture`` (default) the step runs eagerly twice, is recorded once and
+        then replayed (on the GPU, as a CUDA graph): `fn` must not read device values on the
+        host, and every batch must have the first batch's shapes and dtypes (another shape
+        is refused, naming both). ``capture=False`` runs `fn` eagerly every step (debugging).
+        """
+        from dptrain.run.compiled import CompiledStep
+
+        return CompiledStep(self, fn, capture=capture, reduce=reduce)
+
+    def capture(self, step):
+        """`step` (a no-argument step) captured by the backend's runtime and replayed."""
+        from dptrain.run.step import CAPTURE_WARMUP
+
+        return self.be.runtime.capture(step, warmup=CAPTURE_WARMUP)
+
+    # -- between steps
+    @property
+    def lr(self) -> float:
+        return self.optimizer.lr
+
+    @lr.setter
+    def lr(self, value: float):
+        """Takes effect at the next step (written to the device before it, outside a graph)."""
+        self.optimizer.lr = float(value)
+
+    def sync_parameters(self):
+        """Every rank's latest shard gathered (a collective: every rank calls it), rank 0's
+        buffers broadcast: the whole model current, for evaluation or saving."""
+        self.reducer.sync_parameters()
+        broadcast_buffers(self.model, self.world.comm)
+
+    def state_dict(self):
+        """The model's weights (name -> NumPy array) after ``sync_parameters`` (collective)."""
+        self.sync_parameters()
+        return self.model.state_dict()
+
+    def train(self, mode: bool = True):
+        self.model.train(mode)
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+
+def _to_float32(out):
+    if isinstance(out, Tensor):
+        return F.cast(out, np.float32) if out.dtype.kind == "f" or out.dtype == BFLOAT16 else out
+    if isinstance(out, (tuple, list)):
+        return type(out)(_to_float32(o) for o in out)
+    return out
+
+
+def _check_replicas(model, world, be):
+    """UsageError on every rank naming the parameters whose values differ from rank 0's."""
+    if world.size == 1:
+        return
+    named = list(model.named_parameters())
+    differs = np.zeros(len(named), np.float32)
+    for i, (_, p) in enumerate(named):
+        ref = be.copy(p.data).reshape(-1)
+        world.comm.broadcast(ref, 0)
+        differs[i] = not np.array_equal(be.to_numpy(ref), be.to_numpy(p.data).reshape(-1))
+    flags = be.asarray(differs)
+    world.comm.all_reduce(flags, "sum")
+    bad = [name for (name, _), f in zip(named, be.to_numpy(flags)) if f > 0]
+    if bad:
+        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+        raise UsageError(f"parameters differ between ranks at the start: "
+                         f"{', '.join(bad[:3])}{more} (seed every rank alike with "
+                         f"dptrain.manual_seed before building the model, or pass "
+                         f"sync='broadcast' to copy rank 0's)")
+
+
+__all__ = ["DataParallel", "make_optimizer"]
