@@ -6,6 +6,7 @@ Rows, for every model of ``dptrain.nn.MODELS`` that builds for the image shape (
 (``be.runtime.PRECISIONS``, plus bf16 and fp16 mixed precision on a GPU; or ``--precisions``):
   dptrain  graph     our TrainStep captured once and replayed (devices that record graphs)
   dptrain  eager     the same step run op by op
+  dptrain  api       the same step written with dptrain.DataParallel and ddp.compile (GPU)
   pytorch  eager / graph / compile            in fp32 and tf32 (TF32 on or off)
   pytorch  graph-autocast-cl                  bf16 and fp16 autocast + channels_last, in a
                                               graph (always measured on a GPU: the mode to beat)
@@ -124,6 +125,29 @@ def our_step(be, model_name, state, data, optimizer, graph, precision="fp32"):
         run()
 
     return step, be.runtime.synchronize
+
+
+def api_step(be, model_name, state, data, optimizer, precision="fp32"):
+    """(step, sync) of the same training step written as a user of the library writes it
+    (dptrain.DataParallel and a compiled step function), on this batch already on the device
+    (normalised images, labels): the row that shows what the public API costs."""
+    import dptrain as dp
+    from dptrain import dist
+    from dptrain.data import DeviceLoader
+    from dptrain.engine import functional as F
+    from dptrain.nn import build_model
+
+    model = build_model(model_name, data.image_shape, NUM_CLASSES)
+    model.load_state_dict(state)
+    model.to(be.name)
+    options = dict(lr=0.01, momentum=0.9) if optimizer == "sgd" else dict(lr=1e-3,
+                                                                          weight_decay=0.01)
+    ddp = dp.DataParallel(model, optimizer, world=dist.init(be), precision=precision,
+                          **options)
+    loader = DeviceLoader(data, be, len(data.labels))
+    batch = loader.gather(np.arange(len(data.labels), dtype=np.int64))
+    step = ddp.compile(lambda b: F.cross_entropy(ddp(b[0]), b[1]))
+    return (lambda: step(batch)), be.runtime.synchronize
 
 
 def profile_ours(be, model_name, state, data, optimizer, precision, steps=3) -> list[dict]:
@@ -334,6 +358,11 @@ def main(argv=None, echo=print) -> int:
                         step, sync = our_step(be, model_name, state, data, args.optimizer,
                                               graph=mode == "graph", precision=precision)
                         row(precision, "dptrain", mode, time_step(step, sync, *timing))
+                        del step
+                    if graphs:  # the same step through the public API, captured
+                        step, sync = api_step(be, model_name, state, data, args.optimizer,
+                                              precision)
+                        row(precision, "dptrain", "api", time_step(step, sync, *timing))
                         del step
                     if args.profile:
                         ops = profile_ours(be, model_name, state, data, args.optimizer,

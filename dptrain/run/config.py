@@ -124,9 +124,10 @@ class TrainConfig:
     precision: str = option(
         "auto", "tf32/fp32: fp32 activations, matrix products on TF32 tensor cores or in full "
         "fp32; bf16/fp16: mixed precision, 16-bit activations with fp32 weights, optimizer and "
-        "gradient exchange (cnn and mlp models; bf16 on a GPU only; fp16 with dynamic loss "
-        "scaling). auto: bf16 on a GPU with bf16 tensor cores for the models that have it "
-        "(the fastest precision at fp32's accuracy), else TF32 where the GPU has it, else fp32",
+        "gradient exchange (bf16 on a GPU only; fp16 with dynamic loss scaling; layers "
+        "without 16-bit kernels compute in fp32 between casts). auto: bf16 on a GPU with bf16 "
+        "tensor cores for the models where it is the fastest at fp32's accuracy (cnn, mlp, "
+        "resnet18), else TF32 where the GPU has it, else fp32",
         DEVICE, choices=PRECISIONS)
     loss_scale: float = option(
         amp.INIT_SCALE, "fp16: the initial loss scale; halved on every step whose gradients "

@@ -109,3 +109,29 @@ def test_metrics_and_their_errors():
         lambda b: dp.tensor(1.0))
     with pytest.raises(UsageError, match="does not require grad"):
         bad(np.ones((2, 3), np.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["tf32", "bf16"])
+def test_captured_and_eager_steps_agree_bitwise_on_a_gpu(precision):
+    """The user's step replayed from a CUDA graph trains to the same bits as run op by op."""
+    from dptrain import backend, dist
+
+    be = backend.get("cuda")
+
+    def train(capture):
+        dp.manual_seed(5)
+        model = nn.cnn((1, 16, 16), num_classes=3, widths=(16, 32, 32), hidden=32)
+        ddp = dp.DataParallel(model, "adamw", world=dist.init(be), precision=precision,
+                              lr=1e-3)
+        step = ddp.compile(lambda b: F.cross_entropy(ddp(b[0]), b[1]), capture=capture)
+        rng = np.random.default_rng(0)
+        for _ in range(6):
+            step((rng.standard_normal((8, 1, 16, 16)).astype(np.float32),
+                  rng.integers(0, 3, 8)))
+        return ddp.state_dict(), step.metrics()["loss"]
+
+    (wa, la), (wb, lb) = train(True), train(False)
+    assert la == lb
+    for name in wa:
+        assert np.array_equal(wa[name], wb[name]), name
