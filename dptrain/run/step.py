@@ -45,6 +45,16 @@ class TrainStep:
         be.add_(self.loss_sum, loss.data)
         be.add_(self.correct_sum, be.count_correct(logits.data, y))
 
+    # -- the logging window, for checkpoints: a resumed run logs the uninterrupted run's values
+    def window_state(self) -> list[float]:
+        """This rank's metric sums since the last read (host floats; synchronises)."""
+        return [float(self.be.to_numpy(self.loss_sum)), float(self.be.to_numpy(self.correct_sum))]
+
+    def set_window_state(self, values) -> None:
+        loss, correct = (float(v) for v in values)
+        self.be.runtime.upload_(self.loss_sum, np.array(loss, self.loss_sum.dtype))
+        self.be.runtime.upload_(self.correct_sum, np.array(correct, np.float32))
+
     def read_metrics(self, comm) -> tuple[float, float]:
         """(sum of losses averaged over ranks, correct predictions summed over ranks) since
         the last read. Every rank calls this at the same step (collectives); it synchronises."""
