@@ -54,7 +54,12 @@ def _run(command, argv) -> int:
         print(f"dptrain {command}: error: {exc}", file=sys.stderr)
         return 2
     except RunStopped as exc:
-        print(f"dptrain {command}: {exc}", file=sys.stderr)
+        from dptrain.dist.world import job_rank
+
+        if not exc.agreed or job_rank() == 0:  # an agreed stop: every rank has it, one says it
+            print(f"dptrain {command}: {exc}", file=sys.stderr)
+        if exc.agreed:
+            raise  # guarded ends every rank with its code, without an abort
         return exc.exit_code
     except KeyboardInterrupt:
         print("dptrain: interrupted", file=sys.stderr)
