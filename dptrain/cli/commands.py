@@ -17,7 +17,7 @@ COMMANDS = {
     "train": ("dptrain.cli.train", "train a model (the default when no command is given)"),
     "eval": ("dptrain.cli.eval", "accuracy, per-class accuracy and confusion matrix of weights"),
     "plot": ("dptrain.cli.plot", "loss and accuracy curves of one or several runs, as a PNG"),
-    "bench": ("dptrain.bench", "benchmarks: `bench ops`, `bench train`, `bench comm`"),
+    "bench": ("dptrain.bench", "benchmarks: `bench ops`, `bench train`, `bench comm`, `bench startup`"),
     "data": ("dptrain.cli.data", "datasets: `data pack SRC OUT`, `data info`, `data synth`"),
 }
 

@@ -43,11 +43,14 @@ def detect_format(src: str) -> str:
 
 
 class _Bar:
-    """A progress bar of images: tqdm when installed, else a line now and then."""
+    """A progress bar of images: tqdm when installed and stderr is a terminal, else a line
+    now and then (a log file gets no carriage-return frames)."""
 
     def __init__(self, total: int, desc: str):
         self.total, self.desc, self.last, self.start = total, desc, 0.0, time.monotonic()
         try:
+            if not sys.stderr.isatty():
+                raise ImportError
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, desc=desc, unit="img", unit_scale=True,

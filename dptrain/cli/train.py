@@ -76,5 +76,10 @@ def main(argv) -> int:
         from dptrain.run.torch_twin import require_torch
 
         require_torch()
-    train(TrainConfig(**args), echo=lambda text: print(text, flush=True))
+    # a diverging run overflows on the way to its non-finite step, which the run reports in
+    # one line: NumPy's warnings about it would only bury that line
+    import numpy as np
+
+    with np.errstate(all="ignore"):
+        train(TrainConfig(**args), echo=lambda text: print(text, flush=True))
     return 0

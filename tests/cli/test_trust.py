@@ -114,3 +114,18 @@ def test_data_pack_keeps_a_packed_set_and_names_a_missing_parent(tmp_path, mnist
     orphan = tmp_path / "no" / "such" / "out"
     _assert_usage_error(run_cli("data", "pack", str(mnist), str(orphan)),
                         "parent directory", "missing")
+
+
+def test_output_is_one_line_per_event_when_redirected(tmp_path, cache):
+    """No carriage-return progress frames in a log file; a divergence is its one line, with
+    no NumPy warnings before it; errors share the prefix `dptrain COMMAND: error:`."""
+    out = run_cli(*[a for a in TINY if a != "--no-progress"], cache=cache)
+    assert out.returncode == 0 and "\r" not in out.stderr, out.stderr
+    blown = run_cli(*SMALL, "--optimizer", "sgd", "--lr", "1e6", "--warmup-steps", "0",
+                    "--log-every", "1", cache=cache)
+    assert blown.returncode == 3, blown.stderr
+    lines = [line for line in blown.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "non-finite" in lines[0], blown.stderr
+    assert run_cli("train", "--epochs", "x").stderr.startswith("dptrain train: error:")
+    assert run_cli("data", "info").stderr.startswith("dptrain data info: error:")
+    assert "bench startup" in run_cli("--help").stdout
