@@ -3,11 +3,16 @@
 #   make test    create .venv with the test tools, run the tests
 # The venv sees the system's packages and installs only what does not import already, so a
 # cluster node without internet, where numpy, CuPy and mpi4py are installed, needs nothing.
-# dptrain itself runs from this source tree (a .pth file in the venv points here): no build
-# step, nothing to download.
+# Inside an active virtualenv or conda environment (or where python3 is itself a venv), that
+# environment is used as it is: a venv nested in it would see the base interpreter's packages,
+# not its own. dptrain itself runs from this source tree: no build step, nothing to download.
 PYTHON ?= python3
 VENV ?= .venv
-PY := $(VENV)/bin/python
+# The interpreter of an active environment, else empty.
+ACTIVE := $(shell $(PYTHON) -c 'import os, sys; \
+	active = os.environ.get("VIRTUAL_ENV") or os.environ.get("CONDA_PREFIX") or sys.prefix != sys.base_prefix; \
+	print(sys.executable if active and os.path.abspath(sys.prefix) != os.path.abspath("$(VENV)") else "")')
+PY := $(if $(ACTIVE),$(ACTIVE),$(VENV)/bin/python)
 
 # import name=requirement: each is installed only where the import name is not found.
 CORE := numpy=numpy>=1.24 PIL=pillow>=9 tqdm=tqdm>=4.60
@@ -35,11 +40,18 @@ endef
 
 venv: $(VENV)/.source
 
+ifneq ($(ACTIVE),)
+$(VENV)/.source:
+	@echo "using the active environment: $(ACTIVE)"
+	mkdir -p $(VENV)
+	touch $@
+else
 $(VENV)/.source:
 	$(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -c 'import pathlib, sysconfig; pathlib.Path(sysconfig.get_paths()["purelib"], \
 		"dptrain-source.pth").write_text(str(pathlib.Path.cwd()) + "\n")'
 	touch $@
+endif
 
 $(VENV)/.train: $(VENV)/.source pyproject.toml Makefile
 	$(call install_missing,$(CORE) $(CUDA))
@@ -50,8 +62,8 @@ $(VENV)/.test: $(VENV)/.train
 	-$(call install_missing,$(TEST_OPTIONAL))
 	touch $@
 
-# The venv's bin first: mpirun from a PyPI Open MPI lives there.
-RUN := PATH="$(abspath $(VENV))/bin:$$PATH"
+# The environment's bin first (mpirun from a PyPI Open MPI lives there); dptrain from here.
+RUN := PATH="$(abspath $(dir $(PY))):$$PATH" PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}"
 
 train: $(VENV)/.train
 	$(RUN) $(PY) -m dptrain train --log-dir runs/latest --overwrite --save runs/latest/weights.npz

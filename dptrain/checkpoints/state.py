@@ -36,6 +36,29 @@ from dptrain.engine.rng import init_rng
 MUST_MATCH = (("--model", "model"), ("--dataset", "dataset"), ("--train-images", "train_images"),
               ("--seed", "seed"), ("--optimizer", "optimizer"))
 MODEL, OPTIM = "model.npz", "optimizer.npz"
+# The settings that decide a run's trajectory: a --checkpoint-dir records them (run.json), and
+# a fresh run with others is refused there (dptrain.run.preflight).
+IDENTITY = ("model", "hidden", "dataset", "data_dir", "channels", "image_size", "val_fraction",
+            "augment", "augment_pad", "train_images", "batch_size", "global_batch_size",
+            "drop_last", "optimizer", "lr", "lr_schedule", "warmup_steps", "momentum",
+            "nesterov", "weight_decay", "seed", "precision", "loss_scale",
+            "loss_scale_interval", "sync_bn", "load")
+
+
+def run_identity(cfg) -> dict:
+    """The settings of `cfg` that make a run another one (JSON-able)."""
+    return {key: to_json(list(v) if isinstance(v := getattr(cfg, key), tuple) else v)
+            for key in IDENTITY}
+
+
+def identity_difference(theirs: dict, mine: dict) -> str:
+    """The first setting in which two identities differ, as flags: "--seed 3; this run --seed
+    99"."""
+    for key in IDENTITY:
+        if theirs.get(key) != mine.get(key):
+            flag = "--" + key.replace("_", "-")
+            return f"{flag} {theirs.get(key)}; this run has {flag} {mine.get(key)}"
+    return "other settings"
 
 
 def to_json(value):
@@ -79,6 +102,9 @@ class Checkpointing:
             if cfg.checkpoint_dir else None
         self.named = list(model.named_parameters())
         self.last_saved = None
+        # the loop's metric sums since its last log (window_state / set_window_state), saved
+        # so that a resumed run logs what the uninterrupted one logged
+        self.window = None
         if self.store is not None and world.is_root:
             self.store.clean()
 
@@ -96,11 +122,14 @@ class Checkpointing:
             return None
         return [int(v) for v in self.loader.get_augment_state()]
 
-    def _rng_states(self):
-        mine = to_json(self.be.runtime.get_rng_state())
+    def _gather(self, mine) -> list:
+        """Every rank's `mine`, in rank order."""
         if self.world.size > 1 and self.world.mpi_comm is not None:
             return self.world.mpi_comm.allgather(mine)
         return [mine]
+
+    def _rng_states(self):
+        return self._gather(to_json(self.be.runtime.get_rng_state()))
 
     def save(self, step: int):
         """Gather everything (a collective) and let rank 0 write checkpoint `step`."""
@@ -110,6 +139,7 @@ class Checkpointing:
         model_state = {k: np.asarray(v) for k, v in self.model.state_dict().items()}
         optim = self.opt.gather_state(self.world.comm, self.named)
         rng = self._rng_states()
+        window = self._gather(self.window.window_state()) if self.window is not None else None
         scale = self.scaler.state_dict() if self.scaler is not None else None
         self.last_saved = step
         if not self.world.is_root:
@@ -124,6 +154,7 @@ class Checkpointing:
                 "steps_per_epoch": self.steps_per_epoch,
                 "optimizer_steps": self.opt.steps,
                 "loss_scale": scale,
+                "window": window,
                 "rng": {"device": rng, "init": to_json(init_rng().bit_generator.state),
                         "augment": self._augment_state()},
             },
@@ -149,6 +180,14 @@ class Checkpointing:
             return (cfg.resume, *load(cfg.resume))
         except CheckpointError as exc:
             raise UsageError(f"--resume {cfg.resume}: {exc}") from None
+
+    def _window_share(self, saved) -> list[float]:
+        """This rank's metric sums: its own at the same world size; at another, the mean
+        loss sum on every rank (read back as a mean) and all correct counts on rank 0."""
+        if len(saved) == self.world.size:
+            return saved[self.world.rank]
+        loss = sum(v[0] for v in saved) / len(saved)
+        return [loss, sum(v[1] for v in saved) if self.world.is_root else 0.0]
 
     def resume(self) -> int:
         """Restore the state of the checkpoint --resume names; returns the step to go on
@@ -209,6 +248,8 @@ class Checkpointing:
         init_rng().bit_generator.state = rng["init"]
         if rng.get("augment") is not None and self.loader is not None and self.loader.augment:
             self.loader.set_augment_state(rng["augment"])
+        if self.window is not None and state.get("window"):
+            self.window.set_window_state(self._window_share(state["window"]))
         self.last_saved = int(state["step"])  # no need to write it again
         step = int(state["step"])
         if world.is_root:

@@ -28,6 +28,7 @@ from dptrain.fileio import atomic_write, fsync_dir, remove_temporaries_under
 
 FORMAT, VERSION = "dptrain-checkpoint", 1
 MANIFEST = "manifest.json"
+OWNER = "run.json"  # which run the directory's checkpoints belong to (state.run_identity)
 _NAME = re.compile(r"^step-(\d{8,})$")
 
 
@@ -53,6 +54,26 @@ class CheckpointStore:
     def __init__(self, directory, keep: int = 3):
         self.dir = Path(directory)
         self.keep = max(1, int(keep))
+
+    # -- whose checkpoints
+    def owner(self) -> dict | None:
+        """The identity of the run the directory belongs to, or None where none is recorded."""
+        try:
+            owner = json.loads((self.dir / OWNER).read_text())
+        except (OSError, ValueError):
+            return None
+        return owner.get("run") if isinstance(owner, dict) else None
+
+    def set_owner(self, identity: dict) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        text = strict_json({"format": FORMAT, "run": identity}, indent=1) + "\n"
+        atomic_write(self.dir / OWNER, lambda f: f.write(text.encode()))
+
+    def drop_all(self) -> None:
+        """Remove every checkpoint (the directory passes to another run)."""
+        for _, path in self.entries():
+            shutil.rmtree(path, ignore_errors=True)
+        fsync_dir(self.dir)
 
     # -- writing
     def clean(self) -> list[Path]:

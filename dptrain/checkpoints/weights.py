@@ -31,8 +31,10 @@ def save_weights(model, path, meta: dict | None = None) -> None:
     atomic_write(Path(path), lambda f: np.savez(f, **arrays))
 
 
-def weights_metadata(model_name: str, dataset, dataset_name: str | None = None) -> dict:
-    """What a weights file records about its model and data: enough to classify raw images."""
+def weights_metadata(model_name: str, dataset, dataset_name: str | None = None,
+                     data: dict | None = None) -> dict:
+    """What a weights file records about its model and data: enough to classify raw images,
+    and (`data`: data_dir, seed, val_fraction, ...) to evaluate it on the same split."""
     def plain(value):
         value = np.asarray(value, dtype=np.float64)
         return float(value) if value.ndim == 0 else value.tolist()
@@ -41,7 +43,8 @@ def weights_metadata(model_name: str, dataset, dataset_name: str | None = None) 
     return {"format": "dptrain-weights", "version": 1, "model": model_name,
             "image_shape": [int(d) for d in dataset.image_shape],
             "num_classes": int(dataset.num_classes), "class_names": names,
-            "mean": plain(dataset.mean), "std": plain(dataset.std), "dataset": dataset_name}
+            "mean": plain(dataset.mean), "std": plain(dataset.std), "dataset": dataset_name,
+            "data": data}
 
 
 def class_names(dataset) -> list[str]:

@@ -11,7 +11,10 @@ class Parser(argparse.ArgumentParser):
     """argparse that reports errors in one line (no usage dump) with exit code 2."""
 
     def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+        # the prefix every command's errors share: "dptrain COMMAND: error:", whatever prog
+        # the usage line shows (python -m dptrain COMMAND)
+        name = self.prog.removeprefix("python -m ")
+        self.exit(2, f"{name}: error: {message} (see --help)\n")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

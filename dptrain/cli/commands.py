@@ -17,7 +17,7 @@ COMMANDS = {
     "train": ("dptrain.cli.train", "train a model (the default when no command is given)"),
     "eval": ("dptrain.cli.eval", "accuracy, per-class accuracy and confusion matrix of weights"),
     "plot": ("dptrain.cli.plot", "loss and accuracy curves of one or several runs, as a PNG"),
-    "bench": ("dptrain.bench", "benchmarks: `bench ops`, `bench train`, `bench comm`"),
+    "bench": ("dptrain.bench", "benchmarks: `bench ops`, `bench train`, `bench comm`, `bench startup`"),
     "data": ("dptrain.cli.data", "datasets: `data pack SRC OUT`, `data info`, `data synth`"),
 }
 
@@ -54,7 +54,12 @@ def _run(command, argv) -> int:
         print(f"dptrain {command}: error: {exc}", file=sys.stderr)
         return 2
     except RunStopped as exc:
-        print(f"dptrain {command}: {exc}", file=sys.stderr)
+        from dptrain.dist.world import job_rank
+
+        if not exc.agreed or job_rank() == 0:  # an agreed stop: every rank has it, one says it
+            print(f"dptrain {command}: {exc}", file=sys.stderr)
+        if exc.agreed:
+            raise  # guarded ends every rank with its code, without an abort
         return exc.exit_code
     except KeyboardInterrupt:
         print("dptrain: interrupted", file=sys.stderr)

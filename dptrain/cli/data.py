@@ -2,7 +2,7 @@
 
     data pack SRC OUT       any dataset (an image folder, the MNIST/CIFAR-10 files, the
                             FER-2013 CSV) to the packed format (dptrain/data/formats/packed.py)
-    data info OUT           what a packed dataset holds (--verify: check every file's SHA-256)
+    data info PACKED        what a packed dataset holds (--verify: check every file's SHA-256)
     data synth --images N OUT   the synthetic shapes, generated over all CPUs, packed
 """
 from __future__ import annotations
@@ -43,11 +43,14 @@ def detect_format(src: str) -> str:
 
 
 class _Bar:
-    """A progress bar of images: tqdm when installed, else a line now and then."""
+    """A progress bar of images: tqdm when installed and stderr is a terminal, else a line
+    now and then (a log file gets no carriage-return frames)."""
 
     def __init__(self, total: int, desc: str):
         self.total, self.desc, self.last, self.start = total, desc, 0.0, time.monotonic()
         try:
+            if not sys.stderr.isatty():
+                raise ImportError
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, desc=desc, unit="img", unit_scale=True,
@@ -69,15 +72,20 @@ class _Bar:
             self.bar.close()
 
 
-def _check_out(out: str) -> None:
+def _check_out(out: str, overwrite: bool = False) -> None:
+    """OUT can take a packed set: new, empty, or (with --overwrite) a packed set to replace."""
     from dptrain.data.formats import packed
 
     if os.path.isfile(out):
         raise UsageError(f"{out}: is a file; OUT must be a directory (new, empty or packed)")
-    if os.path.isdir(out) and os.listdir(out) and not os.path.isfile(
-            os.path.join(out, packed.HEADER)):
-        raise UsageError(f"{out}: exists and is not empty (nor a packed dataset to replace)")
+    if os.path.isdir(out) and os.listdir(out):
+        if not os.path.isfile(os.path.join(out, packed.HEADER)):
+            raise UsageError(f"{out}: exists and is not empty (nor a packed dataset to replace)")
+        if not overwrite:
+            raise UsageError(f"{out}: holds a packed dataset already; --overwrite replaces it")
     parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(out) and not os.path.isdir(parent):
+        raise UsageError(f"{out}: the parent directory {parent} is missing")
     if not os.access(parent if not os.path.isdir(out) else out, os.W_OK):
         raise UsageError(f"{out}: not writable")
 
@@ -98,20 +106,30 @@ def _parser():
     pack.add_argument("--dataset", default=None,
                       choices=("imagefolder", "mnist", "cifar10", "fer2013", "packed"),
                       help="SRC's format (default: detected)")
-    pack.add_argument("--channels", type=int, default=None, choices=(1, 3))
-    pack.add_argument("--image-size", type=_positive_int, default=None, metavar="S")
+    pack.add_argument("--channels", type=int, default=None, choices=(1, 3),
+                      help="1: grayscale, 3: RGB (default: SRC's own)")
+    pack.add_argument("--image-size", type=_positive_int, default=None, metavar="S",
+                      help="resize images to SxS (needed when an image folder mixes sizes)")
     pack.add_argument("--val-fraction", type=_non_negative_float, default=0.1,
                       help="held out as the val split when SRC has no test split")
     pack.add_argument("--seed", type=int, default=0, help="seeds the --val-fraction split")
-    pack.add_argument("--on-bad-image", default="error", choices=("error", "skip"))
-    pack.add_argument("--cache-dir", default=None)
+    pack.add_argument("--on-bad-image", default="error", choices=("error", "skip"),
+                      help="an unreadable image file: stop with its name, or skip it (counted)")
+    pack.add_argument("--cache-dir", default=None,
+                      help="where decoded datasets are cached (default $DPTRAIN_CACHE or "
+                      "~/.cache/dptrain)")
+    pack.add_argument("--overwrite", action="store_true",
+                      help="replace a packed dataset already in OUT")
     info = sub.add_parser("info", help="describe a packed dataset")
-    info.add_argument("path", metavar="OUT")
+    info.add_argument("path", metavar="PACKED", help="a packed dataset's directory (a `data "
+                      "pack` or `data synth` output)")
     info.add_argument("--verify", action="store_true", help="check every file's SHA-256")
     synth = sub.add_parser("synth", help="write the synthetic shapes as a packed dataset",
                            description="Generate the built-in 48x48 shapes over all CPUs "
                            "and write them packed.")
-    synth.add_argument("out", metavar="OUT")
+    synth.add_argument("out", metavar="OUT", help="the packed dataset's directory")
+    synth.add_argument("--overwrite", action="store_true",
+                       help="replace a packed dataset already in OUT")
     synth.add_argument("--images", type=_positive_int, required=True, metavar="N",
                        help="training images")
     synth.add_argument("--val-images", type=int, default=None, metavar="M",
@@ -127,7 +145,7 @@ def pack(args) -> int:
     from dptrain.data.formats import packed
 
     kind = args.dataset or detect_format(args.src)
-    _check_out(args.out)
+    _check_out(args.out, args.overwrite)
     if os.path.abspath(args.src) == os.path.abspath(args.out):
         raise UsageError(f"{args.out}: OUT must differ from SRC")
     options = dict(data_dir=args.src, channels=args.channels, image_size=args.image_size,
@@ -175,7 +193,7 @@ def synth(args) -> int:
     from dptrain.data.parallel import default_workers
     from dptrain.data.synthetic import CLASSES, generate_parallel, split_seed
 
-    _check_out(args.out)
+    _check_out(args.out, args.overwrite)
     if args.seed < 0:
         raise UsageError(f"--seed {args.seed}: must be >= 0")
     n_val = args.val_images if args.val_images is not None else max(1, args.images // 10)

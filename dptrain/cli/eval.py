@@ -1,8 +1,10 @@
 """`python -m dptrain eval --load W.npz --dataset NAME`: accuracy, loss, per-class accuracy and
 the confusion matrix of a weights file on a dataset split; `--out` writes them as JSON.
 
-The model's name and the input normalisation come from the weights file when it carries them
-(files saved by `train --save` do); flags fill in for older files. Any dataset registered in
+The model's name, the input normalisation and how the data was read (its files, channels,
+image size, validation share and seed) come from the weights file when it carries them
+(files saved by `train --save` do); flags override them and fill in for older files. A
+dataset read from files is evaluated whole unless `--images` asks for fewer. Any dataset registered in
 ``dptrain.data.DATASETS`` works; class names come from the dataset when it has them.
 """
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dptrain.errors import UsageError
 
 def parser() -> argparse.ArgumentParser:
     from dptrain.cli.argtypes import HelpFormatter, Parser
+    from dptrain.cli.argtypes import non_negative_float as non_negative_float_arg
     from dptrain.cli.argtypes import non_negative_int as non_negative_int_arg
     from dptrain.cli.argtypes import positive_int as positive_int_arg
     from dptrain.data import DATASETS
@@ -31,15 +34,23 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--load", required=True, metavar="PATH", help="weights (.npz)")
     p.add_argument("--dataset", default=None, choices=sorted(DATASETS),
                    help="dataset (default: the one the weights were trained on, else synthetic)")
-    p.add_argument("--data-dir", default=None, help="the dataset's files, where it needs them")
+    p.add_argument("--data-dir", default=None, metavar="PATH",
+                   help="the dataset's files (default: the ones the weights were trained on)")
     p.add_argument("--split", default="val", choices=("val", "train"), help="which split")
     p.add_argument("--images", type=positive_int_arg, default=None,
-                   help=f"images of the split (default {cpu['val_images']} on CPU, "
-                   f"{gpu['val_images']} on GPU; for a dataset of fixed size, all of it)")
+                   help=f"images of the split (default: all of a dataset read from files; "
+                   f"synthetic: {cpu['val_images']} on CPU, {gpu['val_images']} on GPU)")
+    p.add_argument("--channels", type=int, default=None, choices=(1, 3),
+                   help="1: grayscale, 3: RGB (default: as the weights were trained)")
+    p.add_argument("--image-size", type=positive_int_arg, default=None, metavar="S",
+                   help="resize images to SxS (default: as the weights were trained)")
+    p.add_argument("--val-fraction", type=non_negative_float_arg, default=None,
+                   help="share held out for validation when the dataset has no test split "
+                   "(default: as the weights were trained, else 0.1)")
     p.add_argument("--model", default=None, type=model_name, metavar="MODEL",
                    help="network (default: the one recorded in the weights file, else cnn)")
-    p.add_argument("--seed", type=non_negative_int_arg, default=0,
-                   help="dataset seed (as given to train)")
+    p.add_argument("--seed", type=non_negative_int_arg, default=None,
+                   help="dataset seed (default: the training run's, else 0)")
     p.add_argument("--cache-dir", default=None, help="dataset cache (as for train)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                    help="auto: the GPU when CuPy and a GPU are present, else the CPU")
@@ -74,7 +85,7 @@ def confusion(labels: np.ndarray, predictions: np.ndarray, num_classes: int) -> 
 def evaluate_weights(args) -> dict:
     from dptrain import backend
     from dptrain.checkpoints.weights import class_names, load_weights, read_metadata
-    from dptrain.data import DeviceLoader, get_dataset
+    from dptrain.data import DeviceLoader, fixed_size, get_dataset
     from dptrain.nn import build_model
     from dptrain.run.evaluate import predict
     from dptrain.run.config import DEVICE_DEFAULTS
@@ -82,15 +93,25 @@ def evaluate_weights(args) -> dict:
     meta = read_metadata(args.load) or {}
     dataset_name = args.dataset or meta.get("dataset") or "synthetic"
     model_name = args.model or meta.get("model") or "cnn"
+    # how the training run read its data (weights saved by `train --save`), unless overridden
+    trained = meta.get("data") if meta.get("dataset") == dataset_name else None
+    trained = trained if isinstance(trained, dict) else {}
+    options = {key: getattr(args, key) if getattr(args, key) is not None else trained.get(key)
+               for key in ("data_dir", "channels", "image_size", "val_fraction")}
+    options = {k: v for k, v in options.items() if v is not None}
+    seed = args.seed if args.seed is not None else int(trained.get("seed", 0))
     try:
         device = backend.resolve_device(args.device)
         be = backend.get(device)
-        n = args.images or DEVICE_DEFAULTS[device]["val_images"]
-        options = {"data_dir": args.data_dir} if args.data_dir else {}
-        dataset = get_dataset(dataset_name, args.split, n, args.seed, args.cache_dir, **options)
+        n = args.images
+        if n is None and not fixed_size(dataset_name):
+            n = DEVICE_DEFAULTS[device]["val_images"]
+        dataset = get_dataset(dataset_name, args.split, n, seed, args.cache_dir, **options)
         model = build_model(model_name, dataset.image_shape, dataset.num_classes).to(device)
     except (ValueError, RuntimeError) as exc:
         raise UsageError(str(exc)) from None
+    except UsageError as exc:  # the dataset names train's flag for a size; ours is --images
+        raise UsageError(str(exc).replace(f"--{args.split}-images", "--images")) from None
     load_weights(model, args.load)
     names = class_names(dataset)
     if meta.get("class_names") and len(meta["class_names"]) == len(names):

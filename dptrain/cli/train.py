@@ -7,6 +7,7 @@ import argparse
 import typing
 from dataclasses import MISSING
 
+from dptrain.errors import UsageError
 from dptrain.cli.argtypes import (HelpFormatter, Parser, non_negative_float, non_negative_int,
                                   positive_float, positive_int, widths)
 
@@ -80,9 +81,17 @@ def main(argv) -> int:
     if args["global_batch_size"] is not None and args["batch_size"] is not None:
         parser.error(f"--global-batch-size {args['global_batch_size']} and --batch-size "
                      f"{args['batch_size']}: give one of them")
+    if args["checkpoint_every"] and not args["checkpoint_dir"]:
+        raise UsageError(f"--checkpoint-every {args['checkpoint_every']} needs --checkpoint-dir "
+                         "DIR (where to write the checkpoints)")
     if args["torch"]:
         from dptrain.run.torch_twin import require_torch
 
         require_torch()
-    train(TrainConfig(**args), echo=lambda text: print(text, flush=True))
+    # a diverging run overflows on the way to its non-finite step, which the run reports in
+    # one line: NumPy's warnings about it would only bury that line
+    import numpy as np
+
+    with np.errstate(all="ignore"):
+        train(TrainConfig(**args), echo=lambda text: print(text, flush=True))
     return 0

@@ -34,6 +34,7 @@ import traceback
 import numpy as np
 
 from dptrain.dist import slurm
+from dptrain.errors import RunStopped
 
 # Environment variables that MPI launchers set in every process they start.
 _LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
@@ -263,6 +264,11 @@ def _build(be, world, host_key=None) -> World:
     return World(rank, size, local_rank, local_size, comm, world, node)
 
 
+def job_rank() -> int:
+    """This process's rank in the job (0 before the ranks met, or without a launcher)."""
+    return _job_comm.Get_rank() if _job_comm is not None else 0
+
+
 def guarded(fn):
     """Run fn() and return its exit code. Under mpirun or srun, an exception (or a non-zero
     exit) on any rank prints its traceback prefixed with the rank and aborts the whole job,
@@ -274,11 +280,21 @@ def guarded(fn):
         except slurm.SlurmError:
             pass  # init reports it
         if tasks is None:
-            return fn()
+            try:
+                return fn()
+            except RunStopped as exc:
+                if not exc.agreed:
+                    raise
+                return exc.exit_code
     try:
         code, failure = fn(), None
         if not code:
             return code
+    except RunStopped as exc:
+        if not exc.agreed:
+            code, failure = 1, exc
+        else:  # every rank stopped after the same step: each exits with the code, no abort
+            return exc.exit_code
     except SystemExit as exc:
         if exc.code in (0, None):
             raise

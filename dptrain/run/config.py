@@ -176,6 +176,13 @@ class TrainConfig:
         "testing)", TESTING)
 
 
+def data_options(cfg) -> dict:
+    """How `cfg` reads its dataset, beyond its name, size and seed (get_dataset's options):
+    the training loop, the --torch twin and the weights' metadata all take them from here."""
+    return dict(data_dir=cfg.data_dir, channels=cfg.channels, image_size=cfg.image_size,
+                val_fraction=cfg.val_fraction, on_bad_image=cfg.on_bad_image)
+
+
 def options():
     """The fields of TrainConfig, in declaration order (the order of `train --help`)."""
     return fields(TrainConfig)

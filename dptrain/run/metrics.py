@@ -49,20 +49,43 @@ def _dump(path: Path, record: dict) -> None:
     atomic_write(path, lambda f: f.write(text.encode()))
 
 
+def _entries_up_to(path: Path, step: int) -> list[str]:
+    """The lines of metrics file `path` whose step is at most `step` (a torn last line, left by
+    a killed run, goes too)."""
+    try:
+        lines = path.read_text().splitlines(keepends=True)
+    except FileNotFoundError:
+        return []
+    kept = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and record.get("step", 0) <= step and line.endswith("\n"):
+            kept.append(line)
+    return kept
+
+
 class MetricsLog:
     """metrics.jsonl (one object per line, each with its wall-clock ``time``, Unix seconds),
     config.json and summary.json under the log directory, in strict JSON. Files of an earlier
-    run there are replaced (a resumed run appends to the metrics of the run it continues): the
-    new run's summary.json never sits beside an old one."""
+    run there are replaced: the new run's summary.json never sits beside an old one. A run
+    resumed at `resume_step` continues the metrics of the run it continues, without the
+    entries past that step (the steps it runs again), so the log reads as one run's."""
 
-    def __init__(self, log_dir: str | None, append: bool = False):
+    def __init__(self, log_dir: str | None, resume_step: int = 0):
         self.dir = Path(log_dir) if log_dir else None
         self.file = None
         if self.dir:
             self.dir.mkdir(parents=True, exist_ok=True)
             for name in RUN_FILES[1:]:
                 (self.dir / name).unlink(missing_ok=True)
-            self.file = open(self.dir / "metrics.jsonl", "a" if append else "w")
+            path = self.dir / "metrics.jsonl"
+            if resume_step > 0:
+                kept = _entries_up_to(path, resume_step)
+                atomic_write(path, lambda f: f.write("".join(kept).encode()))
+            self.file = open(path, "a" if resume_step > 0 else "w")
 
     def write(self, record: dict):
         if self.file:

@@ -2,7 +2,10 @@
 
 ``check_outputs`` verifies that --save, --log-dir and --checkpoint-dir can be written (one
 line naming the flag and the path, exit code 2) and removes what earlier killed runs left
-behind: the atomic writer's temporaries of those targets.
+behind: the atomic writer's temporaries of those targets. It also decides where the run
+writes, so that nothing an earlier run left is replaced without --overwrite: a --log-dir that
+holds a run moves to LOGDIR-1 (a --save inside it moves along), an existing --save file is
+refused, and a --checkpoint-dir that belongs to another run is refused (unless --resume).
 """
 from __future__ import annotations
 
@@ -10,8 +13,11 @@ import os
 import tempfile
 from pathlib import Path
 
+from dptrain.checkpoints.store import CheckpointStore
+from dptrain.checkpoints.state import identity_difference, run_identity
 from dptrain.errors import UsageError
 from dptrain.fileio import remove_stale_temporaries
+from dptrain.run.metrics import fresh_log_dir
 
 
 def _first_existing(path: Path) -> Path:
@@ -50,11 +56,65 @@ def check_file_target(flag: str, path) -> None:
     remove_stale_temporaries(path)
 
 
-def check_outputs(cfg) -> None:
-    """Raise UsageError unless every output the run will write can be written."""
+def _inside(path: Path, directory: Path) -> Path | None:
+    """`path` relative to `directory` when it lies inside it, else None."""
+    try:
+        return path.resolve().relative_to(directory.resolve())
+    except ValueError:
+        return None
+
+
+def place_outputs(cfg) -> list[str]:
+    """Settle where the run writes (cfg.log_dir, cfg.save); returns notes for the user. A
+    resumed run continues in its own log directory; else one that holds a run is left alone
+    and LOGDIR-1 (-2, ...) used, a --save inside it following the move."""
+    notes = []
+    if cfg.log_dir:
+        old = Path(cfg.log_dir)
+        cfg.log_dir, moved = fresh_log_dir(cfg.log_dir, cfg.overwrite or bool(cfg.resume))
+        if moved:
+            notes.append(moved)
+            inner = _inside(Path(cfg.save), old) if cfg.save else None
+            if inner is not None:
+                cfg.save = str(Path(cfg.log_dir) / inner)
+                notes.append(f"--save follows it: the weights go to {cfg.save}")
+    return notes
+
+
+def check_outputs(cfg) -> list[str]:
+    """Raise UsageError unless every output the run will write can be written without
+    replacing another run's results; returns notes on where outputs moved."""
+    notes = place_outputs(cfg)
     if cfg.save:
         check_file_target("--save", cfg.save)
+        if Path(cfg.save).exists() and not cfg.overwrite:
+            raise UsageError(f"--save {cfg.save}: the file exists (an earlier run's weights); "
+                             "--overwrite replaces it")
     if cfg.log_dir:
         _probe_dir("--log-dir", Path(cfg.log_dir))
     if getattr(cfg, "checkpoint_dir", None):
         _probe_dir("--checkpoint-dir", Path(cfg.checkpoint_dir))
+        claim_checkpoint_dir(cfg)
+    return notes
+
+
+def claim_checkpoint_dir(cfg) -> None:
+    """Record in --checkpoint-dir which run it belongs to; refuse one of another run unless
+    --resume (which checks the checkpoint itself) or --overwrite (which drops its
+    checkpoints)."""
+    store = CheckpointStore(cfg.checkpoint_dir)
+    mine, theirs = run_identity(cfg), store.owner()
+    if cfg.resume and theirs is not None:
+        return
+    if theirs is None and not store.entries():
+        store.set_owner(mine)
+        return
+    if theirs == mine:
+        return
+    if not cfg.overwrite:
+        what = ("checkpoints of a run it does not name" if theirs is None
+                else f"the checkpoints of another run ({identity_difference(theirs, mine)})")
+        raise UsageError(f"--checkpoint-dir {cfg.checkpoint_dir}: holds {what}; --resume auto "
+                         "continues that run, --overwrite replaces its checkpoints")
+    store.drop_all()
+    store.set_owner(mine)

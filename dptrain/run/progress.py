@@ -1,4 +1,5 @@
-"""A progress bar for long work: tqdm when installed, a line every few seconds otherwise."""
+"""A progress bar for long work: tqdm when installed and stderr is a terminal, a line every
+few seconds otherwise (a log file gets no carriage-return frames)."""
 from __future__ import annotations
 
 import sys
@@ -9,7 +10,7 @@ class Progress:
     def __init__(self, total: int, enabled: bool = True, desc: str = "train"):
         self.enabled, self.total, self.last_print = enabled, total, 0.0
         self.bar = None
-        if enabled:
+        if enabled and sys.stderr.isatty():
             try:
                 from tqdm import tqdm
 

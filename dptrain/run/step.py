@@ -41,6 +41,7 @@ class Step:
                 raise ValueError(f"metric {name!r}: reduce over ranks by one of "
                                  f"{REDUCTIONS}, got {how!r}")
         self.sums = None  # name -> device array, made by the first (eager) call
+        self._window = None  # sums to start from (a resumed run's, TrainStep)
 
     def __call__(self):
         self.reducer.gather_parameters()  # last step's updated shards; overlaps the forward
@@ -60,6 +61,8 @@ class Step:
         arrays = {k: v.data if isinstance(v, Tensor) else v for k, v in values.items()}
         if self.sums is None:  # eager, before any capture: fixed buffers from here on
             self.sums = {k: be.zeros(tuple(a.shape), np.float32) for k, a in arrays.items()}
+            if self._window:
+                self._restore_window()
         if set(arrays) != set(self.sums):
             raise UsageError(f"the step returned metrics {sorted(arrays)}, earlier steps "
                              f"{sorted(self.sums)}: return the same names every step")
@@ -106,6 +109,24 @@ class TrainStep(Step):
         logits = F.cast(self.model(F.cast(Tensor(x), self.dtype)), np.float32)
         loss = F.cross_entropy(logits, Tensor(y))
         return loss, {"correct": self.be.count_correct(logits.data, y)}
+
+    # -- the logging window, for checkpoints: a resumed run logs the uninterrupted run's values
+    def window_state(self) -> list[float]:
+        """This rank's [loss, correct] sums since the last read (host floats; synchronises)."""
+        if self.sums is None:
+            return [0.0, 0.0]
+        return [float(self.be.to_numpy(self.sums[k])) for k in ("loss", "correct")]
+
+    def set_window_state(self, values) -> None:
+        """Start the sums from a checkpoint's window (before or after the first step)."""
+        self._window = dict(zip(("loss", "correct"), (float(v) for v in values)))
+        if self.sums is not None:
+            self._restore_window()
+
+    def _restore_window(self):
+        for name, value in self._window.items():
+            self.be.runtime.upload_(self.sums[name], np.array(value, np.float32))
+        self._window = None
 
     def read_metrics(self, comm) -> tuple[float, float]:
         """(sum of losses averaged over ranks, correct predictions summed over ranks) since

@@ -66,6 +66,7 @@ def train_twin(cfg, device: str, global_batch: int, echo=print) -> dict:
 
     from dptrain.checkpoints.weights import load_weights
     from dptrain.data import StrideSampler, get_dataset
+    from dptrain.run.config import data_options
     from dptrain.run.metrics import MetricsLog
     from dptrain.nn import build_model
     from dptrain.optim import LRSchedule
@@ -82,8 +83,10 @@ def train_twin(cfg, device: str, global_batch: int, echo=print) -> dict:
                                   growth_interval=cfg.loss_scale_interval,
                                   enabled=autocast is torch.float16)
     torch.manual_seed(cfg.seed)
-    train_set = get_dataset(cfg.dataset, "train", cfg.train_images, cfg.seed, cfg.cache_dir)
-    val_set = get_dataset(cfg.dataset, "val", cfg.val_images, cfg.seed, cfg.cache_dir)
+    options = data_options(cfg)  # the files and reading options our run used
+    train_set = get_dataset(cfg.dataset, "train", cfg.train_images, cfg.seed, cfg.cache_dir,
+                            **options)
+    val_set = get_dataset(cfg.dataset, "val", cfg.val_images, cfg.seed, cfg.cache_dir, **options)
     manual_seed(cfg.seed)  # as train() before building the model: the same initial weights
     ours = build_model(cfg.model, train_set.image_shape, train_set.num_classes)
     if cfg.load:

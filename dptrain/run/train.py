@@ -22,11 +22,11 @@ from dptrain.errors import RunStopped, UsageError
 from dptrain.nn import build_model, sync_batch_norm
 from dptrain.optim import OPTIMIZERS, LRSchedule
 from dptrain.run import amp
-from dptrain.run.config import DEFAULT_BATCH, TrainConfig, defaults_for
+from dptrain.run.config import DEFAULT_BATCH, TrainConfig, data_options, defaults_for
 from dptrain.run.debug import step_hooks
 from dptrain.run.evaluate import broadcast_buffers, evaluate
+from dptrain.run.metrics import MetricsLog, Throughput
 from dptrain.run.parallel import DataParallel
-from dptrain.run.metrics import MetricsLog, Throughput, fresh_log_dir
 from dptrain.run.preflight import check_outputs
 from dptrain.run.progress import Progress
 from dptrain.run.step import CAPTURE_WARMUP, TrainStep
@@ -44,8 +44,7 @@ def _load_datasets(cfg: TrainConfig, world):
     """The train and val splits. Under mpirun the first rank of each host builds (and caches)
     them while the others wait, then everyone loads the cache: one generation per host, and
     the cached images are shared read-only memory maps."""
-    options = dict(data_dir=cfg.data_dir, channels=cfg.channels, image_size=cfg.image_size,
-                   val_fraction=cfg.val_fraction, on_bad_image=cfg.on_bad_image)
+    options = data_options(cfg)
 
     def load():
         return (get_dataset(cfg.dataset, "train", cfg.train_images, cfg.seed, cfg.cache_dir,
@@ -63,8 +62,8 @@ def _setup(cfg: TrainConfig):
         be = backend.get(device)
         world = dist.init(be)  # selects this rank's device before anything is allocated
         cfg = defaults_for(cfg, device)
-        if world.is_root:
-            check_outputs(cfg)  # --save, --log-dir, --checkpoint-dir: writable, before training
+        # --save, --log-dir, --checkpoint-dir: writable and nobody else's, before training
+        notes = check_outputs(cfg) if world.is_root else []
         if cfg.global_batch_size is not None:
             if cfg.global_batch_size % world.size:
                 raise ValueError(f"--global-batch-size {cfg.global_batch_size} does not divide "
@@ -90,12 +89,12 @@ def _setup(cfg: TrainConfig):
         raise UsageError(str(exc)) from None
     if cfg.load:
         load_weights(model, cfg.load)
-    return cfg, device, be, world, train_set, val_set, model
+    return cfg, device, be, world, train_set, val_set, model, notes
 
 
 def train(cfg: TrainConfig, echo=print) -> dict:
     """Train as `cfg` says; returns the summary (rank 0 also writes LOGDIR/summary.json)."""
-    cfg, device, be, world, train_set, val_set, model = _setup(cfg)
+    cfg, device, be, world, train_set, val_set, model, notes = _setup(cfg)
     root = world.is_root
     started = time.perf_counter()
     first_on_host(world, be.runtime.prepare)  # every kernel, built once per host, up front
@@ -117,11 +116,8 @@ def train(cfg: TrainConfig, echo=print) -> dict:
     schedule = LRSchedule(cfg.lr, cfg.lr_schedule, total_steps, cfg.warmup_steps)
     cfg.warmup_steps = schedule.warmup_steps
     global_batch = cfg.batch_size * world.size
-    if root and cfg.log_dir:
-        # a resumed run continues in its own log directory
-        cfg.log_dir, moved = fresh_log_dir(cfg.log_dir, cfg.overwrite or bool(cfg.resume))
-        if moved:
-            echo(f"dptrain: note: {moved}")
+    for note in notes:
+        echo(f"dptrain: note: {note}")
 
     loader = DeviceLoader(train_set, be, cfg.batch_size, augment=cfg.augment,
                           augment_pad=cfg.augment_pad, augment_seed=cfg.seed,
@@ -133,16 +129,21 @@ def train(cfg: TrainConfig, echo=print) -> dict:
     ckpt = Checkpointing(cfg, world, model, opt, reducer, steps_per_epoch, echo=echo,
                          warn=lambda text: print(text, file=sys.stderr, flush=True),
                          loader=loader, scaler=scaler)
-    first_step = ckpt.resume()
     step_fn = TrainStep(model, opt, reducer, loader, guard, dtype)
+    ckpt.window = step_fn  # its metric sums are saved and restored too
+    first_step = ckpt.resume()
     run_step = ddp.capture(step_fn) if cfg.cuda_graph else step_fn
     hooks = step_hooks(cfg, world, reducer, flat, scaler)
-    log = MetricsLog(cfg.log_dir if root else None, append=first_step > 0)
+    # a resumed run drops what its log holds past the checkpoint (steps it runs again)
+    log = MetricsLog(cfg.log_dir if root else None, resume_step=first_step)
     log.config(asdict(cfg))
     if root:
         echo(f"dptrain: {cfg.model} on {cfg.dataset} ({len(train_set.labels)} train / "
              f"{len(val_set.labels)} val images), {device} x {world.size}, batch "
              f"{cfg.batch_size} per rank ({global_batch} global), {total_steps} steps")
+        if not (cfg.log_dir or cfg.save or cfg.checkpoint_dir):
+            echo("dptrain: note: no --log-dir, --save or --checkpoint-dir: this run keeps no "
+                 "files (`make train` keeps them in runs/latest)")
         if schedule.fit_warning():
             echo(f"dptrain: warning: {schedule.fit_warning()}")
 
@@ -151,7 +152,9 @@ def train(cfg: TrainConfig, echo=print) -> dict:
     excluded = min(CAPTURE_WARMUP + 1, max(total_steps - first_step - 1, 0))
     meter = Throughput(global_batch, warmup_steps=excluded)
     startup_s = process_age_s() if excluded == 0 else None  # process start to timed steps
-    step, ran, since_log, last_loss, last_eval = first_step, 0, 0, float("nan"), {}
+    # a resume lands inside a logging window: its sums were restored from the checkpoint
+    since_log = first_step % cfg.log_every
+    step, ran, last_loss, last_eval = first_step, 0, float("nan"), {}
     comm_exposed = 0.0  # seconds of communication that compute waited for
     eval_every = cfg.eval_every or steps_per_epoch
     watchdog = Watchdog(world, cfg.collective_timeout).start()
@@ -218,11 +221,15 @@ def train(cfg: TrainConfig, echo=print) -> dict:
         if stopped:
             where = f"; checkpoint in {cfg.checkpoint_dir}" if ckpt.enabled else ""
             raise RunStopped(f"stopped by {signal_name(stopped)} after step {step}{where}",
-                             exit_code=128 + stopped)
+                             exit_code=128 + stopped, agreed=True)
         guard.read(step)
         if scaler is not None:
             scaler.read(step)
         stops.close()
+    except RunStopped as exc:
+        if exc.agreed:  # every rank issued the pending stop all-reduce: finish it
+            stops.close()
+        raise
     finally:
         stops.close(complete=False)
         watchdog.stop()
@@ -234,7 +241,8 @@ def train(cfg: TrainConfig, echo=print) -> dict:
         startup_s = process_age_s()
     wall = meter.wall()
     if cfg.save and root:
-        save_weights(model, cfg.save, weights_metadata(cfg.model, train_set, cfg.dataset))
+        save_weights(model, cfg.save, weights_metadata(
+            cfg.model, train_set, cfg.dataset, data={**data_options(cfg), "seed": cfg.seed}))
     train_time, train_rate = meter.total_s, meter.rate
     summary = {
         "train_loss": last_loss,
@@ -268,4 +276,19 @@ def train(cfg: TrainConfig, echo=print) -> dict:
             from dptrain.run.torch_twin import train_twin
 
             train_twin(cfg, device, global_batch, echo)
+        echo(f"dptrain: {where_files_went(cfg)}")
     return summary
+
+
+def where_files_went(cfg) -> str:
+    """The run's last line: where its log and weights are, or that it kept none."""
+    kept = []
+    if cfg.log_dir:
+        kept.append(f"log in {cfg.log_dir}" + (" (and its torch/)" if cfg.torch else ""))
+    if cfg.save:
+        kept.append(f"weights in {cfg.save}")
+    if cfg.checkpoint_dir:
+        kept.append(f"checkpoints in {cfg.checkpoint_dir}")
+    if not kept:
+        return "kept no files (no --log-dir, --save or --checkpoint-dir given)"
+    return "files: " + ", ".join(kept)

@@ -29,8 +29,8 @@ def test_blow_up_stops_with_exit_3_and_keeps_the_good_file(tmp_path, cache, good
     target.write_bytes(good_weights.read_bytes())
     logs = tmp_path / "L"
     result = run_cli(*SMALL, "--optimizer", "sgd", "--lr", "1e6", "--warmup-steps", "0",
-                     "--log-every", "2", "--save", str(target), "--log-dir", str(logs),
-                     "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "4",
+                     "--log-every", "2", "--save", str(target), "--overwrite",
+                     "--log-dir", str(logs), "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "4",
                      cache=cache)
     assert result.returncode == 3, result.stderr
     line = [l for l in result.stderr.splitlines() if "non-finite" in l]

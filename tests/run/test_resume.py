@@ -133,3 +133,28 @@ def test_sigterm_stops_after_a_step_with_a_checkpoint(tmp_path, cache):
     assert "stopped by SIGTERM after step" in err
     step = int(err.split("after step ")[1].split(";")[0])
     assert (ck / f"step-{step:08d}" / "manifest.json").is_file()
+
+
+def records(log_dir):
+    """metrics.jsonl without its clock readings (time, images/s)."""
+    lines = (log_dir / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in r.items() if k not in ("time", "images_per_s")}
+            for r in map(json.loads, lines)]
+
+
+@pytest.mark.parametrize("ranks", [0, pytest.param(2, marks=needs_mpi)])
+def test_resumed_run_continues_its_own_metrics_exactly(ranks, tmp_path, cache):
+    # logged every 4 steps, checkpoints every 5, killed after step 14: the log holds step 12,
+    # past the newest checkpoint (10), which lands inside the window of steps 9-12
+    args = [a if a != "1" else "4" for a in ARGS] + ["--eval-every", "8"]
+    full = run(ranks, args + ["--log-dir", str(tmp_path / "full")], cache)
+    assert full.returncode == 0, full.stderr
+    logged = args + ["--log-dir", str(tmp_path / "L"), "--checkpoint-dir", str(tmp_path / "ck"),
+                     "--checkpoint-every", "5"]
+    killed = run(ranks, logged, cache, DPTRAIN_KILL=f"{max(ranks - 1, 0)}:14")
+    assert killed.returncode != 0
+    assert any(r.get("step") == 12 for r in records(tmp_path / "L"))
+    out = run(ranks, logged + ["--resume", "auto"], cache)
+    assert out.returncode == 0, out.stderr
+    assert "at step 10" in out.stdout, out.stdout
+    assert records(tmp_path / "L") == records(tmp_path / "full")
