@@ -46,10 +46,11 @@ The runtime (``be.runtime``), with the CPU's trivial meaning in brackets:
   ``order(waiter, signaller)``              ``waiter`` waits for all work issued so far on
                                              ``signaller`` [no-op]
   ``synchronize()``                         the host waits for all issued work [no-op]
-  ``prepare() -> dict``                     build every kernel ahead of the first step
+  ``prepare(dtypes=None) -> dict``          build the kernels for arrays of `dtypes`
+                                             (default: all) ahead of the first step
                                              (compiled in parallel, or loaded from the
-                                             on-disk cache): {"files", "built", "seconds"}
-                                             [nothing to build]
+                                             on-disk cache): {"files", "built", "seconds",
+                                             ...}; others build on first use [nothing]
   ``capture(step, warmup=2) -> run``        ``run()`` calls ``step()`` eagerly ``warmup``
                                              times, then records it once as a CUDA graph and
                                              replays that; ``step`` takes no arguments, its

@@ -1,15 +1,15 @@
 """`python -m dptrain bench startup`: what a cold start costs, each figure from a fresh process.
 
-1. Kernel build (``be.runtime.prepare()``) on an empty kernel cache with 1 worker thread and
-   with each ``--workers`` count, then on the cache the last one left (warm): whether
-   threads compile in parallel, and what a warm start still pays.
+1. Kernel build (``be.runtime.prepare()``: every family) on an empty kernel cache with each
+   ``--workers`` count (default 1 and up to 16), then on the cache the last one left (warm):
+   whether threads compile in parallel, and what a warm start still pays.
 2. Training (``python -m dptrain train``, ``--train-steps`` steps) on an empty kernel cache,
    then again on that cache: ``startup_s`` (process start to the first timed step),
    ``prepare_s`` and ``images_per_s`` of each; the two rates should agree within noise.
 A first training run on a cache of its own generates the dataset beforehand, so neither
 measured run pays for it. Every process gets its kernel cache through ``CUPY_CACHE_DIR``.
 
-    python -m dptrain bench startup [--device auto] [--workers 4 16] [--train-steps 300]
+    python -m dptrain bench startup [--device auto] [--workers 1 16] [--train-steps 300]
                                     [--json F.json]
 """
 from __future__ import annotations
@@ -56,7 +56,8 @@ def main(argv=None, echo=print) -> int:
                 formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--workers", type=_positive_int, nargs="+",
-                   default=[min(16, os.cpu_count() or 1)], help="thread counts to compare with 1")
+                   default=[1, min(16, os.cpu_count() or 1)],
+                   help="thread counts to build with, each on an empty cache")
     p.add_argument("--train-steps", type=_positive_int, default=300,
                    help="steps of each training run")
     p.add_argument("--no-train", action="store_true", help="only the kernel build")
@@ -67,10 +68,11 @@ def main(argv=None, echo=print) -> int:
     result = {"device": device, "build": [], "train": []}
     with tempfile.TemporaryDirectory(prefix="dptrain-startup-") as tmp:
         tmp = Path(tmp)
-        for i, workers in enumerate([1, *args.workers]):
+        for i, workers in enumerate(args.workers):
             r = prepare_in_fresh_process(device, tmp / f"kernels{i}", workers)
             result["build"].append({"cache": "empty", **r})
-        r = prepare_in_fresh_process(device, tmp / f"kernels{len(args.workers)}", args.workers[-1])
+        r = prepare_in_fresh_process(device, tmp / f"kernels{len(args.workers) - 1}",
+                                     args.workers[-1])
         result["build"].append({"cache": "warm", **r})
         if not args.no_train:
             train_in_fresh_process(device, tmp / "kernels-data", tmp / "data", tmp / "L0",
@@ -93,6 +95,11 @@ def main(argv=None, echo=print) -> int:
         for r in result["train"]:
             echo(f"  {r['cache']:<6} {r['startup_s']:9.2f} {r['prepare_s']:9.2f} "
                  f"{r['images_per_s']:10.0f}")
+    slow = [r for r in result["build"] if r.get("slowest") and r["cache"] == "empty"]
+    if slow:
+        echo("longest module builds (file, part, seconds) of the " + slow[-1]["cache"]
+             + " build with " + str(slow[-1]["workers"]) + " workers: "
+             + "; ".join(f"{f} {part} {s:.1f}" for f, part, s in slow[-1]["slowest"]))
     return 0
 
 

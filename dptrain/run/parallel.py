@@ -23,6 +23,7 @@ from dptrain import dist
 from dptrain.backend.bfloat16 import BFLOAT16
 from dptrain.dist.flat import FlatParameters
 from dptrain.dist.reducer import Reducer
+from dptrain.dist.startup import first_on_host
 from dptrain.engine.autograd import Tensor
 from dptrain.errors import UsageError
 from dptrain.optim import OPTIMIZERS
@@ -81,6 +82,8 @@ class DataParallel:
         self.world, self.be, self.model = world, be, model.to(be.runtime.name)
         self.precision = self._resolve_precision(precision)
         self.dtype = amp.compute_dtype(self.precision)
+        # the kernels of these dtypes, built in parallel once per host before the first step
+        first_on_host(world, lambda: be.runtime.prepare((np.float32, self.dtype)))
         trained = [p for p in model.parameters() if p.requires_grad]
         if not trained:
             raise UsageError("DataParallel: the model has no parameter that requires grad")

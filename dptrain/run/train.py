@@ -10,6 +10,8 @@ import sys
 import time
 from dataclasses import asdict
 
+import numpy as np
+
 from dptrain import backend, dist
 from dptrain.checkpoints import Checkpointing
 from dptrain.checkpoints.weights import load_weights, save_weights, weights_metadata
@@ -97,7 +99,9 @@ def train(cfg: TrainConfig, echo=print) -> dict:
     cfg, device, be, world, train_set, val_set, model, notes = _setup(cfg)
     root = world.is_root
     started = time.perf_counter()
-    first_on_host(world, be.runtime.prepare)  # every kernel, built once per host, up front
+    # the kernels of the run's dtypes, built once per host, up front, in parallel
+    dtypes = (np.float32, amp.compute_dtype(cfg.precision))
+    first_on_host(world, lambda: be.runtime.prepare(dtypes))
     prepare_s = time.perf_counter() - started
     # the flat parameters, ZeRO-1 optimizer shards, the bucketed exchange, the 16-bit shadow
     # (mixed precision), the loss scaler (fp16) and the non-finite guard: the library's own

@@ -60,8 +60,9 @@ def test_files_split_into_modules_by_element_family(monkeypatch):
     assert loader.part_of("map1_kernel<__half, Relu>") == "__half"
     assert loader.part_of("convert_kernel<float, __nv_bfloat16>") == "__nv_bfloat16"
     assert loader.part_of("loss_scale_update_kernel") == "main"
+    assert loader.part_of("map2_kernel<double, Add>") == "double"
     keys = {loader.cache_key("elementwise.cu", "90", part) for part in loader.PARTS}
-    assert len(keys) == 3
+    assert len(keys) == len(loader.PARTS)
     source, _ = loader.source_and_options("elementwise.cu")
     names = loader.name_expressions(source)
     assert sum(loader.part_of(n) == "main" for n in names) > 0
@@ -227,9 +228,40 @@ def test_bench_startup_reports_each_build(tmp_path):
     from dptrain.bench import startup
 
     out = []
-    assert startup.main(["--device", "cpu", "--workers", "2", "--no-train",
+    assert startup.main(["--device", "cpu", "--workers", "1", "2", "--no-train",
                          "--json", str(tmp_path / "s.json")], echo=out.append) == 0
     doc = json.loads((tmp_path / "s.json").read_text())
     assert [b["cache"] for b in doc["build"]] == ["empty", "empty", "warm"]
     assert all(b["files"] == 0 for b in doc["build"])  # nothing to compile on the CPU
     assert out[0].startswith("kernel build, cpu") and len(out) == 2 + 3
+
+
+_FAMILIES_RUN = """
+import sys
+from dptrain.backend.cuda import loader
+from dptrain.run.config import TrainConfig
+from dptrain.run.train import train
+from dptrain.backend import get
+rt = get("cuda").runtime
+real, built = rt.prepare, []
+rt.prepare = lambda dtypes=None: built.append(real(dtypes)["built"]) or {}
+train(TrainConfig(model=sys.argv[1], precision=sys.argv[2], device="cuda", train_images=512,
+                  val_images=128, epochs=1, max_steps=4, batch_size=64, progress=False,
+                  cache_dir=sys.argv[3]), echo=lambda s: None)
+print(built[0], loader.builds)
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model, precision", [("cnn", "bf16"), ("cnn", "tf32"),
+                                              ("resnet18", "bf16")])
+def test_a_run_builds_every_kernel_it_uses_up_front(tmp_path, model, precision):
+    """prepare(the run's dtypes) builds only those families, yet nothing the run uses is
+    left to build on first use (which would stall a step): every module this fresh process
+    built, it built in prepare."""
+    out = subprocess.run([sys.executable, "-c", _FAMILIES_RUN, model, precision,
+                          str(tmp_path)], capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert out.returncode == 0, out.stderr
+    in_prepare, total = map(int, out.stdout.split()[-2:])
+    assert in_prepare == total > 0

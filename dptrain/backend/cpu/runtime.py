@@ -78,7 +78,7 @@ class Runtime(RuntimeBase):
         pass
 
     # -- cold start: nothing to compile
-    def prepare(self) -> dict:
+    def prepare(self, dtypes=None) -> dict:
         return {"files": 0, "built": 0, "seconds": 0.0, "workers": 0}
 
     # -- capture: nothing to record, the step runs again each call

@@ -6,15 +6,17 @@ Every launcher in the cuda backend gets its kernels here (through ``launch.kerne
 
 The first request for a kernel compiles its file's part with NVRTC through
 ``cupy.RawModule``: a file's template instantiations (its ``// instantiate:`` lines, handed
-over as ``name_expressions``) are split by element family (float and the other types;
-``__half``; ``__nv_bfloat16``) and each family into modules of at most CHUNK
+over as ``name_expressions``) are split by element family (float and the type-free
+kernels; ``double``; ``__half``; ``__nv_bfloat16``) and each family into modules of at most CHUNK
 instantiations, so the 16-bit instantiations and the heavy main loops compile in parallel
 and only the modules a run uses are built on demand. Later requests reuse the module. CuPy
 caches the compiled binary on disk (``$CUPY_CACHE_DIR``, default ~/.cupy/kernel_cache), so a
 second process start skips NVRTC.
 
-Cold start: ``compile_all()`` (what ``runtime.prepare()`` calls) builds every part of every
-file this GPU can run ahead of the first step, one thread per part. Threads, not processes, because
+Cold start: ``compile_all()`` (what ``runtime.prepare()`` calls) builds the parts of every
+file this GPU can run that the run's dtypes need ahead of the first step, one thread per part
+(a float32 / TF32 run skips the 16-bit and double families, a bf16 run the float16 and double
+ones). Threads, not processes, because
 CuPy's binding calls ``nvrtcCompileProgram`` with the GIL released (``with nogil`` in
 cupy_backends/cuda/libs/nvrtc.pyx; the installed binary brackets the call with
 PyEval_SaveThread / PyEval_RestoreThread), NVRTC is documented thread-safe, and a thread's
@@ -99,7 +101,12 @@ def name_expressions(source: str) -> list[str]:
     return names
 
 
-PARTS = ("main", "__half", "__nv_bfloat16")  # the element families a file's modules split by
+# The element families a file's modules split by: float32 (and the type-free kernels), double
+# (the tests' float64 references), and the two 16-bit types. A run builds the families of the
+# dtypes it computes in (``compile_all(families=...)``); any other kernel is built on first use.
+PARTS = ("main", "double", "__half", "__nv_bfloat16")
+FAMILY_OF_DTYPE = {"float32": "main", "float64": "double", "float16": "__half",
+                   "bfloat16": "__nv_bfloat16"}
 # Instantiations per module at most: a family with more is split in file order ("main",
 # "main.2", ...), so the heavy families (the convolutions' main loops) build on several
 # threads instead of holding up the rest.
@@ -221,15 +228,16 @@ def module(filename: str, part: str = PARTS[0]):
 WORKERS_ENV = "DPTRAIN_COMPILE_WORKERS"
 
 
-def compile_all(workers: int | None = None) -> dict:
-    """Build every part of every kernel file the current GPU can run, `workers` at a time
-    (default: $DPTRAIN_COMPILE_WORKERS, else one thread per part, at most the host's
-    cores). Returns {"files", "built" (modules), "seconds", "workers"}."""
+def compile_all(workers: int | None = None, families=PARTS) -> dict:
+    """Build the `families` parts (default: all) of every kernel file the current GPU can
+    run, `workers` at a time (default: $DPTRAIN_COMPILE_WORKERS, else one thread per part, at
+    most the host's cores). Returns {"files", "built" (modules), "seconds", "workers",
+    "slowest": [[file, part, seconds], ...] (the five longest builds)}."""
     import cupy
 
     device, arch = cupy.cuda.Device().id, device_arch()
     files = kernel_files(arch)
-    units = [(f, part) for f in files for part in parts(f)]
+    units = [(f, part) for f in files for part in parts(f) if part.split(".")[0] in families]
     # Largest first (instantiations as the measure of work), so no big one starts last.
     size = {f: collections.Counter(_part_table(f).values()) for f in files}
     units.sort(key=lambda u: -size[u[0]][u[1]])
@@ -241,11 +249,15 @@ def compile_all(workers: int | None = None) -> dict:
     workers = workers or max(1, min(len(units), os.cpu_count() or 1))
     before, start = builds, time.perf_counter()
 
+    took = {}
+
     def build(unit):
         # The current device is per thread in CUDA; setting it also makes its primary context
         # current here (CUDA >= 12), which loading the compiled module needs.
         cupy.cuda.runtime.setDevice(device)
+        began = time.perf_counter()
         module(*unit)
+        took[unit] = time.perf_counter() - began
 
     if workers == 1:
         for unit in units:
@@ -254,8 +266,10 @@ def compile_all(workers: int | None = None) -> dict:
         with concurrent.futures.ThreadPoolExecutor(workers, "dptrain-nvrtc") as pool:
             for future in [pool.submit(build, unit) for unit in units]:
                 future.result()  # re-raises a compile error
+    slowest = sorted(took.items(), key=lambda kv: -kv[1])[:5]
     return {"files": len(files), "built": builds - before,
-            "seconds": time.perf_counter() - start, "workers": workers}
+            "seconds": time.perf_counter() - start, "workers": workers,
+            "slowest": [[f, part, round(s, 3)] for (f, part), s in slowest]}
 
 
 @functools.lru_cache(maxsize=None)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import cupy
 import numpy as np
 
+from dptrain.backend.bfloat16 import BFLOAT16
 from dptrain.backend.runtime import RuntimeBase
 
 PRECISIONS = ("tf32", "fp32")
@@ -135,12 +136,16 @@ class Runtime(RuntimeBase):
         cupy.cuda.runtime.deviceSynchronize()
 
     # -- cold start
-    def prepare(self) -> dict:
-        """Build every kernel file this GPU runs before the first step, in parallel threads
-        (NVRTC, or CuPy's disk cache when warm): {"files", "built", "seconds"}."""
+    def prepare(self, dtypes=None) -> dict:
+        """Build the kernels for arrays of `dtypes` (default: every dtype) of every kernel
+        file this GPU runs before the first step, in parallel threads (NVRTC, or CuPy's disk
+        cache when warm): {"files", "built", "seconds", "workers", "slowest"}."""
         from dptrain.backend.cuda import loader
 
-        return loader.compile_all()
+        if dtypes is None:
+            return loader.compile_all()
+        names = {"bfloat16" if np.dtype(d) == BFLOAT16 else np.dtype(d).name for d in dtypes}
+        return loader.compile_all(families={loader.FAMILY_OF_DTYPE[n] for n in names})
 
     # -- capture and replay of a step
     records_graphs = True
