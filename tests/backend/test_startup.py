@@ -48,7 +48,7 @@ def test_files_split_into_modules_by_element_family(monkeypatch):
     the rest), a family of more than CHUNK instantiations as several; every kernel name maps
     to the module that holds it."""
     monkeypatch.setattr(loader, "cuda_include_dir", lambda: Path("/toolkit/include"))
-    assert loader.parts("optim.cu") == ["main"]
+    assert loader.parts("optim.cu") == ["main", "double"]
     assert loader.parts("gemm_wgmma.cu") == ["main", "__half", "__nv_bfloat16"]
     parts = loader.parts("elementwise.cu")
     assert parts[:2] == ["main", "main.2"] and "__half" in parts and parts[-1].startswith("__nv")
