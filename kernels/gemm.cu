@@ -23,6 +23,7 @@
 //    and block sizes are computed by the launcher (kept in step with gemm_tiles.cuh; the
 //    kernels check their shared memory at entry).
 //
+// instantiations-per-module: 1  (each takes seconds to build: more threads at a cold start)
 // instantiate: gemm_fp32_kernel<float, false, false>; gemm_fp32_kernel<float, false, true>
 // instantiate: gemm_fp32_kernel<float, true, false>; gemm_fp32_kernel<float, true, true>
 // instantiate: gemm_tf32_kernel<float, false, false>; gemm_tf32_kernel<float, false, true>

@@ -49,6 +49,10 @@ def test_files_split_into_modules_by_element_family(monkeypatch):
     to the module that holds it."""
     monkeypatch.setattr(loader, "cuda_include_dir", lambda: Path("/toolkit/include"))
     assert loader.parts("optim.cu") == ["main", "double"]
+    # a file that asks for one instantiation per module (each takes seconds to build)
+    source, _ = loader.source_and_options("gemm.cu")
+    assert "instantiations-per-module: 1" in source
+    assert len(loader.parts("gemm.cu")) == len(loader.name_expressions(source))
     assert loader.parts("gemm_wgmma.cu") == ["main", "__half", "__nv_bfloat16"]
     parts = loader.parts("elementwise.cu")
     assert parts[:2] == ["main", "main.2"] and "__half" in parts and parts[-1].startswith("__nv")
@@ -61,6 +65,9 @@ def test_files_split_into_modules_by_element_family(monkeypatch):
     assert loader.part_of("convert_kernel<float, __nv_bfloat16>") == "__nv_bfloat16"
     assert loader.part_of("loss_scale_update_kernel") == "main"
     assert loader.part_of("map2_kernel<double, Add>") == "double"
+    # a float kernel that reads double partial sums is float32's (a TF32 run needs it)
+    assert loader.part_of("reduce_kernel<double, double, float, SumOp>") == "main"
+    assert loader.part_of("reduce_kernel<double, double, __half, SumOp>") == "__half"
     keys = {loader.cache_key("elementwise.cu", "90", part) for part in loader.PARTS}
     assert len(keys) == len(loader.PARTS)
     source, _ = loader.source_and_options("elementwise.cu")

@@ -87,6 +87,10 @@ _INSTANTIATE = re.compile(r"^//\s*instantiate:\s*(.+?)\s*$", re.MULTILINE)
 # after the common ones; CuPy then appends its own -arch=sm_XX, and NVRTC 13 keeps the
 # arch-specific sm_90a target over the plain sm_90 of the same family).
 _OPTIONS = re.compile(r"^//\s*nvrtc-options:\s*(.+?)\s*$", re.MULTILINE)
+# `// instantiations-per-module: N` in a .cu file: its families split into modules of at most
+# N instantiations (default CHUNK). Files whose instantiations each take seconds to build
+# (the GEMM main loops) ask for fewer, so a cold start builds them on more threads.
+_PER_MODULE = re.compile(r"^//\s*instantiations-per-module:\s*(\d+)", re.MULTILINE)
 
 
 def file_options(source: str) -> tuple[str, ...]:
@@ -114,21 +118,27 @@ CHUNK = 8
 
 
 def part_of(name: str) -> str:
-    """The element family (one of PARTS) of instantiation `name`."""
-    for part in PARTS[1:]:
+    """The element family (one of PARTS) of instantiation `name`: a 16-bit type named in it,
+    else double where no float is (a float kernel may read double partial sums: main)."""
+    for part in PARTS[2:]:
         if part in name:
             return part
+    if re.search(r"\bdouble\b", name) and not re.search(r"\bfloat\b", name):
+        return "double"
     return PARTS[0]
 
 
 def _part_table(filename: str) -> dict[str, str]:
     """{instantiation: its module part} for kernels/`filename`: its family, and from the
-    CHUNK-th instantiation of a family on, the family with a chunk number."""
+    CHUNK-th (or the file's instantiations-per-module) instantiation of a family on, the family
+    with a chunk number."""
     source, _ = source_and_options(filename)
+    asked = _PER_MODULE.search(source)
+    per_module = max(1, int(asked.group(1))) if asked else CHUNK
     table, seen = {}, dict.fromkeys(PARTS, 0)
     for name in name_expressions(source):
         family = part_of(name)
-        chunk, seen[family] = seen[family] // CHUNK, seen[family] + 1
+        chunk, seen[family] = seen[family] // per_module, seen[family] + 1
         table[name] = family if chunk == 0 else f"{family}.{chunk + 1}"
     return table
 
