@@ -147,6 +147,13 @@ class Watchdog:
             return head
         now = time.monotonic()
         late = sorted(r for r, (s, *_) in self.heard.items() if s < seq)
+        silent = 2 * self.interval + 1
+        if not late and all(now - t > silent for *_, t in self.heard.values()):
+            # Every other rank got here and then fell silent: they have ended (another rank's
+            # watchdog, typically this one's own lateness, aborted the job); no new verdict.
+            quiet = min(now - t for *_, t in self.heard.values())
+            return (head + f"; every other rank reached it and has been silent for "
+                    f"{quiet:.0f} s: the job has ended (see the first rank's verdict)")
         if not late:
             return head + "; every rank reached it, so the collective itself did not complete"
         parts = []

@@ -115,3 +115,22 @@ def test_rank_sleeping_before_a_collective_is_named(cache):
     assert "at step 3" in line or "at step 4" in line, line
     assert "rank 1 (" in line and "did not arrive" in line and "on rank 0" in line, line
     assert time.time() - t0 < 60
+
+
+def test_a_rank_waking_after_the_abort_does_not_contradict_the_verdict():
+    """The late rank, once it runs again, finds every other rank already past it and silent
+    (the job was aborted because of it): it says the job has ended instead of claiming that
+    every rank arrived and the collective failed."""
+    import time
+    from types import SimpleNamespace
+
+    from dptrain.dist.watchdog import Watchdog
+
+    dog = Watchdog(SimpleNamespace(rank=1, size=3), timeout=5, interval=0.1)
+    dog.named_ranks, now = True, time.monotonic()
+    dog.heard = {0: (8, 7, True, now - 30), 2: (8, 7, True, now - 29)}
+    message = dog._hang_message(("metrics all-reduce", 8, 8, now - 6))
+    assert "every other rank reached it and has been silent for 29 s: the job has ended" in message
+    dog.heard[2] = (8, 7, True, now)  # one still answering: the collective itself hangs
+    assert "the collective itself did not complete" in dog._hang_message(
+        ("metrics all-reduce", 8, 8, now - 6))
