@@ -6,10 +6,15 @@
 //    (k < K = N*S, n-major) sits at (n*C + c)*S + s with n = k / S, s = k % S.
 //  * Per-channel arrays (mean, var, weight, bias) are contiguous (C,); sums is (2, C).
 //  * invstd = 1 / sqrt(var + eps) in T; xhat = (x - mean) * invstd.
-//  * Channel reductions (mean, var, backward_reduce): one block per channel (grid-stride over
-//    channels), threads stride over k, then the fixed block tree of common.cuh: accumulated in
-//    double, deterministic run to run, no atomics. var is the biased mean of (x - mean)^2
-//    about the mean it is given (two passes, so sync-BN can all-reduce the mean in between).
+//  * Channel reductions (mean, var, backward_reduce) in two launches. The *_partial kernels
+//    split each channel's K elements over gridDim.y blocks (block y takes k in
+//    [y * chunk, min(K, (y + 1) * chunk)); grid-stride over channels in x), reduce with the
+//    fixed block tree of common.cuh in double and write one partial per block to
+//    ws[(y * R + r) * C + c] (R sums per channel); bn_finalize_kernel adds the partials in
+//    split order. The split depends only on the shape and the GPU: deterministic run to run,
+//    no atomics. One block per channel left most SMs idle at ResNet's 64-channel layers.
+//    var is the biased mean of (x - mean)^2 about the mean it is given (two passes, so sync-BN
+//    can all-reduce the mean in between).
 //  * Elementwise kernels (forward, backward_data) write every output element with `=`.
 //  * update_running: running = keep * running + momentum * batch (keep = 1 - momentum, rounded
 //    on the host; var made unbiased by count / (count - 1)), in place; one thread also adds 1
@@ -26,33 +31,44 @@ template <typename T> __device__ __forceinline__ T inv_std(T var, T eps) {
   return T(1) / dp_sqrt(var + eps);
 }
 
-// mean[c] = sum_k x / K.
+// ws[y * C + c] = sum over block y's k of x.
 template <typename T>
-__global__ void bn_mean_kernel(T* mean, const T* x, int N, int C, int S) {
+__global__ void bn_mean_partial_kernel(double* ws, const T* x, int N, int C, int S, int chunk) {
   __shared__ double shared[32];
-  const int K = N * S;
+  const int K = N * S, k0 = blockIdx.y * chunk, k1 = min(K, k0 + chunk);
   for (int c = blockIdx.x; c < C; c += gridDim.x) {
     double acc = 0.0;
-    for (int k = threadIdx.x; k < K; k += blockDim.x) acc += (double)x[channel_offset(k, c, C, S)];
+    for (int k = k0 + threadIdx.x; k < k1; k += blockDim.x) acc += (double)x[channel_offset(k, c, C, S)];
     acc = block_reduce<double, SumOp>(acc, shared);
-    if (threadIdx.x == 0) mean[c] = T(acc / (double)K);
+    if (threadIdx.x == 0) ws[(long long)blockIdx.y * C + c] = acc;
   }
 }
 
-// var[c] = sum_k (x - mean[c])^2 / K.
+// ws[y * C + c] = sum over block y's k of (x - mean[c])^2.
 template <typename T>
-__global__ void bn_var_kernel(T* var, const T* x, const T* mean, int N, int C, int S) {
+__global__ void bn_var_partial_kernel(double* ws, const T* x, const T* mean, int N, int C, int S,
+                                      int chunk) {
   __shared__ double shared[32];
-  const int K = N * S;
+  const int K = N * S, k0 = blockIdx.y * chunk, k1 = min(K, k0 + chunk);
   for (int c = blockIdx.x; c < C; c += gridDim.x) {
     const double m = (double)mean[c];
     double acc = 0.0;
-    for (int k = threadIdx.x; k < K; k += blockDim.x) {
+    for (int k = k0 + threadIdx.x; k < k1; k += blockDim.x) {
       const double d = (double)x[channel_offset(k, c, C, S)] - m;
       acc += d * d;
     }
     acc = block_reduce<double, SumOp>(acc, shared);
-    if (threadIdx.x == 0) var[c] = T(acc / (double)K);
+    if (threadIdx.x == 0) ws[(long long)blockIdx.y * C + c] = acc;
+  }
+}
+
+// out[j] = T(sum_y ws[y * n + j] / divisor), the partials added in split order.
+template <typename T>
+__global__ void bn_finalize_kernel(T* out, const double* ws, int splits, int n, double divisor) {
+  GRID_STRIDE_32(j, n) {
+    double acc = 0.0;
+    for (int y = 0; y < splits; ++y) acc += ws[(long long)y * n + j];
+    out[j] = T(acc / divisor);
   }
 }
 
@@ -78,17 +94,17 @@ __global__ void bn_update_running_kernel(T* running_mean, T* running_var, long l
   if (blockIdx.x == 0 && threadIdx.x == 0) batches[0] += 1;
 }
 
-// sums[c] = sum_k gy, sums[C + c] = sum_k gy * xhat.
+// ws[(y * 2) * C + c] = sum over block y's k of gy, ws[(y * 2 + 1) * C + c] of gy * xhat.
 template <typename T>
-__global__ void bn_backward_reduce_kernel(T* sums, const T* gy, const T* x, const T* mean,
-                                          const T* var, T eps, int N, int C, int S) {
+__global__ void bn_backward_partial_kernel(double* ws, const T* gy, const T* x, const T* mean,
+                                           const T* var, T eps, int N, int C, int S, int chunk) {
   __shared__ double shared[32];
-  const int K = N * S;
+  const int K = N * S, k0 = blockIdx.y * chunk, k1 = min(K, k0 + chunk);
   for (int c = blockIdx.x; c < C; c += gridDim.x) {
     const double m = (double)mean[c];
     const double invstd = 1.0 / sqrt((double)var[c] + (double)eps);
     double sg = 0.0, sgx = 0.0;
-    for (int k = threadIdx.x; k < K; k += blockDim.x) {
+    for (int k = k0 + threadIdx.x; k < k1; k += blockDim.x) {
       const long long o = channel_offset(k, c, C, S);
       const double g = (double)gy[o];
       sg += g;
@@ -97,8 +113,8 @@ __global__ void bn_backward_reduce_kernel(T* sums, const T* gy, const T* x, cons
     sg = block_reduce<double, SumOp>(sg, shared);
     sgx = block_reduce<double, SumOp>(sgx, shared);
     if (threadIdx.x == 0) {
-      sums[c] = T(sg);
-      sums[C + c] = T(sgx);
+      ws[((long long)blockIdx.y * 2) * C + c] = sg;
+      ws[((long long)blockIdx.y * 2 + 1) * C + c] = sgx;
     }
   }
 }
@@ -117,8 +133,9 @@ __global__ void bn_backward_data_kernel(T* dx, const T* gy, const T* x, const T*
   }
 }
 
-// instantiate: bn_mean_kernel<float>; bn_mean_kernel<double>; bn_var_kernel<float>; bn_var_kernel<double>
+// instantiate: bn_mean_partial_kernel<float>; bn_mean_partial_kernel<double>; bn_var_partial_kernel<float>; bn_var_partial_kernel<double>
+// instantiate: bn_finalize_kernel<float>; bn_finalize_kernel<double>
 // instantiate: bn_forward_kernel<float>; bn_forward_kernel<double>
 // instantiate: bn_update_running_kernel<float>; bn_update_running_kernel<double>
-// instantiate: bn_backward_reduce_kernel<float>; bn_backward_reduce_kernel<double>
+// instantiate: bn_backward_partial_kernel<float>; bn_backward_partial_kernel<double>
 // instantiate: bn_backward_data_kernel<float>; bn_backward_data_kernel<double>

@@ -4,8 +4,9 @@ Conventions (the .cu file's header has the kernel side; dptrain/backend/cpu/norm
 reference with the same signatures):
   * x is contiguous (N, C, ...): axis 1 the channel, the rest reduced; per-channel arrays
     (mean, var, weight, bias) contiguous (C,), sums (2, C), all of x's float dtype.
-  * Channel reductions (batch_norm_mean, batch_norm_var, batch_norm_backward_reduce): one
-    block per channel, double accumulation, a fixed tree: deterministic, no atomics.
+  * Channel reductions (batch_norm_mean, batch_norm_var, batch_norm_backward_reduce): each
+    channel split over enough blocks to fill the GPU, double partials added in a fixed order
+    by bn_finalize_kernel: deterministic, no atomics.
   * Outputs are new arrays written with `=`; batch_norm_update_ works in place and adds one
     to the int64 0-d num_batches_tracked on the device (no host sync).
   * Host scalars (eps, momentum, count) are cast to the element type; they are constants of a
@@ -42,12 +43,31 @@ def _per_channel(op, c, x, **arrays):
         launch.check_shape(op, a, (c,), name)
 
 
-def _channel_grid(fn, c, args):
-    """One block per channel (at most the grid-stride cap); whole warps for the block tree."""
+def _channel_sums(name, c, n, s, rows, dtype, args):
+    """The per-channel double sums of kernel `name` (rows of them per channel) as a (splits,
+    rows, c) array of partials, each channel's K = n * s elements split over enough blocks to
+    fill the GPU; bn_finalize_kernel adds them. (partials, splits)"""
     threads = launch.block_threads(warps=True)
     _, cap = launch.current_launch_shape()
-    grid = max(1, min(c, cap or launch.sm_count() * launch.BLOCKS_PER_SM))
-    fn((grid,), (threads,), args)
+    blocks = cap or launch.sm_count() * launch.BLOCKS_PER_SM
+    grid_x = max(1, min(c, blocks))
+    k = n * s
+    # blocks of at least 8 elements per thread, and no more than the grid-stride cap
+    splits = max(1, min(blocks // grid_x, k // (threads * 8), launch.GRID_YZ_MAX))
+    chunk = -(-k // splits)
+    ws = launch.new((splits, rows, c), np.dtype(np.float64))
+    fn = launch.kernel(NORM, name, launch.ctype(dtype))
+    fn((grid_x, splits), (threads,), (ws, *args, np.int32(n), np.int32(c), np.int32(s),
+                                      np.int32(chunk)))
+    return ws, splits
+
+
+def _finalize(out, ws, splits, divisor):
+    """out (any shape, R * C values) = the partials' sums in split order / divisor."""
+    fn = launch.kernel(NORM, "bn_finalize_kernel", launch.ctype(out.dtype))
+    launch.grid_stride(fn, out.size, (out, ws, np.int32(splits), np.int32(out.size),
+                                      np.float64(divisor)))
+    return out
 
 
 @op
@@ -58,8 +78,8 @@ def batch_norm_mean(x):
     if c:
         if n * s == 0:
             raise ValueError(f"cuda.batch_norm_mean: no elements per channel in {x.shape}")
-        fn = launch.kernel(NORM, "bn_mean_kernel", launch.ctype(x.dtype))
-        _channel_grid(fn, c, (mean, x, np.int32(n), np.int32(c), np.int32(s)))
+        ws, splits = _channel_sums("bn_mean_partial_kernel", c, n, s, 1, x.dtype, (x,))
+        _finalize(mean, ws, splits, n * s)
     return mean
 
 
@@ -72,8 +92,8 @@ def batch_norm_var(x, mean):
     if c:
         if n * s == 0:
             raise ValueError(f"cuda.batch_norm_var: no elements per channel in {x.shape}")
-        fn = launch.kernel(NORM, "bn_var_kernel", launch.ctype(x.dtype))
-        _channel_grid(fn, c, (var, x, mean, np.int32(n), np.int32(c), np.int32(s)))
+        ws, splits = _channel_sums("bn_var_partial_kernel", c, n, s, 1, x.dtype, (x, mean))
+        _finalize(var, ws, splits, n * s)
     return var
 
 
@@ -124,9 +144,9 @@ def batch_norm_backward_reduce(gy, x, mean, var, eps):
     _per_channel(op, c, x, mean=mean, var=var)
     sums = launch.new((2, c), x.dtype)
     if c:
-        fn = launch.kernel(NORM, "bn_backward_reduce_kernel", launch.ctype(x.dtype))
-        _channel_grid(fn, c, (sums, gy, x, mean, var, x.dtype.type(eps), np.int32(n),
-                              np.int32(c), np.int32(s)))
+        ws, splits = _channel_sums("bn_backward_partial_kernel", c, n, s, 2, x.dtype,
+                                   (gy, x, mean, var, x.dtype.type(eps)))
+        _finalize(sums, ws, splits, 1.0)
     return sums
 
 
