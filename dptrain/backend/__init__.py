@@ -46,6 +46,10 @@ The runtime (``be.runtime``), with the CPU's trivial meaning in brackets:
   ``order(waiter, signaller)``              ``waiter`` waits for all work issued so far on
                                              ``signaller`` [no-op]
   ``synchronize()``                         the host waits for all issued work [no-op]
+  ``stamp(stream=None) -> stamp``           a timestamp of the work issued so far on
+                                             ``stream`` (a timing event) [the host clock]
+  ``stamp_seconds(stamps) -> [float]``      seconds from the first stamp to each (waits for
+                                             them; not inside a captured graph) [differences]
   ``prepare(dtypes=None) -> dict``          build the kernels for arrays of `dtypes`
                                              (default: all) ahead of the first step
                                              (compiled in parallel, or loaded from the
@@ -91,8 +95,8 @@ from __future__ import annotations
 import importlib
 
 RUNTIME = (
-    "current_stream", "comm_stream", "on", "record", "wait", "order", "synchronize", "prepare",
-    "capture", "records_graphs", "comm_timer", "upload_",
+    "current_stream", "comm_stream", "on", "record", "wait", "order", "synchronize",
+    "stamp", "stamp_seconds", "prepare", "capture", "records_graphs", "comm_timer", "upload_",
     "PRECISIONS", "precision", "set_precision", "precision_scope", "mixed_precisions",
     "manual_seed", "rng_state", "get_rng_state", "set_rng_state",
     "device_count", "select_device", "memory_info", "communicator",

@@ -6,6 +6,9 @@ The collectives run on the backend's communication stream (``be.runtime.comm_str
 as the reducer issues them; each timing ends when the host has waited for them
 (``be.runtime.synchronize()``) and the ranks have met at a barrier.
 
+With ``--timeline OUT.json`` it instead trains a few eager steps of a model and writes the
+last step's per-bucket exchange timeline on every rank (dptrain.bench.timeline).
+
 Bus bandwidth follows NCCL's tests: for S bytes on n ranks, an all-reduce and a
 reduce-scatter + all-gather pair both move 2(n-1)/n * S per rank, so busbw = 2(n-1)/n * S / t.
 """
@@ -26,6 +29,16 @@ def main(argv=None) -> int:
     p.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 4, 16, 64, 256])
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--csv", default=None, help="write the table as CSV (rank 0)")
+    p.add_argument("--timeline", default=None, metavar="OUT.json",
+                   help="write one training step's per-bucket exchange timeline instead "
+                   "(rank r > 0: OUT.rank{r}.json); draw it with `python -m dptrain plot`")
+    p.add_argument("--png", default=None, help="--timeline: also draw rank 0's timeline here")
+    p.add_argument("--model", default="cnn", help="--timeline: the model trained")
+    p.add_argument("--batch", type=int, default=16, help="--timeline: images per rank")
+    p.add_argument("--steps", type=int, default=3, help="--timeline: steps (the last is kept)")
+    p.add_argument("--bucket-mb", default="4", help="--timeline: MB, or auto")
+    p.add_argument("--grad-exchange", default="fp32", choices=("fp32", "bf16"))
+    p.add_argument("--precision", default="fp32", help="--timeline: the step's precision")
     args = p.parse_args(argv)
 
     from dptrain import backend, dist
@@ -35,6 +48,14 @@ def main(argv=None) -> int:
     world = dist.init(be)
     comm, n = world.comm, world.size
     rt = be.runtime
+    if args.timeline:
+        from dptrain.bench.timeline import record
+
+        bucket_mb = "auto" if args.bucket_mb == "auto" else float(args.bucket_mb)
+        path = record(world, args.timeline, args.model, args.batch, args.steps, bucket_mb,
+                      args.grad_exchange, args.precision, args.png)
+        print(f"rank {world.rank}: wrote {path}")
+        return 0
 
     def sync():
         rt.synchronize()

@@ -54,6 +54,11 @@ positive_float = number(float, allow_zero=False)
 non_negative_float = number(float, allow_zero=True)
 
 
+def positive_float_or_auto(text):
+    """An argparse type: "auto", or a positive number (--bucket-mb)."""
+    return "auto" if text.strip().lower() == "auto" else positive_float(text)
+
+
 def widths(text):
     """An argparse type: comma-separated positive layer widths, e.g. 1024,1024."""
     parts = [p.strip() for p in text.split(",")]

@@ -1,4 +1,6 @@
-"""`python -m dptrain plot LOGDIR [LOGDIR ...] -o out.png`: loss and accuracy curves of runs.
+"""`python -m dptrain plot LOGDIR [LOGDIR ...] -o out.png`: loss and accuracy curves of runs;
+`python -m dptrain plot TIMELINE.json -o out.png`: a step's exchange timeline
+(`bench comm --timeline`, dptrain.cli.plot_timeline).
 
 One figure, two panels against the training step: loss (training, solid; validation, dashed)
 and accuracy (the same). Each LOGDIR is a run's log directory (its metrics.jsonl); a
@@ -19,7 +21,8 @@ def parser():
     p = Parser(prog="python -m dptrain plot", formatter_class=HelpFormatter,
                description="Loss and accuracy curves of one or several runs on one figure.")
     p.add_argument("logdirs", nargs="+", metavar="LOGDIR",
-                   help="a run's log directory (holding metrics.jsonl)")
+                   help="a run's log directory (holding metrics.jsonl), or one timeline "
+                   "JSON written by `bench comm --timeline`")
     p.add_argument("-o", "--out", default="curves.png", help="the PNG to write")
     p.add_argument("--title", default=None, help="the figure's title")
     p.add_argument("--no-torch", dest="torch", action="store_false",
@@ -110,6 +113,11 @@ def plot(runs, out, title=None) -> Path:
 
 def main(argv) -> int:
     args = parser().parse_args(argv)
+    from dptrain.cli.plot_timeline import is_timeline, plot_timeline
+
+    if len(args.logdirs) == 1 and is_timeline(args.logdirs[0]):
+        print(f"wrote {plot_timeline(args.logdirs[0], args.out, args.title)}")
+        return 0
     out = plot(runs_of(args.logdirs, args.torch), args.out, args.title)
     print(f"wrote {out}")
     return 0

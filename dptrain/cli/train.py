@@ -9,7 +9,8 @@ from dataclasses import MISSING
 
 from dptrain.errors import UsageError
 from dptrain.cli.argtypes import (HelpFormatter, Parser, non_negative_float, non_negative_int,
-                                  positive_float, positive_int, widths)
+                                  positive_float, positive_float_or_auto, positive_int,
+                                  widths)
 
 def model_name(text):
     """An argparse type: a model of dptrain.nn.MODELS, or FILE.py:FUNCTION /
@@ -27,6 +28,7 @@ ARG_TYPES = {
     (str, "model"): model_name,
     (int, "positive"): positive_int, (int, "non_negative"): non_negative_int,
     (float, "positive"): positive_float, (float, "non_negative"): non_negative_float,
+    (float, "positive_or_auto"): positive_float_or_auto,
     (tuple, "widths"): widths, (int, None): int, (float, None): float, (str, None): None,
 }
 

@@ -6,9 +6,9 @@ and the gradient exchange moves a few large contiguous pieces instead of one
 small message per parameter.
 
 Parameters are laid out in reverse order (the last layer first), grouped into
-buckets of about ``bucket_bytes``: backward produces gradients last layer
-first, so each bucket is complete, and its exchange can start, while backward
-still works on earlier layers. Every bucket's length divides by the world size
+buckets of about ``bucket_bytes`` (backward's first, ``first_bucket_bytes`` where given):
+backward produces gradients last layer first, so each bucket is complete, and its exchange
+can start, while backward still works on earlier layers. Every bucket's length divides by the world size
 times an alignment, so each rank owns an equal, aligned slice of each bucket.
 
 Mixed precision (``shadow_dtype``, float16 or bfloat16) adds a third buffer, ``shadow``: the
@@ -44,7 +44,7 @@ class Bucket:
 
 class FlatParameters:
     def __init__(self, params, world_size: int = 1, bucket_bytes: int | None = None,
-                 shadow_dtype=None):
+                 shadow_dtype=None, first_bucket_bytes: int | None = None):
         params = list(params)
         if not params:
             raise ValueError("no parameters to flatten")
@@ -54,10 +54,13 @@ class FlatParameters:
                 raise ValueError("all parameters must share one dtype and device to be flattened")
         self.be, self.dtype, self.params, self.world_size = be, dtype, params, world_size
         limit = bucket_bytes // dtype.itemsize if bucket_bytes else None
+        # backward's first bucket may be smaller, so its reduce-scatter starts early
+        first = first_bucket_bytes // dtype.itemsize if first_bucket_bytes else limit
         self.buckets, self.offsets, offset = [], {}, 0
         bucket = Bucket(0, 0)
         for p in reversed(params):
-            if bucket.params and limit is not None and offset - bucket.start + p.size > limit:
+            cap = first if not self.buckets else limit
+            if bucket.params and cap is not None and offset - bucket.start + p.size > cap:
                 bucket = self._close(bucket, offset)
                 offset = bucket.start
             self.offsets[id(p)] = offset

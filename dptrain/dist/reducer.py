@@ -20,24 +20,48 @@ checkpoints, the replica check): they see fp32 master weights exactly as without
 Reduce-scatter and all-gather work in place in the flat buffers: rank r's shard of a bucket
 is the r-th of its N slices.
 
+Gradient exchange dtype (``exchange``): "fp32" reduce-scatters the fp32 gradients in place.
+"bf16" casts each bucket to a 16-bit copy (bfloat16, uint16 storage; dptrain.backend.bfloat16)
+on the communication stream, reduce-scatters that copy in place (half the bytes) and widens
+the mean of this rank's shard back into the fp32 gradient shard, which the optimizer reads
+as before. The widened mean overwrites the shard: its own fp32 values were one of the summands.
+With one rank nothing is exchanged, so both dtypes train bit for bit alike.
+
+A ``Timeline`` (dptrain.dist.timeline), when set as ``reducer.timeline``, gets per-bucket
+reduce-scatter / all-gather spans on the communication stream and marks on the compute stream
+(a bucket's gradients complete, the forward has its gathered bucket, backward waits).
+
 Streams, events and the timing of exposed communication come from the backend's runtime,
 so this file reads the same on every device (on the CPU the streams are one, the events
 tokens, and every collective completes where it is issued).
 """
 from __future__ import annotations
 
+import contextlib
+
+from dptrain.backend.bfloat16 import BFLOAT16
+
+EXCHANGES = ("fp32", "bf16")  # dtype of the gradients' reduce-scatter
+
 
 class Reducer:
-    def __init__(self, flat, world, model=None):
+    def __init__(self, flat, world, model=None, exchange="fp32"):
+        if exchange not in EXCHANGES:
+            raise ValueError(f"gradient exchange {exchange!r}: choose one of {', '.join(EXCHANGES)}")
         self.flat, self.world, self.comm = flat, world, world.comm
+        self.exchange, self.timeline = exchange, None
         self.rank, self.size = world.rank, world.size
         self.rt = flat.be.runtime
         nb = len(flat.buckets)
         self.timer = self.rt.comm_timer()
         self.gathered = [None] * nb  # per bucket: the event its all-gather completes
+        self.waited = [False] * nb  # per bucket: the compute stream waited for it this step
         self.bucket_of = {id(p): i for i, b in enumerate(flat.buckets) for p in b.params}
         self.pending, self.sent = [0] * nb, [False] * nb
         self.gathering = False
+        # the 16-bit copy of the gradients that bf16 reduce-scatters (fixed: capture-friendly)
+        self.grad16 = (flat.be.empty((flat.numel,), BFLOAT16)
+                       if exchange == "bf16" and self.size > 1 else None)
         for p in flat.params:
             p.register_grad_hook(self._grad_ready)
         if model is not None:
@@ -80,9 +104,11 @@ class Reducer:
             for i in reversed(range(len(self.flat.buckets))):
                 bucket = self.flat.buckets[i]
                 start, stop = bucket.shard(self.rank, self.size)
-                self.timer.issue(self.comm.all_gather, data[start:stop],
-                                 data[bucket.start : bucket.stop])
+                with self._span("all_gather", i, comm_stream):
+                    self.timer.issue(self.comm.all_gather, data[start:stop],
+                                     data[bucket.start : bucket.stop])
                 self.gathered[i] = rt.record(comm_stream)
+                self.waited[i] = False
         self.gathering = True
         if not self.model_hooks:
             self.wait_gathered()
@@ -90,7 +116,10 @@ class Reducer:
     def _wait_gathered(self, buckets):
         if self.gathering:
             for i in buckets:
-                self.rt.wait(self.gathered[i])
+                if not self.waited[i]:  # once per step: later layers of the bucket have it
+                    self.rt.wait(self.gathered[i])
+                    self.waited[i] = True
+                    self._mark("have_gather", i)
 
     def wait_gathered(self):
         """Make the compute stream wait for every bucket's all-gather."""
@@ -121,10 +150,21 @@ class Reducer:
         bucket = self.flat.buckets[i]
         start, stop = bucket.shard(self.rank, self.size)
         rt, comm_stream, grad = self.rt, self.rt.comm_stream(), self.flat.grad
+        self._mark("grads_ready", i)
         rt.order(comm_stream, rt.current_stream())  # after backward wrote this bucket
-        with rt.on(comm_stream):
-            self.timer.issue(self.comm.reduce_scatter, grad[bucket.start : bucket.stop],
-                             grad[start:stop])
+        with rt.on(comm_stream), self._span("reduce_scatter", i, comm_stream):
+            if self.grad16 is None:
+                self.timer.issue(self.comm.reduce_scatter, grad[bucket.start : bucket.stop],
+                                 grad[start:stop])
+            else:
+                self.timer.issue(self._reduce_scatter_16, bucket, start, stop)
+
+    def _reduce_scatter_16(self, bucket, start, stop):
+        """The bucket's 16-bit copy, reduce-scattered in place, widened into the fp32 shard."""
+        be, grad, low = self.flat.be, self.flat.grad, self.grad16
+        be.copy_(low[bucket.start : bucket.stop], grad[bucket.start : bucket.stop])
+        self.comm.reduce_scatter(low[bucket.start : bucket.stop], low[start:stop])
+        be.copy_(grad[start:stop], low[start:stop])
 
     def finish_backward(self):
         """Send buckets whose gradients never arrived (unused parameters), then wait for all."""
@@ -133,10 +173,22 @@ class Reducer:
         for i in range(len(self.flat.buckets)):
             self._reduce_scatter(i)
         if self.size > 1:
+            self._mark("backward_end")
             self.rt.order(self.rt.current_stream(), self.rt.comm_stream())
+            self._mark("exchange_waited")
             self.timer.wait_end()
             self.gathering = False  # the wait above also covered this step's gathers
         self.begin_step()
+
+    # -- timeline marks (nothing without a timeline)
+    def _mark(self, name, bucket=None):
+        if self.timeline is not None:
+            self.timeline.mark("compute", name, self.rt.current_stream(), bucket)
+
+    def _span(self, name, bucket, stream):
+        if self.timeline is None:
+            return contextlib.nullcontext()
+        return self.timeline.span("comm", name, stream, bucket)
 
     def read_exposed_comm(self):
         """Seconds per step the compute stream waited for communication (GPU: the wait for

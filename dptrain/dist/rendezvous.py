@@ -421,6 +421,12 @@ class Comm:
         parts = self._call("allgather", None, np.ascontiguousarray(send))
         recv.reshape(-1)[...] = np.concatenate([p.reshape(-1) for p in parts])
 
+    def Alltoall(self, send, recv):
+        # recv's i-th block = rank i's block for this rank (all of send travels via rank 0)
+        parts = self._call("allgather", None, np.ascontiguousarray(send))
+        mine = [p.reshape(self.size, -1)[self.rank] for p in parts]
+        recv.reshape(self.size, -1)[...] = np.stack(mine)
+
     def Allreduce(self, send, recv, op=CONSTANTS.SUM):
         send = recv if send is CONSTANTS.IN_PLACE else send
         recv.reshape(-1)[...] = self._call("allreduce", op, np.asarray(send)).reshape(-1)

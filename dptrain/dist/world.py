@@ -33,6 +33,7 @@ import traceback
 
 import numpy as np
 
+from dptrain.backend.bfloat16 import BFLOAT16, from_bfloat16, to_bfloat16
 from dptrain.dist import slurm
 from dptrain.errors import RunStopped
 
@@ -112,11 +113,28 @@ class MPIComm:
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
 
     def reduce_scatter(self, send, recv):
+        if send.dtype.itemsize == 2:
+            return self._reduce_scatter_16(send, recv)
         MPI = constants(self.comm)
         out = np.empty_like(recv)
         self.comm.Reduce_scatter_block(np.ascontiguousarray(send), out, op=MPI.SUM)
         out /= out.dtype.type(self.size)
         recv[...] = out
+
+    def _reduce_scatter_16(self, send, recv):
+        """16-bit floats (float16, or bfloat16 as uint16): MPI has no portable 16-bit float
+        sum, so every rank receives the ranks' 16-bit slices of its shard (all-to-all: the
+        bytes a ring reduce-scatter moves), sums them widened to float32 in rank order
+        (deterministic), divides by N and rounds once to 16 bits. NCCL's ring rounds after
+        each hop instead: its result may differ from this one in the last bit."""
+        slices = np.ascontiguousarray(send).view(np.uint16).reshape(self.size, -1)
+        got = np.empty_like(slices)
+        self.comm.Alltoall(slices, got)
+        wide = (from_bfloat16(got) if send.dtype == BFLOAT16
+                else got.view(np.float16).astype(np.float32))
+        mean = wide.sum(axis=0, dtype=np.float32) / np.float32(self.size)
+        recv[...] = (to_bfloat16(mean) if send.dtype == BFLOAT16
+                     else mean.astype(np.float16)).view(recv.dtype)
 
     def all_gather(self, send, recv):
         if send.dtype == np.float16:  # moves bits: MPI's 16-bit float type is optional

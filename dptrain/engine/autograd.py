@@ -195,9 +195,13 @@ def _topological_order(root: Tensor) -> list:
         seen.add(id(node))
         stack.append((node, True))
         if node._ctx is not None:
-            for inp in node._ctx.inputs:
-                if inp.requires_grad and id(inp) not in seen:
-                    stack.append((inp, False))
+            # leaves pushed first are reached last, so each lands right after its consumers
+            # in the reversed order: a parameter's gradient completes (and its bucket's
+            # reduce-scatter starts) as backward passes its layer, not at the very end. The
+            # order among the other tensors, and so every sum, is unchanged.
+            inputs = [i for i in node._ctx.inputs if i.requires_grad and id(i) not in seen]
+            for inp in sorted(inputs, key=lambda t: t._ctx is not None):
+                stack.append((inp, False))
     return order
 
 

@@ -117,8 +117,15 @@ class TrainConfig:
     sync_bn: bool = option(
         False, "batch normalisation uses the statistics of all ranks' batches (all-reduced "
         "inside the step) instead of each rank's own", DEVICE)
-    bucket_mb: float = option(4.0, "gradient bucket size for the reduce-scatter (MB)", DEVICE,
-                              bound="positive")
+    bucket_mb: float | str = option(
+        4.0, "gradient bucket size for the reduce-scatter (MB), or auto: the sizes (a smaller "
+        "first bucket, then the body's) whose simulated exposed reduce-scatter time is least, "
+        "from the measured link and backward time (dptrain.dist.buckets)", DEVICE,
+        bound="positive_or_auto", metavar="MB|auto")
+    grad_exchange: str = option(
+        "fp32", "dtype of the gradients' reduce-scatter: fp32, or bf16 (a 16-bit copy of each "
+        "bucket, half the bytes, its mean widened into the fp32 gradient shard; on the CPU "
+        "bfloat16 is emulated bit for bit)", DEVICE, choices=("fp32", "bf16"))
     cuda_graph: bool = option(
         True, "GPU: run every step eagerly instead of replaying a captured graph", DEVICE)
     precision: str = option(

@@ -21,8 +21,9 @@ import numpy as np
 import dptrain.engine.functional as F
 from dptrain import dist
 from dptrain.backend.bfloat16 import BFLOAT16
+from dptrain.dist import buckets
 from dptrain.dist.flat import FlatParameters
-from dptrain.dist.reducer import Reducer
+from dptrain.dist.reducer import EXCHANGES, Reducer
 from dptrain.dist.startup import first_on_host
 from dptrain.engine.autograd import Tensor
 from dptrain.errors import UsageError
@@ -57,7 +58,10 @@ class DataParallel:
       sync        "check" (default): stop with one line naming the parameters that differ
                   between ranks at the start (seed every rank alike, dptrain.manual_seed);
                   "broadcast": copy rank 0's parameters to every rank
-      bucket_mb   size of the gradient-exchange buckets
+      bucket_mb   size of the gradient-exchange buckets (MB), or "auto" (dptrain.dist.buckets:
+                  a smaller first bucket and a body size from the link and backward time)
+      grad_exchange  "fp32" (default) or "bf16": reduce-scatter a 16-bit copy of each
+                  bucket, its mean widened into the fp32 gradient shard (half the bytes)
       skip_nonfinite  steps with a NaN/inf loss or gradient that may be skipped (0: the
                   first one stops the run at the next ``step.metrics()``)
       loss_scale, loss_scale_interval  fp16's dynamic loss scale
@@ -70,10 +74,13 @@ class DataParallel:
     """
 
     def __init__(self, model, optimizer="adamw", *, world=None, precision="auto",
-                 sync="check", bucket_mb=4.0, skip_nonfinite=0, loss_scale=amp.INIT_SCALE,
+                 sync="check", bucket_mb=4.0, grad_exchange="fp32", skip_nonfinite=0, loss_scale=amp.INIT_SCALE,
                  loss_scale_interval=amp.INTERVAL, **options):
         if sync not in SYNC_MODES:
             raise UsageError(f"sync={sync!r}: choose one of {', '.join(SYNC_MODES)}")
+        if grad_exchange not in EXCHANGES:
+            raise UsageError(f"grad_exchange={grad_exchange!r}: choose one of "
+                             f"{', '.join(EXCHANGES)}")
         world = world or dist.current() or dist.init()
         be = world.be
         if be is None:
@@ -89,11 +96,13 @@ class DataParallel:
             raise UsageError("DataParallel: the model has no parameter that requires grad")
         if sync == "check":
             _check_replicas(model, world, be)
-        self.flat = FlatParameters(trained, world.size, int(bucket_mb * 2**20),
-                                   shadow_dtype=amp.shadow_dtype(self.precision))
+        first, body = _bucket_bytes(bucket_mb, trained, world.size, grad_exchange)
+        self.flat = FlatParameters(trained, world.size, body,
+                                   shadow_dtype=amp.shadow_dtype(self.precision),
+                                   first_bucket_bytes=first)
         self.optimizer = make_optimizer(optimizer, self.flat,
                                         self.flat.shard_segments(world.rank), **options)
-        self.reducer = Reducer(self.flat, world, model)
+        self.reducer = Reducer(self.flat, world, model, exchange=grad_exchange)
         self.reducer.broadcast_parameters()  # equal already when checked; casts the shadow
         for p in model.parameters():
             if not p.requires_grad:  # frozen: not in the flat buffer, so sent on its own
@@ -173,6 +182,18 @@ class DataParallel:
 
     def eval(self):
         return self.train(False)
+
+
+def _bucket_bytes(bucket_mb, params, n, exchange):
+    """(first bucket bytes or None, body bucket bytes): `bucket_mb` MB each, or "auto"'s plan
+    for the gradient bytes this exchange sends, scaled back to the fp32 buffer's bytes."""
+    if bucket_mb == "auto":
+        wire = 2 if exchange == "bf16" else 4
+        first, body, _ = buckets.plan([p.size * wire for p in reversed(params)], n)
+        return first * 4 // wire, body * 4 // wire
+    if isinstance(bucket_mb, str) or not bucket_mb > 0:
+        raise UsageError(f"bucket_mb={bucket_mb!r}: a positive number of MB, or 'auto'")
+    return None, int(bucket_mb * 2**20)
 
 
 def _to_float32(out):

@@ -107,6 +107,7 @@ def train(cfg: TrainConfig, echo=print) -> dict:
     # (mixed precision), the loss scaler (fp16) and the non-finite guard: the library's own
     ddp = DataParallel(model, functools.partial(build_optimizer, cfg), world=world,
                        precision=cfg.precision, sync="broadcast", bucket_mb=cfg.bucket_mb,
+                       grad_exchange=cfg.grad_exchange,
                        skip_nonfinite=cfg.skip_nonfinite, loss_scale=cfg.loss_scale,
                        loss_scale_interval=cfg.loss_scale_interval)
     flat, opt, reducer, scaler, guard = ddp.flat, ddp.optimizer, ddp.reducer, ddp.scaler, ddp.guard

@@ -231,8 +231,9 @@ def test_bf16_is_refused_off_the_gpu():
     with pytest.raises(ValueError, match="bf16 needs a GPU"):
         amp.check_runtime("bf16", cpu.runtime)
     amp.check_runtime("fp16", cpu.runtime)
-    with pytest.raises(TypeError, match="GPU only"):
-        cpu.astype(np.ones(3, np.float32), BFLOAT16)
+    # the CPU converts to and from bfloat16 storage (the bf16 gradient exchange), but
+    # computes in it nowhere: conversions only, tests/backend/test_cpu_bfloat16.py
+    assert cpu.astype(np.ones(3, np.float32), BFLOAT16).dtype == BFLOAT16
 
 
 def test_layers_without_16_bit_kernels_are_named():

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dptrain.backend.bfloat16 import BFLOAT16
+from dptrain.backend.bfloat16 import BFLOAT16, from_bfloat16, to_bfloat16
 from dptrain.backend.cpu.runtime import runtime
 from dptrain.backend.cpu.workspace import checked, scratch
 from dptrain.backend.registry import op
@@ -51,9 +51,26 @@ def copy(a):
 
 @op
 def copy_(dst, src):
+    """dst[...] = src cast to dst's dtype; bfloat16 (uint16) converts to and from floats
+    with round-to-nearest-even, the bits of the GPU's convert_kernel."""
+    src = _bf16_cast(src, dst.dtype)
     with np.errstate(over="ignore"):  # to float16: too large becomes inf, as in astype
         np.copyto(dst, src)
     return dst
+
+
+def _bf16_cast(a, dtype):
+    """`a` as `dtype` where one side is bfloat16 and the other a float, else `a` unchanged."""
+    a, dtype = np.asarray(a), np.dtype(dtype)
+    if dtype == a.dtype or BFLOAT16 not in (dtype, a.dtype):
+        return a
+    if dtype == BFLOAT16:
+        if a.dtype.kind != "f":
+            raise TypeError(f"cpu: bfloat16 converts from floats only, not {a.dtype}")
+        return to_bfloat16(a.astype(np.float32))  # (float64: via float32)
+    if dtype.kind != "f":
+        raise TypeError(f"cpu: bfloat16 converts to floats only, not {dtype}")
+    return from_bfloat16(a).astype(dtype)
 
 
 @op
@@ -71,8 +88,7 @@ def set_scalar_(buf, values):
 
 @op
 def astype(a, dtype):
-    if BFLOAT16 in (np.dtype(dtype), a.dtype) and np.dtype(dtype) != a.dtype:
-        raise TypeError("cpu.astype: bfloat16 (uint16 storage) is computed on the GPU only")
+    a = _bf16_cast(a, dtype)  # (the CPU stores bfloat16; only the GPU computes in it)
     with np.errstate(over="ignore"):  # to float16: too large becomes inf, as on the GPU
         return np.ascontiguousarray(a, dtype=dtype)
 

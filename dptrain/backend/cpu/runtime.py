@@ -77,6 +77,13 @@ class Runtime(RuntimeBase):
     def synchronize(self):
         pass
 
+    # -- timestamps (timelines): the host clock, as every op is done when it returns
+    def stamp(self, stream=None):
+        return time.perf_counter()
+
+    def stamp_seconds(self, stamps) -> list:
+        return [s - stamps[0] for s in stamps] if stamps else []
+
     # -- cold start: nothing to compile
     def prepare(self, dtypes=None) -> dict:
         return {"files": 0, "built": 0, "seconds": 0.0, "workers": 0}

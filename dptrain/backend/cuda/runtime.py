@@ -135,6 +135,21 @@ class Runtime(RuntimeBase):
     def synchronize(self):
         cupy.cuda.runtime.deviceSynchronize()
 
+    # -- timestamps (timelines): timing events on the stream the work runs on
+    def stamp(self, stream=None):
+        event = cupy.cuda.Event()  # timing enabled
+        event.record(cupy.cuda.get_current_stream() if stream is None else stream)
+        return event
+
+    def stamp_seconds(self, stamps) -> list:
+        """Seconds from the first stamp to each (waits for them; eager steps only: events
+        recorded inside a captured graph cannot be read back)."""
+        if not stamps:
+            return []
+        for event in stamps:
+            event.synchronize()
+        return [cupy.cuda.get_elapsed_time(stamps[0], e) / 1e3 for e in stamps]
+
     # -- cold start
     def prepare(self, dtypes=None) -> dict:
         """Build the kernels for arrays of `dtypes` (default: every dtype) of every kernel
