@@ -2,7 +2,10 @@
 
     world.py       which rank this is, the communicators (Local, MPI; NCCL lives in the backend)
     flat.py        all parameters and gradients in one padded buffer per dtype, 16-bit shadow
-    reducer.py     buckets of that buffer: reduce-scatter, this rank's shard, all-gather
+    reducer.py     buckets of that buffer: reduce-scatter (fp32 or bf16), this rank's shard,
+                   all-gather
+    buckets.py     --bucket-mb auto: bucket sizes from the link and the backward's timing
+    timeline.py    a step's per-bucket exchange timeline, as JSON
     launcher.py    finding mpirun / mpiexec / srun and building their command lines
     slurm.py       the world from SLURM_* when srun started the ranks without MPI
     rendezvous.py  the TCP meeting place for that case, answering mpi4py's calls

@@ -5,6 +5,7 @@
                    backend arrays (never Tensors), so the engine never knows the device
     functional.py  the functional API (``from dptrain import functional as F``) and the
                    Tensor methods composed from the primitives
+    losses.py      mse_loss, binary_cross_entropy_with_logits, composed from the primitives
     rng.py         the random state of the run (init, dropout, data order), kept per backend
 
 May import: dptrain.backend, dptrain.errors. Nothing above it.
