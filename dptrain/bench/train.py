@@ -10,26 +10,36 @@ Rows, for every model of ``dptrain.nn.MODELS`` that builds for the image shape (
   pytorch  eager / graph / compile            in fp32 and tf32 (TF32 on or off)
   pytorch  graph-autocast-cl                  bf16 and fp16 autocast + channels_last, in a
                                               graph (always measured on a GPU: the mode to beat)
-Both sides start from the same weights (PyTorch's twin of our model gets our state_dict;
-models without a twin get no PyTorch rows), use the same optimizer (``--optimizer``: SGD
-with momentum 0.9, or AdamW), read uint8 images already on the device and gather and
+  pytorch  compile-max-autotune               bf16 and fp16 autocast + channels_last,
+                                              torch.compile(mode="max-autotune"); only when
+                                              ``--torch-modes`` names it (its compile and
+                                              autotuning can take minutes)
+``--torch-modes`` picks PyTorch's modes (default: every one but compile-max-autotune). Both
+compile modes report the wall time of their first step, where torch.compile traces, generates
+and (max-autotune) benchmarks its kernels, apart from the timed steps: a note in the table and
+``compile_s`` in the CSV and JSON (Inductor's on-disk cache shortens it on a second run).
+Both sides start from the same weights (PyTorch's twin of our model gets our state_dict: cnn
+and mlp as Sequential stacks, resnet18 as torchvision's, vit with nn.TransformerEncoderLayer
+blocks; models without a twin get no PyTorch rows), use the same optimizer (``--optimizer``:
+SGD with momentum 0.9, or AdamW), read uint8 images already on the device and gather and
 normalise them inside the step. Each is warmed up (``--warmup`` steps: kernels compiled,
 graphs captured), then ``--repeats`` runs of ``--steps`` steps are timed on the host clock
 around a device synchronisation; a row is the median.
 
 Columns: ms/step; images/s; ``vs best torch`` = PyTorch's fastest mode in the same precision
-(TF32 rows against PyTorch's TF32 modes, bf16 against its bf16 mode) divided by this row's
-time, so > 1 is faster than PyTorch's best; TFLOP/s from the FLOPs a training step needs
-(``dptrain.bench.flops``: 3x the forward's conv and matmul FLOPs, 138.5 MFLOP per 48x48
-image for the reference CNN); ``% floor`` = that rate over the device's dense peak in the
-row's precision (``PEAK_TFLOPS`` by GPU name, or ``--peak-tflops``). ``--profile`` adds, for
-each model, batch and precision, our eager step's time per op (CUDA events around each op,
-``dptrain.bench.profile``). ``--csv`` / ``--json`` write the rows (JSON adds the profiles);
-the table prints last. On the CPU only eager rows run (PyTorch's eager CPU step if torch
-is installed).
+(TF32 rows against PyTorch's TF32 modes, bf16 against its bf16 modes, compile-max-autotune
+included when it ran) divided by this row's time, so > 1 is faster than PyTorch's best;
+TFLOP/s from the FLOPs a training step needs (``dptrain.bench.flops``: 3x the forward's conv
+and matmul FLOPs, 138.5 MFLOP per 48x48 image for the reference CNN); ``% floor`` = that
+rate over the device's dense peak in the row's precision (``PEAK_TFLOPS`` by GPU name, or
+``--peak-tflops``). ``--profile`` adds, for each model, batch and precision, our eager
+step's time per op (CUDA events around each op, ``dptrain.bench.profile``). ``--csv`` /
+``--json`` write the rows (JSON adds the profiles); the table prints last. On the CPU only
+eager rows run (PyTorch's eager CPU step if torch is installed).
 
     python -m dptrain bench train [--batch-sizes 64 256 1024] [--optimizer sgd|adamw]
         [--models cnn] [--precisions tf32] [--profile] [--csv F.csv] [--json F.json]
+        [--torch-modes graph-autocast-cl compile-max-autotune]
 """
 from __future__ import annotations
 
@@ -61,7 +71,7 @@ PEAK_TFLOPS = (
 )
 
 FIELDS = ["model", "batch", "precision", "impl", "mode", "ms", "images_per_s",
-          "vs_best_torch", "tflops", "pct_of_floor", "flops_per_image", "note"]
+          "vs_best_torch", "tflops", "pct_of_floor", "flops_per_image", "compile_s", "note"]
 
 
 # ----------------------------------------------------------------------------- timing
@@ -221,18 +231,26 @@ def fill_derived(rows, peaks):
 # ----------------------------------------------------------------------------- output
 
 
+def compile_note(mode, seconds) -> str:
+    """The table's note for a compile mode's one-off cost, kept out of ms/step."""
+    if seconds is None:
+        return ""
+    what = "compile + autotune" if mode == "compile-max-autotune" else "compile"
+    return f"{what} {seconds:.1f} s"
+
+
 def _cell(value, fmt):
     return "-" if value is None else format(value, fmt)
 
 
 def format_table(rows) -> str:
-    head = (f"{'model':<10} {'batch':>5} {'prec':>4} {'impl':<7} {'mode':<17} {'ms/step':>8} "
+    head = (f"{'model':<10} {'batch':>5} {'prec':>4} {'impl':<7} {'mode':<20} {'ms/step':>8} "
             f"{'images/s':>10} {'vs best torch':>13} {'TFLOP/s':>8} {'% floor':>7}")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
             f"{r['model']:<10} {r['batch']:>5} {r['precision']:>4} {r['impl']:<7} "
-            f"{r['mode']:<17} {_cell(r['ms'], '8.3f')} {_cell(r['images_per_s'], '10.0f')} "
+            f"{r['mode']:<20} {_cell(r['ms'], '8.3f')} {_cell(r['images_per_s'], '10.0f')} "
             f"{_cell(r['vs_best_torch'], '13.2f')} {_cell(r['tflops'], '8.3g')} "
             f"{_cell(r['pct_of_floor'], '7.1f')}" + (f"  ({r['note']})" if r["note"] else ""))
     return "\n".join(lines)
@@ -276,6 +294,11 @@ def _parser():
     p.add_argument("--warmup", type=_positive_int, default=5, help="steps before timing")
     p.add_argument("--repeats", type=_positive_int, default=5, help="timed runs (median)")
     p.add_argument("--no-torch", action="store_true", help="no PyTorch rows")
+    p.add_argument("--torch-modes", nargs="+", choices=list(torch_step.MODES),
+                   default=list(torch_step.DEFAULT_MODES), metavar="MODE",
+                   help="PyTorch's modes to run (GPU; the CPU runs eager only): "
+                   + "; ".join(f"{m}: {what}" for m, what in torch_step.MODES.items())
+                   + f" (default: {' '.join(torch_step.DEFAULT_MODES)})")
     p.add_argument("--peak-tflops", default=None,
                    help="the device's dense peak, TFLOP/s: one number, or tf32=495,bf16=989")
     p.add_argument("--profile", action="store_true",
@@ -341,12 +364,12 @@ def main(argv=None, echo=print) -> int:
         for batch in args.batch_sizes:
             data = _batch_data(batch, image_shape, args.seed)
 
-            def row(precision, impl, mode, seconds, note=""):
+            def row(precision, impl, mode, seconds, note="", compile_s=None):
                 rows.append({"model": model_name, "batch": batch, "precision": precision,
                              "impl": impl, "mode": mode,
                              "ms": seconds * 1e3 if seconds else None,
                              "images_per_s": batch / seconds if seconds else None,
-                             "flops_per_image": fpi, "note": note})
+                             "flops_per_image": fpi, "compile_s": compile_s, "note": note})
 
             for precision in precisions:
                 matrix = "auto" if precision in amp.COMPUTE_DTYPES else precision
@@ -371,17 +394,13 @@ def main(argv=None, echo=print) -> int:
                                          "precision": precision, "ops": ops})
             if net is None:
                 continue
-            torch_rows = [(p, m) for p in precisions if p in torch_step.MATMUL_PRECISIONS
-                          for m in (("eager", "graph", "compile") if graphs else ("eager",))]
-            if graphs:  # PyTorch's half-precision mode: the one to beat, whatever ours offers
-                torch_rows += [(p, "graph-autocast-cl") for p in torch_step.AUTOCAST_PRECISIONS
-                               if p in precisions or p == "bf16"]
-            for precision, mode in torch_rows:
+            for precision, mode in torch_step.rows(precisions, args.torch_modes, graphs):
                 try:
-                    step, sync = torch_step.training_step(
+                    step, sync, compile_s = torch_step.training_step(
                         net, device, mode, precision, args.optimizer, data.images, data.labels,
                         MEAN, STD)
-                    row(precision, "pytorch", mode, time_step(step, sync, *timing))
+                    row(precision, "pytorch", mode, time_step(step, sync, *timing),
+                        compile_note(mode, compile_s), compile_s)
                 except Exception as exc:  # a mode PyTorch cannot run here: say so, go on
                     traceback.print_exc(limit=2, file=sys.stderr)
                     row(precision, "pytorch", mode, None,
@@ -393,6 +412,7 @@ def main(argv=None, echo=print) -> int:
     header = {"device": device, "gpu": gpu, "host": platform.node(),
               "date": datetime.date.today().isoformat(), "software": machine.gpu_software(),
               "torch": torch_step.version() if use_torch else None,
+              "torch_modes": list(args.torch_modes) if use_torch else [],
               "optimizer": args.optimizer, "image_shape": list(image_shape),
               "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
               "peak_tflops": peaks, "command": "python -m dptrain bench train "

@@ -5,9 +5,10 @@ loads the initial weights our run started from (same seed, or the same --load fi
 trains it one process at our global batch on the same batches: the sampler of one rank at
 the global batch draws exactly the union of our ranks' batches. Same optimizer, learning-rate
 schedule, logging and evaluation steps. It writes LOGDIR/torch/metrics.jsonl, summary.json and
-config.json, so `python -m dptrain plot LOGDIR` draws both runs. Models whose layers have no
-PyTorch twin here (beyond Sequential stacks of Conv2d, Linear, ReLU, pooling, Flatten,
-Dropout) are refused with one line; Dropout draws other masks than ours.
+config.json, so `python -m dptrain plot LOGDIR` draws both runs. Twins exist for Sequential
+stacks of Conv2d, Linear, ReLU, pooling, Flatten and Dropout (cnn, mlp), for resnet18
+(torchvision's) and for vit (nn.TransformerEncoderLayer blocks); other models are refused
+with one line. Dropout draws other masks than ours.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def torch_model(torch, model, source: str):
     net = twin(model)
     if net is None:
         raise UsageError(f"--torch: {source} has no PyTorch twin here (Sequential stacks of "
-                         f"Conv2d/Linear/ReLU/pooling/Flatten/Dropout, and resnet18)")
+                         f"Conv2d/Linear/ReLU/pooling/Flatten/Dropout, resnet18 and vit)")
     return net
 
 
@@ -168,7 +169,8 @@ def train_twin(cfg, device: str, global_batch: int, echo=print) -> dict:
 
 
 def twin(model):
-    """The torch.nn.Sequential equal to `model` with its weights, or None."""
+    """The torch.nn.Module equal to `model` with its weights (a Sequential for our Sequential
+    stacks, torchvision's resnet18, the ViT below), or None."""
     import numpy as np
     import torch
     import torch.nn as tnn
@@ -177,6 +179,8 @@ def twin(model):
 
     if isinstance(model, nn.ResNet):
         return _resnet_twin(model)
+    if isinstance(model, nn.VisionTransformer):
+        return _vit_twin(model)
     if not isinstance(model, nn.Sequential):
         return None
     layers = []
@@ -223,6 +227,48 @@ def _resnet_twin(model):
     net.conv1 = tnn.Conv2d(cin, cout, (kh, kw), 1 if kh == 3 else 2, kh // 2, bias=False)
     if model.maxpool is None:
         net.maxpool = tnn.Identity()
+    try:
+        net.load_state_dict({k: torch.from_numpy(np.ascontiguousarray(v))
+                             for k, v in model.state_dict().items()})
+    except RuntimeError:
+        return None
+    return net
+
+
+def _vit_twin(model):
+    """Our VisionTransformer in torch: the same module names (patch_embed, cls_token,
+    pos_embed, pos_drop, blocks.i as nn.TransformerEncoderLayer(batch_first, norm_first,
+    exact GELU), norm, head) and forward, holding our weights. None if they do not load."""
+    import numpy as np
+    import torch
+    import torch.nn as tnn
+
+    class ViT(tnn.Module):  # defined here: importing this module never needs torch
+        def __init__(self):
+            super().__init__()
+            cout, cin, p, _ = model.patch_embed.weight.shape
+            self.patch_embed = tnn.Conv2d(cin, cout, p, stride=p)
+            self.cls_token = tnn.Parameter(torch.zeros(model.cls_token.shape))
+            self.pos_embed = tnn.Parameter(torch.zeros(model.pos_embed.shape))
+            self.pos_drop = tnn.Dropout(model.pos_drop.p)
+            self.blocks = tnn.Sequential(*[
+                tnn.TransformerEncoderLayer(
+                    b.linear1.in_features, b.self_attn.num_heads, b.linear1.out_features,
+                    b.dropout.p, activation="gelu", layer_norm_eps=b.norm1.eps,
+                    batch_first=True, norm_first=True)
+                for b in model.blocks])
+            self.norm = tnn.LayerNorm(model.norm.weight.shape[0], eps=model.norm.eps)
+            self.head = tnn.Linear(model.head.in_features, model.head.out_features)
+
+        def forward(self, x):
+            tokens = self.patch_embed(x).flatten(2).transpose(1, 2)  # (B, N, D)
+            # class token and positions in the tokens' dtype, as ours under autocast
+            cls = self.cls_token.to(tokens.dtype).expand(tokens.shape[0], -1, -1)
+            x = torch.cat([cls, tokens], dim=1) + self.pos_embed.to(tokens.dtype)
+            x = self.norm(self.blocks(self.pos_drop(x)))
+            return self.head(x[:, 0])
+
+    net = ViT()
     try:
         net.load_state_dict({k: torch.from_numpy(np.ascontiguousarray(v))
                              for k, v in model.state_dict().items()})

@@ -112,6 +112,7 @@ def test_peak_rates_by_name_and_by_flag():
     (["--models", "nope"], "--models nope: unknown model"),
     (["--models", "cnn", "--image-size", "4"], "--models cnn: does not build"),
     (["--batch-sizes", "0"], "--batch-sizes/--batch-size: must be positive, got 0"),
+    (["--torch-modes", "fast"], "--torch-modes: invalid choice: 'fast'"),
 ])
 def test_bad_flags_are_one_line_errors(args, message):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -175,3 +176,50 @@ def test_torch_twin_is_none_for_other_layers():
 
     assert torch_step.twin(nn.Sequential(nn.Flatten(), Odd())) is None
     assert torch_step.twin(Odd()) is None
+
+
+def test_torch_rows_follow_the_chosen_modes():
+    from dptrain.bench import torch_step
+
+    default = torch_step.rows(("tf32", "bf16"), torch_step.DEFAULT_MODES, graphs=True)
+    assert default == [("tf32", "eager"), ("tf32", "graph"), ("tf32", "compile"),
+                       ("bf16", "graph-autocast-cl")]  # no max-autotune unless asked
+    asked = torch_step.rows(("tf32", "fp16"), ("graph", "compile-max-autotune",
+                                               "graph-autocast-cl"), graphs=True)
+    assert asked == [("tf32", "graph"), ("bf16", "graph-autocast-cl"),
+                     ("bf16", "compile-max-autotune"), ("fp16", "graph-autocast-cl"),
+                     ("fp16", "compile-max-autotune")]
+    assert torch_step.rows(("fp32",), tuple(torch_step.MODES), graphs=False) == [
+        ("fp32", "eager")]  # the CPU: eager only
+    assert torch_step.rows(("fp32",), ("compile-max-autotune",), graphs=False) == []
+    assert set(torch_step.DEFAULT_MODES) | {"compile-max-autotune"} == set(torch_step.MODES)
+
+
+def test_vs_best_torch_counts_max_autotune_when_it_ran():
+    def r(impl, mode, ms):
+        return {"model": "vit", "batch": 64, "precision": "bf16", "impl": impl, "mode": mode,
+                "ms": ms, "flops_per_image": 1e9}
+
+    rows = [r("dptrain", "graph", 3.0), r("pytorch", "graph-autocast-cl", 4.0),
+            r("pytorch", "compile-max-autotune", 2.0)]
+    bench.fill_derived(rows, {})
+    assert rows[0]["vs_best_torch"] == pytest.approx(2.0 / 3.0)
+    assert rows[1]["vs_best_torch"] == pytest.approx(0.5)
+    failed = [r("dptrain", "graph", 3.0), r("pytorch", "graph-autocast-cl", 4.0),
+              r("pytorch", "compile-max-autotune", None)]  # failed: not a reference
+    bench.fill_derived(failed, {})
+    assert failed[0]["vs_best_torch"] == pytest.approx(4.0 / 3.0)
+
+
+def test_compile_time_is_a_note_apart_from_the_step_time():
+    assert bench.compile_note("compile-max-autotune", 93.25) == "compile + autotune 93.2 s"
+    assert bench.compile_note("compile", 12.0) == "compile 12.0 s"
+    assert bench.compile_note("graph", None) == ""
+    row = {"model": "vit", "batch": 64, "precision": "bf16", "impl": "pytorch",
+           "mode": "compile-max-autotune", "ms": 2.0, "images_per_s": 32000.0,
+           "vs_best_torch": 1.0, "tflops": None, "pct_of_floor": None, "compile_s": 93.25,
+           "note": bench.compile_note("compile-max-autotune", 93.25)}
+    line = bench.format_table([row]).splitlines()[-1]
+    assert line.split()[4] == "compile-max-autotune"
+    assert line.endswith("(compile + autotune 93.2 s)")
+    assert "compile_s" in bench.FIELDS
