@@ -7,7 +7,6 @@ script; each trains on its stride of every global batch and the gradients are av
 """
 import argparse
 
-import numpy as np
 
 import dptrain as dp
 from dptrain import functional as F

@@ -99,16 +99,7 @@ def plot(runs, out, title=None) -> Path:
         if ax.lines:
             ax.legend(fontsize="small")
     fig.suptitle(title or ", ".join(label for label, _ in runs))
-    fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        fig.savefig(out, dpi=100)
-    except OSError as exc:
-        raise UsageError(f"-o {out}: cannot write ({exc.strerror})") from None
-    finally:
-        plt.close(fig)
-    return out
+    return save_figure(fig, out, dpi=100)
 
 
 def main(argv) -> int:
@@ -121,3 +112,20 @@ def main(argv) -> int:
     out = plot(runs_of(args.logdirs, args.torch), args.out, args.title)
     print(f"wrote {out}")
     return 0
+
+
+def save_figure(fig, out, dpi=100) -> Path:
+    """Write a matplotlib figure to `out` (its folder made), closing it; an unwritable path is
+    one line naming it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fig.savefig(out, dpi=dpi)
+    except OSError as exc:
+        raise UsageError(f"-o {out}: cannot write ({exc.strerror})") from None
+    finally:
+        plt.close(fig)
+    return out

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from dptrain.cli.plot import save_figure
 from dptrain.dist import timeline as tl
 from dptrain.errors import UsageError
 
@@ -50,13 +51,4 @@ def plot_timeline(path, out, title=None) -> Path:
     ax.grid(axis="x", alpha=0.3)
     ax.set_title(title or f"rank {data['rank']} of {data['ranks']}, exchange "
                  f"{data.get('exchange', '?')}: reduce-scatter blue, all-gather green")
-    fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        fig.savefig(out, dpi=110)
-    except OSError as exc:
-        raise UsageError(f"-o {out}: cannot write ({exc.strerror})") from None
-    finally:
-        plt.close(fig)
-    return out
+    return save_figure(fig, out, dpi=110)

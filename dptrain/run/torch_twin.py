@@ -214,8 +214,6 @@ def _resnet_twin(model):
     """torchvision's resnet18 with our stem (input channels; for small images a 3x3 stride-1
     conv and no max-pool) and our weights: the state_dict names are torchvision's. None when
     torchvision is missing or the model is not the [2, 2, 2, 2] layout."""
-    import numpy as np
-    import torch
     import torch.nn as tnn
 
     try:
@@ -227,19 +225,13 @@ def _resnet_twin(model):
     net.conv1 = tnn.Conv2d(cin, cout, (kh, kw), 1 if kh == 3 else 2, kh // 2, bias=False)
     if model.maxpool is None:
         net.maxpool = tnn.Identity()
-    try:
-        net.load_state_dict({k: torch.from_numpy(np.ascontiguousarray(v))
-                             for k, v in model.state_dict().items()})
-    except RuntimeError:
-        return None
-    return net
+    return _with_our_weights(net, model)
 
 
 def _vit_twin(model):
     """Our VisionTransformer in torch: the same module names (patch_embed, cls_token,
     pos_embed, pos_drop, blocks.i as nn.TransformerEncoderLayer(batch_first, norm_first,
     exact GELU), norm, head) and forward, holding our weights. None if they do not load."""
-    import numpy as np
     import torch
     import torch.nn as tnn
 
@@ -269,6 +261,14 @@ def _vit_twin(model):
             return self.head(x[:, 0])
 
     net = ViT()
+    return _with_our_weights(net, model)
+
+
+def _with_our_weights(net, model):
+    """`net` (a torch module) holding `model`'s weights, or None where they do not fit it."""
+    import numpy as np
+    import torch
+
     try:
         net.load_state_dict({k: torch.from_numpy(np.ascontiguousarray(v))
                              for k, v in model.state_dict().items()})

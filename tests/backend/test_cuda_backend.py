@@ -6,7 +6,6 @@ relative error ||cuda - cpu|| / ||cpu|| <= 1e-5 in float32 (1e-11 in float64) fo
 exact equality for data movement. Every array the cuda backend allocates is poisoned first
 (all bits set: NaN for floats, -1 for integers), so an element a kernel skips fails.
 """
-import importlib
 from pathlib import Path
 
 import numpy as np

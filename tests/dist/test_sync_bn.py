@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 import dptrain as dp
 from mpilaunch import mpi_command, mpi_env, needs_mpi

@@ -14,11 +14,9 @@ import dptrain as dp
 from dptrain import backend, dist, nn
 from dptrain.data import DeviceLoader, get_dataset
 from dptrain.dist.flat import FlatParameters
-from dptrain.optim import SGD, AdamW
+from dptrain.optim import AdamW
 from dptrain.dist.reducer import Reducer
-from dptrain.run.config import TrainConfig
 from dptrain.run.step import TrainStep
-from dptrain.run.train import train
 
 ROOT = Path(__file__).resolve().parents[2]
 
