@@ -4,7 +4,10 @@
 // Conventions
 //  * x is contiguous (N, C, S), S the product of the spatial dims; channel c's k-th element
 //    (k < K = N*S, n-major) sits at (n*C + c)*S + s with n = k / S, s = k % S.
-//  * Per-channel arrays (mean, var, weight, bias) are contiguous (C,); sums is (2, C).
+//  * Per-channel arrays (mean, var, weight, bias) are contiguous (C,); sums is (2, C). They are
+//    of P = compute_t<T>: T itself for float and double, float for the 16-bit types, whose
+//    statistics, parameters and arithmetic stay fp32 (mixed precision) while x, gy, y and dx
+//    are 16-bit.
 //  * invstd = 1 / sqrt(var + eps) in T; xhat = (x - mean) * invstd.
 //  * Channel reductions (mean, var, backward_reduce) in two launches. The *_partial kernels
 //    split each channel's K elements over gridDim.y blocks (block y takes k in
@@ -38,7 +41,8 @@ __global__ void bn_mean_partial_kernel(double* ws, const T* x, int N, int C, int
   const int K = N * S, k0 = blockIdx.y * chunk, k1 = min(K, k0 + chunk);
   for (int c = blockIdx.x; c < C; c += gridDim.x) {
     double acc = 0.0;
-    for (int k = k0 + threadIdx.x; k < k1; k += blockDim.x) acc += (double)x[channel_offset(k, c, C, S)];
+    for (int k = k0 + threadIdx.x; k < k1; k += blockDim.x)
+      acc += as<double>(x[channel_offset(k, c, C, S)]);
     acc = block_reduce<double, SumOp>(acc, shared);
     if (threadIdx.x == 0) ws[(long long)blockIdx.y * C + c] = acc;
   }
@@ -46,15 +50,15 @@ __global__ void bn_mean_partial_kernel(double* ws, const T* x, int N, int C, int
 
 // ws[y * C + c] = sum over block y's k of (x - mean[c])^2.
 template <typename T>
-__global__ void bn_var_partial_kernel(double* ws, const T* x, const T* mean, int N, int C, int S,
-                                      int chunk) {
+__global__ void bn_var_partial_kernel(double* ws, const T* x, const compute_t<T>* mean, int N,
+                                      int C, int S, int chunk) {
   __shared__ double shared[32];
   const int K = N * S, k0 = blockIdx.y * chunk, k1 = min(K, k0 + chunk);
   for (int c = blockIdx.x; c < C; c += gridDim.x) {
     const double m = (double)mean[c];
     double acc = 0.0;
     for (int k = k0 + threadIdx.x; k < k1; k += blockDim.x) {
-      const double d = (double)x[channel_offset(k, c, C, S)] - m;
+      const double d = as<double>(x[channel_offset(k, c, C, S)]) - m;
       acc += d * d;
     }
     acc = block_reduce<double, SumOp>(acc, shared);
@@ -73,13 +77,13 @@ __global__ void bn_finalize_kernel(T* out, const double* ws, int splits, int n, 
 }
 
 // y = (x - mean) * (invstd * weight) + bias.
-template <typename T>
-__global__ void bn_forward_kernel(T* y, const T* x, const T* mean, const T* var, const T* weight,
-                                  const T* bias, T eps, long long n, int C, int S) {
+template <typename T, typename P = compute_t<T>>
+__global__ void bn_forward_kernel(T* y, const T* x, const P* mean, const P* var, const P* weight,
+                                  const P* bias, P eps, long long n, int C, int S) {
   GRID_STRIDE(i, n) {
     const int c = (int)((i / S) % C);
-    const T scale = inv_std(var[c], eps) * weight[c];
-    y[i] = (x[i] - mean[c]) * scale + bias[c];
+    const P scale = inv_std(var[c], eps) * weight[c];
+    y[i] = as<T>((as<P>(x[i]) - mean[c]) * scale + bias[c]);
   }
 }
 
@@ -95,9 +99,9 @@ __global__ void bn_update_running_kernel(T* running_mean, T* running_var, long l
 }
 
 // ws[(y * 2) * C + c] = sum over block y's k of gy, ws[(y * 2 + 1) * C + c] of gy * xhat.
-template <typename T>
-__global__ void bn_backward_partial_kernel(double* ws, const T* gy, const T* x, const T* mean,
-                                           const T* var, T eps, int N, int C, int S, int chunk) {
+template <typename T, typename P = compute_t<T>>
+__global__ void bn_backward_partial_kernel(double* ws, const T* gy, const T* x, const P* mean,
+                                           const P* var, P eps, int N, int C, int S, int chunk) {
   __shared__ double shared[32];
   const int K = N * S, k0 = blockIdx.y * chunk, k1 = min(K, k0 + chunk);
   for (int c = blockIdx.x; c < C; c += gridDim.x) {
@@ -106,9 +110,9 @@ __global__ void bn_backward_partial_kernel(double* ws, const T* gy, const T* x, 
     double sg = 0.0, sgx = 0.0;
     for (int k = k0 + threadIdx.x; k < k1; k += blockDim.x) {
       const long long o = channel_offset(k, c, C, S);
-      const double g = (double)gy[o];
+      const double g = as<double>(gy[o]);
       sg += g;
-      sgx += g * ((double)x[o] - m) * invstd;
+      sgx += g * (as<double>(x[o]) - m) * invstd;
     }
     sg = block_reduce<double, SumOp>(sg, shared);
     sgx = block_reduce<double, SumOp>(sgx, shared);
@@ -120,22 +124,24 @@ __global__ void bn_backward_partial_kernel(double* ws, const T* gy, const T* x, 
 }
 
 // dx = weight * invstd * (gy - sums[c] / count - xhat * sums[C + c] / count).
-template <typename T>
-__global__ void bn_backward_data_kernel(T* dx, const T* gy, const T* x, const T* mean,
-                                        const T* var, const T* weight, const T* sums, T eps,
-                                        T inv_count, long long n, int C, int S) {
+template <typename T, typename P = compute_t<T>>
+__global__ void bn_backward_data_kernel(T* dx, const T* gy, const T* x, const P* mean,
+                                        const P* var, const P* weight, const P* sums, P eps,
+                                        P inv_count, long long n, int C, int S) {
   GRID_STRIDE(i, n) {
     const int c = (int)((i / S) % C);
-    const T invstd = inv_std(var[c], eps);
-    const T xhat = (x[i] - mean[c]) * invstd;
-    dx[i] = (gy[i] - sums[c] * inv_count - xhat * (sums[C + c] * inv_count)) *
-            (weight[c] * invstd);
+    const P invstd = inv_std(var[c], eps);
+    const P xhat = (as<P>(x[i]) - mean[c]) * invstd;
+    dx[i] = as<T>((as<P>(gy[i]) - sums[c] * inv_count - xhat * (sums[C + c] * inv_count)) *
+                  (weight[c] * invstd));
   }
 }
 
 // instantiate: bn_mean_partial_kernel<float>; bn_mean_partial_kernel<double>; bn_var_partial_kernel<float>; bn_var_partial_kernel<double>
 // instantiate: bn_finalize_kernel<float>; bn_finalize_kernel<double>
 // instantiate: bn_forward_kernel<float>; bn_forward_kernel<double>
+// instantiate: bn_mean_partial_kernel<__half>; bn_var_partial_kernel<__half>; bn_forward_kernel<__half>; bn_backward_partial_kernel<__half>; bn_backward_data_kernel<__half>
+// instantiate: bn_mean_partial_kernel<__nv_bfloat16>; bn_var_partial_kernel<__nv_bfloat16>; bn_forward_kernel<__nv_bfloat16>; bn_backward_partial_kernel<__nv_bfloat16>; bn_backward_data_kernel<__nv_bfloat16>
 // instantiate: bn_update_running_kernel<float>; bn_update_running_kernel<double>
 // instantiate: bn_backward_partial_kernel<float>; bn_backward_partial_kernel<double>
 // instantiate: bn_backward_data_kernel<float>; bn_backward_data_kernel<double>

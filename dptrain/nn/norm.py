@@ -5,13 +5,13 @@ import numpy as np
 
 from dptrain.engine import functional as F
 from dptrain.engine.autograd import Tensor
-from dptrain.nn.layers import float32_island
 from dptrain.nn.module import Module, Parameter
 
 
 class BatchNorm2d(Module):
     """Normalise each channel of NCHW input: batch statistics in training (updating the
-    running estimates on the device), the running estimates in eval.
+    running estimates on the device), the running estimates in eval. A 16-bit input (mixed
+    precision) keeps fp32 statistics, parameters and arithmetic; its output is 16-bit.
 
     Parameters ``weight`` (ones) and ``bias`` (zeros); buffers ``running_mean`` (zeros),
     ``running_var`` (ones) and ``num_batches_tracked`` (int64), as torch.nn.BatchNorm2d.
@@ -30,7 +30,6 @@ class BatchNorm2d(Module):
         self.register_buffer("num_batches_tracked", Tensor(np.zeros((), np.int64)))
         self.comm = None
 
-    @float32_island  # fp32 statistics and arithmetic; no 16-bit kernels yet
     def forward(self, x):
         if x.ndim != 4:
             raise ValueError(f"BatchNorm2d expects NCHW input, got shape {x.shape}")

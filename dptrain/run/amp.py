@@ -45,15 +45,14 @@ MIN_SCALE = 2.0**-24  # below this even a gradient of 1 underflows fp16: the run
 
 # Layers with 16-bit kernels of their own.
 LAYERS_16BIT = frozenset({"Conv2d", "Linear", "ReLU", "MaxPool2d", "AvgPool2d", "Flatten",
-                          "AdaptiveAvgPool2d"})
+                          "AdaptiveAvgPool2d", "BatchNorm2d"})
 # Layers without 16-bit kernels yet that run in float32 inside a 16-bit model (their input cast
 # up, their output down: dptrain.nn.layers.float32_island). A model with one runs bf16 / fp16
-# when asked; --precision auto picks bf16 only where the islands were measured to pay:
-# batch norm between convolutions (resnet18, 48x48, batch 256 on an H200: 31.0 ms bf16 against
-# 44.7 ms TF32; validation accuracy 0.9992 / 0.9995), not yet the transformer's (vit: 6.77 ms
-# bf16 against 6.62 ms TF32).
-LAYERS_FLOAT32_ISLAND = frozenset({"BatchNorm2d", "LayerNorm", "GELU", "Dropout"})
-AUTO_BF16_ISLANDS = frozenset({"BatchNorm2d"})
+# when asked; --precision auto picks bf16 only where the islands were measured to pay (none
+# yet: the transformer's cost more than its matmuls gain, vit 6.77 ms bf16 against 6.62 ms
+# TF32 on an H200; batch norm, an island until it got 16-bit kernels, did pay for resnet18).
+LAYERS_FLOAT32_ISLAND = frozenset({"LayerNorm", "GELU", "Dropout"})
+AUTO_BF16_ISLANDS = frozenset()
 
 
 def compute_dtype(precision: str) -> np.dtype:

@@ -57,6 +57,50 @@ def test_batch_norm_ops_match_numpy(cu, rng, shape, dtype):
           cpu.batch_norm_backward_data(gy, x, mean, var, w, sums, eps, count))
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("half", ["float16", "bfloat16"])
+def test_16_bit_batch_norm_keeps_fp32_statistics(cu, rng, shape, half):
+    """16-bit x and gy (mixed precision) with fp32 statistics, parameters and sums: the kernels
+    against the float64 reference on the same (rounded) inputs. Statistics and sums come back
+    float32 at float32's tolerance; y and dx in x's dtype within its rounding (relative norm
+    error 2e-3 for float16, 1.6e-2 for bfloat16)."""
+    from dptrain.backend.bfloat16 import from_bfloat16, to_bfloat16
+
+    x, gy, w, b = _inputs(rng, shape, F32)
+    if half == "float16":
+        x, gy = x.astype(np.float16), gy.astype(np.float16)
+        dx, dgy, tol = cu.asarray(x), cu.asarray(gy), 2e-3
+        x64, gy64 = x.astype(F64), gy.astype(F64)
+    else:
+        bx, bgy = to_bfloat16(x), to_bfloat16(gy)
+        dx, dgy, tol = cu.asarray(bx), cu.asarray(bgy), 1.6e-2
+        x64, gy64 = from_bfloat16(bx).astype(F64), from_bfloat16(bgy).astype(F64)
+    dw, db, eps = cu.asarray(w), cu.asarray(b), 1e-5
+    mean = cpu.batch_norm_mean(x64)
+    var = cpu.batch_norm_var(x64, mean)
+    close(cu, cu.batch_norm_mean(dx), mean.astype(F32))
+    dmean, dvar = cu.asarray(mean.astype(F32)), cu.asarray(var.astype(F32))
+    close(cu, cu.batch_norm_var(dx, dmean), var.astype(F32))
+
+    def widened(a):  # a 16-bit device result as float64 on the host
+        a = cu.astype(a, np.dtype(F32)) if a.dtype != np.float16 else a
+        return cu.to_numpy(a).astype(F64)
+
+    y = cu.batch_norm_forward(dx, dmean, dvar, dw, db, eps)
+    assert y.dtype == dx.dtype
+    ref = cpu.batch_norm_forward(x64, mean, var, w.astype(F64), b.astype(F64), eps)
+    assert np.linalg.norm(widened(y) - ref) / np.linalg.norm(ref) <= tol
+    sums = cpu.batch_norm_backward_reduce(gy64, x64, mean, var, eps)
+    close(cu, cu.batch_norm_backward_reduce(dgy, dx, dmean, dvar, eps), sums.astype(F32),
+          rtol=1e-5)
+    count = x.size // shape[1]
+    g = cu.batch_norm_backward_data(dgy, dx, dmean, dvar, dw, cu.asarray(sums.astype(F32)), eps,
+                                    count)
+    assert g.dtype == dx.dtype
+    ref = cpu.batch_norm_backward_data(gy64, x64, mean, var, w.astype(F64), sums, eps, count)
+    assert np.linalg.norm(widened(g) - ref) / max(np.linalg.norm(ref), 1e-30) <= 2 * tol
+
+
 @pytest.mark.parametrize("dtype", [F32, F64])
 def test_batch_norm_update_matches_numpy(cu, rng, dtype):
     c = 37

@@ -237,3 +237,31 @@ def test_sync_batch_norm_reaches_every_layer():
     comm = LocalComm(backend.get("cpu"))
     assert nn.sync_batch_norm(model, comm) == 20
     assert all(m.comm is comm for m in model.modules() if isinstance(m, nn.BatchNorm2d))
+
+
+def test_fp16_batch_norm_is_the_fp32_layer_rounded_once():
+    """A 16-bit input keeps fp32 statistics, parameters and arithmetic (no float32 island, no
+    casts): the output and the input gradient are the fp32 layer's, rounded to float16 once;
+    the running estimates and the parameter gradients are the fp32 layer's exactly."""
+    rng = np.random.default_rng(5)
+
+    def half_values(shape, scale=1.0, shift=0.0):  # values float16 holds exactly
+        v = rng.standard_normal(shape) * scale + shift
+        return v.astype(np.float16).astype(np.float32)
+
+    x, gy, w = half_values((6, 4, 5, 3), 2.0, 1.0), half_values((6, 4, 5, 3)), half_values(4)
+    out = {}
+    for dtype in (np.float16, np.float32):
+        layer = nn.BatchNorm2d(4)
+        layer.weight.data[...] = w
+        leaf = dp.tensor(x, requires_grad=True)
+        y = layer(F.cast(leaf, dtype))
+        assert y.dtype == dtype and layer.running_mean.dtype == np.float32
+        (F.cast(y, np.float32) * dp.tensor(gy)).sum().backward()
+        out[dtype] = {"y": y.numpy(), "dx": leaf.grad.numpy(), "gw": layer.weight.grad.numpy(),
+                      "gb": layer.bias.grad.numpy(), "running": layer.running_var.numpy()}
+    h, f = out[np.float16], out[np.float32]
+    assert np.array_equal(h["y"], f["y"].astype(np.float16).astype(np.float32))
+    assert np.array_equal(h["dx"], f["dx"].astype(np.float16).astype(np.float32))
+    for key in ("gw", "gb", "running"):
+        assert np.array_equal(h[key], f[key]), key

@@ -15,6 +15,8 @@ Conventions, shared with the CUDA launchers (dptrain/backend/cuda/norm.py):
     ``dx = weight * invstd * (gy - sums[0] / count - xhat * sums[1] / count)``.
   * ``batch_norm_update_`` updates the running estimates in place (PyTorch's rule, the
     unbiased variance over ``count`` elements) and adds one to the int64 batch counter.
+  * A 16-bit x (mixed precision) keeps its statistics, parameters and sums in float32
+    (``stat_dtype``) and computes in float32; y and dx come back in x's dtype, rounded once.
 """
 from __future__ import annotations
 
@@ -32,6 +34,16 @@ def _channel(v, x):
     return v.reshape((1, -1) + (1,) * (x.ndim - 2))
 
 
+def stat_dtype(x) -> np.dtype:
+    """The dtype of the per-channel arrays for activations x: float32 for 16-bit x."""
+    return np.dtype(np.float32) if x.dtype.itemsize == 2 else x.dtype
+
+
+def _compute(a, x):
+    """`a` (x or gy) in the arithmetic type of x: float32 for 16-bit x."""
+    return a.astype(np.float32) if x.dtype.itemsize == 2 else a
+
+
 def _count(x):
     return x.size // x.shape[1] if x.shape[1] else 0
 
@@ -39,14 +51,14 @@ def _count(x):
 @op
 def batch_norm_mean(x):
     """Per-channel mean of x over every axis but 1."""
-    return (x.sum(axis=_axes(x), dtype=np.float64) / max(_count(x), 1)).astype(x.dtype)
+    return (x.sum(axis=_axes(x), dtype=np.float64) / max(_count(x), 1)).astype(stat_dtype(x))
 
 
 @op
 def batch_norm_var(x, mean):
     """Per-channel mean of (x - mean)^2 over every axis but 1 (the biased variance)."""
     d = x.astype(np.float64) - _channel(mean, x)
-    return ((d * d).sum(axis=_axes(x)) / max(_count(x), 1)).astype(x.dtype)
+    return ((d * d).sum(axis=_axes(x)) / max(_count(x), 1)).astype(stat_dtype(x))
 
 
 def _invstd(var, eps):
@@ -57,7 +69,8 @@ def _invstd(var, eps):
 def batch_norm_forward(x, mean, var, weight, bias, eps):
     """y = (x - mean) / sqrt(var + eps) * weight + bias, per channel."""
     scale = _invstd(var, eps) * weight
-    return (x - _channel(mean, x)) * _channel(scale, x) + _channel(bias, x)
+    y = (_compute(x, x) - _channel(mean, x)) * _channel(scale, x) + _channel(bias, x)
+    return y.astype(x.dtype, copy=False)
 
 
 @op
@@ -81,15 +94,16 @@ def batch_norm_backward_reduce(gy, x, mean, var, eps):
     xhat = (x.astype(np.float64) - _channel(mean, x)) * _channel(_invstd(var, eps), x)
     g = gy.astype(np.float64)
     sums = np.stack([g.sum(axis=_axes(x)), (g * xhat).sum(axis=_axes(x))])
-    return sums.astype(gy.dtype)
+    return sums.astype(stat_dtype(x))
 
 
 @op
 def batch_norm_backward_data(gy, x, mean, var, weight, sums, eps, count):
     """dx = weight * invstd * (gy - sums[0] / count - xhat * sums[1] / count)."""
     invstd = _invstd(var, eps)
-    t = gy.dtype.type
-    xhat = (x - _channel(mean, x)) * _channel(invstd, x)
+    t = stat_dtype(x).type
+    xhat = (_compute(x, x) - _channel(mean, x)) * _channel(invstd, x)
     mean_gy = _channel(sums[0] * t(1.0 / count), x)
     mean_gy_xhat = _channel(sums[1] * t(1.0 / count), x)
-    return (gy - mean_gy - xhat * mean_gy_xhat) * _channel(weight * invstd, x)
+    dx = (_compute(gy, x) - mean_gy - xhat * mean_gy_xhat) * _channel(weight * invstd, x)
+    return dx.astype(x.dtype, copy=False)

@@ -3,7 +3,8 @@
 Conventions (the .cu file's header has the kernel side; dptrain/backend/cpu/norm.py is the
 reference with the same signatures):
   * x is contiguous (N, C, ...): axis 1 the channel, the rest reduced; per-channel arrays
-    (mean, var, weight, bias) contiguous (C,), sums (2, C), all of x's float dtype.
+    (mean, var, weight, bias) contiguous (C,), sums (2, C), all of x's float dtype, or
+    float32 for a 16-bit x (mixed precision: fp32 statistics and parameters, ``stat_dtype``).
   * Channel reductions (batch_norm_mean, batch_norm_var, batch_norm_backward_reduce): each
     channel split over enough blocks to fill the GPU, double partials added in a fixed order
     by bn_finalize_kernel: deterministic, no atomics.
@@ -24,9 +25,15 @@ from dptrain.backend.registry import op
 NORM = "norm.cu"
 
 
+def stat_dtype(x) -> np.dtype:
+    """The dtype of the per-channel arrays for activations x: float32 for 16-bit x."""
+    return np.dtype(np.float32) if x.dtype in launch.HALVES else x.dtype
+
+
 def _geometry(op, x):
-    """(N, C, S) of x, checked: float, contiguous, at least 2-D, 32-bit per-channel counts."""
-    launch.check_float(op, x)
+    """(N, C, S) of x, checked: float (16-bit too), contiguous, at least 2-D, 32-bit
+    per-channel counts."""
+    launch.check_float(op, x, half=True)
     launch.check_contiguous(op, x)
     if x.ndim < 2:
         raise ValueError(f"cuda.{op}: x must have a channel axis (N, C, ...), got {x.shape}")
@@ -37,8 +44,11 @@ def _geometry(op, x):
 
 
 def _per_channel(op, c, x, **arrays):
+    stat = stat_dtype(x)
     for name, a in arrays.items():
-        launch.check_float(op, x, a)
+        launch.check_arrays(op, a)
+        if a.dtype != stat:
+            raise TypeError(f"cuda.{op}: {name} must be {stat} for {x.dtype} x, got {a.dtype}")
         launch.check_contiguous(op, a)
         launch.check_shape(op, a, (c,), name)
 
@@ -74,7 +84,7 @@ def _finalize(out, ws, splits, divisor):
 def batch_norm_mean(x):
     """Per-channel mean of x over every axis but 1."""
     n, c, s = _geometry("batch_norm_mean", x)
-    mean = launch.new((c,), x.dtype)
+    mean = launch.new((c,), stat_dtype(x))
     if c:
         if n * s == 0:
             raise ValueError(f"cuda.batch_norm_mean: no elements per channel in {x.shape}")
@@ -88,7 +98,7 @@ def batch_norm_var(x, mean):
     """Per-channel mean of (x - mean)^2 over every axis but 1 (the biased variance)."""
     n, c, s = _geometry("batch_norm_var", x)
     _per_channel("batch_norm_var", c, x, mean=mean)
-    var = launch.new((c,), x.dtype)
+    var = launch.new((c,), stat_dtype(x))
     if c:
         if n * s == 0:
             raise ValueError(f"cuda.batch_norm_var: no elements per channel in {x.shape}")
@@ -104,7 +114,7 @@ def batch_norm_forward(x, mean, var, weight, bias, eps):
     _per_channel("batch_norm_forward", c, x, mean=mean, var=var, weight=weight, bias=bias)
     y = launch.new(x.shape, x.dtype)
     if y.size:
-        t = x.dtype.type
+        t = stat_dtype(x).type
         fn = launch.kernel(NORM, "bn_forward_kernel", launch.ctype(x.dtype))
         launch.grid_stride(fn, y.size, (y, x, mean, var, weight, bias, t(eps), np.int64(y.size),
                                         np.int32(c), np.int32(s)))
@@ -138,14 +148,14 @@ def batch_norm_backward_reduce(gy, x, mean, var, eps):
     """(2, C): [sum of gy, sum of gy * xhat] per channel (bias and weight gradients)."""
     op = "batch_norm_backward_reduce"
     n, c, s = _geometry(op, x)
-    launch.check_float(op, x, gy)
+    launch.check_float(op, x, gy, half=True)
     launch.check_contiguous(op, gy)
     launch.check_shape(op, gy, x.shape, "gy")
     _per_channel(op, c, x, mean=mean, var=var)
-    sums = launch.new((2, c), x.dtype)
+    sums = launch.new((2, c), stat_dtype(x))
     if c:
         ws, splits = _channel_sums("bn_backward_partial_kernel", c, n, s, 2, x.dtype,
-                                   (gy, x, mean, var, x.dtype.type(eps)))
+                                   (gy, x, mean, var, stat_dtype(x).type(eps)))
         _finalize(sums, ws, splits, 1.0)
     return sums
 
@@ -155,14 +165,17 @@ def batch_norm_backward_data(gy, x, mean, var, weight, sums, eps, count):
     """dx = weight * invstd * (gy - sums[0] / count - xhat * sums[1] / count)."""
     op = "batch_norm_backward_data"
     n, c, s = _geometry(op, x)
-    launch.check_float(op, x, gy, sums)
+    launch.check_float(op, x, gy, half=True)
     launch.check_contiguous(op, gy, sums)
     launch.check_shape(op, gy, x.shape, "gy")
     launch.check_shape(op, sums, (2, c), "sums")
     _per_channel(op, c, x, mean=mean, var=var, weight=weight)
+    if sums.dtype != stat_dtype(x):
+        raise TypeError(f"cuda.{op}: sums must be {stat_dtype(x)} for {x.dtype} x, got "
+                        f"{sums.dtype}")
     dx = launch.new(x.shape, x.dtype)
     if dx.size:
-        t = x.dtype.type
+        t = stat_dtype(x).type
         fn = launch.kernel(NORM, "bn_backward_data_kernel", launch.ctype(x.dtype))
         launch.grid_stride(fn, dx.size, (dx, gy, x, mean, var, weight, sums, t(eps),
                                          t(1.0 / count), np.int64(dx.size), np.int32(c),
