@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import time
 
-from dptrain.run.torch_twin import twin  # noqa: F401  (the model twins live with the product)
 
 # mode -> what it is; MATMUL_MODES run in fp32 or tf32 (MATMUL_PRECISIONS), AUTOCAST_MODES in
 # bf16 or fp16 (AUTOCAST_PRECISIONS).

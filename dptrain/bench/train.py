@@ -58,6 +58,7 @@ import numpy as np
 from dptrain.bench import flops as flop_count
 from dptrain.bench import machine, torch_step
 from dptrain.errors import UsageError
+from dptrain.run.torch_twin import twin
 
 NUM_CLASSES = 7
 MEAN, STD = 0.5, 0.25
@@ -360,7 +361,7 @@ def main(argv=None, echo=print) -> int:
         if use_torch:
             our_cpu_model = nn.build_model(model_name, image_shape, NUM_CLASSES)
             our_cpu_model.load_state_dict(state)
-            net = torch_step.twin(our_cpu_model)
+            net = twin(our_cpu_model)
         for batch in args.batch_sizes:
             data = _batch_data(batch, image_shape, args.seed)
 

@@ -48,11 +48,9 @@ LAYERS_16BIT = frozenset({"Conv2d", "Linear", "ReLU", "MaxPool2d", "AvgPool2d", 
                           "AdaptiveAvgPool2d", "BatchNorm2d"})
 # Layers without 16-bit kernels yet that run in float32 inside a 16-bit model (their input cast
 # up, their output down: dptrain.nn.layers.float32_island). A model with one runs bf16 / fp16
-# when asked; --precision auto picks bf16 only where the islands were measured to pay (none
-# yet: the transformer's cost more than its matmuls gain, vit 6.77 ms bf16 against 6.62 ms
-# TF32 on an H200; batch norm, an island until it got 16-bit kernels, did pay for resnet18).
+# when asked; --precision auto keeps it on TF32: the transformer's islands cost more than its
+# matmuls gain (vit 6.77 ms bf16 against 6.62 ms TF32 on an H200).
 LAYERS_FLOAT32_ISLAND = frozenset({"LayerNorm", "GELU", "Dropout"})
-AUTO_BF16_ISLANDS = frozenset()
 
 
 def compute_dtype(precision: str) -> np.dtype:
@@ -92,8 +90,7 @@ def resolve(precision: str, runtime, model) -> str:
     names stay as they are."""
     if precision != "auto":
         return precision
-    fast = LAYERS_16BIT | AUTO_BF16_ISLANDS
-    if "bf16" in runtime.mixed_precisions() and _without_16bit_path(model, fast) is None:
+    if "bf16" in runtime.mixed_precisions() and _without_16bit_path(model, LAYERS_16BIT) is None:
         return "bf16"
     return runtime.precision
 

@@ -16,6 +16,8 @@ step captured once by the backend's runtime and replayed (dptrain.run.compiled).
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 import dptrain.engine.functional as F
@@ -90,7 +92,9 @@ class DataParallel:
         self.precision = self._resolve_precision(precision)
         self.dtype = amp.compute_dtype(self.precision)
         # the kernels of these dtypes, built in parallel once per host before the first step
+        started = time.perf_counter()
         first_on_host(world, lambda: be.runtime.prepare((np.float32, self.dtype)))
+        self.prepare_s = time.perf_counter() - started
         trained = [p for p in model.parameters() if p.requires_grad]
         if not trained:
             raise UsageError("DataParallel: the model has no parameter that requires grad")

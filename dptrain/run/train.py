@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import functools
 import sys
-import time
 from dataclasses import asdict
-
-import numpy as np
 
 from dptrain import backend, dist
 from dptrain.checkpoints import Checkpointing
@@ -98,13 +95,9 @@ def train(cfg: TrainConfig, echo=print) -> dict:
     """Train as `cfg` says; returns the summary (rank 0 also writes LOGDIR/summary.json)."""
     cfg, device, be, world, train_set, val_set, model, notes = _setup(cfg)
     root = world.is_root
-    started = time.perf_counter()
-    # the kernels of the run's dtypes, built once per host, up front, in parallel
-    dtypes = (np.float32, amp.compute_dtype(cfg.precision))
-    first_on_host(world, lambda: be.runtime.prepare(dtypes))
-    prepare_s = time.perf_counter() - started
-    # the flat parameters, ZeRO-1 optimizer shards, the bucketed exchange, the 16-bit shadow
-    # (mixed precision), the loss scaler (fp16) and the non-finite guard: the library's own
+    # the kernels of the run's dtypes (built once per host, up front, in parallel), the flat
+    # parameters, ZeRO-1 optimizer shards, the bucketed exchange, the 16-bit shadow (mixed
+    # precision), the loss scaler (fp16) and the non-finite guard: the library's own
     ddp = DataParallel(model, functools.partial(build_optimizer, cfg), world=world,
                        precision=cfg.precision, sync="broadcast", bucket_mb=cfg.bucket_mb,
                        grad_exchange=cfg.grad_exchange,
@@ -263,7 +256,7 @@ def train(cfg: TrainConfig, echo=print) -> dict:
         "images_per_s": train_rate,
         "warmup_steps_excluded": excluded,
         "startup_s": startup_s,
-        "prepare_s": prepare_s,
+        "prepare_s": ddp.prepare_s,
         "images_per_s_per_rank": train_rate / world.size,
         "overflow_steps": scaler.overflows if scaler is not None else None,  # fp16 skips
         "comm_exposed_s": comm_exposed,  # None: not measurable under graph replay

@@ -152,11 +152,11 @@ def test_torch_twin_computes_our_forward(name):
     import dptrain as dp
     from dptrain import nn
     from dptrain.engine.autograd import Tensor
-    from dptrain.bench import torch_step
+    from dptrain.run.torch_twin import twin
 
     dp.manual_seed(1)
     ours = nn.build_model(name, (1, 16, 16), 7)
-    net = torch_step.twin(ours)
+    net = twin(ours)
     x = np.random.default_rng(0).standard_normal((3, 1, 16, 16)).astype(np.float32)
     want = ours(Tensor(x)).numpy()
     got = net(torch.from_numpy(x)).detach().numpy()
@@ -165,7 +165,7 @@ def test_torch_twin_computes_our_forward(name):
 
 def test_torch_twin_is_none_for_other_layers():
     from dptrain import nn
-    from dptrain.bench import torch_step
+    from dptrain.run.torch_twin import twin
 
     if not HAVE_TORCH:
         pytest.skip("needs PyTorch")
@@ -174,8 +174,8 @@ def test_torch_twin_is_none_for_other_layers():
         def forward(self, x):
             return x
 
-    assert torch_step.twin(nn.Sequential(nn.Flatten(), Odd())) is None
-    assert torch_step.twin(Odd()) is None
+    assert twin(nn.Sequential(nn.Flatten(), Odd())) is None
+    assert twin(Odd()) is None
 
 
 def test_torch_rows_follow_the_chosen_modes():
