@@ -27,7 +27,7 @@
 //  * Index arithmetic is int within one image and long long across the batch; the launcher
 //    asserts every tensor has fewer than 2^31 elements.
 //
-// instantiations-per-module: 2  (each takes seconds to build: more threads at a cold start)
+// instantiations-per-module: 1  (a run builds only those it uses: a shorter cold start)
 // instantiate: conv2d_tf32_kernel<float, 32>; conv2d_tf32_kernel<float, 64>
 // instantiate: conv2d_tf32_kernel<float, 128>
 // instantiate: conv2d_fp32_kernel<float, 32>; conv2d_fp32_kernel<float, 64>

@@ -26,6 +26,7 @@
 //    spends ~60 per 16 pixels x 32 channels x 8 taps. Same partials and reduction, so it
 //    stays bitwise repeatable. The FFMA kernel remains for --precision fp32.
 //
+// instantiations-per-module: 1  (a run builds only those it uses: a shorter cold start)
 // instantiate: conv2d_direct_fwd_kernel<float, 4>; conv2d_direct_fwd_kernel<float, 8>
 // instantiate: conv2d_direct_fwd_kernel<float, 12>; conv2d_direct_fwd_kernel<float, 16>
 // instantiate: conv2d_direct_fwd_kernel<float, 20>; conv2d_direct_fwd_kernel<float, 24>

@@ -19,6 +19,7 @@
 //    16-byte chunks along the channels) and measured slower than conv2d.cu's gathers at the
 //    reference CNN's shapes (NOTES-gemm.md), so they stay there.
 //
+// instantiations-per-module: 1  (a run builds only those it uses: a shorter cold start)
 // instantiate: conv2d_bwdw_nhwc_kernel<float, 32, 32>; conv2d_bwdw_nhwc_kernel<float, 32, 96>
 // instantiate: conv2d_bwdw_nhwc_kernel<float, 32, 128>; conv2d_bwdw_nhwc_kernel<float, 64, 32>
 // instantiate: conv2d_bwdw_nhwc_kernel<float, 64, 96>; conv2d_bwdw_nhwc_kernel<float, 64, 128>

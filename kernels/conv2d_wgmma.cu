@@ -20,6 +20,7 @@
 //  * Tiles, swizzle and pipeline: wgmma.cuh. 256 threads = two warpgroups of 64 pixels.
 //
 // nvrtc-options: -arch=sm_90a
+// instantiations-per-module: 1  (a run builds only those it uses: a shorter cold start)
 // instantiate: conv2d_wgmma_kernel<float, 32>; conv2d_wgmma_kernel<float, 64>
 // instantiate: conv2d_wgmma_kernel<float, 128>
 // instantiate: conv2d_wgmma_kernel<__nv_bfloat16, 32>; conv2d_wgmma_kernel<__nv_bfloat16, 64>

@@ -50,10 +50,13 @@ The runtime (``be.runtime``), with the CPU's trivial meaning in brackets:
                                              ``stream`` (a timing event) [the host clock]
   ``stamp_seconds(stamps) -> [float]``      seconds from the first stamp to each (waits for
                                              them; not inside a captured graph) [differences]
-  ``prepare(dtypes=None) -> dict``          build the kernels for arrays of `dtypes`
+  ``prepare(dtypes=None, trace=None)``      build the kernels for arrays of `dtypes`
                                              (default: all) ahead of the first step
                                              (compiled in parallel, or loaded from the
-                                             on-disk cache): {"files", "built", "seconds",
+                                             on-disk cache): all, or those `trace()` (the
+                                             model run at the step's shapes) launches, as
+                                             recorded without launching, and the step's
+                                             own; {"files", "built", "seconds", "traced",
                                              ...}; others build on first use [nothing]
   ``capture(step, warmup=2) -> run``        ``run()`` calls ``step()`` eagerly ``warmup``
                                              times, then records it once as a CUDA graph and

@@ -3,14 +3,16 @@
 1. Kernel build (``be.runtime.prepare()``: every family) on an empty kernel cache with each
    ``--workers`` count (default 1 and up to 16), then on the cache the last one left (warm):
    whether threads compile in parallel, and what a warm start still pays.
-2. Training (``python -m dptrain train``, ``--train-steps`` steps) on an empty kernel cache,
-   then again on that cache: ``startup_s`` (process start to the first timed step),
-   ``prepare_s`` and ``images_per_s`` of each; the two rates should agree within noise.
+2. Training (``python -m dptrain train``, ``--train-steps`` steps) of each of ``--models``
+   on an empty kernel cache, then again on that cache: ``startup_s`` (process start to the
+   first timed step), ``prepare_s`` and ``images_per_s`` of each; the two rates should agree
+   within noise. A run builds only the kernels its trace of the model names and the step's
+   own (``DataParallel(input_shapes=...)``), so its cold start is not the full build of 1.
 A first training run on a cache of its own generates the dataset beforehand, so neither
 measured run pays for it. Every process gets its kernel cache through ``CUPY_CACHE_DIR``.
 
     python -m dptrain bench startup [--device auto] [--workers 1 16] [--train-steps 300]
-                                    [--json F.json]
+                                    [--models cnn resnet18 vit mlp] [--json F.json]
 """
 from __future__ import annotations
 
@@ -38,8 +40,9 @@ def prepare_in_fresh_process(device, cache, workers) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def train_in_fresh_process(device, cache, data_cache, log_dir, steps) -> dict:
-    cmd = [sys.executable, "-m", "dptrain", "train", "--device", device, "--max-steps",
+def train_in_fresh_process(device, cache, data_cache, log_dir, steps, model="cnn") -> dict:
+    cmd = [sys.executable, "-m", "dptrain", "train", "--model", model, "--device", device,
+           "--max-steps",
            str(steps), "--epochs", "1000", "--train-images", "16384", "--val-images", "1024",
            "--no-progress", "--log-every", "50", "--cache-dir", str(data_cache),
            "--log-dir", str(log_dir)]
@@ -60,6 +63,9 @@ def main(argv=None, echo=print) -> int:
                    help="thread counts to build with, each on an empty cache")
     p.add_argument("--train-steps", type=_positive_int, default=300,
                    help="steps of each training run")
+    p.add_argument("--models", nargs="+", default=["cnn"], metavar="MODEL",
+                   help="models to train, each on an empty and then a warm cache "
+                        "(default: cnn)")
     p.add_argument("--no-train", action="store_true", help="only the kernel build")
     p.add_argument("--json", default=None, help="write the results to this JSON file")
     args = p.parse_args(argv)
@@ -77,11 +83,15 @@ def main(argv=None, echo=print) -> int:
         if not args.no_train:
             train_in_fresh_process(device, tmp / "kernels-data", tmp / "data", tmp / "L0",
                                    args.train_steps)  # generates the dataset
-            for name in ("empty", "warm"):
-                s = train_in_fresh_process(device, tmp / "kernels-train", tmp / "data",
-                                           tmp / f"L-{name}", args.train_steps)
-                result["train"].append({"cache": name, **{k: s[k] for k in (
-                    "startup_s", "prepare_s", "images_per_s", "steps", "warmup_steps_excluded")}})
+            for model in args.models:
+                for name in ("empty", "warm"):
+                    s = train_in_fresh_process(device, tmp / f"kernels-{model}", tmp / "data",
+                                               tmp / f"L-{model}-{name}", args.train_steps,
+                                               model)
+                    result["train"].append({
+                        "model": model, "cache": name, "precision": s["config"]["precision"],
+                        **{k: s[k] for k in ("startup_s", "prepare_s", "prepare_modules",
+                                             "images_per_s", "steps", "warmup_steps_excluded")}})
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     echo(f"kernel build, {device}: each line a fresh process")
@@ -91,10 +101,11 @@ def main(argv=None, echo=print) -> int:
              f"{r['seconds']:8.2f}")
     if result["train"]:
         echo(f"training, {args.train_steps} steps: each line a fresh process")
-        echo(f"  {'cache':<6} {'startup_s':>9} {'prepare_s':>9} {'images/s':>10}")
+        echo(f"  {'model':<9} {'precision':<9} {'cache':<6} {'startup_s':>9} {'prepare_s':>9} "
+             f"{'modules':>7} {'images/s':>10}")
         for r in result["train"]:
-            echo(f"  {r['cache']:<6} {r['startup_s']:9.2f} {r['prepare_s']:9.2f} "
-                 f"{r['images_per_s']:10.0f}")
+            echo(f"  {r['model']:<9} {r['precision']:<9} {r['cache']:<6} {r['startup_s']:9.2f} "
+                 f"{r['prepare_s']:9.2f} {r['prepare_modules']:>7} {r['images_per_s']:10.0f}")
     slow = [r for r in result["build"] if r.get("slowest") and r["cache"] == "empty"]
     if slow:
         echo("longest module builds (file, part, seconds) of the " + slow[-1]["cache"]

@@ -11,7 +11,17 @@ from dptrain.dist import LocalComm
 from dptrain.engine.autograd import Tensor, no_grad
 
 
-def evaluate(model, loader, world=None, batch_size=1000, dtype=np.float32) -> dict:
+EVAL_BATCH = 1000  # images per evaluation forward
+
+
+def eval_batch_sizes(num_images, world=None, batch_size=EVAL_BATCH) -> list[int]:
+    """The batch sizes ``evaluate`` feeds this rank's model: full batches, then the rest."""
+    rank, size = (world.rank, world.size) if world else (0, 1)
+    mine = len(range(rank, num_images, size))
+    return [n for n in dict.fromkeys((min(batch_size, mine), mine % batch_size)) if n]
+
+
+def evaluate(model, loader, world=None, batch_size=EVAL_BATCH, dtype=np.float32) -> dict:
     """Mean loss and accuracy over a loader's whole set, the model fed `dtype` activations.
     Each rank takes every N-th image and the sums are all-reduced; one host read at the end."""
     be = loader.be

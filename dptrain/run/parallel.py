@@ -16,6 +16,8 @@ step captured once by the backend's runtime and replayed (dptrain.run.compiled).
 """
 from __future__ import annotations
 
+import contextlib
+import copy
 import time
 
 import numpy as np
@@ -27,7 +29,7 @@ from dptrain.dist import buckets
 from dptrain.dist.flat import FlatParameters
 from dptrain.dist.reducer import EXCHANGES, Reducer
 from dptrain.dist.startup import first_on_host
-from dptrain.engine.autograd import Tensor
+from dptrain.engine.autograd import Tensor, no_grad
 from dptrain.errors import UsageError
 from dptrain.optim import OPTIMIZERS
 from dptrain.run import amp
@@ -67,6 +69,12 @@ class DataParallel:
       skip_nonfinite  steps with a NaN/inf loss or gradient that may be skipped (0: the
                   first one stops the run at the next ``step.metrics()``)
       loss_scale, loss_scale_interval  fp16's dynamic loss scale
+      input_shapes  shapes of the model's input batches, the training batch's first (e.g.
+                  [(256, 3, 32, 32)], evaluation batches' after it): given them, the GPU
+                  builds only the kernels the model runs at those shapes (found by one
+                  forward and backward of a copy that launches nothing) and the step's own,
+                  a faster cold start; without, every kernel of the run's precision.
+                  Others (a shape not named) are built on first use
 
     Only parameters with ``requires_grad`` are trained and exchanged (set it False to
     freeze a part of the model). Call the wrapper, ``ddp(x)``, in the step function: it
@@ -77,7 +85,7 @@ class DataParallel:
 
     def __init__(self, model, optimizer="adamw", *, world=None, precision="auto",
                  sync="check", bucket_mb=4.0, grad_exchange="fp32", skip_nonfinite=0, loss_scale=amp.INIT_SCALE,
-                 loss_scale_interval=amp.INTERVAL, **options):
+                 loss_scale_interval=amp.INTERVAL, input_shapes=None, **options):
         if sync not in SYNC_MODES:
             raise UsageError(f"sync={sync!r}: choose one of {', '.join(SYNC_MODES)}")
         if grad_exchange not in EXCHANGES:
@@ -93,8 +101,11 @@ class DataParallel:
         self.dtype = amp.compute_dtype(self.precision)
         # the kernels of these dtypes, built in parallel once per host before the first step
         started = time.perf_counter()
-        first_on_host(world, lambda: be.runtime.prepare((np.float32, self.dtype)))
+        trace = _trace(self, input_shapes) if input_shapes else None
+        report = first_on_host(world, lambda: be.runtime.prepare((np.float32, self.dtype),
+                                                                  trace))
         self.prepare_s = time.perf_counter() - started
+        self.prepare_report = report
         trained = [p for p in model.parameters() if p.requires_grad]
         if not trained:
             raise UsageError("DataParallel: the model has no parameter that requires grad")
@@ -198,6 +209,29 @@ def _bucket_bytes(bucket_mb, params, n, exchange):
     if isinstance(bucket_mb, str) or not bucket_mb > 0:
         raise UsageError(f"bucket_mb={bucket_mb!r}: a positive number of MB, or 'auto'")
     return None, int(bucket_mb * 2**20)
+
+
+def _trace(ddp, input_shapes):
+    """The model run as a step will run it, for the backend's prepare to record its kernels:
+    forward and backward on the first shape, forward in eval mode on every shape, on a copy
+    (its parameters, gradients and batch-norm estimates are the copy's; sync-BN's
+    communicator is left out, so no collective runs)."""
+    shapes = [tuple(int(n) for n in s) for s in input_shapes]
+    be = ddp.be
+
+    def trace():
+        comms = {id(m.comm): None for m in ddp.model.modules()
+                 if getattr(m, "comm", None) is not None}
+        twin = copy.copy(ddp)
+        twin.model = copy.deepcopy(ddp.model, comms)
+        for i, shape in enumerate(shapes):
+            twin.model.train(i == 0)
+            with contextlib.nullcontext() if i == 0 else no_grad():
+                out = twin(Tensor(be.zeros(shape, np.float32)))
+            if i == 0 and isinstance(out, Tensor) and out.requires_grad:
+                out.backward(Tensor(be.zeros(out.shape, np.float32)))
+
+    return trace
 
 
 def _to_float32(out):

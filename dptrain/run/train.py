@@ -23,7 +23,7 @@ from dptrain.optim import OPTIMIZERS, LRSchedule
 from dptrain.run import amp
 from dptrain.run.config import DEFAULT_BATCH, TrainConfig, data_options, defaults_for
 from dptrain.run.debug import step_hooks
-from dptrain.run.evaluate import broadcast_buffers, evaluate
+from dptrain.run.evaluate import broadcast_buffers, eval_batch_sizes, evaluate
 from dptrain.run.metrics import MetricsLog, Throughput
 from dptrain.run.parallel import DataParallel
 from dptrain.run.preflight import check_outputs
@@ -102,7 +102,10 @@ def train(cfg: TrainConfig, echo=print) -> dict:
                        precision=cfg.precision, sync="broadcast", bucket_mb=cfg.bucket_mb,
                        grad_exchange=cfg.grad_exchange,
                        skip_nonfinite=cfg.skip_nonfinite, loss_scale=cfg.loss_scale,
-                       loss_scale_interval=cfg.loss_scale_interval)
+                       loss_scale_interval=cfg.loss_scale_interval,
+                       input_shapes=[(cfg.batch_size, *train_set.image_shape)]
+                       + [(n, *val_set.image_shape)
+                          for n in eval_batch_sizes(len(val_set.labels), world)])
     flat, opt, reducer, scaler, guard = ddp.flat, ddp.optimizer, ddp.reducer, ddp.scaler, ddp.guard
 
     sampler = StrideSampler(len(train_set.labels), cfg.batch_size, world.size, world.rank,
@@ -257,6 +260,7 @@ def train(cfg: TrainConfig, echo=print) -> dict:
         "warmup_steps_excluded": excluded,
         "startup_s": startup_s,
         "prepare_s": ddp.prepare_s,
+        "prepare_modules": ddp.prepare_report.get("built"),  # kernel modules built or loaded
         "images_per_s_per_rank": train_rate / world.size,
         "overflow_steps": scaler.overflows if scaler is not None else None,  # fp16 skips
         "comm_exposed_s": comm_exposed,  # None: not measurable under graph replay

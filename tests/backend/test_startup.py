@@ -28,8 +28,46 @@ _spec.loader.exec_module(loader)
 
 
 def test_cpu_prepare_builds_nothing():
-    assert backend.get("cpu").runtime.prepare() == {"files": 0, "built": 0, "seconds": 0.0,
-                                                    "workers": 0}
+    nothing = {"files": 0, "built": 0, "seconds": 0.0, "workers": 0, "traced": None}
+    assert backend.get("cpu").runtime.prepare() == nothing
+    ran = []
+    assert backend.get("cpu").runtime.prepare(trace=lambda: ran.append(1)) == nothing
+    assert ran == []  # nothing to record on the CPU: the trace is not run
+
+
+def test_data_parallel_traces_the_model_on_a_copy(monkeypatch):
+    """DataParallel(input_shapes=...) hands prepare a trace of the model (forward and
+    backward on the first shape, eval-mode forwards on the others) that leaves the model's
+    gradients, weights and batch-norm estimates as they were: run here for real, as the CPU
+    backend's prepare never runs it."""
+    import numpy as np
+
+    import dptrain as dp
+    from dptrain import nn
+
+    dp.manual_seed(0)
+    model = nn.MODELS["resnet18"]((3, 8, 8), 5).to("cpu")
+    before = {k: v.copy() for k, v in model.state_dict().items()}
+    runtime, seen = backend.get("cpu").runtime, []
+    real, forward = runtime.prepare, type(model).forward
+
+    def spy(self, x):  # the forwards the trace runs: not on `model` itself
+        seen.append((self is model, x.shape, self.training))
+        return forward(self, x)
+
+    def prepare(dtypes=None, trace=None):
+        trace()
+        return real(dtypes, trace)
+
+    monkeypatch.setattr(runtime, "prepare", prepare)
+    monkeypatch.setattr(type(model), "forward", spy)
+    ddp = dp.DataParallel(model, "sgd", lr=0.1, input_shapes=[(4, 3, 8, 8), (3, 3, 8, 8)])
+    assert seen == [(False, (4, 3, 8, 8), True), (False, (3, 3, 8, 8), False)]
+    assert ddp.prepare_report["traced"] is None
+    assert all(p.grad is None or not p.grad.data.any() for p in model.parameters())
+    after = model.state_dict()
+    assert all(np.array_equal(before[k], after[k]) for k in before)
+    assert model.training
 
 
 def test_cache_key_names_the_architecture(monkeypatch):
@@ -250,25 +288,68 @@ from dptrain.run.config import TrainConfig
 from dptrain.run.train import train
 from dptrain.backend import get
 rt = get("cuda").runtime
-real, built = rt.prepare, []
-rt.prepare = lambda dtypes=None: built.append(real(dtypes)["built"]) or {}
+real, reports, late = rt.prepare, [], []
+rt.prepare = lambda dtypes=None, trace=None: reports.append(real(dtypes, trace)) or reports[-1]
+build = loader.module
+
+
+def module(filename, part=loader.PARTS[0]):  # the modules built after prepare
+    before = loader.builds
+    mod = build(filename, part)
+    if reports and loader.builds > before:
+        late.append(f"{filename}:{part}")
+    return mod
+
+
+loader.module = module
+# 100 validation images: a full evaluation batch of 64 and a ragged one of 36
 train(TrainConfig(model=sys.argv[1], precision=sys.argv[2], device="cuda", train_images=512,
-                  val_images=128, epochs=1, max_steps=4, batch_size=64, progress=False,
-                  cache_dir=sys.argv[3]), echo=lambda s: None)
-print(built[0], loader.builds)
+                  val_images=100, epochs=1, max_steps=4, eval_every=2, batch_size=64,
+                  progress=False, cache_dir=sys.argv[3]), echo=lambda s: None)
+print(",".join(late) or "-", reports[0]["traced"], reports[0]["built"], loader.builds)
 """
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("model, precision", [("cnn", "bf16"), ("cnn", "tf32"),
-                                              ("resnet18", "bf16")])
+                                              ("resnet18", "bf16"), ("vit", "bf16"),
+                                              ("vit", "tf32"), ("mlp", "bf16")])
 def test_a_run_builds_every_kernel_it_uses_up_front(tmp_path, model, precision):
-    """prepare(the run's dtypes) builds only those families, yet nothing the run uses is
-    left to build on first use (which would stall a step): every module this fresh process
-    built, it built in prepare."""
+    """prepare builds the kernels its trace of the model records (training and evaluation
+    shapes) and the step's own files, yet nothing the run uses is left to build on first
+    use (which would stall a step): every module this fresh process built, it built in
+    prepare."""
     out = subprocess.run([sys.executable, "-c", _FAMILIES_RUN, model, precision,
                           str(tmp_path)], capture_output=True, text=True, timeout=600,
                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert out.returncode == 0, out.stderr
-    in_prepare, total = map(int, out.stdout.split()[-2:])
-    assert in_prepare == total > 0
+    late, traced, in_prepare, total = out.stdout.split()[-4:]
+    assert traced != "None" and int(traced) > 0  # the trace ran, so only what it names built
+    assert late == "-"  # the modules built on first use, after prepare
+    assert int(in_prepare) == int(total) > 0
+
+
+@pytest.mark.gpu
+def test_recording_names_the_kernels_and_launches_none(monkeypatch):
+    """Inside launch.recording() a launcher's kernels are named, not built or launched (its
+    output keeps the poison), and the plan made there is not kept: the same product after it
+    launches the real kernel."""
+    import cupy
+    import numpy as np
+
+    from dptrain.backend.cuda import launch
+    from dptrain.backend.cuda import loader as cuda_loader
+
+    be = backend.get("cuda")
+    monkeypatch.setattr(launch, "new", lambda shape, dtype: cupy.full(shape, np.nan, dtype))
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((67, 45), np.float32), rng.standard_normal((45, 33), np.float32)
+    da, db = be.asarray(a), be.asarray(b)
+    built = cuda_loader.builds
+    with launch.recording() as used:
+        out = be.matmul(da, db)
+    assert cuda_loader.builds == built  # nothing built
+    assert np.isnan(be.to_numpy(out)).all()  # nothing launched
+    files = {f for f, _ in used}
+    assert "gemm.cu" in files and all(name for _, name in used)
+    np.testing.assert_allclose(be.to_numpy(be.matmul(da, db)), a @ b, rtol=2e-2, atol=2e-2)

@@ -85,8 +85,8 @@ class Runtime(RuntimeBase):
         return [s - stamps[0] for s in stamps] if stamps else []
 
     # -- cold start: nothing to compile
-    def prepare(self, dtypes=None) -> dict:
-        return {"files": 0, "built": 0, "seconds": 0.0, "workers": 0}
+    def prepare(self, dtypes=None, trace=None) -> dict:
+        return {"files": 0, "built": 0, "seconds": 0.0, "workers": 0, "traced": None}
 
     # -- capture: nothing to record, the step runs again each call
     records_graphs = False

@@ -77,15 +77,58 @@ def new(shape, dtype):
 # ----------------------------------------------------------------------------- kernels
 
 
-@functools.lru_cache(maxsize=None)
 def kernel(filename: str, name: str, *targs: str, smem: int = 0):
     """Kernel `name` of kernels/`filename`, instantiated as name<targs...> when template
     arguments are given (the spelling must match the file's `// instantiate:` line), allowed
-    `smem` bytes of dynamic shared memory (above 48 KB a kernel must opt in)."""
+    `smem` bytes of dynamic shared memory (above 48 KB a kernel must opt in). Inside
+    ``recording()``: a stand-in that launches nothing, the kernel noted instead."""
+    if _recorded is not None:
+        _recorded.add((filename, f"{name}<{', '.join(targs)}>" if targs else name))
+        return _NOT_LAUNCHED
+    return _kernel(filename, name, *targs, smem=smem)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(filename: str, name: str, *targs: str, smem: int = 0):
     fn = loader.function(filename, f"{name}<{', '.join(targs)}>" if targs else name)
     if smem > 48 * 1024:
         fn.max_dynamic_shared_size_bytes = smem
     return fn
+
+
+# -- recording: which kernels a piece of code launches, without building or launching them.
+# A training step reads no device value on the host (see dptrain.run.step), so the kernels
+# it launches depend on shapes and dtypes only: one pass with stand-ins names them all.
+_recorded: set | None = None
+
+
+class _NotLaunched:
+    """What ``kernel()`` hands out while recording: a launch does nothing."""
+
+    def __call__(self, *args, **kwargs):
+        pass
+
+
+_NOT_LAUNCHED = _NotLaunched()
+
+
+@contextlib.contextmanager
+def recording():
+    """Context: kernels requested inside are not built and their launches do nothing, so
+    outputs hold garbage; yields the set of (file, instantiation) requested. Plans made
+    inside (which hold the stand-ins) are not kept."""
+    global _recorded
+    if _recorded is not None:
+        raise RuntimeError("cuda: kernel recordings do not nest")
+    _recorded = set()
+    try:
+        yield _recorded
+    finally:
+        _recorded = None
+
+
+def is_recording() -> bool:
+    return _recorded is not None
 
 
 def ctype(dtype) -> str:

@@ -238,16 +238,27 @@ def module(filename: str, part: str = PARTS[0]):
 WORKERS_ENV = "DPTRAIN_COMPILE_WORKERS"
 
 
-def compile_all(workers: int | None = None, families=PARTS) -> dict:
+def part_holding(filename: str, name: str) -> str:
+    """The module part of kernels/`filename` that instantiation `name` is built in."""
+    return _part_table(filename).get(name, part_of(name))
+
+
+def compile_all(workers: int | None = None, families=PARTS, units=None) -> dict:
     """Build the `families` parts (default: all) of every kernel file the current GPU can
-    run, `workers` at a time (default: $DPTRAIN_COMPILE_WORKERS, else one thread per part, at
-    most the host's cores). Returns {"files", "built" (modules), "seconds", "workers",
-    "slowest": [[file, part, seconds], ...] (the five longest builds)}."""
+    run, or only the (file, part) `units` given, `workers` at a time (default:
+    $DPTRAIN_COMPILE_WORKERS, else one thread per part, at most the host's cores). Returns
+    {"files", "built" (modules), "seconds", "workers", "slowest": [[file, part, seconds],
+    ...] (the five longest builds)}."""
     import cupy
 
     device, arch = cupy.cuda.Device().id, device_arch()
-    files = kernel_files(arch)
-    units = [(f, part) for f in files for part in parts(f) if part.split(".")[0] in families]
+    if units is None:
+        files = kernel_files(arch)
+        units = [(f, part) for f in files for part in parts(f)
+                 if part.split(".")[0] in families]
+    else:
+        units = sorted(set(units))
+        files = sorted({f for f, _ in units})
     # Largest first (instantiations as the measure of work), so no big one starts last.
     size = {f: collections.Counter(_part_table(f).values()) for f in files}
     units.sort(key=lambda u: -size[u[0]][u[1]])
@@ -285,4 +296,4 @@ def compile_all(workers: int | None = None, families=PARTS) -> dict:
 @functools.lru_cache(maxsize=None)
 def function(filename: str, name: str):
     """The kernel `name` (a plain name or a template instantiation) from kernels/`filename`."""
-    return module(filename, _part_table(filename).get(name, part_of(name))).get_function(name)
+    return module(filename, part_holding(filename, name)).get_function(name)

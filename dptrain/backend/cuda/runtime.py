@@ -8,7 +8,8 @@
 * ``comm_timer()`` times the compute stream's wait for communication with two CUDA events.
 * Precision of the matrix kernels: "tf32" (compute capability >= 8.0) or "fp32"; the GEMM and
   convolution launchers read ``runtime.precision`` and keep it in their plan keys.
-* ``prepare()`` compiles every kernel file ahead of the first step (loader.compile_all).
+* ``prepare()`` compiles the kernels ahead of the first step (loader.compile_all): every
+  kernel file's, or those a trace of the model launches (launch.recording) and STEP_FILES.
 * Random numbers: ``rng_state`` is a device uint64 array [seed, offset] that the dropout
   kernels read and advance on the device, so a replayed graph draws fresh numbers. It is
   created on first use, on the device current then (after ``select_device``); until then
@@ -24,6 +25,11 @@ from dptrain.backend.bfloat16 import BFLOAT16
 from dptrain.backend.runtime import RuntimeBase
 
 PRECISIONS = ("tf32", "fp32")
+# The kernel files of the work around the model in every training step (loader, loss and
+# metrics, gradient exchange, non-finite guard, optimizer, copies): prepare(trace=...)
+# builds them whole for the run's dtypes, as its trace runs the model only.
+STEP_FILES = ("data.cu", "elementwise.cu", "guard.cu", "optim.cu", "reduce.cu", "softmax.cu",
+              "transpose.cu")
 
 
 def _order(waiter, signaller):
@@ -151,16 +157,34 @@ class Runtime(RuntimeBase):
         return [cupy.cuda.get_elapsed_time(stamps[0], e) / 1e3 for e in stamps]
 
     # -- cold start
-    def prepare(self, dtypes=None) -> dict:
-        """Build the kernels for arrays of `dtypes` (default: every dtype) of every kernel
-        file this GPU runs before the first step, in parallel threads (NVRTC, or CuPy's disk
-        cache when warm): {"files", "built", "seconds", "workers", "slowest"}."""
-        from dptrain.backend.cuda import loader
+    def prepare(self, dtypes=None, trace=None) -> dict:
+        """Build the kernels for arrays of `dtypes` (default: every dtype) before the first
+        step, in parallel threads (NVRTC, or CuPy's disk cache when warm): of every kernel
+        file this GPU runs, or, given `trace` (a callable running the model as the step
+        will, on arrays of the step's shapes), only the kernels `trace()` launches, recorded
+        without launching them, and the STEP_FILES. {"files", "built", "seconds",
+        "workers", "slowest", "traced" (kernels recorded, or None: every kernel built)}."""
+        from dptrain.backend.cuda import gemm, launch, loader
 
-        if dtypes is None:
-            return loader.compile_all()
-        names = {"bfloat16" if np.dtype(d) == BFLOAT16 else np.dtype(d).name for d in dtypes}
-        return loader.compile_all(families={loader.FAMILY_OF_DTYPE[n] for n in names})
+        families = loader.PARTS
+        if dtypes is not None:
+            names = {"bfloat16" if np.dtype(d) == BFLOAT16 else np.dtype(d).name
+                     for d in dtypes}
+            families = tuple(loader.FAMILY_OF_DTYPE[n] for n in names)
+        recorded = None
+        if trace is not None:
+            try:
+                with launch.recording() as recorded:
+                    trace()
+            except Exception:  # noqa: BLE001 - a model the trace cannot run: build them all
+                recorded = None
+            gemm.clear_plans()  # none made while recording is kept; cleared for certainty
+        if recorded is None:
+            return {**loader.compile_all(families=families), "traced": None}
+        units = {(f, loader.part_holding(f, name)) for f, name in recorded}
+        units |= {(f, part) for f in STEP_FILES for part in loader.parts(f)
+                  if part.split(".")[0] in families}
+        return {**loader.compile_all(units=units), "traced": len(recorded)}
 
     # -- capture and replay of a step
     records_graphs = True
