@@ -6,11 +6,14 @@
 // Conventions
 //  * Row kernels take contiguous (R, C) blocks: one warp per row (FOR_EACH_ROW, common.cuh),
 //    lanes stride over the row, xor-shuffle trees (warp_all_reduce) give every lane the row's
-//    sums. Fixed order, no atomics: deterministic. Math in the element type T.
+//    sums. Fixed order, no atomics: deterministic. Math in compute_t<T>: the element type for
+//    float and double, float for the 16-bit types (read up, results rounded once).
 //  * Layer norm over the last axis (D = C): forward writes y, and mean and rstd per row
-//    (rstd = 1 / sqrt(var + eps), biased variance); backward writes gx with `=` and the
-//    product gy * xhat (R, D), which the launcher sums over rows with reduce.cu's
-//    deterministic column sums for the weight gradient (the bias gradient sums gy the same way).
+//    (rstd = 1 / sqrt(var + eps), biased variance); weight, bias, mean, rstd and gyxhat are
+//    compute_t<T> (float32 parameters for 16-bit activations); backward writes gx with `=`
+//    and the product gy * xhat (R, D), which the launcher sums over rows with reduce.cu's
+//    deterministic column sums for the weight gradient (the bias gradient sums gy the same
+//    way, into the weight's dtype).
 //  * GELU is the erf form: y = 0.5 x (1 + erf(x / sqrt 2)); its backward takes the forward
 //    INPUT x: gx = gy (Phi(x) + x phi(x)). Flat, grid-stride.
 //  * Masked softmax: rows of Tk keys; row r is query i = r % Tq of batch element
@@ -24,22 +27,24 @@
 // ----------------------------------------------------------------------------- layer norm
 
 template <typename T>
-__global__ void layer_norm_fwd_kernel(T* y, T* mean, T* rstd, const T* x, const T* w,
-                                      const T* b, int R, int D, T eps) {
+__global__ void layer_norm_fwd_kernel(T* y, compute_t<T>* mean, compute_t<T>* rstd, const T* x,
+                                      const compute_t<T>* w, const compute_t<T>* b, int R, int D,
+                                      compute_t<T> eps) {
+  using A = compute_t<T>;
   const int lane = threadIdx.x & 31;
   FOR_EACH_ROW(row, R) {
     const T* xr = x + (long long)row * D;
     T* yr = y + (long long)row * D;
-    T s = T(0);
-    for (int c = lane; c < D; c += 32) s += xr[c];
-    const T mu = warp_all_reduce<T, SumOp>(s) / T(D);
-    T v = T(0);
+    A s = A(0);
+    for (int c = lane; c < D; c += 32) s += as<A>(xr[c]);
+    const A mu = warp_all_reduce<A, SumOp>(s) / A(D);
+    A v = A(0);
     for (int c = lane; c < D; c += 32) {
-      const T d = xr[c] - mu;
+      const A d = as<A>(xr[c]) - mu;
       v += d * d;
     }
-    const T rs = T(1) / dp_sqrt(warp_all_reduce<T, SumOp>(v) / T(D) + eps);
-    for (int c = lane; c < D; c += 32) yr[c] = (xr[c] - mu) * rs * w[c] + b[c];
+    const A rs = A(1) / dp_sqrt(warp_all_reduce<A, SumOp>(v) / A(D) + eps);
+    for (int c = lane; c < D; c += 32) yr[c] = as<T>((as<A>(xr[c]) - mu) * rs * w[c] + b[c]);
     if (lane == 0) {
       mean[row] = mu;
       rstd[row] = rs;
@@ -50,25 +55,27 @@ __global__ void layer_norm_fwd_kernel(T* y, T* mean, T* rstd, const T* x, const 
 // gx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = gy * w, xhat = (x - mean) * rstd;
 // gyxhat = gy * xhat (summed over rows by the launcher: the weight gradient).
 template <typename T>
-__global__ void layer_norm_bwd_kernel(T* gx, T* gyxhat, const T* gy, const T* x, const T* w,
-                                      const T* mean, const T* rstd, int R, int D) {
+__global__ void layer_norm_bwd_kernel(T* gx, compute_t<T>* gyxhat, const T* gy, const T* x,
+                                      const compute_t<T>* w, const compute_t<T>* mean,
+                                      const compute_t<T>* rstd, int R, int D) {
+  using A = compute_t<T>;
   const int lane = threadIdx.x & 31;
   FOR_EACH_ROW(row, R) {
     const long long o = (long long)row * D;
-    const T mu = mean[row], rs = rstd[row];
-    T sg = T(0), sgx = T(0);
+    const A mu = mean[row], rs = rstd[row];
+    A sg = A(0), sgx = A(0);
     for (int c = lane; c < D; c += 32) {
-      const T xh = (x[o + c] - mu) * rs;
-      const T g = gy[o + c] * w[c];
+      const A xh = (as<A>(x[o + c]) - mu) * rs;
+      const A g = as<A>(gy[o + c]) * w[c];
       sg += g;
       sgx += g * xh;
-      gyxhat[o + c] = gy[o + c] * xh;
+      gyxhat[o + c] = as<A>(gy[o + c]) * xh;
     }
-    sg = warp_all_reduce<T, SumOp>(sg) / T(D);
-    sgx = warp_all_reduce<T, SumOp>(sgx) / T(D);
+    sg = warp_all_reduce<A, SumOp>(sg) / A(D);
+    sgx = warp_all_reduce<A, SumOp>(sgx) / A(D);
     for (int c = lane; c < D; c += 32) {
-      const T xh = (x[o + c] - mu) * rs;
-      gx[o + c] = rs * (gy[o + c] * w[c] - sg - xh * sgx);
+      const A xh = (as<A>(x[o + c]) - mu) * rs;
+      gx[o + c] = as<T>(rs * (as<A>(gy[o + c]) * w[c] - sg - xh * sgx));
     }
   }
 }
@@ -80,19 +87,21 @@ __global__ void layer_norm_bwd_kernel(T* gx, T* gyxhat, const T* gy, const T* x,
 
 template <typename T>
 __global__ void gelu_fwd_kernel(T* y, const T* x, long long n) {
+  using A = compute_t<T>;
   GRID_STRIDE(i, n) {
-    const T v = x[i];
-    y[i] = T(0.5) * v * (T(1) + dp_erf(v * T(DP_INV_SQRT2)));
+    const A v = as<A>(x[i]);
+    y[i] = as<T>(A(0.5) * v * (A(1) + dp_erf(v * A(DP_INV_SQRT2))));
   }
 }
 
 template <typename T>
 __global__ void gelu_bwd_kernel(T* gx, const T* x, const T* gy, long long n) {
+  using A = compute_t<T>;
   GRID_STRIDE(i, n) {
-    const T v = x[i];
-    const T cdf = T(0.5) * (T(1) + dp_erf(v * T(DP_INV_SQRT2)));
-    const T pdf = T(DP_INV_SQRT_2PI) * dp_exp(T(-0.5) * v * v);
-    gx[i] = gy[i] * (cdf + v * pdf);
+    const A v = as<A>(x[i]);
+    const A cdf = A(0.5) * (A(1) + dp_erf(v * A(DP_INV_SQRT2)));
+    const A pdf = A(DP_INV_SQRT_2PI) * dp_exp(A(-0.5) * v * v);
+    gx[i] = as<T>(as<A>(gy[i]) * (cdf + v * pdf));
   }
 }
 
@@ -101,7 +110,8 @@ __global__ void gelu_bwd_kernel(T* gx, const T* x, const T* gy, long long n) {
 template <typename T, typename L>
 __global__ void masked_softmax_fwd_kernel(T* y, const T* x, const L* lengths, int R, int C,
                                           int Tq, int per_batch, int causal, int use_lengths,
-                                          T scale) {
+                                          compute_t<T> scale) {
+  using A = compute_t<T>;
   const int lane = threadIdx.x & 31;
   FOR_EACH_ROW(row, R) {
     int limit = C;
@@ -112,26 +122,29 @@ __global__ void masked_softmax_fwd_kernel(T* y, const T* x, const L* lengths, in
     }
     const T* xr = x + (long long)row * C;
     T* yr = y + (long long)row * C;
-    T mx = neg_inf<T>();
-    for (int c = lane; c < limit; c += 32) mx = nan_max(mx, xr[c] * scale);
-    mx = warp_all_reduce<T, MaxOp>(mx);
-    T s = T(0);
-    for (int c = lane; c < limit; c += 32) s += dp_exp(xr[c] * scale - mx);
-    s = warp_all_reduce<T, SumOp>(s);
-    for (int c = lane; c < C; c += 32) yr[c] = c < limit ? dp_exp(xr[c] * scale - mx) / s : T(0);
+    A mx = neg_inf<A>();
+    for (int c = lane; c < limit; c += 32) mx = nan_max(mx, as<A>(xr[c]) * scale);
+    mx = warp_all_reduce<A, MaxOp>(mx);
+    A s = A(0);
+    for (int c = lane; c < limit; c += 32) s += dp_exp(as<A>(xr[c]) * scale - mx);
+    s = warp_all_reduce<A, SumOp>(s);
+    for (int c = lane; c < C; c += 32)
+      yr[c] = as<T>(c < limit ? dp_exp(as<A>(xr[c]) * scale - mx) / s : A(0));
   }
 }
 
 template <typename T>
 __global__ void masked_softmax_bwd_kernel(T* gx, const T* y, const T* gy, int R, int C,
-                                          T scale) {
+                                          compute_t<T> scale) {
+  using A = compute_t<T>;
   const int lane = threadIdx.x & 31;
   FOR_EACH_ROW(row, R) {
     const long long o = (long long)row * C;
-    T dot = T(0);
-    for (int c = lane; c < C; c += 32) dot += gy[o + c] * y[o + c];
-    dot = warp_all_reduce<T, SumOp>(dot);
-    for (int c = lane; c < C; c += 32) gx[o + c] = scale * (y[o + c] * (gy[o + c] - dot));
+    A dot = A(0);
+    for (int c = lane; c < C; c += 32) dot += as<A>(gy[o + c]) * as<A>(y[o + c]);
+    dot = warp_all_reduce<A, SumOp>(dot);
+    for (int c = lane; c < C; c += 32)
+      gx[o + c] = as<T>(scale * (as<A>(y[o + c]) * (as<A>(gy[o + c]) - dot)));
   }
 }
 
@@ -139,3 +152,7 @@ __global__ void masked_softmax_bwd_kernel(T* gx, const T* y, const T* gy, int R,
 // instantiate: gelu_fwd_kernel<float>; gelu_fwd_kernel<double>; gelu_bwd_kernel<float>; gelu_bwd_kernel<double>
 // instantiate: masked_softmax_fwd_kernel<float, int>; masked_softmax_fwd_kernel<float, long long>; masked_softmax_fwd_kernel<double, int>; masked_softmax_fwd_kernel<double, long long>
 // instantiate: masked_softmax_bwd_kernel<float>; masked_softmax_bwd_kernel<double>
+// instantiate: layer_norm_fwd_kernel<__half>; layer_norm_bwd_kernel<__half>; gelu_fwd_kernel<__half>; gelu_bwd_kernel<__half>
+// instantiate: masked_softmax_fwd_kernel<__half, int>; masked_softmax_fwd_kernel<__half, long long>; masked_softmax_bwd_kernel<__half>
+// instantiate: layer_norm_fwd_kernel<__nv_bfloat16>; layer_norm_bwd_kernel<__nv_bfloat16>; gelu_fwd_kernel<__nv_bfloat16>; gelu_bwd_kernel<__nv_bfloat16>
+// instantiate: masked_softmax_fwd_kernel<__nv_bfloat16, int>; masked_softmax_fwd_kernel<__nv_bfloat16, long long>; masked_softmax_bwd_kernel<__nv_bfloat16>

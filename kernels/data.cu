@@ -113,7 +113,7 @@ __host__ __device__ __forceinline__ Philox4 philox4x32_10(Philox4 c, unsigned in
 
 template <typename T>
 __global__ void dropout_mask_kernel(T* out, long long n, const unsigned long long* state, float p,
-                                    T scale) {
+                                    compute_t<T> scale) {
   const unsigned long long seed = state[0], offset = state[1];
   const unsigned int key0 = (unsigned int)seed, key1 = (unsigned int)(seed >> 32);
   const long long groups = (n + 3) / 4;
@@ -129,7 +129,7 @@ __global__ void dropout_mask_kernel(T* out, long long n, const unsigned long lon
       const long long e = 4 * i + j;
       if (e < n) {
         const float u = float(r.v[j] >> 8) * (1.0f / 16777216.0f);
-        out[e] = u >= p ? scale : T(0);
+        out[e] = as<T>(u >= p ? scale : compute_t<T>(0));
       }
     }
   }
@@ -142,4 +142,5 @@ __global__ void rng_advance_kernel(unsigned long long* state, unsigned long long
 
 // instantiate: gather_normalize_kernel<int>; gather_normalize_kernel<long long>
 // instantiate: dropout_mask_kernel<float>; dropout_mask_kernel<double>; rng_advance_kernel
+// instantiate: dropout_mask_kernel<__half>; dropout_mask_kernel<__nv_bfloat16>
 // instantiate: augment_crop_flip_kernel<float>; augment_crop_flip_kernel<double>

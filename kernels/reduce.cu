@@ -143,6 +143,7 @@ __global__ void count_correct_kernel(float* out, const T* logits, const L* label
 // instantiate: reduce_kernel<__half, double, __half, SumOp>; reduce_kernel<__half, double, double, SumOp>; reduce_kernel<double, double, __half, SumOp>
 // instantiate: reduce_kernel<__nv_bfloat16, double, __nv_bfloat16, SumOp>
 // instantiate: reduce_kernel<__nv_bfloat16, double, double, SumOp>
+// instantiate: reduce_kernel<__half, double, float, SumOp>; reduce_kernel<__nv_bfloat16, double, float, SumOp>
 // instantiate: reduce_kernel<double, double, __nv_bfloat16, SumOp>
 // instantiate: reduce_kernel<__half, float, __half, MaxOp>; reduce_kernel<__half, float, float, MaxOp>; reduce_kernel<float, float, __half, MaxOp>
 // instantiate: reduce_kernel<__nv_bfloat16, float, __nv_bfloat16, MaxOp>

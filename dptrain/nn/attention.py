@@ -13,7 +13,7 @@ import math
 import numpy as np
 
 from dptrain.engine import functional as F
-from dptrain.nn.layers import Linear, float32_island
+from dptrain.nn.layers import Linear, in_dtype_of
 from dptrain.nn.module import Module, Parameter
 from dptrain.engine.rng import init_rng
 
@@ -39,7 +39,6 @@ class MultiHeadAttention(Module):
         b, t, _ = x.shape
         return x.reshape(b, t, self.num_heads, self.head_dim).transpose(0, 2, 1, 3)
 
-    @float32_island  # masked softmax has no 16-bit kernel yet: the whole block in fp32
     def forward(self, query, key=None, value=None, key_lengths=None, causal=False):
         """Attention of query (B, Tq, D) over key / value (B, Tk, D) (default: the query, i.e.
         self-attention); returns (B, Tq, D)."""
@@ -47,7 +46,7 @@ class MultiHeadAttention(Module):
             raise ValueError(f"MultiHeadAttention: expected (batch, seq, {self.embed_dim}) "
                              f"input, got {query.shape}")
         b, tq, d = query.shape
-        w, bias = self.in_proj_weight, self.in_proj_bias
+        w, bias = in_dtype_of(query, self.in_proj_weight, self.in_proj_bias)
         if key is None and value is None:  # one projection for q, k and v
             qkv = F.linear(query, w, bias).reshape(b, tq, 3, self.num_heads, self.head_dim)
             qkv = qkv.transpose(2, 0, 3, 1, 4)  # (3, B, H, T, head_dim)

@@ -1,7 +1,6 @@
 """Layers with PyTorch's shapes, names and default initialisation."""
 from __future__ import annotations
 
-import functools
 import math
 
 import numpy as np
@@ -32,25 +31,6 @@ def in_dtype_of(x, *params):
     if x.dtype.itemsize != 2:
         return params
     return tuple(None if p is None else F.cast_parameter(p, x.dtype) for p in params)
-
-
-def float32_island(forward):
-    """For a layer's forward that has no 16-bit kernels yet: in a mixed-precision model its
-    16-bit tensor arguments are cast to float32, the layer computes in float32 exactly as in an
-    fp32 model (its parameters as they are), and its output is cast back to the input's dtype.
-    Any other input passes straight through. Two casts each way is the price until the layer
-    gets 16-bit kernels of its own."""
-    def is_half(a):
-        return isinstance(a, Tensor) and a.dtype.itemsize == 2
-
-    @functools.wraps(forward)
-    def wrapper(self, x, *args):
-        if not is_half(x):
-            return forward(self, x, *args)
-        up = [F.cast(a, np.float32) if is_half(a) else a for a in (x, *args)]
-        return F.cast(forward(self, *up), x.dtype)
-
-    return wrapper
 
 
 class _Workspace:
@@ -141,7 +121,6 @@ class Dropout(Module):
         super().__init__()
         self.p = p
 
-    @float32_island  # the mask kernel draws float32 (the same mask in every precision)
     def forward(self, x):
         return F.dropout(x, self.p, self.training)
 

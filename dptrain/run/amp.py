@@ -43,14 +43,10 @@ LOSS_SCALED = ("fp16",)  # precisions whose gradients need the loss scaler
 INIT_SCALE, INTERVAL = 2.0**16, 2000
 MIN_SCALE = 2.0**-24  # below this even a gradient of 1 underflows fp16: the run diverged
 
-# Layers with 16-bit kernels of their own.
+# Layers with 16-bit kernels of their own (batch and layer norm with float32 statistics and
+# parameters; attention's softmax, GELU and dropout computing in float32 on 16-bit data).
 LAYERS_16BIT = frozenset({"Conv2d", "Linear", "ReLU", "MaxPool2d", "AvgPool2d", "Flatten",
-                          "AdaptiveAvgPool2d", "BatchNorm2d"})
-# Layers without 16-bit kernels yet that run in float32 inside a 16-bit model (their input cast
-# up, their output down: dptrain.nn.layers.float32_island). A model with one runs bf16 / fp16
-# when asked; --precision auto keeps it on TF32: the transformer's islands cost more than its
-# matmuls gain (vit 6.77 ms bf16 against 6.62 ms TF32 on an H200).
-LAYERS_FLOAT32_ISLAND = frozenset({"LayerNorm", "GELU", "Dropout"})
+                          "AdaptiveAvgPool2d", "BatchNorm2d", "LayerNorm", "GELU", "Dropout"})
 
 
 def compute_dtype(precision: str) -> np.dtype:
@@ -95,7 +91,7 @@ def resolve(precision: str, runtime, model) -> str:
     return runtime.precision
 
 
-def _without_16bit_path(model, allowed=LAYERS_16BIT | LAYERS_FLOAT32_ISLAND):
+def _without_16bit_path(model, allowed=LAYERS_16BIT):
     """(name, kind) of the first layer whose kind is not `allowed`, or None."""
     for name, module in model.named_modules():
         kind = type(module).__name__

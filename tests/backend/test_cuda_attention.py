@@ -113,6 +113,101 @@ def test_masked_softmax(cu, rng, shape, causal, lengths, ltype, dtype):
                  dtype)
 
 
+# ----------------------------------------------------------------------------- 16 bits
+# float16 / bfloat16 activations computed in float32 (layer norm's parameters and statistics
+# float32): against the float64 reference on the same rounded inputs, within the 16-bit
+# type's rounding (relative norm error 2e-3 for float16, 1.6e-2 for bfloat16).
+HALVES = ["float16", "bfloat16"]
+HALF_TOL = {"float16": 2e-3, "bfloat16": 1.6e-2}
+
+
+def _half(cu, x, half):
+    """(device array of x in `half`, the rounded values as float64 on the host)."""
+    from dptrain.backend.bfloat16 import from_bfloat16, to_bfloat16
+
+    if half == "float16":
+        x = x.astype(np.float16)
+        return cu.asarray(x), x.astype(F64)
+    bits = to_bfloat16(x.astype(F32))
+    return cu.asarray(bits), from_bfloat16(bits).astype(F64)
+
+
+def _widened(cu, a):
+    """A 16-bit device result as float64 on the host (checked: no NaN left)."""
+    a = cu.astype(a, np.dtype(F32)) if a.dtype != np.float16 else a
+    host = cu.to_numpy(a).astype(F64)
+    assert not np.isnan(host).any(), "NaN: an unwritten element?"
+    return host
+
+
+def _rel(got, ref):
+    return np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30)
+
+
+@pytest.mark.parametrize("shape", [(3, 7), (5, 37, 33), (2, 1000), (4, 3, 129)], ids=str)
+@pytest.mark.parametrize("half", HALVES)
+def test_16_bit_layer_norm_keeps_fp32_parameters_and_statistics(cu, rng, shape, half):
+    d, tol = shape[-1], HALF_TOL[half]
+    dx, x = _half(cu, randn(rng, shape) * F32(3) + F32(1), half)
+    dgy, gy = _half(cu, randn(rng, shape), half)
+    w, b = randn(rng, (d,)), randn(rng, (d,))
+    y, mean, rstd = cpu.layer_norm_forward(x, *f64(w, b), 1e-5)
+    dy, dmean, drstd = cu.layer_norm_forward(dx, cu.asarray(w), cu.asarray(b), 1e-5)
+    assert dy.dtype == dx.dtype and dmean.dtype == drstd.dtype == np.float32
+    assert _rel(_widened(cu, dy), y) <= tol
+    assert_close(cu, dmean, mean, F32)
+    assert_close(cu, drstd, rstd, F32)
+    gx, gw, gb = cpu.layer_norm_backward(gy, x, w.astype(F64), mean, rstd)
+    dgx, dgw, dgb = cu.layer_norm_backward(dgy, dx, cu.asarray(w), dmean, drstd)
+    assert dgx.dtype == dx.dtype and dgw.dtype == dgb.dtype == np.float32
+    assert _rel(_widened(cu, dgx), gx) <= 2 * tol
+    assert_close(cu, dgw, gw, F32, rtol=1e-4)
+    assert_close(cu, dgb, gb, F32, rtol=1e-5)
+
+
+@pytest.mark.parametrize("half", HALVES)
+def test_16_bit_gelu(cu, rng, half):
+    dx, x = _half(cu, randn(rng, (33, 65)) * F32(3), half)
+    dgy, gy = _half(cu, randn(rng, (33, 65)), half)
+    assert _rel(_widened(cu, cu.gelu(dx)), cpu.gelu(x)) <= HALF_TOL[half]
+    assert _rel(_widened(cu, cu.gelu_backward(dx, dgy)), cpu.gelu_backward(x, gy)) <= \
+        HALF_TOL[half]
+
+
+@pytest.mark.parametrize("causal,lengths", MASKS)
+@pytest.mark.parametrize("half", HALVES)
+def test_16_bit_masked_softmax(cu, rng, causal, lengths, half):
+    shape, scale, tol = (2, 4, 37, 37), 0.37, HALF_TOL[half]
+    dx, x = _half(cu, randn(rng, shape) * F32(3), half)
+    dgy, gy = _half(cu, randn(rng, shape), half)
+    key_lengths = None
+    if lengths:
+        key_lengths = rng.integers(0, shape[-1] + 2, shape[0]).astype(np.int64)
+        key_lengths[0] = 0
+    y = cpu.masked_softmax(x, causal, key_lengths, scale)
+    dl = None if key_lengths is None else cu.asarray(key_lengths)
+    dy = cu.masked_softmax(dx, causal=causal, key_lengths=dl, scale=scale)
+    got = _widened(cu, dy)
+    assert dy.dtype == dx.dtype and _rel(got, y) <= tol
+    assert (got[y == 0] == 0).all(), "a masked key must get probability exactly 0"
+    gx = cu.masked_softmax_backward(dy, dgy, scale=scale)
+    assert _rel(_widened(cu, gx), cpu.masked_softmax_backward(got, gy, scale)) <= 2 * tol
+
+
+@pytest.mark.parametrize("half", HALVES)
+def test_16_bit_dropout_mask(cu, half):
+    """Kept elements hold 1 / (1 - p) rounded to the 16-bit type, the others 0; about p
+    dropped."""
+    from dptrain.backend.bfloat16 import BFLOAT16
+
+    dtype = np.dtype(np.float16) if half == "float16" else BFLOAT16
+    cu.runtime.manual_seed(5)
+    mask = _widened(cu, cu.dropout_mask((300, 301), 0.3, dtype))
+    kept = mask[mask != 0]
+    assert abs(1 - kept.size / mask.size - 0.3) < 0.01
+    assert np.allclose(kept, 1 / 0.7, rtol=4e-3) and len(np.unique(kept)) == 1
+
+
 def test_masked_softmax_rejects_bad_input(cu, rng):
     x = cu.asarray(randn(rng, (2, 3, 4)))
     with pytest.raises(ValueError, match="key_lengths"):

@@ -90,21 +90,25 @@ def test_loss_falls_on_synthetic_data(tmp_path):
     assert losses[-1] < losses[0] - 0.15, losses
 
 
-def _train_steps(device, graph, steps=6, seed=4):
+def _train_steps(device, graph, steps=6, seed=4, precision="fp32"):
     def build():
         return nn.VisionTransformer((1, 12, 12), 5, patch_size=4, dim=16, depth=2, heads=4,
                                     mlp_dim=24, dropout=0.3)
 
-    return train_steps(device, build, (1, 12, 12), 5, graph, steps, seed)[1]
+    return train_steps(device, build, (1, 12, 12), 5, graph, steps, seed,
+                       precision=precision)[1]
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_captured_step_replays_bitwise_like_eager(device):
+@pytest.mark.parametrize("device, precision", [
+    ("cpu", "fp32"), ("cpu", "fp16"),
+    *(pytest.param("cuda", p, marks=pytest.mark.gpu) for p in ("fp32", "bf16", "fp16"))])
+def test_captured_step_replays_bitwise_like_eager(device, precision):
     """Dropout in the blocks draws from the device RNG state, so the replayed graph matches
-    the eager steps bit for bit, and the weights change every step."""
-    eager, graph = _train_steps(device, graph=False), _train_steps(device, graph=True)
+    the eager steps bit for bit, and the weights change every step; in 16 bits too."""
+    eager = _train_steps(device, graph=False, precision=precision)
+    graph = _train_steps(device, graph=True, precision=precision)
     for step, (a, b) in enumerate(zip(eager, graph)):
-        assert np.array_equal(a, b), f"{device}: weights differ after step {step + 1}"
+        assert np.array_equal(a, b), f"{device} {precision}: weights differ after step {step + 1}"
     assert not np.array_equal(eager[-2], eager[-1])
 
 

@@ -95,21 +95,31 @@ def erf(x):
 # ----------------------------------------------------------------------------- layer norm
 
 
+def _up(a):
+    """float16 as float32 (the math of 16-bit activations), other arrays as they are."""
+    return a.astype(np.float32) if a.dtype == np.float16 else a
+
+
 @op
 def layer_norm_forward(x, weight, bias, eps=1e-5):
-    """y = (x - mean) * rstd * weight + bias over the last axis; also mean and rstd."""
-    t = x.dtype.type
-    mean = x.mean(axis=-1, keepdims=True)
-    xc = x - mean
+    """y = (x - mean) * rstd * weight + bias over the last axis; also mean and rstd. float16
+    x: computed in float32 (weight and bias float32), y rounded to float16, mean and rstd
+    float32."""
+    xf = _up(x)
+    t = xf.dtype.type
+    mean = xf.mean(axis=-1, keepdims=True)
+    xc = xf - mean
     var = (xc * xc).mean(axis=-1, keepdims=True)
     rstd = t(1) / np.sqrt(var + t(eps))
     y = xc * rstd * weight + bias
-    return y, mean[..., 0].copy(), rstd[..., 0].copy()
+    return y.astype(x.dtype), mean[..., 0].copy(), rstd[..., 0].copy()
 
 
 @op
 def layer_norm_backward(gy, x, weight, mean, rstd):
-    """(gx, gweight, gbias) of layer_norm_forward, from its saved mean and rstd."""
+    """(gx, gweight, gbias) of layer_norm_forward, from its saved mean and rstd; float16
+    gy and x: computed in float32, gx rounded to float16, the parameter gradients float32."""
+    gy16, gy, x = gy, _up(gy), _up(x)
     d = x.shape[-1]
     mean, rstd = mean[..., None], rstd[..., None]
     xhat = (x - mean) * rstd
@@ -119,7 +129,7 @@ def layer_norm_backward(gy, x, weight, mean, rstd):
     rows = gy.reshape(-1, d)
     gw = (rows * xhat.reshape(-1, d)).sum(axis=0)
     gb = rows.sum(axis=0)
-    return np.ascontiguousarray(gx), gw, gb
+    return np.ascontiguousarray(gx.astype(gy16.dtype)), gw, gb
 
 
 # ----------------------------------------------------------------------------- GELU
@@ -180,7 +190,7 @@ def check_masked_softmax_args(op, shape, causal, key_lengths):
                          f"({shape[0]},) (one length per batch element)")
 
 
-@op
+@op(fp32_math=True)
 def masked_softmax(x, causal=False, key_lengths=None, scale=1.0):
     """softmax(scale * x) over the last axis with masked keys at probability 0 (see above)."""
     if key_lengths is not None:
@@ -200,7 +210,7 @@ def masked_softmax(x, causal=False, key_lengths=None, scale=1.0):
     return e / np.where(s > 0, s, 1).astype(x.dtype)
 
 
-@op
+@op(fp32_math=True)
 def masked_softmax_backward(y, gy, scale=1.0):
     """scale * y * (gy - sum(gy * y)) over the last axis: 0 wherever y is 0 (masked)."""
     t = y.dtype.type

@@ -117,14 +117,16 @@ def dropout_mask(shape, p, dtype=np.float32):
     if not 0.0 <= p < 1.0:
         raise ValueError(f"cuda.dropout_mask: p must be in [0, 1), got {p}")
     dtype = np.dtype(dtype)
-    if dtype not in launch.FLOATS:
-        raise TypeError(f"cuda.dropout_mask: dtype {dtype} not supported (float32 or float64)")
+    if dtype not in launch.FLOATS + launch.HALVES:
+        raise TypeError(f"cuda.dropout_mask: dtype {dtype} not supported (float16, bfloat16, "
+                        f"float32 or float64)")
     out = launch.new(shape, dtype)
     n = out.size
     if n:
         groups = -(-n // 4)  # one Philox call gives 4 numbers
         state = runtime.rng_state
         launch.grid_stride(launch.kernel(DATA, "dropout_mask_kernel", launch.ctype(dtype)), groups,
-                           (out, np.int64(n), state, np.float32(p), dtype.type(1.0 / (1.0 - p))))
+                           (out, np.int64(n), state, np.float32(p),
+                            (np.float32 if dtype in launch.HALVES else dtype.type)(1.0 / (1.0 - p))))
         launch.kernel(DATA, "rng_advance_kernel")((1,), (1,), (state, np.uint64(groups)))
     return out

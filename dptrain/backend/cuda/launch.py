@@ -371,10 +371,11 @@ def layout(shape, s0, s1=None):
     return lay
 
 
-def rows(op, *arrays):
+def rows(op, *arrays, half=False):
     """(rows, row length) of float, contiguous arrays of one shape, taken along the last axis:
-    the layout of every row-wise kernel (softmax, cross-entropy, layer norm)."""
-    check_float(op, *arrays)
+    the layout of every row-wise kernel (softmax, cross-entropy, layer norm); 16-bit arrays
+    too with `half`."""
+    check_float(op, *arrays, half=half)
     check_contiguous(op, *arrays)
     for a in arrays[1:]:
         check_shape(op, a, arrays[0].shape)

@@ -84,10 +84,12 @@ def run_reduce(fn, out, src, M, S, K, chunk, lk, lr, G):
                                    np.int32(chunk), lk, lr, np.int32(G)), per_block, warps=True)
 
 
-def _reduce(op, a, axes, out_shape):
-    """Sum (op "SumOp") or max ("MaxOp") of `a` over `axes`, deterministic (reduce.cu)."""
+def _reduce(op, a, axes, out_shape, out_dtype=None):
+    """Sum (op "SumOp") or max ("MaxOp") of `a` over `axes`, deterministic (reduce.cu), in
+    `out_dtype` (default a's; float32 for a 16-bit `a`'s sum is the other choice)."""
     opname = "sum" if op == "SumOp" else "max"
-    out = launch.new(out_shape, a.dtype)
+    out = launch.new(out_shape, a.dtype if out_dtype is None else out_dtype)
+    o = launch.ctype(out.dtype)
     M, K, lk, lr, inner = _reduction_layouts(opname, a, axes)
     if M == 0:
         return out
@@ -98,7 +100,7 @@ def _reduce(op, a, axes, out_shape):
     t = launch.ctype(a.dtype)
     acc = "double" if op == "SumOp" else "float" if a.dtype in launch.HALVES else t
     if K < SPLIT_MIN_K or M >= 1024:
-        fn = launch.kernel(RED, "reduce_kernel", t, acc, t, op)
+        fn = launch.kernel(RED, "reduce_kernel", t, acc, o, op)
         run_reduce(fn, out, a, M, 1, K, K, lk, lr, group_size(M, K, inner))
         return out
     # Two passes: S partials per output (in the accumulator type), then one fold over them.
@@ -107,7 +109,7 @@ def _reduce(op, a, axes, out_shape):
     partial = launch.new((M, S), np.dtype(np.float64) if acc == "double" else np.float32)
     fn = launch.kernel(RED, "reduce_kernel", t, acc, acc, op)
     run_reduce(fn, partial, a, M, S, K, chunk, lk, lr, group_size(M * S, chunk, inner))
-    fn = launch.kernel(RED, "reduce_kernel", acc, acc, t, op)
+    fn = launch.kernel(RED, "reduce_kernel", acc, acc, o, op)
     run_reduce(fn, out, partial, M, 1, S, S, launch.layout([M], [S]), launch.layout([S], [1]),
                group_size(M, S, True))
     return out
@@ -118,6 +120,14 @@ def sum(a, axis=None, keepdims=False):  # noqa: A001 - the op's name
     launch.check_float("sum", a, half=True)
     axes = _axes("sum", a.ndim, axis)
     return _reduce("SumOp", a, axes, _reduced_shape(a.shape, axes, keepdims))
+
+
+def sum_float32(a, axis):
+    """sum(a, axis) as float32 whatever a's float dtype (16-bit activations' parameter
+    gradients: fp32 parameters)."""
+    launch.check_float("sum", a, half=True)
+    axes = _axes("sum", a.ndim, axis)
+    return _reduce("SumOp", a, axes, _reduced_shape(a.shape, axes, False), np.float32)
 
 
 @op
