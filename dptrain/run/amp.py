@@ -86,16 +86,16 @@ def resolve(precision: str, runtime, model) -> str:
     names stay as they are."""
     if precision != "auto":
         return precision
-    if "bf16" in runtime.mixed_precisions() and _without_16bit_path(model, LAYERS_16BIT) is None:
+    if "bf16" in runtime.mixed_precisions() and _without_16bit_path(model) is None:
         return "bf16"
     return runtime.precision
 
 
-def _without_16bit_path(model, allowed=LAYERS_16BIT):
-    """(name, kind) of the first layer whose kind is not `allowed`, or None."""
+def _without_16bit_path(model):
+    """(name, kind) of the first layer whose kind is not in LAYERS_16BIT, or None."""
     for name, module in model.named_modules():
         kind = type(module).__name__
-        if not module._modules and kind not in allowed:  # layers; containers only route
+        if not module._modules and kind not in LAYERS_16BIT:  # layers; containers only route
             return name, kind
     return None
 

@@ -164,7 +164,7 @@ class Runtime(RuntimeBase):
         will, on arrays of the step's shapes), only the kernels `trace()` launches, recorded
         without launching them, and the STEP_FILES. {"files", "built", "seconds",
         "workers", "slowest", "traced" (kernels recorded, or None: every kernel built)}."""
-        from dptrain.backend.cuda import gemm, launch, loader
+        from dptrain.backend.cuda import launch, loader
 
         families = loader.PARTS
         if dtypes is not None:
@@ -178,7 +178,6 @@ class Runtime(RuntimeBase):
                     trace()
             except Exception:  # noqa: BLE001 - a model the trace cannot run: build them all
                 recorded = None
-            gemm.clear_plans()  # none made while recording is kept; cleared for certainty
         if recorded is None:
             return {**loader.compile_all(families=families), "traced": None}
         units = {(f, loader.part_holding(f, name)) for f, name in recorded}
