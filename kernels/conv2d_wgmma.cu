@@ -15,6 +15,14 @@
 //    per-chunk address (zero-fill outside the image, past K and past the last pixel).
 //  * B (channels x K) is the weight reordered by conv2d_weight_reorder_kernel (conv2d.cu),
 //    wr[m][(kh*KW + kw)*C + c]: dense and K-major, rows past M zero-filled.
+//  * Backward-data with a stride and a filter wider than 1x1 (mode 2; the launcher picks it)
+//    runs one phase per grid z (z = ry * sw + rx): the output
+//    pixels (oy, ox) = (ry + sh*i, rx + sw*j), which only the taps kh = (ry + ph) mod sh +
+//    sh*t (likewise kw) reach; K sums those taps alone. The taps a plain implicit GEMM would
+//    visit and zero-fill (all but 1 / (sh*sw) of them) are never loaded; a phase no tap
+//    reaches writes zeros. A phase's pixels are sw apart in a row, so its stores use a
+//    1/sw of each 32-byte sector: 1x1 filters (mode 1), which gain nothing from phases,
+//    stay in one grid with the zero-filled taps. Forward and stride 1: one phase.
 //  * The output is NCHW, out[n, m, oy, ox] = acc (+ bias[m]), written with `=`: per
 //    accumulator, lanes along the pixels (8 consecutive pixels of one channel per quad).
 //  * Tiles, swizzle and pipeline: wgmma.cuh. 256 threads = two warpgroups of 64 pixels.
@@ -54,8 +62,18 @@ __global__ void __launch_bounds__(wgmma_conv::THREADS, BN <= 64 ? 2 : 1)
   if (dyn < (unsigned)smem_bytes<BM, BN>()) __trap();  // the launcher must pass it
 
   const ConvGeom g{Nb, M, C, Hs, Ws, Ho, Wo, KH, KW, sh, sw, ph, pw, mode};
-  const int K = KH * KW * C, hw = Ho * Wo, npix = Nb * hw;
+  // This block's phase: output pixels (ry + ps_h*i, rx + ps_w*j) and the taps (rkh + ps_h*t,
+  // rkw + ps_w*u) that reach them (nkh x nkw of them; every tap for the forward).
+  const bool phased = mode == 2;
+  const int ps_h = phased ? sh : 1, ps_w = phased ? sw : 1;
+  const int ry = blockIdx.z / ps_w, rx = blockIdx.z - ry * ps_w;
+  const int rkh = phased ? (ry + ph) % sh : 0, rkw = phased ? (rx + pw) % sw : 0;
+  const int nkh = rkh < KH ? (KH - rkh + ps_h - 1) / ps_h : 0;
+  const int nkw = rkw < KW ? (KW - rkw + ps_w - 1) / ps_w : 0;
+  const int Hq = (Ho - ry + ps_h - 1) / ps_h, Wq = (Wo - rx + ps_w - 1) / ps_w;
+  const int K = nkh * nkw * C, Kw = KH * KW * C, hq = Hq * Wq, hw = Ho * Wo, npix = Nb * hq;
   const int q0 = blockIdx.x * BM, m0 = blockIdx.y * BN;
+  if (q0 >= npix && q0 > 0) return;  // past this phase's pixels (the grid fits phase 0)
 
   // Loader: 16-byte chunk lc = tid % 8 of tile rows lrow + 32 j. The pixel rows' coordinates
   // are worked out once; each slab then costs one tap decode per thread.
@@ -65,9 +83,9 @@ __global__ void __launch_bounds__(wgmma_conv::THREADS, BN <= 64 ? 2 : 1)
 #pragma unroll
   for (int j = 0; j < A_ROWS; ++j) {
     const int q = q0 + lrow + 32 * j;
-    const int n = q / hw, p = q - n * hw;
-    py[j] = p / Wo;
-    px[j] = p - py[j] * Wo;
+    const int n = q / hq, p = q - n * hq, qy = p / Wq;
+    py[j] = ry + ps_h * qy;
+    px[j] = rx + ps_w * (p - qy * Wq);
     pbase[j] = q < npix ? (long long)n * Hs * Ws * C : -1;
   }
 
@@ -78,7 +96,9 @@ __global__ void __launch_bounds__(wgmma_conv::THREADS, BN <= 64 ? 2 : 1)
                             [&](int kt, u32 sa, u32 sb) {
     const int k = kt * BK + lc * CHUNK;  // this thread's chunk: one tap, CHUNK channels
     const bool kok = k < K;
-    const int khw = k / C, c = k - khw * C, kh = khw / KW, kw = khw - kh * KW;
+    const int t = k / C, c = k - t * C, th = t / nkw;
+    const int kh = rkh + ps_h * th, kw = rkw + ps_w * (t - th * nkw);
+    const long long wk = (long long)(kh * KW + kw) * C + c;  // the column in wr
 #pragma unroll
     for (int j = 0; j < A_ROWS; ++j) {
       int iy = 0, ix = 0;
@@ -90,7 +110,7 @@ __global__ void __launch_bounds__(wgmma_conv::THREADS, BN <= 64 ? 2 : 1)
     for (int j = 0; j < B_ROWS; ++j) {
       const int m = m0 + lrow + 32 * j;
       const bool ok = kok && m < M;
-      cp_async16(sb + swizzled(lrow + 32 * j, lc), ok ? wr + (long long)m * K + k : wr,
+      cp_async16(sb + swizzled(lrow + 32 * j, lc), ok ? wr + (long long)m * Kw + wk : wr,
                  ok ? 16 : 0);
     }
   });
@@ -101,8 +121,9 @@ __global__ void __launch_bounds__(wgmma_conv::THREADS, BN <= 64 ? 2 : 1)
   for (int h = 0; h < 2; ++h) {
     const int q = q0 + (threadIdx.x >> 7) * 64 + ((threadIdx.x >> 5) & 3) * 16 +
                   ((threadIdx.x & 31) >> 2) + 8 * h;
-    const int n = q / hw;
-    obase[h] = q < npix ? (long long)n * M * hw + (q - n * hw) : -1;
+    const int n = q / hq, p = q - n * hq, qy = p / Wq;
+    obase[h] = q < npix ? (long long)n * M * hw + (ry + ps_h * qy) * Wo + rx + ps_w * (p - qy * Wq)
+                        : -1;
   }
   for_each_pair<BN>(acc, [&](int, int col, float x0, float y0, float x1, float y1) {
     const float v[2][2] = {{x0, y0}, {x1, y1}};

@@ -8,7 +8,7 @@ struct ConvGeom {
   int Nb, M, C;        // batch; channels of out (GEMM rows); channels summed over
   int Hs, Ws, Ho, Wo;  // spatial size of src; of out
   int KH, KW, sh, sw, ph, pw;
-  int mode;  // 0 forward, 1 backward-data
+  int mode;  // 0 forward, 1 backward-data, 2 backward-data by phases (conv2d_wgmma.cu)
 };
 
 // Source pixel read by output pixel (oy, ox) through filter tap (kh, kw); false if none.

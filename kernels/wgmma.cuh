@@ -14,6 +14,11 @@
 //   tensor cores' async proxy) -> __syncthreads (everyone's; slab kt-2's wgmma retired in
 //   every thread) -> load slab kt+2 into slab kt-2's stage -> wgmma.fence, the wgmmas,
 //   commit -> wait_group 1 (slab kt-1's wgmma retired, so the next refill is safe).
+// MN-major operands (16-bit types only: backward-weight's channels-last gathers): a stage's
+// tile is then 64 rows of K, each row 128 bytes of 64 consecutive M (or N) values, one such
+// 8 KB atom per 64 rows (columns) of the block tile, with the same 128-byte swizzle; the
+// descriptors say it (mn_desc: 8-row groups of K 1024 bytes apart, atoms 8 KB apart) and
+// the instruction's transpose flags are set. The byte counts equal the K-major tiles'.
 // Accumulator layout of m64nNk8/k16 (warp v of the warpgroup, lane l): for each 8-column
 // group j, acc[4j], acc[4j+1] at row 16v + l/4, columns 8j + 2(l%4) + {0, 1}; acc[4j+2],
 // acc[4j+3] eight rows further down.
@@ -88,10 +93,17 @@ __device__ __forceinline__ u64 smem_desc(u32 saddr) {
          | ((u64)1 << 62);                  // swizzle mode 1: 128 bytes
 }
 
+// Shared-memory matrix descriptor: MN-major, 128-byte swizzle: 8-row groups of K 1024 bytes
+// apart (stride byte offset), 64-value atoms of M / N `atom` bytes apart (leading byte offset).
+__device__ __forceinline__ u64 mn_desc(u32 saddr, u32 atom) {
+  return (u64)((saddr & 0x3FFFF) >> 4) | ((u64)(atom >> 4) << 16) | ((u64)(1024 >> 4) << 32) |
+         ((u64)1 << 62);
+}
+
 // D (64 x N fp32, N / 2 registers per thread) += A (64 x 32 bytes) * B (32 bytes x N), both
-// from shared memory through descriptors, K-major (16-bit types: transpose flags 0), scale-d
-// 1 (accumulate), operand scales 1.
-template <typename T, int N>
+// from shared memory through descriptors, K-major (16-bit types: transpose flags 0) or, with
+// MN, both MN-major (flags 1; 16-bit types only), scale-d 1 (accumulate), operand scales 1.
+template <typename T, int N, bool MN = false>
 struct Wgmma;
 
 #define DP_WGMMA_ASM(op, n, r, tail)                                                       \
@@ -116,6 +128,18 @@ struct Wgmma;
       DP_WGMMA_ASM("wgmma.mma_async.sync.aligned.m64n" #n "k16.f32.f16.f16", n, r,        \
                    ", 0, 0");                                                              \
     }                                                                                      \
+  };                                                                                       \
+  template <> struct Wgmma<__nv_bfloat16, n, true> {                                      \
+    __device__ __forceinline__ static void run(float (&d)[r], u64 a, u64 b) {             \
+      DP_WGMMA_ASM("wgmma.mma_async.sync.aligned.m64n" #n "k16.f32.bf16.bf16", n, r,      \
+                   ", 1, 1");                                                              \
+    }                                                                                      \
+  };                                                                                       \
+  template <> struct Wgmma<__half, n, true> {                                             \
+    __device__ __forceinline__ static void run(float (&d)[r], u64 a, u64 b) {             \
+      DP_WGMMA_ASM("wgmma.mma_async.sync.aligned.m64n" #n "k16.f32.f16.f16", n, r,        \
+                   ", 1, 1");                                                              \
+    }                                                                                      \
   };
 DP_WGMMA(32, 16)
 DP_WGMMA(64, 32)
@@ -126,12 +150,14 @@ DP_WGMMA(256, 128)
 
 // The main loop: KT slabs, load(kt, a_tile, b_tile) issuing slab kt's cp.async copies into
 // the two shared tiles (this thread's share; zero-fill outside the matrices). Accumulates
-// into acc, which the caller zeroes. sbase: smem_base() of the dynamic shared memory.
-template <typename T, int BM, int BN, class Load>
+// into acc, which the caller zeroes. sbase: smem_base() of the dynamic shared memory. MN:
+// both tiles MN-major (see above; 16-bit types, 64 rows of K per slab).
+template <typename T, int BM, int BN, bool MN = false, class Load>
 __device__ __forceinline__ void wgmma_mainloop(float (&acc)[BN / 2], u32 sbase, int KT,
                                                Load&& load) {
   constexpr int A_BYTES = BM * ROW_BYTES, STAGE_BYTES = (BM + BN) * ROW_BYTES;
   static_assert(BM % 64 == 0 && STAGE_BYTES % 1024 == 0, "tiles of 64-row warpgroups");
+  static_assert(!MN || (sizeof(T) == 2 && BN % 64 == 0), "MN-major: 16-bit, whole atoms");
   const int wg = threadIdx.x >> 7;
 #pragma unroll
   for (int s = 0; s < STAGES - 2; ++s) {
@@ -154,8 +180,13 @@ __device__ __forceinline__ void wgmma_mainloop(float (&acc)[BN / 2], u32 sbase, 
     fence_regs(acc);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < ROW_BYTES / 32; ++kk)
-      Wgmma<T, BN>::run(acc, smem_desc(sa + kk * 32), smem_desc(sb + kk * 32));
+    for (int kk = 0; kk < ROW_BYTES / 32; ++kk) {
+      if constexpr (MN)  // 16 rows of K per step; an atom is 64 rows of 128 bytes
+        Wgmma<T, BN, true>::run(acc, mn_desc(sa + kk * 2048, 64 * ROW_BYTES),
+                                mn_desc(sb + kk * 2048, 64 * ROW_BYTES));
+      else
+        Wgmma<T, BN>::run(acc, smem_desc(sa + kk * 32), smem_desc(sb + kk * 32));
+    }
     wgmma_commit();
     wgmma_wait<1>();  // slab kt-1's wgmma has retired: its stage may be refilled
     fence_regs(acc);

@@ -7,6 +7,9 @@ Sections (``--sections``):
         error against a float64 product of the same (rounded) operands
   cnn   the reference CNN's layer shapes at batch 256: its FC GEMMs and its three 3x3
         convolutions, forward / backward-data / backward-weight
+  resnet ResNet-18's convolutions at 48x48x1 and batch 256 (every distinct channel count,
+        size, filter and stride), each pass with the kernel our plan picks; cuDNN on
+        channels-last tensors, as PyTorch's fastest mode runs them
   conv  conv2d forward over the batch size (``--conv-batches``) at the CNN's conv2 shape
   elem  add, mul, pow and transpose from 1e3 to 1e8 elements
 GPU times are CUDA-event medians after warm-up; CPU (NumPy backend) times are medians of up to
@@ -17,7 +20,7 @@ against cuBLAS / cuDNN through PyTorch in the same dtype; the float32 precisions
 cuBLAS through CuPy and cuDNN through PyTorch.
 
     python -m dptrain bench ops [--quick] [--precision tf32,fp32,bf16,fp16]
-                                [--sections gemm,cnn,conv,elem]
+                                [--sections gemm,cnn,resnet,conv,elem]
                                 [--conv-batches 1,4,16] [--csv out.csv] [--plot out.png]
 
 Also used in-process by the scaling scripts: ``cpu_rows`` (the NumPy timings of a machine
@@ -43,6 +46,16 @@ BATCH = 256
 CNN_CONVS = [("conv1", 1, 32, 48), ("conv2", 32, 64, 24), ("conv3", 64, 128, 12)]
 CONV_SWEEP = CNN_CONVS[1]  # the batch-size sweep's shape: conv2
 CONV_BATCHES, CONV_BATCHES_QUICK = (1, 4, 16, 64, 256), (1, 16, 256)
+# (name, C_in, C_out, H=W of the input, filter, stride) of ResNet-18's distinct convolutions on
+# 48x48 images (a 3x3 stride-1 stem, no max-pool; padding 1 for 3x3, 0 for 1x1): the stem runs
+# the direct kernels and is left out.
+RESNET_CONVS = [("l1", 64, 64, 48, 3, 1),
+                ("l2.down", 64, 128, 48, 3, 2), ("l2.short", 64, 128, 48, 1, 2),
+                ("l2", 128, 128, 24, 3, 1),
+                ("l3.down", 128, 256, 24, 3, 2), ("l3.short", 128, 256, 24, 1, 2),
+                ("l3", 256, 256, 12, 3, 1),
+                ("l4.down", 256, 512, 12, 3, 2), ("l4.short", 256, 512, 12, 1, 2),
+                ("l4", 512, 512, 6, 3, 1)]
 # (name, in, out) of its fully connected layers.
 CNN_FCS = [("fc1", 4608, 256), ("fc2", 256, 7)]
 CPU_LIMIT_S = 1.0
@@ -152,13 +165,13 @@ def _num(v, fmt):
 
 
 def _fmt_row(r):
-    return (f"{r['section']:<5} {r['op']:<10} {r['shape']:<26} {r['precision']:<4} "
+    return (f"{r['section']:<5} {r['op']:<16} {r['shape']:<30} {r['precision']:<4} "
             f"{_num(r['ours_ms'], '9.4f')} ms {_num(r['ours_rate'], '9.1f'):>9} {r['unit']:<6} "
             f"{r['ref']:<7} {_num(r['ref_ms'], '9.4f'):>9} {_num(r['pct_of_ref'], '6.1f'):>6}% "
             f"{_num(r['cpu_ms'], '10.2f'):>10} {_num(r['speedup_vs_cpu'], '8.1f'):>8}x {r['note']}")
 
 
-HEADER = (f"{'sect':<5} {'op':<10} {'shape':<26} {'prec':<4} {'ours':>9}    {'rate':>9} "
+HEADER = (f"{'sect':<5} {'op':<16} {'shape':<30} {'prec':<4} {'ours':>9}    {'rate':>9} "
           f"{'unit':<6} {'ref':<7} {'ref ms':>9} {'%ref':>6}  {'cpu ms':>10} {'gpu/cpu':>8}")
 
 
@@ -253,14 +266,17 @@ def bench_fc(table, be, cpu_timer, precisions):
                           cpu_ms=cpu_ms)
 
 
-def _conv_cases(be, rng, n, cin, cout, hw, kinds=("fwd", "bwd_data", "bwd_wgt")):
-    """(kind, ours(prec), cpu, torch reference factory (torch, prec)) for a 3x3, stride 1,
-    padding 1 convolution; ours and the reference run on the operands of precision prec."""
-    stride, pad = (1, 1), (1, 1)
+def _conv_cases(be, rng, n, cin, cout, hw, kinds=("fwd", "bwd_data", "bwd_wgt"), k=3, s=1,
+                channels_last=False):
+    """(kind, ours(prec), cpu, torch reference factory (torch, prec)) for a k x k convolution
+    of stride s and padding k // 2; ours and the reference run on the operands of precision
+    prec (the reference on channels-last copies if `channels_last`)."""
+    stride, pad = (s, s), (k // 2, k // 2)
+    ho = (hw + 2 * (k // 2) - k) // s + 1
     x_h = rng.standard_normal((n, cin, hw, hw), dtype=np.float32)
-    w_h = rng.standard_normal((cout, cin, 3, 3), dtype=np.float32)
+    w_h = rng.standard_normal((cout, cin, k, k), dtype=np.float32)
     b_h = rng.standard_normal((cout,), dtype=np.float32)
-    gy_h = rng.standard_normal((n, cout, hw, hw), dtype=np.float32)
+    gy_h = rng.standard_normal((n, cout, ho, ho), dtype=np.float32)
     host = (x_h, w_h, b_h, gy_h)
     arrays = {}
 
@@ -286,11 +302,13 @@ def _conv_cases(be, rng, n, cin, cout, hw, kinds=("fwd", "bwd_data", "bwd_wgt"))
         "bwd_wgt": lambda: cpu.conv2d_backward_weight(x_h, gy_h, w_h.shape, stride, pad),
     }
     return [(kind, ours(kind), cpus[kind],
-             lambda torch, prec, kind=kind: _torch_conv(torch, kind, *get(prec), stride, pad))
+             lambda torch, prec, kind=kind: _torch_conv(torch, kind, *get(prec), stride, pad,
+                                                        channels_last))
             for kind in kinds]
 
 
-def _timed_conv(table, be, precisions, cpu_ms, ours_fn, torch_ref, flops, **row):
+def _timed_conv(table, be, precisions, cpu_ms, ours_fn, torch_ref, flops, kernel=None, **row):
+    """A row per precision; kernel(prec) -> the name of the kernel ours runs (for the note)."""
     for prec in precisions:
         torch = load_torch(prec)
         ref_ms, note = None, ""
@@ -300,6 +318,8 @@ def _timed_conv(table, be, precisions, cpu_ms, ours_fn, torch_ref, flops, **row)
             note = "no torch: cuDNN skipped"
         with be.runtime.precision_scope(matrix_precision(prec)):
             ours = gpu_time_ms(ours_fn(prec))
+            if kernel is not None:
+                note = " ".join(v for v in (kernel(prec), note) if v)
         table.add(precision=prec, ours_ms=ours, ours_rate=flops / ours / 1e6, unit="GFLOP/s",
                   ref="cuDNN" if ref_ms else "", ref_ms=ref_ms,
                   ref_rate=flops / ref_ms / 1e6 if ref_ms else "", cpu_ms=cpu_ms, note=note,
@@ -318,6 +338,29 @@ def bench_conv(table, be, cpu_timer, precisions):
                         shape=_conv_shape(BATCH, cin, cout, hw))
 
 
+def bench_resnet_convs(table, be, precisions):
+    """ResNet-18's convolutions at 48x48 and batch 256, each pass, with our kernel's name."""
+    from dptrain.backend.cuda.conv2d import conv2d_kernels
+
+    rng = np.random.default_rng(3)
+    for name, cin, cout, hw, k, s in RESNET_CONVS:
+        ho = (hw + 2 * (k // 2) - k) // s + 1
+        flops = 2.0 * BATCH * cout * ho * ho * cin * k * k
+        cases = _conv_cases(be, rng, BATCH, cin, cout, hw, k=k, s=s, channels_last=True)
+        for kind, ours_fn, _, torch_ref in cases:
+            def kernel(prec, kind=kind, cin=cin, cout=cout, k=k, s=s):
+                dt = sixteen(prec) or np.float32
+                x = be.empty((BATCH, cin, hw, hw), dt)
+                w, gy = be.empty((cout, cin, k, k), dt), be.empty((BATCH, cout, ho, ho), dt)
+                pad = (k // 2, k // 2)
+                names = conv2d_kernels(x, w, gy, (s, s), pad)
+                return names[{"fwd": "forward", "bwd_data": "backward_data"}.get(
+                    kind, "backward_weight")]
+            _timed_conv(table, be, precisions, None, ours_fn, torch_ref, flops, kernel=kernel,
+                        section="resnet", op=f"{name}.{kind}",
+                        shape=f"{BATCH}x{cin}x{hw}x{hw}->{cout} k{k}s{s}")
+
+
 def bench_conv_batches(table, be, cpu_timer, precisions, batches):
     """conv2d forward at the CNN's conv2 shape over the batch size."""
     _, cin, cout, hw = CONV_SWEEP
@@ -330,8 +373,10 @@ def bench_conv_batches(table, be, cpu_timer, precisions, batches):
                     op="conv2d fwd", shape=_conv_shape(n, cin, cout, hw), size=n)
 
 
-def _torch_conv(torch, kind, x, w, b, gy, stride, pad):
+def _torch_conv(torch, kind, x, w, b, gy, stride, pad, channels_last=False):
     xt, wt, bt, gyt = (torch_view(torch, v) for v in (x, w, b, gy))
+    if channels_last:
+        xt, wt, gyt = (t.contiguous(memory_format=torch.channels_last) for t in (xt, wt, gyt))
     if kind == "fwd":
         return lambda: torch.nn.functional.conv2d(xt, wt, bt, stride, pad)
     if kind == "bwd_data":
@@ -471,7 +516,7 @@ def print_summary(rows):
             continue
         if r["section"] == "elem" and r["size"] != 10**8:
             continue
-        print(f"  {r['op']:<10} {r['shape']:<26} {r['precision']:<4} | "
+        print(f"  {r['op']:<16} {r['shape']:<30} {r['precision']:<4} | "
               f"{_num(r['ours_ms'], '.4f')} {_num(r['ours_rate'], '.0f')} {r['unit']} | "
               f"{r['ref']} {_num(r['ref_ms'], '.4f')} {_num(r['pct_of_ref'], '.0f')}% | "
               f"{_num(r['speedup_vs_cpu'], '.0f')}")
@@ -480,7 +525,7 @@ def print_summary(rows):
 # ----------------------------------------------------------------------------- main
 
 
-SECTIONS = ("gemm", "cnn", "conv", "elem")
+SECTIONS = ("gemm", "cnn", "resnet", "conv", "elem")
 
 
 def _ints(text, flag):
@@ -544,6 +589,7 @@ def main(argv=None) -> int:
     runs = [("gemm", lambda: bench_gemm(table, be, cpu_timer, precisions, gemm_sizes)),
             ("cnn", lambda: bench_fc(table, be, cpu_timer, precisions)),
             ("cnn", lambda: bench_conv(table, be, cpu_timer, precisions)),
+            ("resnet", lambda: bench_resnet_convs(table, be, precisions)),
             ("conv", lambda: bench_conv_batches(table, be, cpu_timer, precisions, conv_batches)),
             ("elem", lambda: bench_elementwise(table, be, cpu_timer, elem_sizes))]
     failed = False

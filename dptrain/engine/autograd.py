@@ -44,7 +44,8 @@ class Function:
     ``forward(self, *arrays, **params)`` returns the output array; it may keep what
     backward needs on ``self``. ``backward(self, gy)`` returns one gradient per
     positional input (None where no gradient is needed). ``self.be`` is the
-    backend of the inputs and ``self.needs_grad[i]`` says whether input i wants one.
+    backend of the inputs and ``self.needs_grad[i]`` says whether input i wants one (set
+    before forward runs; a backward runs only where gradients are enabled).
     """
 
     be = None
@@ -55,8 +56,8 @@ class Function:
     def apply(cls, *tensors: "Tensor", **params) -> "Tensor":
         fn = cls()
         fn.be = tensors[0].be
+        fn.needs_grad = tuple(t.requires_grad for t in tensors)  # forward may read it too
         out = fn.forward(*(t.data for t in tensors), **params)
-        fn.needs_grad = tuple(t.requires_grad for t in tensors)
         requires_grad = _grad_enabled and any(fn.needs_grad)
         result = Tensor(out, requires_grad=requires_grad)
         if requires_grad:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dptrain.engine.autograd import Function
+from dptrain.engine.autograd import Function, is_grad_enabled
 from dptrain.engine.rng import data_shard
 
 # ----------------------------------------------------------------------------- elementwise
@@ -308,10 +308,14 @@ class Conv2d(Function):
     def forward(self, x, w, b=None, stride=(1, 1), padding=(0, 0), workspace=None):
         self.x, self.w, self.stride, self.padding = x, w, stride, padding
         self.workspace = self.be.new_workspace() if workspace is None else workspace
+        if self.workspace is not None:  # what the forward keeps serves the weight gradient
+            self.workspace.expect_backward(is_grad_enabled() and self.needs_grad[1])
         return self.be.conv2d_forward(x, w, b, stride, padding, workspace=self.workspace)
 
     def backward(self, gy):
         be, x, w, ws = self.be, self.x, self.w, self.workspace
+        if ws is not None:  # backward-data's copy of gy serves the weight gradient
+            ws.expect_backward(self.needs_grad[1])
         gx = gw = gb = None
         if self.needs_grad[0]:
             gx = be.conv2d_backward_data(gy, w, x.shape, self.stride, self.padding, workspace=ws)

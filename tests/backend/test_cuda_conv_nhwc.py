@@ -35,9 +35,11 @@ def cu():
 
 @pytest.fixture(autouse=True)
 def fresh_plans(cu, monkeypatch):
-    """The direct kernels off (they would take the small-K cases, the 1x1 one included); TF32
-    for float; plans rebuilt so the switches are read afresh; NaN in the pool."""
+    """The direct kernels off (they would take the small-K cases, the 1x1 one included) and so
+    is the Hopper wgmma backward-weight (test_cuda_conv_wgmma.py); TF32 for float; plans rebuilt
+    so the switches are read afresh; NaN in the pool."""
     monkeypatch.setenv(conv2d.DIRECT_ENV, "0")
+    monkeypatch.setenv(conv2d.WGMMA_BWDW_ENV, "0")
     with fresh_conv_plans(cu):
         yield
 

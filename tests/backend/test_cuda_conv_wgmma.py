@@ -1,8 +1,10 @@
-"""The Hopper convolution kernel (kernels/conv2d_wgmma.cu: forward and backward-data on wgmma,
-channels-last gathers) in TF32, fp16 and bf16 against the float64 CPU reference, on shapes
-that reach its edges: partial pixel and channel tiles, a partial K slab, strides (backward-data's
-exact-division taps), padding, 1x1 and non-square filters, a bias; the mma.sync kernels agree on
-the same inputs, channels not in whole 16-byte chunks fall back to them, and results repeat
+"""The Hopper convolution kernels against the float64 CPU reference: kernels/conv2d_wgmma.cu
+(forward and backward-data on wgmma, channels-last gathers; TF32, fp16 and bf16) and
+kernels/conv2d_bwdw_wgmma.cu (backward-weight, both operands channels-last, its pixels split
+or not; fp16 and bf16). The shapes reach their edges: partial pixel and channel tiles, a
+partial K slab, strides (backward-data's phases of output pixels, those no tap reaches
+included), padding, 1x1 and non-square filters, a bias. The mma.sync kernels agree on the
+same inputs, channels not in whole 16-byte chunks fall back to them, and results repeat
 bitwise. Needs a compute capability 9.0 GPU (skipped elsewhere). Tolerances: convcheck.TOL."""
 import numpy as np
 import pytest
@@ -17,6 +19,7 @@ pytestmark = pytest.mark.gpu
 from dptrain.backend.cuda import conv2d, gemm  # noqa: E402 - after the CuPy check
 
 WGMMA = "conv2d_wgmma_kernel"
+WGMMA_BWDW = "conv2d_bwdw_wgmma_kernel"
 CASES = [  # x shape, w shape, stride, padding
     ((4, 32, 12, 12), (64, 32, 3, 3), (1, 1), (1, 1)),  # a reference-CNN layer (K = 288)
     ((2, 64, 6, 6), (128, 64, 3, 3), (1, 1), (1, 1)),  # the next one: a 128-channel tile
@@ -24,6 +27,9 @@ CASES = [  # x shape, w shape, stride, padding
     ((2, 8, 10, 10), (136, 8, 3, 3), (2, 2), (1, 1)),  # stride 2; K = 72, a partial slab
     ((2, 24, 8, 8), (40, 24, 1, 1), (1, 1), (0, 0)),  # 1x1: K = 24
     ((2, 16, 12, 12), (48, 16, 5, 3), (1, 2), (2, 1)),  # non-square filter, uneven stride
+    ((2, 16, 9, 9), (32, 16, 1, 1), (2, 2), (0, 0)),  # backward-data: phases no tap reaches
+    ((2, 16, 11, 11), (24, 16, 3, 3), (2, 2), (1, 1)),  # phases of 6x6, 6x5, 5x6, 5x5 pixels
+    ((2, 8, 13, 13), (16, 8, 5, 5), (3, 3), (2, 2)),  # stride 3: nine phases, 1-2 taps each
     ((64, 64, 16, 16), (32, 64, 3, 3), (1, 1), (1, 1)),  # 16,384 pixels: many blocks
 ]
 
@@ -41,6 +47,7 @@ def fresh_plans(cu, monkeypatch):
     the 1x1 one included); TF32 for float; plans rebuilt so the switches are read afresh;
     NaN in the pool."""
     monkeypatch.setenv(conv2d.WGMMA_CONV_ENV, "1")
+    monkeypatch.setenv(conv2d.WGMMA_BWDW_ENV, "1")
     monkeypatch.setenv(conv2d.DIRECT_ENV, "0")
     with fresh_conv_plans(cu):
         yield
@@ -53,7 +60,44 @@ def test_wgmma_passes_match_reference(cu, dt, xs, ws, stride, pad):
     ran = planned_kernels(cu, x, w, gy, stride, pad)
     assert ran["forward"] == WGMMA
     assert ran["backward_data"] == WGMMA
+    assert (ran["backward_weight"] == WGMMA_BWDW) == (np.dtype(dt).itemsize == 2)
     passes_match_reference(cu, dt, x, w, gy, stride, pad)
+
+
+def _bwdw_splits(x, w, stride, pad):
+    """The number of pixel splits the wgmma backward-weight plan picks for these shapes."""
+    (n, c, h, wd), (m, _, kh, kw) = x.shape, w.shape
+    ho, wo = (h + 2 * pad[0] - kh) // stride[0] + 1, (wd + 2 * pad[1] - kw) // stride[1] + 1
+    bn = 64 if m <= 64 else 128 if m <= 128 else 256
+    tiles = -(-c * kh * kw // 128) * -(-m // bn)
+    return conv2d._bwdw_wgmma_splits(tiles, n * ho * wo, c * kh * kw * m, 2 if bn == 64 else 1)[0]
+
+
+@pytest.mark.parametrize("dt", DTYPES[1:])
+@pytest.mark.parametrize("xs, ws, stride, pad, split", [
+    ((2, 256, 6, 6), (512, 256, 3, 3), (1, 1), (1, 1), False),  # 36 tiles, 72 pixels: one split
+    ((64, 64, 16, 16), (32, 64, 3, 3), (1, 1), (1, 1), True),  # 16,384 pixels: many splits
+    ((16, 64, 12, 12), (128, 64, 1, 1), (2, 2), (0, 0), True),  # a ResNet shortcut
+])
+def test_wgmma_backward_weight_with_and_without_splits(cu, dt, xs, ws, stride, pad, split):
+    x, w, gy = inputs(dt, xs, ws, stride, pad)
+    assert (_bwdw_splits(x, w, stride, pad) > 1) == split
+    assert planned_kernels(cu, x, w, gy, stride, pad)["backward_weight"] == WGMMA_BWDW
+    got = to_f32(cu.to_numpy(cu.conv2d_backward_weight(cu.asarray(x), cu.asarray(gy), ws,
+                                                       stride, pad)), dt)
+    x64, gy64 = (to_f32(a, dt).astype(np.float64) for a in (x, gy))
+    close(got, cpu.conv2d_backward_weight(x64, gy64, ws, stride, pad), dt, 2)
+
+
+@pytest.mark.parametrize("dt", DTYPES[1:])
+def test_wgmma_backward_weight_agrees_with_the_mma_kernel(cu, dt, monkeypatch):
+    xs, ws, stride, pad = CASES[0]
+    x, w, gy = inputs(dt, xs, ws, stride, pad)
+    fast = passes(cu, dt, x, w, gy, stride, pad)[2]
+    monkeypatch.setenv(conv2d.WGMMA_BWDW_ENV, "0")
+    gemm.clear_plans()
+    assert planned_kernels(cu, x, w, gy, stride, pad)["backward_weight"] != WGMMA_BWDW
+    close(fast, passes(cu, dt, x, w, gy, stride, pad)[2], dt, 2)
 
 
 @pytest.mark.parametrize("dt", DTYPES)
@@ -96,5 +140,6 @@ def test_wgmma_bitwise_repeatable(cu, dt):
     x, w, gy = inputs(dt, xs, ws, stride, pad)
     dx, dw, dgy = cu.asarray(x), cu.asarray(w), cu.asarray(gy)
     for run in (lambda: cu.conv2d_forward(dx, dw, None, stride, pad),
-                lambda: cu.conv2d_backward_data(dgy, dw, x.shape, stride, pad)):
+                lambda: cu.conv2d_backward_data(dgy, dw, x.shape, stride, pad),
+                lambda: cu.conv2d_backward_weight(dx, dgy, w.shape, stride, pad)):
         assert cu.to_numpy(run()).tobytes() == cu.to_numpy(run()).tobytes()

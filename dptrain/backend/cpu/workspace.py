@@ -51,6 +51,11 @@ class Workspace:
             a = self._arrays[name] = np.empty(shape, dtype=dtype)
         return a
 
+    def expect_backward(self, flag: bool) -> None:
+        """Whether a backward pass will read what the next forward keeps. The scratch arrays
+        are reused either way, so the CPU keeps its work regardless (the CUDA workspace keeps
+        nothing for a forward without a backward)."""
+
     def remember(self, name, source, key):
         """Record that scratch array `name` now holds work derived from `source` with `key`."""
         self._tags[name] = (weakref.ref(source), key)

@@ -17,6 +17,7 @@ import numpy as np
 from dptrain.backend.cuda import launch
 from dptrain.backend.cuda.elementwise import EW, fill_
 from dptrain.backend.cuda.transpose import copy, strided_copy
+from dptrain.backend.cuda.workspace import Workspace
 from dptrain.backend.registry import op
 
 
@@ -103,5 +104,6 @@ def _convert(out, src):
 
 @op
 def new_workspace():
-    """No reusable work between calls here (the convolutions gather in place): None."""
-    return None
+    """Where a layer's convolution passes leave channels-last copies for its later passes
+    (cuda/workspace.py)."""
+    return Workspace()

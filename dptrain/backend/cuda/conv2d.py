@@ -20,6 +20,10 @@ Conventions (the .cu file's header has the kernel side):
     gathers; DPTRAIN_WGMMA_CONV=0 turns it off, measured 6-8% faster in the CNN's step): the
     source is copied to NHWC first, and the kernel needs the summed channels in whole 16-byte
     chunks; otherwise conv2d.cu's mma.sync kernels run.
+  * Backward-weight of 16-bit operands on Hopper (conv2d_bwdw_wgmma.cu, wgmma with both
+    operands channels-last; DPTRAIN_WGMMA_BWDW=0 turns it off): x and gy are copied to NHWC,
+    and C_in and C_out must come in whole 16-byte chunks; its split of the pixels over grid
+    z is chosen by a cost model of waves, slabs and the reduce (_bwdw_wgmma_splits).
   * `conv2d_kernels` names the kernel each pass's plan runs (tests, benchmarks).
   * Small filters (C_in*KH*KW <= 32, e.g. a first layer on 1-3 channel images) run the
     direct kernels of conv2d_direct.cu instead, forward (<= 128 output channels) and
@@ -27,8 +31,9 @@ Conventions (the .cu file's header has the kernel side):
     in fp32 whatever the precision (more exact than TF32); backward-weight runs on tensor
     cores in TF32 / bf16 / fp16 (fp32 accumulation), FFMA under fp32. DPTRAIN_DIRECT_CONV=0
     turns them off.
-  * The precision (runtime.precision) is part of every plan key. `workspace=` is accepted
-    and ignored (the CPU backend reuses its im2col columns through it).
+  * The precision (runtime.precision) is part of every plan key. `workspace=` (a layer's
+    cuda/workspace.py Workspace) carries the channels-last copies of x (made by the forward)
+    and gy (made by backward-data) to backward-weight, which then copies neither again.
 """
 from __future__ import annotations
 
@@ -43,6 +48,7 @@ from dptrain.backend.cuda.gemm import (operand_dtype, output, plan, reducer, sig
 from dptrain.backend.cuda.launch import i32
 from dptrain.backend.cuda.runtime import runtime
 from dptrain.backend.cuda.transpose import transposer
+from dptrain.backend.cuda.workspace import keep, take
 from dptrain.backend.registry import op
 
 CONV = "conv2d.cu"
@@ -55,6 +61,8 @@ WGMMA_CONV = "conv2d_wgmma.cu"
 # TF32 and bf16, batch 256 and 1024; BENCHMARKS.md).
 WGMMA_CONV_ENV = "DPTRAIN_WGMMA_CONV"
 NHWC_ENV = "DPTRAIN_NHWC_CONV"  # "0": backward-weight keeps the NCHW gathers
+WGMMA_BWDW = "conv2d_bwdw_wgmma.cu"
+WGMMA_BWDW_ENV = "DPTRAIN_WGMMA_BWDW"  # "0": 16-bit backward-weight keeps conv2d_nhwc.cu
 DIRECT_MAX_K, DIRECT_MAX_M = 32, 128  # C_in*KH*KW; output channels (forward)
 _DIRECT_MG = {4: 8, 8: 4, 12: 4, 16: 4, 20: 2, 24: 2, 28: 2, 32: 2}  # KMAX -> channels/thread
 
@@ -114,7 +122,7 @@ def _plan_direct_forward(x_shape, w_shape, ho, wo, stride, padding, kmax, dt):
     # 256-thread blocks whatever launch_shape says (__launch_bounds__(256) in the kernel).
     grid = (max(1, min(-(-npix // 256), launch.sm_count() * launch.BLOCKS_PER_SM // 2)),)
 
-    def run(w, x, bias, out):
+    def run(w, x, bias, out, workspace=None):
         y = output(f, out, out_shape, dt)
         if npix and y.size:
             has_bias = bias is not None
@@ -147,7 +155,7 @@ def _plan_direct_backward_weight(x_shape, w_shape, ho, wo, stride, padding, kmax
     reduce = reducer(CONV, blocks, 1, m, k, k, 0, 0, dt)
     even_rows = wo % 2 == 0
 
-    def run(x, gy, out):
+    def run(x, gy, out, workspace=None):
         gw = output(f, out, tuple(w_shape), dt)
         if npix == 0:
             return fill_(gw, 0.0)
@@ -207,12 +215,14 @@ def _plan_implicit(fn_name, mode, out_shape, m, c, hs, ws, ho, wo, kh, kw, strid
     """Forward (mode 0) or backward-data (mode 1): out[n, m, p] = sum wgt * src (conv2d.cu).
 
     The plan runs two kernels: the weight, reordered to the GEMM's (kh, kw, c) K order, then
-    the implicit GEMM. run(w, src, bias, out) -> out.
+    the implicit GEMM. run(w, src, bias, out, workspace) -> out; the wgmma kernel's NHWC
+    copy of src is kept in the workspace, as "x" (forward) or "gy" (backward-data).
     """
     nb = out_shape[0]
     npix, k = nb * ho * wo, kh * kw * c
     if npix == 0 or m == 0:
-        return _empty(lambda w, src, bias, out: output(fn_name, out, out_shape, dt))
+        return _empty(lambda w, src, bias, out, workspace=None: output(fn_name, out, out_shape,
+                                                                      dt))
     reorder = launch.kernel(CONV, "conv2d_weight_reorder_kernel", launch.ctype(dt))
     r_grid = (max(1, min(-(-m * k // 256), launch.sm_count() * 4)),)
     r_tail = (i32(m), i32(c), i32(kh * kw), i32(w_sm), i32(w_sc))
@@ -221,21 +231,30 @@ def _plan_implicit(fn_name, mode, out_shape, m, c, hs, ws, ho, wo, kh, kw, strid
     geom = (i32(nb), i32(m), i32(c), i32(hs), i32(ws), i32(ho), i32(wo), i32(kh), i32(kw),
             i32(sh), i32(sw), i32(ph), i32(pw))
     if _wgmma_conv(dt, c, nb, npix, m):
-        name, fn, grid, block, smem = _wgmma_kernel(m, npix, dt)
-        tail = geom + (i32(mode),)
+        # strided backward-data of a filter wider than 1x1: a phase of the output pixels per
+        # grid z (mode 2, conv2d_wgmma.cu), the grid's x sized for the largest, phase (0, 0)
+        phased = mode == 1 and stride != (1, 1) and kh * kw > 1
+        phases = stride[0] * stride[1] if phased else 1
+        first = nb * -(-ho // stride[0]) * -(-wo // stride[1]) if phased else npix
+        name, fn, grid, block, smem = _wgmma_kernel(m, first, dt)
+        grid = grid + (phases,)
+        tail = geom + (i32(2 if phased else mode),)
         to_nhwc = _to_nhwc((nb, c, hs, ws), dt)
+        # the copy backward-weight reads again: x always (both its channels-last kernels);
+        # gy only where the wgmma one runs (the mma.sync one reads gy as it is)
+        kept = ("gy" if _wgmma_bwdw(dt, m, c, nb) else None) if mode else "x"
     else:
         name, fn, grid, block, smem = _mma_kernel(m, npix, dt)
         tail = geom + (i32(k % _chunk(dt) == 0), i32(mode))  # + vec_w
-        to_nhwc = None
+        to_nhwc = kept = None
 
-    def run(w, src, bias, out):
+    def run(w, src, bias, out, workspace=None):
         y = output(fn_name, out, out_shape, dt)
         wr = launch.new((m, k), dt)
         if k:
             reorder(r_grid, (256,), (w, wr) + r_tail)
         if to_nhwc:
-            src = to_nhwc(src)
+            src = keep(workspace, kept, src, to_nhwc(src)) if kept else to_nhwc(src)
         has_bias = bias is not None
         fn(grid, block, (wr, src, bias if has_bias else y, y, np.int32(has_bias)) + tail,
            shared_mem=smem)
@@ -284,7 +303,7 @@ def _mma_kernel(m, npix, dt):
 @op
 def conv2d_forward(x, w, b, stride, padding, *, out=None, workspace=None):
     """y[n, co] = sum over (ci, kh, kw) of w[co, ci, kh, kw] * x[n, ci, shifted] (+ b[co])."""
-    return _forward(x, w, b, stride, padding)(w, x, b, out)
+    return _forward(x, w, b, stride, padding)(w, x, b, out, workspace)
 
 
 def _forward(x, w, b, stride, padding):
@@ -319,7 +338,7 @@ def _plan_forward(x, w, b, stride, padding):
 @op
 def conv2d_backward_data(gy, w, x_shape, stride, padding, *, out=None, workspace=None):
     """Gradient of conv2d_forward with respect to x, of shape x_shape."""
-    return _backward_data(gy, w, x_shape, stride, padding)(w, gy, None, out)
+    return _backward_data(gy, w, x_shape, stride, padding)(w, gy, None, out, workspace)
 
 
 def _backward_data(gy, w, x_shape, stride, padding):
@@ -349,7 +368,7 @@ def _plan_backward_data(gy, w, x_shape, stride, padding):
 @op
 def conv2d_backward_weight(x, gy, w_shape, stride, padding, *, out=None, workspace=None):
     """Gradient of conv2d_forward with respect to w, of shape w_shape; bitwise repeatable."""
-    return _backward_weight(x, gy, w_shape, stride, padding)(x, gy, out)
+    return _backward_weight(x, gy, w_shape, stride, padding)(x, gy, out, workspace)
 
 
 def _backward_weight(x, gy, w_shape, stride, padding):
@@ -383,11 +402,13 @@ def _plan_backward_weight(x, gy, w_shape, stride, padding):
     out_shape = (cout, cin, kh, kw)
     m, ncol, k = cout, cin * kh * kw, n * ho * wo
     if m == 0 or ncol == 0:
-        return _empty(lambda x, gy, out: output(f, out, out_shape, dt))
+        return _empty(lambda x, gy, out, workspace=None: output(f, out, out_shape, dt))
     kmax = _direct_kmax(ncol)
     if kmax:
         return _plan_direct_backward_weight(x.shape, out_shape, ho, wo, (sh, sw), (ph, pw), kmax,
                                             dt)
+    if _wgmma_bwdw(dt, cin, cout, n) and x.data.ptr % 16 == 0 and gy.data.ptr % 16 == 0:
+        return _plan_wgmma_backward_weight(x.shape, out_shape, ho, wo, (sh, sw), (ph, pw), dt)
     bm, bn = _rows_tile(m), _cols_tile(ncol)
     if -(-m // bm) > launch.GRID_YZ_MAX:
         raise ValueError(f"cuda.{f}: {m} output channels exceed the grid's limit")
@@ -416,11 +437,12 @@ def _plan_backward_weight(x, gy, w_shape, stride, padding):
             i32(kw), i32(sh), i32(sw), i32(ph), i32(pw), i32(splits), i32(chunk))
     reduce = reducer(CONV, splits, 1, m, ncol, ncol, 0, 0, dt) if splits > 1 else None
 
-    def run(x, gy, out):
+    def run(x, gy, out, workspace=None):
         gw = output(f, out, out_shape, dt)
         ws = launch.new((splits, m, ncol), np.float32) if reduce else gw
         if nhwc:
-            fn_cl(grid, (256,), (to_nhwc(x), gy, gw, ws) + tail, shared_mem=smem_cl)
+            x_nhwc = take(workspace, "x", x, to_nhwc)
+            fn_cl(grid, (256,), (x_nhwc, gy, gw, ws) + tail, shared_mem=smem_cl)
         else:
             fn(grid, (256,), (x, gy, gw, ws) + tail, shared_mem=smem)
         if reduce:
@@ -428,4 +450,68 @@ def _plan_backward_weight(x, gy, w_shape, stride, padding):
         return gw
 
     run.kernel = "conv2d_bwdw_nhwc_kernel" if nhwc else name
+    return run
+
+
+def _wgmma_bwdw(dt, cin: int, cout: int, nb: int) -> bool:
+    """Whether conv2d_bwdw_wgmma.cu computes a backward-weight pass (DPTRAIN_WGMMA_BWDW not
+    "0"): a Hopper GPU, 16-bit operands, both channel counts in whole 16-byte chunks and the
+    NHWC copies within their grids."""
+    return (os.environ.get(WGMMA_BWDW_ENV, "1") != "0" and dt in launch.HALVES
+            and wgmma_available() and _channels_last(dt, cin, nb)
+            and _channels_last(dt, cout, nb) and -(-cout // 256) <= launch.GRID_YZ_MAX)
+
+
+def _bwdw_wgmma_splits(tiles: int, npix: int, outputs: int, per_sm: int) -> tuple[int, int]:
+    """(splits, chunk) of backward-weight's pixels: the count that minimises an estimate in
+    slab times (a 64-pixel slab of one block ~ 1 us): waves of blocks times each block's
+    slabs plus its pipeline fill, plus the float partials' reduce (about 3 us per 2.4 M
+    outputs per split, read at ~3 TB/s). Chunks are whole slabs; no split is left empty."""
+    sms, best = launch.sm_count(), None
+    for s in range(1, 65):
+        chunk = -(-(-(-npix // s)) // 64) * 64
+        s_used = -(-npix // chunk)
+        if s_used != s:
+            continue
+        waves = -(-tiles * s // (sms * per_sm))
+        cost = waves * (chunk // 64 + 4) + (s * outputs * 1.33e-6 if s > 1 else 0.0)
+        if best is None or cost < best[0]:
+            best = (cost, s, chunk)
+    return best[1], best[2]
+
+
+def _plan_wgmma_backward_weight(x_shape, w_shape, ho, wo, stride, padding, dt):
+    """conv2d_bwdw_wgmma.cu: 128 rows of (tap, c) by BN output channels per block (64 / 128 /
+    256, the smallest covering them), the pixels split over grid z."""
+    f = "conv2d_backward_weight"
+    (n, c, h, wd), (cout, _, kh, kw) = x_shape, w_shape
+    ncol, npix = c * kh * kw, n * ho * wo
+    launch.check_int32(f, n * c * h * wd, n * cout * ho * wo)
+    bn = 64 if cout <= 64 else 128 if cout <= 128 else 256
+    smem = wgmma_smem(128, bn)
+    tiles = -(-ncol // 128) * -(-cout // bn)
+    splits, chunk = _bwdw_wgmma_splits(tiles, npix, ncol * cout, 2 if bn == 64 else 1)
+    name = "conv2d_bwdw_wgmma_kernel"
+    fn = launch.kernel(WGMMA_BWDW, name, launch.ctype(dt), str(bn), smem=smem)
+    grid = (-(-ncol // 128), -(-cout // bn), splits)
+    tail = (i32(n), i32(cout), i32(c), i32(h), i32(wd), i32(ho), i32(wo), i32(kh), i32(kw),
+            i32(stride[0]), i32(stride[1]), i32(padding[0]), i32(padding[1]), i32(splits),
+            i32(chunk))
+    x_nhwc = _to_nhwc(x_shape, dt)
+    gy_nhwc = transposer(n, cout, ho * wo, dt)
+    if splits > 1:
+        reduce = launch.kernel(WGMMA_BWDW, "conv2d_bwdw_wgmma_reduce_kernel", launch.ctype(dt))
+        r_grid = (max(1, min(-(-ncol * cout // 256), launch.sm_count() * 8)),)
+        r_tail = (i32(splits), i32(cout), i32(c), i32(kh * kw))
+
+    def run(x, gy, out, workspace=None):
+        gw = output(f, out, tuple(w_shape), dt)
+        ws = launch.new((splits, ncol, cout), np.float32) if splits > 1 else gw
+        xn, gyn = take(workspace, "x", x, x_nhwc), take(workspace, "gy", gy, gy_nhwc)
+        fn(grid, (256,), (xn, gyn, gw, ws) + tail, shared_mem=smem)
+        if splits > 1:
+            reduce(r_grid, (256,), (ws, gw) + r_tail)
+        return gw
+
+    run.kernel = name
     return run

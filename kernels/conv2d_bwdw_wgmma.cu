@@ -1,0 +1,139 @@
+// conv2d_bwdw_wgmma.cu: 2D convolution backward-weight as an implicit GEMM on Hopper tensor
+// cores (wgmma.mma_async, sm_90a), bf16 / fp16 in, fp32 accumulate. Launcher:
+// dptrain/backend/cuda/conv2d.py, which picks it on compute capability 9.0 for 16-bit
+// operands whose channel counts come in whole 16-byte chunks; otherwise conv2d_nhwc.cu's
+// mma.sync kernel runs.
+//
+// Conventions
+//  * The GEMM: rows j = (kh*KW + kw)*C + c (the filter taps times input channels, wgmma's M,
+//    128 per block: two warpgroups), columns m = output channels (wgmma's N, BN per block),
+//    K = the output pixels q = (n, oy, ox), summed. D[j][m] = sum_q x[n, iy, ix, c] gy[q, m]
+//    where (iy, ix) = (oy*sh - ph + kh, ox*sw - pw + kw).
+//  * Both operands come channels-last (the launcher copies x and gy to NHWC first), so a
+//    16-byte chunk of 8 consecutive j is one tap's contiguous channels of one pixel (C % 8 ==
+//    0), and a chunk of 8 consecutive m is gy's channels of one pixel (M % 8 == 0): both tiles
+//    are MN-major (wgmma.cuh), each slab 64 pixels of K; zero-fill outside the image, past
+//    the block's pixel range, past the rows and columns.
+//  * K is split over grid z (the launcher picks the count): split s covers pixels
+//    [s*chunk, (s+1)*chunk). One split writes gw directly; several write float partials
+//    ws[s][j][m], which conv2d_bwdw_wgmma_reduce_kernel sums in split order (bitwise
+//    repeatable) into gw. gw is PyTorch's (M, C, KH, KW): column j lands at c*KH*KW + tap.
+//
+// nvrtc-options: -arch=sm_90a
+// instantiations-per-module: 1  (a run builds only those it uses: a shorter cold start)
+// instantiate: conv2d_bwdw_wgmma_kernel<__nv_bfloat16, 64>
+// instantiate: conv2d_bwdw_wgmma_kernel<__nv_bfloat16, 128>
+// instantiate: conv2d_bwdw_wgmma_kernel<__nv_bfloat16, 256>
+// instantiate: conv2d_bwdw_wgmma_kernel<__half, 64>; conv2d_bwdw_wgmma_kernel<__half, 128>
+// instantiate: conv2d_bwdw_wgmma_kernel<__half, 256>
+// instantiate: conv2d_bwdw_wgmma_reduce_kernel<__nv_bfloat16>
+// instantiate: conv2d_bwdw_wgmma_reduce_kernel<__half>
+
+#include "common.cuh"
+#include "wgmma.cuh"
+
+namespace wgmma_bwdw {
+constexpr int BM = 128, BK = 64, THREADS = 256, CHUNK = 8;  // CHUNK: 16-bit values
+constexpr int ROWS = BK / (THREADS / 8);                    // pixel rows a thread loads: 2
+}  // namespace wgmma_bwdw
+
+template <typename T, int BN>
+__global__ void __launch_bounds__(wgmma_bwdw::THREADS, 1)
+    conv2d_bwdw_wgmma_kernel(const T* __restrict__ x, const T* __restrict__ gy,
+                             T* __restrict__ gw, float* __restrict__ ws, int Nb, int M, int C,
+                             int H, int W, int Ho, int Wo, int KH, int KW, int sh, int sw,
+                             int ph, int pw, int splits, int chunk) {
+  using namespace wgmma_tiles;
+  using namespace wgmma_bwdw;
+  constexpr int A_ATOMS = BM / 64, B_ATOMS = BN / 64;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  unsigned dyn;
+  asm volatile("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(dyn));
+  if (dyn < (unsigned)smem_bytes<BM, BN>()) __trap();  // the launcher must pass it
+
+  const int taps = KH * KW, J = taps * C, hw = Ho * Wo, npix = Nb * hw;
+  const int j0 = blockIdx.x * BM, m0 = blockIdx.y * BN;
+  const int p_begin = blockIdx.z * chunk, p_end = min(npix, p_begin + chunk);
+  const int KT = p_end > p_begin ? (p_end - p_begin + BK - 1) / BK : 0;
+
+  // Loader: chunk lc = tid % 8 of pixel rows lrow + 32 r of every atom. A thread's columns
+  // (its taps and channels) stay the same for every slab: decoded once.
+  const int lrow = threadIdx.x >> 3, lc = threadIdx.x & 7;
+  int tkh[A_ATOMS], tkw[A_ATOMS], tc[A_ATOMS];
+#pragma unroll
+  for (int a = 0; a < A_ATOMS; ++a) {
+    const int j = j0 + a * 64 + lc * CHUNK, t = j / C;
+    tc[a] = j < J ? j - t * C : -1;
+    tkh[a] = t / KW;
+    tkw[a] = t - tkh[a] * KW;
+  }
+
+  float acc[BN / 2];
+#pragma unroll
+  for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+  if (KT > 0)
+    wgmma_mainloop<T, BM, BN, true>(acc, smem_base(smem_raw), KT, [&](int kt, u32 sa, u32 sb) {
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+        const int row = lrow + 32 * r, q = p_begin + kt * BK + row;
+        const bool qok = q < p_end;
+        const int n = q / hw, p = q - n * hw, oy = p / Wo, ox = p - oy * Wo;
+#pragma unroll
+        for (int a = 0; a < A_ATOMS; ++a) {
+          const int iy = oy * sh - ph + tkh[a], ix = ox * sw - pw + tkw[a];
+          const bool ok = qok && tc[a] >= 0 && (unsigned)iy < (unsigned)H && (unsigned)ix < (unsigned)W;
+          const T* src = ok ? x + (((long long)n * H + iy) * W + ix) * C + tc[a] : x;
+          cp_async16(sa + a * (BK * ROW_BYTES) + swizzled(row, lc), src, ok ? 16 : 0);
+        }
+#pragma unroll
+        for (int b = 0; b < B_ATOMS; ++b) {
+          const int m = m0 + b * 64 + lc * CHUNK;
+          const bool ok = qok && m < M;
+          const T* src = ok ? gy + (long long)q * M + m : gy;
+          cp_async16(sb + b * (BK * ROW_BYTES) + swizzled(row, lc), src, ok ? 16 : 0);
+        }
+      }
+    });
+
+  // Epilogue: the thread's rows j (row and row + 8) and pairs of columns m.
+  int jrow[2], gcol[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int j = j0 + (threadIdx.x >> 7) * 64 + ((threadIdx.x >> 5) & 3) * 16 +
+                  ((threadIdx.x & 31) >> 2) + 8 * h;
+    const int t = j / C;
+    jrow[h] = j < J ? j : -1;
+    gcol[h] = (j - t * C) * taps + t;  // gw's column (c, kh, kw)
+  }
+  float* part = ws + (long long)blockIdx.z * J * M;
+  for_each_pair<BN>(acc, [&](int, int col, float x0, float y0, float x1, float y1) {
+    const int m = m0 + col;
+    if (m >= M) return;  // M % 8 == 0: m + 1 < M too
+    const float v[2][2] = {{x0, y0}, {x1, y1}};
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (jrow[h] < 0) continue;
+      if (splits == 1) {
+        gw[(long long)m * J + gcol[h]] = as<T>(v[h][0]);
+        gw[(long long)(m + 1) * J + gcol[h]] = as<T>(v[h][1]);
+      } else {
+        *reinterpret_cast<float2*>(part + (long long)jrow[h] * M + m) = make_float2(v[h][0], v[h][1]);
+      }
+    }
+  });
+}
+
+// gw[m][c*taps + t] = sum over s in order of ws[s][t*C + c][m]: a thread per output, reading
+// along m (coalesced).
+template <typename T>
+__global__ void conv2d_bwdw_wgmma_reduce_kernel(const float* __restrict__ ws, T* __restrict__ gw,
+                                                int splits, int M, int C, int taps) {
+  const long long total = (long long)taps * C * M, J = (long long)taps * C;
+  for (long long o = blockIdx.x * (long long)blockDim.x + threadIdx.x; o < total;
+       o += (long long)gridDim.x * blockDim.x) {
+    float s = 0.f;
+    for (int k = 0; k < splits; ++k) s += ws[k * total + o];
+    const long long j = o / M, m = o - j * M, t = j / C, c = j - t * C;
+    gw[m * J + c * taps + t] = as<T>(s);
+  }
+}
