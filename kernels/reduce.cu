@@ -87,6 +87,25 @@ __global__ void channel_sum_fold_kernel(T* out, const double* part, int S, int C
   }
 }
 
+// Sum over the leading rows of a contiguous (R, C) array with few columns (a bias gradient of
+// (tokens, features), the parameter gradients of a layer norm): part[s*C + c] = sum of
+// in[r, c] over rows r of split s (r in [s*chunk, (s+1)*chunk)). Threads run along c
+// (blockDim.x of them: one warp reads consecutive columns, coalesced), blockDim.y splits per
+// block; channel_sum_fold_kernel then adds each column's partials in split order. (The
+// generic reduce_kernel gave each column one group of lanes reading down the rows: a sector
+// per element.)
+template <typename T>
+__global__ void column_sum_kernel(double* part, const T* __restrict__ in, int R, int C, int S,
+                                  int chunk) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x, s = blockIdx.y * blockDim.y + threadIdx.y;
+  if (c >= C || s >= S) return;
+  const int r1 = min(R, (s + 1) * chunk);
+  double acc = 0.0;
+#pragma unroll 8
+  for (int r = s * chunk; r < r1; ++r) acc += as<double>(in[(long long)r * C + c]);
+  part[(long long)s * C + c] = acc;
+}
+
 // Gradient of max: gx = (x == y[m]) ? gy[m] / count[m] : 0, count = number of ties in output
 // m's K elements. x and gx are contiguous with the same layout; a group of G <= 32 lanes per
 // output counts the ties, then every lane writes its own elements.
@@ -151,3 +170,5 @@ __global__ void count_correct_kernel(float* out, const T* logits, const L* label
 // instantiate: reduce_kernel<float, float, __nv_bfloat16, MaxOp>
 // instantiate: channel_sum_kernel<__half>; channel_sum_fold_kernel<__half>
 // instantiate: channel_sum_kernel<__nv_bfloat16>; channel_sum_fold_kernel<__nv_bfloat16>
+// instantiate: column_sum_kernel<float>; column_sum_kernel<double>; column_sum_kernel<__half>
+// instantiate: column_sum_kernel<__nv_bfloat16>

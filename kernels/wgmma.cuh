@@ -111,41 +111,29 @@ struct Wgmma;
                ";\n}\n"                                                                    \
                : WGMMA_REGS##r                                                             \
                : "l"(a), "l"(b))
+// One 16-bit specialisation: element type E, PTX type name ty, MN-major or not.
+#define DP_WGMMA16(E, ty, n, r, mn, flags)                                                 \
+  template <> struct Wgmma<E, n, mn> {                                                    \
+    __device__ __forceinline__ static void run(float (&d)[r], u64 a, u64 b) {             \
+      DP_WGMMA_ASM("wgmma.mma_async.sync.aligned.m64n" #n "k16.f32." ty "." ty, n, r, flags); \
+    }                                                                                      \
+  };
 #define DP_WGMMA(n, r)                                                                     \
   template <> struct Wgmma<float, n> {                                                    \
     __device__ __forceinline__ static void run(float (&d)[r], u64 a, u64 b) {             \
       DP_WGMMA_ASM("wgmma.mma_async.sync.aligned.m64n" #n "k8.f32.tf32.tf32", n, r, "");   \
     }                                                                                      \
   };                                                                                       \
-  template <> struct Wgmma<__nv_bfloat16, n> {                                            \
-    __device__ __forceinline__ static void run(float (&d)[r], u64 a, u64 b) {             \
-      DP_WGMMA_ASM("wgmma.mma_async.sync.aligned.m64n" #n "k16.f32.bf16.bf16", n, r,      \
-                   ", 0, 0");                                                              \
-    }                                                                                      \
-  };                                                                                       \
-  template <> struct Wgmma<__half, n> {                                                   \
-    __device__ __forceinline__ static void run(float (&d)[r], u64 a, u64 b) {             \
-      DP_WGMMA_ASM("wgmma.mma_async.sync.aligned.m64n" #n "k16.f32.f16.f16", n, r,        \
-                   ", 0, 0");                                                              \
-    }                                                                                      \
-  };                                                                                       \
-  template <> struct Wgmma<__nv_bfloat16, n, true> {                                      \
-    __device__ __forceinline__ static void run(float (&d)[r], u64 a, u64 b) {             \
-      DP_WGMMA_ASM("wgmma.mma_async.sync.aligned.m64n" #n "k16.f32.bf16.bf16", n, r,      \
-                   ", 1, 1");                                                              \
-    }                                                                                      \
-  };                                                                                       \
-  template <> struct Wgmma<__half, n, true> {                                             \
-    __device__ __forceinline__ static void run(float (&d)[r], u64 a, u64 b) {             \
-      DP_WGMMA_ASM("wgmma.mma_async.sync.aligned.m64n" #n "k16.f32.f16.f16", n, r,        \
-                   ", 1, 1");                                                              \
-    }                                                                                      \
-  };
+  DP_WGMMA16(__nv_bfloat16, "bf16", n, r, false, ", 0, 0")                                 \
+  DP_WGMMA16(__half, "f16", n, r, false, ", 0, 0")                                         \
+  DP_WGMMA16(__nv_bfloat16, "bf16", n, r, true, ", 1, 1")                                  \
+  DP_WGMMA16(__half, "f16", n, r, true, ", 1, 1")
 DP_WGMMA(32, 16)
 DP_WGMMA(64, 32)
 DP_WGMMA(128, 64)
 DP_WGMMA(256, 128)
 #undef DP_WGMMA
+#undef DP_WGMMA16
 #undef DP_WGMMA_ASM
 
 // The main loop: KT slabs, load(kt, a_tile, b_tile) issuing slab kt's cp.async copies into

@@ -336,11 +336,22 @@ def test_max_ties_split_the_gradient(cu, rng, axis):
 @gpu
 @pytest.mark.parametrize("shape,axis", [((1 << 20,), None), ((4096, 3), 0), ((3, 20000), 1),
                                         ((5000, 7), 1), ((7, 5000), 0), ((40000, 2), 0),
-                                        ((8, 3000, 9), (0, 2))], ids=str)
+                                        ((8, 3000, 9), (0, 2)), ((9472, 64), 0),
+                                        ((256, 37, 64), (0, 1)), ((70000, 1), 0)], ids=str)
 def test_reductions_of_long_and_wide_shapes(cu, rng, shape, axis):
     x = uniform(rng, shape, -0.5, 1.5)
     assert_close(cu, cu.sum(cu.asarray(x), axis), sum64(cpu.sum, x, axis))
     assert_exact(cu, cu.max(cu.asarray(x), axis), cpu.max(x, axis))
+
+
+@gpu
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_sums_down_the_rows_repeat_bitwise(cu, rng, dtype):
+    """Sums over the leading axes of few columns (column_sum_kernel: split partials folded in
+    a fixed order), a bias gradient of (tokens, features) among them."""
+    x = cu.asarray(uniform(rng, (9472, 64), -0.5, 1.5, dtype))
+    for run in (lambda: cu.sum(x, 0), lambda: cu.bias_grad(x)):
+        assert cu.to_numpy(run()).tobytes() == cu.to_numpy(run()).tobytes()
 
 
 @gpu

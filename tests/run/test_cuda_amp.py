@@ -112,7 +112,7 @@ def test_sum_and_max(cu, dt, axis):
 
 
 @pytest.mark.parametrize("dt", DTYPES)
-@pytest.mark.parametrize("shape", [(64, 10), (32, 16, 14, 14), (3, 5, 1, 1)])
+@pytest.mark.parametrize("shape", [(64, 10), (32, 16, 14, 14), (3, 5, 1, 1), (9472, 64)])
 def test_bias_grad(cu, dt, shape):
     close(*both(cu, dt, "bias_grad", rand(dt, *shape, seed=10)), dt, factor=2.5)
 

@@ -7,6 +7,9 @@ Conventions (the .cu file's header has the kernel side):
   * Deterministic: the group size G (lanes per output), the split S and the chunk come from
     the shapes alone (and the launch shape), so the summation order is fixed; no atomics.
     Long reductions over few outputs run in two passes: (M, S) partials, then one fold.
+  * Sums over the leading axes of a contiguous array with few columns (bias and layer-norm
+    gradients of (tokens, features)) run column_sum_kernel instead: lanes along the columns,
+    (split, column) partials, then each column folded in split order.
   * Sums accumulate in double; max in the element type, NaN propagating as np.max.
   * Outputs are new arrays written with `=`; max_backward splits the gradient evenly among
     ties. count_correct returns a 0-d float32 on the device (no host sync).
@@ -25,6 +28,11 @@ from dptrain.backend.registry import op
 RED = "reduce.cu"
 SPLIT_MIN_K = 16384  # a reduction this long over few outputs is split in two passes
 SPLIT_CHUNK = 8192
+# A sum over the leading axes of a contiguous array with fewer columns than this runs
+# column_sum_kernel (lanes along the columns); from here on reduce_kernel's one thread per
+# column reads coalesced anyway.
+COLUMN_SUM_MAX_M = 4096
+COLUMN_SUM_ROWS = 32  # rows per split, at least (else about sqrt(rows))
 
 
 def _axes(op, ndim, axis):
@@ -98,6 +106,8 @@ def _reduce(op, a, axes, out_shape, out_dtype=None):
             raise ValueError("cuda.max: zero-size reduction has no identity")
         return fill_(out, 0)
     t = launch.ctype(a.dtype)
+    if op == "SumOp" and _leading_rows(a, axes) and M < COLUMN_SUM_MAX_M:
+        return _column_sum(out, a, K, M)
     acc = "double" if op == "SumOp" else "float" if a.dtype in launch.HALVES else t
     if K < SPLIT_MIN_K or M >= 1024:
         fn = launch.kernel(RED, "reduce_kernel", t, acc, o, op)
@@ -112,6 +122,33 @@ def _reduce(op, a, axes, out_shape, out_dtype=None):
     fn = launch.kernel(RED, "reduce_kernel", acc, acc, o, op)
     run_reduce(fn, out, partial, M, 1, S, S, launch.layout([M], [S]), launch.layout([S], [1]),
                group_size(M, S, True))
+    return out
+
+
+def _leading_rows(a, axes) -> bool:
+    """Whether `axes` are a's leading axes and a is contiguous: a sum down the rows of an
+    (R, C) matrix."""
+    return a.flags.c_contiguous and axes == tuple(range(len(axes))) and len(axes) < a.ndim
+
+
+def _column_sum(out, a, rows, cols):
+    """out = the sum of the contiguous (rows, cols) view of `a` down its rows: (split, column)
+    partials in double, then each column's folded in split order (deterministic)."""
+    # about sqrt(rows) rows per split: the first pass's loop and the fold's are of a length
+    # (the fold, a thread per column, is what few columns wait on)
+    per_split = builtins.max(COLUMN_SUM_ROWS, math.isqrt(rows))
+    splits = builtins.max(1, builtins.min(-(-rows // per_split), launch.GRID_YZ_MAX,
+                                          -(-16 * launch.sm_count() * launch.BLOCK // cols)))
+    chunk = -(-rows // splits)
+    splits = -(-rows // chunk)
+    part = launch.new((splits, cols), np.float64)
+    bx = builtins.min(launch.BLOCK, 32 * -(-cols // 32))
+    by = launch.BLOCK // bx
+    launch.kernel(RED, "column_sum_kernel", launch.ctype(a.dtype))(
+        (-(-cols // bx), -(-splits // by)), (bx, by),
+        (part, a, np.int32(rows), np.int32(cols), np.int32(splits), np.int32(chunk)))
+    launch.grid_stride(launch.kernel(RED, "channel_sum_fold_kernel", launch.ctype(out.dtype)),
+                       cols, (out, part, np.int32(splits), np.int32(cols)))
     return out
 
 
