@@ -64,15 +64,6 @@ def test_wgmma_passes_match_reference(cu, dt, xs, ws, stride, pad):
     passes_match_reference(cu, dt, x, w, gy, stride, pad)
 
 
-def _bwdw_splits(x, w, stride, pad):
-    """The number of pixel splits the wgmma backward-weight plan picks for these shapes."""
-    (n, c, h, wd), (m, _, kh, kw) = x.shape, w.shape
-    ho, wo = (h + 2 * pad[0] - kh) // stride[0] + 1, (wd + 2 * pad[1] - kw) // stride[1] + 1
-    bn = 64 if m <= 64 else 128 if m <= 128 else 256
-    tiles = -(-c * kh * kw // 128) * -(-m // bn)
-    return conv2d._bwdw_wgmma_splits(tiles, n * ho * wo, c * kh * kw * m, 2 if bn == 64 else 1)[0]
-
-
 @pytest.mark.parametrize("dt", DTYPES[1:])
 @pytest.mark.parametrize("xs, ws, stride, pad, split", [
     ((2, 256, 6, 6), (512, 256, 3, 3), (1, 1), (1, 1), False),  # 36 tiles, 72 pixels: one split
@@ -81,8 +72,9 @@ def _bwdw_splits(x, w, stride, pad):
 ])
 def test_wgmma_backward_weight_with_and_without_splits(cu, dt, xs, ws, stride, pad, split):
     x, w, gy = inputs(dt, xs, ws, stride, pad)
-    assert (_bwdw_splits(x, w, stride, pad) > 1) == split
     assert planned_kernels(cu, x, w, gy, stride, pad)["backward_weight"] == WGMMA_BWDW
+    bwdw = conv2d._backward_weight(cu.asarray(x), cu.asarray(gy), ws, stride, pad)
+    assert (bwdw.splits > 1) == split
     got = to_f32(cu.to_numpy(cu.conv2d_backward_weight(cu.asarray(x), cu.asarray(gy), ws,
                                                        stride, pad)), dt)
     x64, gy64 = (to_f32(a, dt).astype(np.float64) for a in (x, gy))

@@ -513,5 +513,5 @@ def _plan_wgmma_backward_weight(x_shape, w_shape, ho, wo, stride, padding, dt):
             reduce(r_grid, (256,), (ws, gw) + r_tail)
         return gw
 
-    run.kernel = name
+    run.kernel, run.splits = name, splits
     return run

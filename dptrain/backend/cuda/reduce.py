@@ -147,9 +147,7 @@ def _column_sum(out, a, rows, cols):
     launch.kernel(RED, "column_sum_kernel", launch.ctype(a.dtype))(
         (-(-cols // bx), -(-splits // by)), (bx, by),
         (part, a, np.int32(rows), np.int32(cols), np.int32(splits), np.int32(chunk)))
-    launch.grid_stride(launch.kernel(RED, "channel_sum_fold_kernel", launch.ctype(out.dtype)),
-                       cols, (out, part, np.int32(splits), np.int32(cols)))
-    return out
+    return _fold(out, part, splits, cols)
 
 
 @op
@@ -235,9 +233,13 @@ def _channel_sum(gy, n, c, planes):
     launch.kernel(RED, "channel_sum_kernel", launch.ctype(gy.dtype))(
         (c, splits), (launch.BLOCK,), (part, gy, np.int32(n), np.int32(c), np.int32(planes),
                                        np.int32(chunk)))
-    out = launch.new((c,), gy.dtype)
-    launch.grid_stride(launch.kernel(RED, "channel_sum_fold_kernel", launch.ctype(gy.dtype)),
-                       c, (out, part, np.int32(splits), np.int32(c)))
+    return _fold(launch.new((c,), gy.dtype), part, splits, c)
+
+
+def _fold(out, part, splits, cols):
+    """out[c] = the sum of the (splits, cols) double partials' column c, in split order."""
+    launch.grid_stride(launch.kernel(RED, "channel_sum_fold_kernel", launch.ctype(out.dtype)),
+                       cols, (out, part, np.int32(splits), np.int32(cols)))
     return out
 
 
