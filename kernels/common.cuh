@@ -150,6 +150,41 @@ template <> __device__ __forceinline__ __nv_bfloat16 as<__nv_bfloat16, __nv_bflo
   return v;
 }
 
+// ----------------------------------------------------------------------------- 16-byte groups
+
+// Memory-bound kernels move GROUP<T> = 16 / sizeof(T) consecutive elements per thread: one
+// 16-byte access where the launcher has found the group aligned and whole (`vec`), element by
+// element otherwise (m < GROUP elements at the end of a row; lanes past m read as zero and are
+// never stored).
+template <typename T> struct Group { static constexpr int size = 16 / sizeof(T); };
+template <typename T, int V> struct alignas(16) Pack { T v[V]; };
+
+template <typename P, typename T, int V>
+__device__ __forceinline__ void load_group(P (&out)[V], const T* p, int m, bool vec) {
+  if (vec) {
+    const Pack<T, V> pk = *reinterpret_cast<const Pack<T, V>*>(p);
+#pragma unroll
+    for (int k = 0; k < V; ++k) out[k] = as<P>(pk.v[k]);
+  } else {
+#pragma unroll
+    for (int k = 0; k < V; ++k) out[k] = k < m ? as<P>(p[k]) : P(0);
+  }
+}
+
+template <typename T, typename P, int V>
+__device__ __forceinline__ void store_group(T* p, const P (&in)[V], int m, bool vec) {
+  if (vec) {
+    Pack<T, V> pk;
+#pragma unroll
+    for (int k = 0; k < V; ++k) pk.v[k] = as<T>(in[k]);
+    *reinterpret_cast<Pack<T, V>*>(p) = pk;
+  } else {
+#pragma unroll
+    for (int k = 0; k < V; ++k)
+      if (k < m) p[k] = as<T>(in[k]);
+  }
+}
+
 // NaN-propagating max (np.max semantics): once a is NaN it stays NaN, and a NaN b replaces a.
 template <typename T> __device__ __forceinline__ T nan_max(T a, T b) { return (b > a || b != b) ? b : a; }
 

@@ -7,7 +7,10 @@
 //    binary Add kernel launched with out == a, so no kernel here uses __restrict__.
 //  * Activation backward kernels take the forward OUTPUT y (relu, sigmoid, tanh) or the input x
 //    (pow) and the output gradient gy, and write the input gradient with `=`.
-//  * Flat kernels: contiguous operands of one shape, long long count, grid-stride loop.
+//  * Flat kernels: contiguous operands of one shape, long long count, grid-stride loop over
+//    16-byte groups (common.cuh): one vector access per operand when `vec` (every operand
+//    16-byte aligned, found by the launcher) and the group is whole; element by element in
+//    the last, partial group and for unaligned operands.
 //    bcast2 kernels: contiguous output; a and b read through a Layout (shape, element strides,
 //    stride 0 along broadcast axes). Layout indices are int: the launcher asserts < 2^31.
 //  * Math runs in compute_t<T>: the element type for float and double, as NumPy does for
@@ -52,20 +55,40 @@ struct PowBack { template <typename T> __device__ T operator()(T x, T gy, T s, T
 
 // ---------------------------------------------------------------------------- kernels
 template <typename T, typename Op>
-__global__ void map1_kernel(T* out, const T* a, long long n, compute_t<T> s, compute_t<T> t) {
+__global__ void map1_kernel(T* out, const T* a, long long n, compute_t<T> s, compute_t<T> t,
+                            int vec) {
   using C = compute_t<T>;
   const Op op;
-  GRID_STRIDE(i, n)
-    out[i] = as<T>(op(as<C>(a[i]), C(0), s, t));
+  constexpr int V = Group<T>::size;
+  GRID_STRIDE(j, (n + V - 1) / V) {
+    const long long o = j * V;
+    const int m = (int)min((long long)V, n - o);
+    const bool whole = vec && m == V;
+    C v[V];
+    load_group(v, a + o, m, whole);
+#pragma unroll
+    for (int k = 0; k < V; ++k) v[k] = op(v[k], C(0), s, t);
+    store_group(out + o, v, m, whole);
+  }
 }
 
 template <typename T, typename Op>
 __global__ void map2_kernel(T* out, const T* a, const T* b, long long n, compute_t<T> s,
-                            compute_t<T> t) {
+                            compute_t<T> t, int vec) {
   using C = compute_t<T>;
   const Op op;
-  GRID_STRIDE(i, n)
-    out[i] = as<T>(op(as<C>(a[i]), as<C>(b[i]), s, t));
+  constexpr int V = Group<T>::size;
+  GRID_STRIDE(j, (n + V - 1) / V) {
+    const long long o = j * V;
+    const int m = (int)min((long long)V, n - o);
+    const bool whole = vec && m == V;
+    C u[V], v[V];
+    load_group(u, a + o, m, whole);
+    load_group(v, b + o, m, whole);
+#pragma unroll
+    for (int k = 0; k < V; ++k) u[k] = op(u[k], v[k], s, t);
+    store_group(out + o, u, m, whole);
+  }
 }
 
 // out (contiguous, n elements) = a op b, a and b read through L (broadcast strides).
@@ -98,9 +121,20 @@ __global__ void convert_kernel(To* out, const Ti* in, long long n) {
 // its fp32 .grad): the cast and the add of convert_kernel + map2_kernel<Add> in one pass,
 // the same arithmetic (the cast is exact, the sum in float).
 template <typename To, typename Ti>
-__global__ void accumulate_kernel(To* dst, const Ti* src, long long n) {
-  GRID_STRIDE(i, n)
-    dst[i] = dst[i] + as<To>(src[i]);
+__global__ void accumulate_kernel(To* dst, const Ti* src, long long n, int vec) {
+  constexpr int V = Group<To>::size;  // groups of dst: src read element by element
+  GRID_STRIDE(j, (n + V - 1) / V) {
+    const long long o = j * V;
+    const int m = (int)min((long long)V, n - o);
+    const bool whole = vec && m == V;
+    To d[V], g[V];
+    load_group(d, dst + o, m, whole);
+#pragma unroll
+    for (int k = 0; k < V; ++k) g[k] = k < m ? as<To>(src[o + k]) : To(0);
+#pragma unroll
+    for (int k = 0; k < V; ++k) d[k] = d[k] + g[k];
+    store_group(dst + o, d, m, whole);
+  }
 }
 
 // instantiate: map1_kernel<float, Neg>; map1_kernel<float, Exp>; map1_kernel<float, Log>; map1_kernel<float, Sqrt>; map1_kernel<float, Tanh>; map1_kernel<float, Scale>; map1_kernel<float, Pow>; map1_kernel<float, Relu>; map1_kernel<float, Sigmoid>

@@ -2,68 +2,127 @@
 // Launchers: dptrain/backend/cuda/norm.py. Reference: dptrain/backend/cpu/norm.py.
 //
 // Conventions
-//  * x is contiguous (N, C, S), S the product of the spatial dims; channel c's k-th element
-//    (k < K = N*S, n-major) sits at (n*C + c)*S + s with n = k / S, s = k % S.
+//  * x is contiguous (N, C, S), S the product of the spatial dims: plane p = n * C + c holds
+//    channel c's S elements of sample n. Kernels walk a plane in groups of GROUP<T> elements
+//    (16 bytes, common.cuh): group g covers s in [g * V, min(S, g * V + V)), one 16-byte
+//    access when `vec` (the launcher found S a multiple of V and every array 16-byte aligned).
+//    Index math is 32-bit: the launcher asserts every element count fits.
 //  * Per-channel arrays (mean, var, weight, bias) are contiguous (C,); sums is (2, C). They are
 //    of P = compute_t<T>: T itself for float and double, float for the 16-bit types, whose
 //    statistics, parameters and arithmetic stay fp32 (mixed precision) while x, gy, y and dx
 //    are 16-bit.
 //  * invstd = 1 / sqrt(var + eps) in T; xhat = (x - mean) * invstd.
-//  * Channel reductions (mean, var, backward_reduce) in two launches. The *_partial kernels
-//    split each channel's K elements over gridDim.y blocks (block y takes k in
-//    [y * chunk, min(K, (y + 1) * chunk)); grid-stride over channels in x), reduce with the
-//    fixed block tree of common.cuh in double and write one partial per block to
-//    ws[(y * R + r) * C + c] (R sums per channel); bn_finalize_kernel adds the partials in
-//    split order. The split depends only on the shape and the GPU: deterministic run to run,
-//    no atomics. One block per channel left most SMs idle at ResNet's 64-channel layers.
-//    var is the biased mean of (x - mean)^2 about the mean it is given (two passes, so sync-BN
-//    can all-reduce the mean in between).
-//  * Elementwise kernels (forward, backward_data) write every output element with `=`.
+//  * Channel reductions in two launches. The *_partial kernels split each channel's N * G
+//    groups (G = ceil(S / V), group i being group i % G of sample i / G) over gridDim.y
+//    blocks (block y takes [y * chunk, min(N * G, (y + 1) * chunk)); grid-stride over
+//    channels in x), sum in double with the fixed block tree of common.cuh and write one
+//    partial per block to ws[(y * R + r) * C + c] (R sums per channel); the finalize kernels
+//    add the partials in split order. The split depends only on the shape and the GPU:
+//    deterministic run to run, no atomics.
+//  * Statistics: bn_stats_* gives mean and biased variance in one read of x, from sums of
+//    d = x - x[c's first element] and d^2 in double (the shift keeps E[d^2] - E[d]^2 from
+//    cancelling when the mean is large against the spread). bn_mean_* then bn_var_* (the
+//    variance about a given mean) are two reads, so sync-BN can all-reduce the mean between.
+//  * Elementwise kernels (forward, backward_data) write every output element with `=`. The
+//    forward adds an optional residual (same shape as x) and applies ReLU when `relu`, in its
+//    compute type, rounding once: relu(bn(x) + residual) in one pass.
 //  * update_running: running = keep * running + momentum * batch (keep = 1 - momentum, rounded
 //    on the host; var made unbiased by count / (count - 1)), in place; one thread also adds 1
 //    to the int64 batch counter.
 
 #include "common.cuh"
 
-__device__ __forceinline__ long long channel_offset(int k, int c, int C, int S) {
-  const int n = k / S;
-  return ((long long)n * C + c) * S + (k - n * S);
-}
-
 template <typename T> __device__ __forceinline__ T inv_std(T var, T eps) {
   return T(1) / dp_sqrt(var + eps);
 }
 
-// ws[y * C + c] = sum over block y's k of x.
-template <typename T>
-__global__ void bn_mean_partial_kernel(double* ws, const T* x, int N, int C, int S, int chunk) {
+// The partial-sum loop of every channel reduction: for each channel c of this block and each
+// of its groups, body(acc, c, offset of the group's first element, its element count m);
+// then acc[0..R) reduced over the block and written to ws.
+template <int R, typename T, typename Body>
+__device__ __forceinline__ void channel_partials(double* ws, int N, int C, int S, int chunk,
+                                                 Body body) {
   __shared__ double shared[32];
-  const int K = N * S, k0 = blockIdx.y * chunk, k1 = min(K, k0 + chunk);
+  constexpr int V = Group<T>::size;
+  const int G = (S + V - 1) / V, i0 = blockIdx.y * chunk, i1 = min(N * G, i0 + chunk);
   for (int c = blockIdx.x; c < C; c += gridDim.x) {
-    double acc = 0.0;
-    for (int k = k0 + threadIdx.x; k < k1; k += blockDim.x)
-      acc += as<double>(x[channel_offset(k, c, C, S)]);
-    acc = block_reduce<double, SumOp>(acc, shared);
-    if (threadIdx.x == 0) ws[(long long)blockIdx.y * C + c] = acc;
+    double acc[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[r] = 0.0;
+    for (int i = i0 + threadIdx.x; i < i1; i += blockDim.x) {
+      const int n = i / G, s0 = (i - n * G) * V;
+      body(acc, c, (n * C + c) * S + s0, min(V, S - s0));
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const double total = block_reduce<double, SumOp>(acc[r], shared);
+      if (threadIdx.x == 0) ws[((long long)blockIdx.y * R + r) * C + c] = total;
+    }
   }
 }
 
-// ws[y * C + c] = sum over block y's k of (x - mean[c])^2.
+// ws[(y * 2) * C + c] = sum over block y's part of channel c of d = x - x[c * S], and
+// ws[(y * 2 + 1) * C + c] of d^2.
+template <typename T>
+__global__ void bn_stats_partial_kernel(double* ws, const T* x, int N, int C, int S, int chunk,
+                                        int vec) {
+  constexpr int V = Group<T>::size;
+  channel_partials<2, T>(ws, N, C, S, chunk, [&](double (&acc)[2], int c, int o, int m) {
+    const double shift = as<double>(x[c * S]);
+    double v[V];
+    load_group(v, x + o, m, vec);
+#pragma unroll
+    for (int k = 0; k < V; ++k)
+      if (k < m) {
+        const double d = v[k] - shift;
+        acc[0] += d;
+        acc[1] += d * d;
+      }
+  });
+}
+
+// mean[c], var[c] from the shifted partial sums, added in split order.
+template <typename T, typename P = compute_t<T>>
+__global__ void bn_stats_finalize_kernel(P* mean, P* var, const double* ws, const T* x,
+                                         int splits, int C, int S, double count) {
+  GRID_STRIDE_32(c, C) {
+    double s1 = 0.0, s2 = 0.0;
+    for (int y = 0; y < splits; ++y) {
+      s1 += ws[(long long)(y * 2) * C + c];
+      s2 += ws[(long long)(y * 2 + 1) * C + c];
+    }
+    const double d = s1 / count;
+    mean[c] = P(as<double>(x[c * S]) + d);
+    var[c] = P(fmax(s2 / count - d * d, 0.0));
+  }
+}
+
+// ws[y * C + c] = sum over block y's part of channel c of x.
+template <typename T>
+__global__ void bn_mean_partial_kernel(double* ws, const T* x, int N, int C, int S, int chunk,
+                                       int vec) {
+  constexpr int V = Group<T>::size;
+  channel_partials<1, T>(ws, N, C, S, chunk, [&](double (&acc)[1], int, int o, int m) {
+    double v[V];
+    load_group(v, x + o, m, vec);
+#pragma unroll
+    for (int k = 0; k < V; ++k) acc[0] += v[k];  // lanes past m are zero
+  });
+}
+
+// ws[y * C + c] = sum over block y's part of channel c of (x - mean[c])^2.
 template <typename T>
 __global__ void bn_var_partial_kernel(double* ws, const T* x, const compute_t<T>* mean, int N,
-                                      int C, int S, int chunk) {
-  __shared__ double shared[32];
-  const int K = N * S, k0 = blockIdx.y * chunk, k1 = min(K, k0 + chunk);
-  for (int c = blockIdx.x; c < C; c += gridDim.x) {
-    const double m = (double)mean[c];
-    double acc = 0.0;
-    for (int k = k0 + threadIdx.x; k < k1; k += blockDim.x) {
-      const double d = as<double>(x[channel_offset(k, c, C, S)]) - m;
-      acc += d * d;
-    }
-    acc = block_reduce<double, SumOp>(acc, shared);
-    if (threadIdx.x == 0) ws[(long long)blockIdx.y * C + c] = acc;
-  }
+                                      int C, int S, int chunk, int vec) {
+  constexpr int V = Group<T>::size;
+  channel_partials<1, T>(ws, N, C, S, chunk, [&](double (&acc)[1], int c, int o, int m) {
+    const double mu = (double)mean[c];
+    double v[V];
+    load_group(v, x + o, m, vec);
+#pragma unroll
+    for (int k = 0; k < V; ++k)
+      if (k < m) acc[0] += (v[k] - mu) * (v[k] - mu);
+  });
 }
 
 // out[j] = T(sum_y ws[y * n + j] / divisor), the partials added in split order.
@@ -76,14 +135,35 @@ __global__ void bn_finalize_kernel(T* out, const double* ws, int splits, int n, 
   }
 }
 
-// y = (x - mean) * (invstd * weight) + bias.
+// Group j of an elementwise kernel's planes * G groups: its channel, the offset of its first
+// element and its element count.
+struct GroupAt { int c, o, m; };
+template <typename T> __device__ __forceinline__ GroupAt group_at(int j, int G, int C, int S) {
+  constexpr int V = Group<T>::size;
+  const int p = j / G, s0 = (j - p * G) * V;
+  return {p % C, p * S + s0, min(V, S - s0)};
+}
+
+// y = (x - mean) * (invstd * weight) + bias [+ residual], then max(., 0) when relu.
 template <typename T, typename P = compute_t<T>>
-__global__ void bn_forward_kernel(T* y, const T* x, const P* mean, const P* var, const P* weight,
-                                  const P* bias, P eps, long long n, int C, int S) {
-  GRID_STRIDE(i, n) {
-    const int c = (int)((i / S) % C);
-    const P scale = inv_std(var[c], eps) * weight[c];
-    y[i] = as<T>((as<P>(x[i]) - mean[c]) * scale + bias[c]);
+__global__ void bn_forward_kernel(T* y, const T* x, const T* residual, const P* mean,
+                                  const P* var, const P* weight, const P* bias, P eps,
+                                  int planes, int C, int S, int relu, int vec) {
+  constexpr int V = Group<T>::size;
+  const int G = (S + V - 1) / V;
+  GRID_STRIDE_32(j, planes * G) {
+    const GroupAt at = group_at<T>(j, G, C, S);
+    const P scale = inv_std(var[at.c], eps) * weight[at.c], mu = mean[at.c], b = bias[at.c];
+    P v[V], r[V];
+    load_group(v, x + at.o, at.m, vec);
+    if (residual) load_group(r, residual + at.o, at.m, vec);
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      v[k] = (v[k] - mu) * scale + b;
+      if (residual) v[k] = v[k] + r[k];
+      if (relu) v[k] = v[k] < P(0) ? P(0) : v[k];
+    }
+    store_group(y + at.o, v, at.m, vec);
   }
 }
 
@@ -98,50 +178,57 @@ __global__ void bn_update_running_kernel(T* running_mean, T* running_var, long l
   if (blockIdx.x == 0 && threadIdx.x == 0) batches[0] += 1;
 }
 
-// ws[(y * 2) * C + c] = sum over block y's k of gy, ws[(y * 2 + 1) * C + c] of gy * xhat.
+// ws[(y * 2) * C + c] = sum over block y's part of channel c of gy, ws[(y * 2 + 1) * C + c]
+// of gy * xhat.
 template <typename T, typename P = compute_t<T>>
 __global__ void bn_backward_partial_kernel(double* ws, const T* gy, const T* x, const P* mean,
-                                           const P* var, P eps, int N, int C, int S, int chunk) {
-  __shared__ double shared[32];
-  const int K = N * S, k0 = blockIdx.y * chunk, k1 = min(K, k0 + chunk);
-  for (int c = blockIdx.x; c < C; c += gridDim.x) {
-    const double m = (double)mean[c];
+                                           const P* var, P eps, int N, int C, int S, int chunk,
+                                           int vec) {
+  constexpr int V = Group<T>::size;
+  channel_partials<2, T>(ws, N, C, S, chunk, [&](double (&acc)[2], int c, int o, int m) {
+    const double mu = (double)mean[c];
     const double invstd = 1.0 / sqrt((double)var[c] + (double)eps);
-    double sg = 0.0, sgx = 0.0;
-    for (int k = k0 + threadIdx.x; k < k1; k += blockDim.x) {
-      const long long o = channel_offset(k, c, C, S);
-      const double g = as<double>(gy[o]);
-      sg += g;
-      sgx += g * (as<double>(x[o]) - m) * invstd;
+    double g[V], v[V];
+    load_group(g, gy + o, m, vec);  // lanes past m are zero: they add nothing
+    load_group(v, x + o, m, vec);
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      acc[0] += g[k];
+      acc[1] += g[k] * (v[k] - mu) * invstd;
     }
-    sg = block_reduce<double, SumOp>(sg, shared);
-    sgx = block_reduce<double, SumOp>(sgx, shared);
-    if (threadIdx.x == 0) {
-      ws[((long long)blockIdx.y * 2) * C + c] = sg;
-      ws[((long long)blockIdx.y * 2 + 1) * C + c] = sgx;
-    }
-  }
+  });
 }
 
 // dx = weight * invstd * (gy - sums[c] / count - xhat * sums[C + c] / count).
 template <typename T, typename P = compute_t<T>>
 __global__ void bn_backward_data_kernel(T* dx, const T* gy, const T* x, const P* mean,
                                         const P* var, const P* weight, const P* sums, P eps,
-                                        P inv_count, long long n, int C, int S) {
-  GRID_STRIDE(i, n) {
-    const int c = (int)((i / S) % C);
-    const P invstd = inv_std(var[c], eps);
-    const P xhat = (as<P>(x[i]) - mean[c]) * invstd;
-    dx[i] = as<T>((as<P>(gy[i]) - sums[c] * inv_count - xhat * (sums[C + c] * inv_count)) *
-                  (weight[c] * invstd));
+                                        P inv_count, int planes, int C, int S, int vec) {
+  constexpr int V = Group<T>::size;
+  const int G = (S + V - 1) / V;
+  GRID_STRIDE_32(j, planes * G) {
+    const GroupAt at = group_at<T>(j, G, C, S);
+    const P invstd = inv_std(var[at.c], eps), mu = mean[at.c];
+    const P mean_g = sums[at.c] * inv_count, mean_gx = sums[C + at.c] * inv_count;
+    const P scale = weight[at.c] * invstd;
+    P g[V], v[V];
+    load_group(g, gy + at.o, at.m, vec);
+    load_group(v, x + at.o, at.m, vec);
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const P xhat = (v[k] - mu) * invstd;
+      g[k] = (g[k] - mean_g - xhat * mean_gx) * scale;
+    }
+    store_group(dx + at.o, g, at.m, vec);
   }
 }
 
+// instantiate: bn_stats_partial_kernel<float>; bn_stats_partial_kernel<double>; bn_stats_finalize_kernel<float>; bn_stats_finalize_kernel<double>
 // instantiate: bn_mean_partial_kernel<float>; bn_mean_partial_kernel<double>; bn_var_partial_kernel<float>; bn_var_partial_kernel<double>
 // instantiate: bn_finalize_kernel<float>; bn_finalize_kernel<double>
 // instantiate: bn_forward_kernel<float>; bn_forward_kernel<double>
-// instantiate: bn_mean_partial_kernel<__half>; bn_var_partial_kernel<__half>; bn_forward_kernel<__half>; bn_backward_partial_kernel<__half>; bn_backward_data_kernel<__half>
-// instantiate: bn_mean_partial_kernel<__nv_bfloat16>; bn_var_partial_kernel<__nv_bfloat16>; bn_forward_kernel<__nv_bfloat16>; bn_backward_partial_kernel<__nv_bfloat16>; bn_backward_data_kernel<__nv_bfloat16>
+// instantiate: bn_stats_partial_kernel<__half>; bn_stats_finalize_kernel<__half>; bn_mean_partial_kernel<__half>; bn_var_partial_kernel<__half>; bn_forward_kernel<__half>; bn_backward_partial_kernel<__half>; bn_backward_data_kernel<__half>
+// instantiate: bn_stats_partial_kernel<__nv_bfloat16>; bn_stats_finalize_kernel<__nv_bfloat16>; bn_mean_partial_kernel<__nv_bfloat16>; bn_var_partial_kernel<__nv_bfloat16>; bn_forward_kernel<__nv_bfloat16>; bn_backward_partial_kernel<__nv_bfloat16>; bn_backward_data_kernel<__nv_bfloat16>
 // instantiate: bn_update_running_kernel<float>; bn_update_running_kernel<double>
 // instantiate: bn_backward_partial_kernel<float>; bn_backward_partial_kernel<double>
 // instantiate: bn_backward_data_kernel<float>; bn_backward_data_kernel<double>

@@ -298,18 +298,26 @@ def scaled_dot_product_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool =
 
 
 def batch_norm(x: Tensor, weight: Tensor, bias: Tensor, running=None, training: bool = True,
-               momentum: float = 0.1, eps: float = 1e-5, comm=None) -> Tensor:
+               momentum: float = 0.1, eps: float = 1e-5, comm=None, residual: Tensor = None,
+               relu: bool = False) -> Tensor:
     """Batch normalisation over axis 1. ``running``: (mean, var, num_batches_tracked) Tensors,
     updated in place in training and used in eval; ``comm``: all-reduce the batch statistics
-    over its ranks (sync-BN). See ops.BatchNorm."""
+    over its ranks (sync-BN). ``residual`` (x's shape and dtype) is added and ``relu`` applied
+    in the same pass: relu(bn(x) + residual). See ops.BatchNorm."""
     if x.ndim < 2 or weight.shape != (x.shape[1],) or bias.shape != (x.shape[1],):
         raise ValueError(f"batch_norm: input {x.shape} needs a channel axis 1 and weight and "
                          f"bias of its size, got {weight.shape}, {bias.shape}")
     if not training and running is None:
         raise ValueError("batch_norm: eval mode needs the running estimates")
+    inputs = (x, weight, bias)
+    if residual is not None:
+        if residual.shape != x.shape or residual.dtype != x.dtype:
+            raise ValueError(f"batch_norm: the residual must match the input, {x.dtype} "
+                             f"{x.shape}; got {residual.dtype} {residual.shape}")
+        inputs += (residual,)
     arrays = None if running is None else tuple(t.data for t in running)
-    return ops.BatchNorm.apply(x, weight, bias, running=arrays, training=training,
-                               momentum=momentum, eps=eps, comm=comm)
+    return ops.BatchNorm.apply(*inputs, running=arrays, training=training,
+                               momentum=momentum, eps=eps, comm=comm, relu=relu)
 
 
 def adaptive_avg_pool2d(x: Tensor, output_size=1) -> Tensor:

@@ -468,7 +468,9 @@ class MaskedSoftmax(Function):
 
 
 class BatchNorm(Function):
-    """Batch normalisation over axis 1 of x (NCHW or (N, C)) with weight and bias (C,).
+    """Batch normalisation over axis 1 of x (NCHW or (N, C)) with weight and bias (C,),
+    optionally followed in the same pass by a residual addition (a fourth input of x's shape)
+    and ReLU: relu(bn(x) + residual).
 
     Training: normalise with the batch's statistics; with ``comm`` (a communicator of more
     than one rank, sync-BN) they are the statistics of all ranks' batches, all-reduced in the
@@ -479,28 +481,33 @@ class BatchNorm(Function):
     sums (the reducer averages them like every gradient); the input gradient is that of the
     sum of all ranks' losses, which the reducer's mean turns into the global batch's."""
 
-    def forward(self, x, weight, bias, running=None, training=True, momentum=0.1, eps=1e-5,
-                comm=None):
+    def forward(self, x, weight, bias, *residual, running=None, training=True, momentum=0.1,
+                eps=1e-5, comm=None, relu=False):
         be = self.be
         self.comm = comm if comm is not None and comm.size > 1 else None
         self.count = (x.size // x.shape[1]) * (self.comm.size if self.comm else 1)
-        self.training, self.eps = training, eps
-        if training:
+        self.training, self.eps, self.relu = training, eps, relu
+        if training and not self.comm:
+            mean, var = be.batch_norm_stats(x)  # one read of x
+        elif training:
             mean = be.batch_norm_mean(x)
-            if self.comm:
-                self.comm.all_reduce(mean, "mean")  # equal counts: the mean of the means
+            self.comm.all_reduce(mean, "mean")  # equal counts: the mean of the means
             var = be.batch_norm_var(x, mean)
-            if self.comm:
-                self.comm.all_reduce(var, "mean")
-            if running is not None:
-                be.batch_norm_update_(*running, mean, var, momentum, self.count)
+            self.comm.all_reduce(var, "mean")
         else:
             mean, var = running[0], running[1]
+        if training and running is not None:
+            be.batch_norm_update_(*running, mean, var, momentum, self.count)
         self.x, self.weight, self.mean, self.var = x, weight, mean, var
-        return be.batch_norm_forward(x, mean, var, weight, bias, eps)
+        y = be.batch_norm_forward(x, mean, var, weight, bias, eps,
+                                  residual=residual[0] if residual else None, relu=relu)
+        self.y = y if relu else None
+        return y
 
     def backward(self, gy):
         be = self.be
+        if self.relu:  # through the ReLU once; the residual's gradient is this too
+            gy = be.relu_backward(self.y, gy)
         sums = be.batch_norm_backward_reduce(gy, self.x, self.mean, self.var, self.eps)
         gw = be.getitem(sums, 1) if self.needs_grad[1] else None  # this rank's own sums
         gb = be.getitem(sums, 0) if self.needs_grad[2] else None
@@ -513,4 +520,6 @@ class BatchNorm(Function):
                 self.comm.all_reduce(sums.reshape(-1), "sum")
             gx = be.batch_norm_backward_data(gy, self.x, self.mean, self.var, self.weight, sums,
                                              self.eps, self.count)
-        return gx, gw, gb
+        if len(self.needs_grad) == 3:
+            return gx, gw, gb
+        return gx, gw, gb, gy if self.needs_grad[3] else None

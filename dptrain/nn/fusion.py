@@ -5,7 +5,11 @@ Today ReLU followed by MaxPool2d runs as ``F.relu_max_pool2d``: one pass forward
 pool's backward alone, with the same values and gradients as the two layers. The layers stay
 in the Sequential as they are, so parameter names, state dicts and the PyTorch twin do not
 change. A layer with forward pre-hooks is never fused (its hook must run on its own input).
-``DPTRAIN_FUSE=0`` in the environment turns fusion off (to measure what it gives).
+
+Outside a Sequential a model asks for a fused call itself: ResNet's blocks call
+``bn(x, residual=..., relu=True)`` (BatchNorm2d runs relu(bn(x) + residual) in one pass).
+
+``DPTRAIN_FUSE=0`` in the environment turns all of it off (to measure what it gives).
 """
 from __future__ import annotations
 

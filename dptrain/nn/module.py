@@ -50,10 +50,10 @@ class Module:
     def forward(self, *args):
         raise NotImplementedError
 
-    def __call__(self, *args):
+    def __call__(self, *args, **kwargs):
         for hook in self._pre_hooks:
             hook(self)
-        return self.forward(*args)
+        return self.forward(*args, **kwargs)
 
     def register_forward_pre_hook(self, hook):
         """Call hook(module) before every forward (the reducer waits there for the module's

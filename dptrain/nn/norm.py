@@ -5,6 +5,7 @@ import numpy as np
 
 from dptrain.engine import functional as F
 from dptrain.engine.autograd import Tensor
+from dptrain.nn import fusion
 from dptrain.nn.module import Module, Parameter
 
 
@@ -30,12 +31,20 @@ class BatchNorm2d(Module):
         self.register_buffer("num_batches_tracked", Tensor(np.zeros((), np.int64)))
         self.comm = None
 
-    def forward(self, x):
+    def forward(self, x, residual=None, relu=False):
+        """bn(x); with ``residual`` and ``relu``, relu(bn(x) + residual): the layers that
+        follow a batch norm in a residual block, in the same pass (nn.fusion; separate ops
+        when ``DPTRAIN_FUSE=0``)."""
         if x.ndim != 4:
             raise ValueError(f"BatchNorm2d expects NCHW input, got shape {x.shape}")
         running = (self.running_mean, self.running_var, self.num_batches_tracked)
+        if not fusion.enabled():
+            y = F.batch_norm(x, self.weight, self.bias, running, self.training, self.momentum,
+                             self.eps, comm=self.comm)
+            y = y if residual is None else y + residual
+            return F.relu(y) if relu else y
         return F.batch_norm(x, self.weight, self.bias, running, self.training, self.momentum,
-                            self.eps, comm=self.comm)
+                            self.eps, comm=self.comm, residual=residual, relu=relu)
 
 
 def sync_batch_norm(model: Module, comm) -> int:

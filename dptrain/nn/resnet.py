@@ -16,7 +16,7 @@ import math
 import numpy as np
 
 from dptrain.engine import functional as F
-from dptrain.nn.layers import Conv2d, Linear, MaxPool2d, ReLU, Sequential
+from dptrain.nn.layers import Conv2d, Linear, MaxPool2d, Sequential
 from dptrain.nn.module import Module, Parameter
 from dptrain.nn.norm import BatchNorm2d
 from dptrain.nn.pooling import AdaptiveAvgPool2d
@@ -36,13 +36,14 @@ def _conv(in_channels, out_channels, kernel, stride=1, padding=0):
 
 class BasicBlock(Module):
     """relu(bn2(conv2(relu(bn1(conv1(x))))) + shortcut(x)); shortcut is x itself, or
-    ``downsample`` (1x1 conv + BN) where the stride or the channel count changes."""
+    ``downsample`` (1x1 conv + BN) where the stride or the channel count changes. The ReLUs
+    and the addition run inside the batch norms' passes (BatchNorm2d's ``residual`` and
+    ``relu``), so the block has no ReLU module of its own."""
 
     def __init__(self, in_channels, channels, stride=1):
         super().__init__()
         self.conv1 = _conv(in_channels, channels, 3, stride, 1)
         self.bn1 = BatchNorm2d(channels)
-        self.relu = ReLU()
         self.conv2 = _conv(channels, channels, 3, 1, 1)
         self.bn2 = BatchNorm2d(channels)
         self.downsample = None
@@ -51,10 +52,10 @@ class BasicBlock(Module):
                                          BatchNorm2d(channels))
 
     def forward(self, x):
-        out = self.relu(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
+        out = self.bn1(self.conv1(x), relu=True)  # relu(bn1(.)) in one pass
         shortcut = x if self.downsample is None else self.downsample(x)
-        return self.relu(out + shortcut)  # residual addition: its gradient reaches both paths
+        # relu(bn2(.) + shortcut) in one pass: the addition's gradient reaches both paths
+        return self.bn2(self.conv2(out), residual=shortcut, relu=True)
 
 
 class ResNet(Module):
@@ -68,7 +69,6 @@ class ResNet(Module):
         else:
             self.conv1 = _conv(channels, widths[0], 7, 2, 3)
         self.bn1 = BatchNorm2d(widths[0])
-        self.relu = ReLU()
         self.maxpool = None if self.small_stem else MaxPool2d(3, 2, 1)
         in_channels = widths[0]
         for stage, (count, out) in enumerate(zip(blocks, widths)):
@@ -82,7 +82,7 @@ class ResNet(Module):
         self.fc = Linear(in_channels, num_classes)
 
     def forward(self, x):
-        x = self.relu(self.bn1(self.conv1(x)))
+        x = self.bn1(self.conv1(x), relu=True)
         if self.maxpool is not None:
             x = self.maxpool(x)
         for stage in range(self.stages):

@@ -13,7 +13,10 @@ from replay import train_steps
 pytestmark = pytest.mark.gpu
 F32, F64 = np.float32, np.float64
 RTOL = {np.dtype(F32): 1e-5, np.dtype(F64): 1e-11}
-SHAPES = [(5, 3, 7, 9), (3, 17, 1, 1), (2, 64, 13, 11), (7, 5), (1, 33, 31, 3), (300, 2, 9, 7)]
+# odd sizes (element-by-element groups), whole 16-byte groups for every dtype (8x8) and for
+# 4-byte and wider types only (6x6)
+SHAPES = [(5, 3, 7, 9), (3, 17, 1, 1), (2, 64, 13, 11), (7, 5), (1, 33, 31, 3), (300, 2, 9, 7),
+          (4, 6, 8, 8), (3, 5, 6, 6)]
 
 
 def close(cu, got, ref, rtol=None):
@@ -47,8 +50,15 @@ def test_batch_norm_ops_match_numpy(cu, rng, shape, dtype):
     dmean = cu.asarray(mean)
     close(cu, cu.batch_norm_var(dx, dmean), var)
     dvar = cu.asarray(var)
+    smean, svar = cu.batch_norm_stats(dx)
+    close(cu, smean, mean)
+    close(cu, svar, var)
     close(cu, cu.batch_norm_forward(dx, dmean, dvar, dw, db, eps),
           cpu.batch_norm_forward(x, mean, var, w, b, eps))
+    r = rng.standard_normal(shape).astype(dtype)
+    close(cu, cu.batch_norm_forward(dx, dmean, dvar, dw, db, eps, residual=cu.asarray(r),
+                                    relu=True),
+          cpu.batch_norm_forward(x, mean, var, w, b, eps, residual=r, relu=True))
     sums = cpu.batch_norm_backward_reduce(gy.astype(F64), x.astype(F64), mean.astype(F64),
                                           var.astype(F64), eps).astype(dtype)
     close(cu, cu.batch_norm_backward_reduce(dgy, dx, dmean, dvar, eps), sums)
@@ -81,6 +91,9 @@ def test_16_bit_batch_norm_keeps_fp32_statistics(cu, rng, shape, half):
     close(cu, cu.batch_norm_mean(dx), mean.astype(F32))
     dmean, dvar = cu.asarray(mean.astype(F32)), cu.asarray(var.astype(F32))
     close(cu, cu.batch_norm_var(dx, dmean), var.astype(F32))
+    smean, svar = cu.batch_norm_stats(dx)
+    close(cu, smean, mean.astype(F32))
+    close(cu, svar, var.astype(F32))
 
     def widened(a):  # a 16-bit device result as float64 on the host
         a = cu.astype(a, np.dtype(F32)) if a.dtype != np.float16 else a
@@ -89,6 +102,12 @@ def test_16_bit_batch_norm_keeps_fp32_statistics(cu, rng, shape, half):
     y = cu.batch_norm_forward(dx, dmean, dvar, dw, db, eps)
     assert y.dtype == dx.dtype
     ref = cpu.batch_norm_forward(x64, mean, var, w.astype(F64), b.astype(F64), eps)
+    assert np.linalg.norm(widened(y) - ref) / np.linalg.norm(ref) <= tol
+    # the residual (gy's values) added and ReLU applied in fp32 before the one rounding
+    y = cu.batch_norm_forward(dx, dmean, dvar, dw, db, eps, residual=dgy, relu=True)
+    ref = cpu.batch_norm_forward(x64, mean, var, w.astype(F64), b.astype(F64), eps,
+                                 residual=gy64, relu=True)
+    assert y.dtype == dx.dtype
     assert np.linalg.norm(widened(y) - ref) / np.linalg.norm(ref) <= tol
     sums = cpu.batch_norm_backward_reduce(gy64, x64, mean, var, eps)
     close(cu, cu.batch_norm_backward_reduce(dgy, dx, dmean, dvar, eps), sums.astype(F32),
@@ -99,6 +118,36 @@ def test_16_bit_batch_norm_keeps_fp32_statistics(cu, rng, shape, half):
     assert g.dtype == dx.dtype
     ref = cpu.batch_norm_backward_data(gy64, x64, mean, var, w.astype(F64), sums, eps, count)
     assert np.linalg.norm(widened(g) - ref) / max(np.linalg.norm(ref), 1e-30) <= 2 * tol
+
+
+@pytest.mark.parametrize("dtype", [F32, np.uint16], ids=["float32", "bfloat16"])
+def test_unaligned_arrays_take_the_element_path(cu, rng, dtype):
+    """Views that start off a 16-byte boundary (S a whole number of groups) give the same
+    results as aligned copies: the kernels fall back to element-by-element groups."""
+    shape = (4, 3, 8, 8)
+    x, gy, w, b = _inputs(rng, shape, F32)
+    size = x.size
+
+    def on_device(a, offset):  # a as a contiguous view `offset` elements into a buffer
+        buf, a = cu.asarray(np.zeros(size + 8, F32)), cu.asarray(a)
+        if dtype != F32:  # bfloat16, held as uint16
+            buf, a = cu.astype(buf, np.dtype(dtype)), cu.astype(a, np.dtype(dtype))
+        view = buf[offset:offset + size].reshape(shape)
+        cu.copy_(view, a)
+        return view
+
+    dw, db = cu.asarray(w), cu.asarray(b)
+    results = []
+    for offset in (0, 1):
+        dx, dgy = on_device(x, offset), on_device(gy, offset)
+        assert (dx.data.ptr % 16 == 0) == (offset == 0)
+        mean, var = cu.batch_norm_stats(dx)
+        y = cu.batch_norm_forward(dx, mean, var, dw, db, 1e-5, residual=dgy, relu=True)
+        sums = cu.batch_norm_backward_reduce(dgy, dx, mean, var, 1e-5)
+        g = cu.batch_norm_backward_data(dgy, dx, mean, var, dw, sums, 1e-5, size // 3)
+        results.append([cu.to_numpy(a) for a in (mean, var, y, sums, g)])
+    for aligned, unaligned in zip(*results):
+        np.testing.assert_array_equal(unaligned, aligned)
 
 
 @pytest.mark.parametrize("dtype", [F32, F64])
@@ -122,7 +171,8 @@ def test_batch_norm_reductions_are_deterministic(cu, rng):
     def run():
         mean = cu.batch_norm_mean(dx)
         var = cu.batch_norm_var(dx, mean)
-        return [cu.to_numpy(a) for a in (mean, var,
+        smean, svar = cu.batch_norm_stats(dx)
+        return [cu.to_numpy(a) for a in (mean, var, smean, svar,
                                          cu.batch_norm_backward_reduce(dgy, dx, mean, var, 1e-5))]
 
     first = run()

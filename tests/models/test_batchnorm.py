@@ -82,6 +82,28 @@ def test_residual_block_gradients_in_float64(project):
     gradcheck(block, *args, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("relu", [False, True])
+def test_batch_norm_with_residual_and_relu_gradients(relu):
+    """relu(bn(x) + residual) as one op: gradients of x, weight, bias and the residual."""
+    c = 3
+    gradcheck(lambda x, w, b, r: F.batch_norm(x, w, b, _running(c), training=True, residual=r,
+                                              relu=relu),
+              randn(2, c, 4, 3) * 2 + 0.5, randn(c), randn(c), randn(2, c, 4, 3))
+
+
+def test_batch_norm_relu_without_residual_gradients():
+    gradcheck(lambda x, w, b: F.batch_norm(x, w, b, training=True, relu=True),
+              randn(3, 2, 3, 3), randn(2), randn(2))
+
+
+def test_batch_norm_residual_must_match_the_input():
+    x, w, b = dp.tensor(randn(2, 3, 4, 4)), dp.tensor(randn(3)), dp.tensor(randn(3))
+    with pytest.raises(ValueError, match="residual must match"):
+        F.batch_norm(x, w, b, residual=dp.tensor(randn(2, 3, 4, 5)))
+    with pytest.raises(ValueError, match="residual must match"):
+        F.batch_norm(x, w, b, residual=dp.tensor(randn(2, 3, 4, 4).astype(np.float32)))
+
+
 # ----------------------------------------------------------------------------- values
 
 
@@ -137,6 +159,9 @@ def test_cpu_ops_keep_float32_and_accumulate_precisely():
     assert mean.dtype == var.dtype == np.float32
     np.testing.assert_allclose(mean, x.astype(np.float64).mean(axis=(0, 2, 3)), rtol=1e-7)
     np.testing.assert_allclose(var, x.astype(np.float64).var(axis=(0, 2, 3)), rtol=1e-3)
+    mean1, var1 = cpu.batch_norm_stats(x)  # one call: the variance about the exact mean
+    np.testing.assert_array_equal(mean1, mean)
+    np.testing.assert_allclose(var1, x.astype(np.float64).var(axis=(0, 2, 3)), rtol=1e-6)
 
 
 # ----------------------------------------------------------------------------- buffers

@@ -66,10 +66,28 @@ def _invstd(var, eps):
 
 
 @op
-def batch_norm_forward(x, mean, var, weight, bias, eps):
-    """y = (x - mean) / sqrt(var + eps) * weight + bias, per channel."""
+def batch_norm_stats(x):
+    """(mean, var): the per-channel mean and biased variance of x over every axis but 1
+    (one read of x on the GPU; here the two passes, in float64)."""
+    mean = batch_norm_mean(x)
+    d = x.astype(np.float64) - _channel(batch_norm_mean(x.astype(np.float64)), x)
+    var = ((d * d).sum(axis=_axes(x)) / max(_count(x), 1)).astype(stat_dtype(x))
+    return mean, var
+
+
+@op
+def batch_norm_forward(x, mean, var, weight, bias, eps, residual=None, relu=False):
+    """y = (x - mean) / sqrt(var + eps) * weight + bias, per channel; plus `residual` (x's
+    shape and dtype) where given, then max(y, 0) when `relu`: one pass, rounded once."""
     scale = _invstd(var, eps) * weight
     y = (_compute(x, x) - _channel(mean, x)) * _channel(scale, x) + _channel(bias, x)
+    if residual is not None:
+        if residual.shape != x.shape or residual.dtype != x.dtype:
+            raise ValueError(f"cpu.batch_norm_forward: residual must be {x.dtype} {x.shape} "
+                             f"like x, got {residual.dtype} {residual.shape}")
+        y = y + _compute(residual, x)
+    if relu:
+        y = np.maximum(y, 0)
     return y.astype(x.dtype, copy=False)
 
 

@@ -8,7 +8,8 @@ Conventions (the .cu file's header has the kernel side):
   * Float32 or float64, math in the element type; float16 computes in float32 and rounds
     each result once. Scalars are cast to the element type on the
     host, rounded the way the CPU backend rounds them (e.g. p - 1 for pow's backward).
-  * Same-shape contiguous operands take the flat kernels (map1, map2); anything else goes
+  * Same-shape contiguous operands take the flat kernels (map1, map2), a thread per 16-byte
+    group of elements, vector accesses where every operand is aligned; anything else goes
     through bcast2 with a Layout of broadcast strides (32-bit indices, asserted).
   * fill_ writes raw bits (one kernel per element size); astype (convert_kernel) is in
     arrays.py, next to the copies it needs for non-contiguous sources.
@@ -23,6 +24,11 @@ from dptrain.backend.registry import op
 EW = "elementwise.cu"
 
 
+def _groups(a) -> int:
+    """The work items of a flat kernel over a: its 16-byte groups of elements."""
+    return -(-a.size // launch.group_size(a.dtype))
+
+
 def _map1(op, functor, a, s=0.0, t=0.0):
     """out = functor(a) elementwise; s, t: the functor's scalars, cast to the dtype."""
     launch.check_float(op, a, half=True)
@@ -30,8 +36,8 @@ def _map1(op, functor, a, s=0.0, t=0.0):
     out = launch.new(a.shape, a.dtype)
     if a.size:
         fn = launch.kernel(EW, "map1_kernel", launch.ctype(a.dtype), functor)
-        launch.grid_stride(fn, a.size, (out, a, np.int64(a.size), launch.scalar(a.dtype, s),
-                                                launch.scalar(a.dtype, t)))
+        launch.grid_stride(fn, _groups(a), (out, a, np.int64(a.size), launch.scalar(a.dtype, s),
+                                            launch.scalar(a.dtype, t), launch.aligned(out, a)))
     return out
 
 
@@ -43,9 +49,9 @@ def _map2(op, functor, a, b, s=0.0, t=0.0):
     out = launch.new(a.shape, a.dtype)
     if a.size:
         fn = launch.kernel(EW, "map2_kernel", launch.ctype(a.dtype), functor)
-        launch.grid_stride(fn, a.size,
+        launch.grid_stride(fn, _groups(a),
                            (out, a, b, np.int64(a.size), launch.scalar(a.dtype, s),
-                            launch.scalar(a.dtype, t)))
+                            launch.scalar(a.dtype, t), launch.aligned(out, a, b)))
     return out
 
 
@@ -63,8 +69,8 @@ def _binary(op, functor, a, b, out=None):
     ctype = launch.ctype(a.dtype)
     zero = launch.scalar(a.dtype, 0)
     if a.shape == b.shape and a.flags.c_contiguous and b.flags.c_contiguous:
-        launch.grid_stride(launch.kernel(EW, "map2_kernel", ctype, functor), n,
-                           (out, a, b, np.int64(n), zero, zero))
+        launch.grid_stride(launch.kernel(EW, "map2_kernel", ctype, functor), _groups(out),
+                           (out, a, b, np.int64(n), zero, zero, launch.aligned(out, a, b)))
     else:
         launch.check_int32(op, n)
         dims, (sa, sb) = launch.collapse(shape, launch.bstrides(a, shape),
@@ -120,7 +126,8 @@ def add_(dst, src):
                              f"got {src.shape}")
         if dst.size:
             fn = launch.kernel(EW, "accumulate_kernel", "float", launch.ctype(src.dtype))
-            launch.grid_stride(fn, dst.size, (dst, src, np.int64(dst.size)))
+            launch.grid_stride(fn, _groups(dst), (dst, src, np.int64(dst.size),
+                                                  launch.aligned(dst)))
         return dst
     launch.check_float("add_", dst, src, half=True)
     launch.check_contiguous("add_", dst)

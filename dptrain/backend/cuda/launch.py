@@ -278,6 +278,27 @@ def check_int32(op, *counts):
         raise ValueError(f"cuda.{op}: size {max(counts)} exceeds 32-bit indexing")
 
 
+# A null pointer argument: CuPy passes None as 0xffffffff, not 0 (cupy/cupy#9046).
+NULL = np.uint64(0)
+
+
+def group_size(dtype) -> int:
+    """Elements of `dtype` in one 16-byte group (common.cuh's Group<T>::size)."""
+    return 16 // np.dtype(dtype).itemsize
+
+
+def aligned(*arrays) -> np.int32:
+    """The `vec` flag of a flat grouped kernel (common.cuh's load_group): 1 when every array
+    starts 16-byte aligned."""
+    return np.int32(all(a.data.ptr % 16 == 0 for a in arrays))
+
+
+def whole_groups(row: int, *arrays) -> np.int32:
+    """The `vec` flag of a kernel grouping rows of `row` elements: 1 when they split into
+    whole 16-byte groups and every array starts 16-byte aligned."""
+    return np.int32(row % group_size(arrays[0].dtype) == 0 and aligned(*arrays))
+
+
 def scalar(dtype, value):
     """A host scalar as the kernel parameter compute_t<T> of element dtype `dtype`, rounded to
     `dtype` first, as NumPy rounds a scalar to the array's dtype."""

@@ -5,9 +5,11 @@ reference with the same signatures):
   * x is contiguous (N, C, ...): axis 1 the channel, the rest reduced; per-channel arrays
     (mean, var, weight, bias) contiguous (C,), sums (2, C), all of x's float dtype, or
     float32 for a 16-bit x (mixed precision: fp32 statistics and parameters, ``stat_dtype``).
-  * Channel reductions (batch_norm_mean, batch_norm_var, batch_norm_backward_reduce): each
-    channel split over enough blocks to fill the GPU, double partials added in a fixed order
-    by bn_finalize_kernel: deterministic, no atomics.
+  * Channel reductions (batch_norm_stats, batch_norm_mean, batch_norm_var,
+    batch_norm_backward_reduce): each channel split over enough blocks to fill the GPU,
+    double partials added in a fixed order by a finalize kernel: deterministic, no atomics.
+  * Every kernel moves 16-byte groups of x (launch.whole_groups decides, per call, whether
+    they are whole and aligned) and indexes in 32 bits.
   * Outputs are new arrays written with `=`; batch_norm_update_ works in place and adds one
     to the int64 0-d num_batches_tracked on the device (no host sync).
   * Host scalars (eps, momentum, count) are cast to the element type; they are constants of a
@@ -53,23 +55,34 @@ def _per_channel(op, c, x, **arrays):
         launch.check_shape(op, a, (c,), name)
 
 
-def _channel_sums(name, c, n, s, rows, dtype, args):
+def _channel_sums(name, x, rows, grouped, args):
     """The per-channel double sums of kernel `name` (rows of them per channel) as a (splits,
-    rows, c) array of partials, each channel's K = n * s elements split over enough blocks to
-    fill the GPU; bn_finalize_kernel adds them. (partials, splits)"""
+    rows, C) array of partials, each channel's N * G groups (G = ceil(S / group size)) split
+    over enough blocks to fill the GPU; a finalize kernel adds them. `grouped`: the arrays
+    the kernel reads in groups (x, gy). (partials, splits)"""
+    n, c, s = _geometry(name, x)
     threads = launch.block_threads(warps=True)
     _, cap = launch.current_launch_shape()
     blocks = cap or launch.sm_count() * launch.BLOCKS_PER_SM
     grid_x = max(1, min(c, blocks))
-    k = n * s
-    # blocks of at least 8 elements per thread, and no more than the grid-stride cap
-    splits = max(1, min(blocks // grid_x, k // (threads * 8), launch.GRID_YZ_MAX))
-    chunk = -(-k // splits)
+    items = n * -(-s // launch.group_size(x.dtype))
+    # at least a group per thread, and no more than the grid-stride cap
+    splits = max(1, min(blocks // grid_x, items // threads, launch.GRID_YZ_MAX))
+    chunk = -(-items // splits)
     ws = launch.new((splits, rows, c), np.dtype(np.float64))
-    fn = launch.kernel(NORM, name, launch.ctype(dtype))
+    fn = launch.kernel(NORM, name, launch.ctype(x.dtype))
     fn((grid_x, splits), (threads,), (ws, *args, np.int32(n), np.int32(c), np.int32(s),
-                                      np.int32(chunk)))
+                                      np.int32(chunk), launch.whole_groups(s, *grouped)))
     return ws, splits
+
+
+def _groups(op, x):
+    """(planes, C, S, G) of the elementwise kernels' grid over x: N * C planes of S elements,
+    G groups each."""
+    n, c, s = _geometry(op, x)
+    g = -(-s // launch.group_size(x.dtype))
+    launch.check_int32(op, n * c * g)
+    return n * c, c, s, g
 
 
 def _finalize(out, ws, splits, divisor):
@@ -88,7 +101,7 @@ def batch_norm_mean(x):
     if c:
         if n * s == 0:
             raise ValueError(f"cuda.batch_norm_mean: no elements per channel in {x.shape}")
-        ws, splits = _channel_sums("bn_mean_partial_kernel", c, n, s, 1, x.dtype, (x,))
+        ws, splits = _channel_sums("bn_mean_partial_kernel", x, 1, (x,), (x,))
         _finalize(mean, ws, splits, n * s)
     return mean
 
@@ -102,22 +115,51 @@ def batch_norm_var(x, mean):
     if c:
         if n * s == 0:
             raise ValueError(f"cuda.batch_norm_var: no elements per channel in {x.shape}")
-        ws, splits = _channel_sums("bn_var_partial_kernel", c, n, s, 1, x.dtype, (x, mean))
+        ws, splits = _channel_sums("bn_var_partial_kernel", x, 1, (x,), (x, mean))
         _finalize(var, ws, splits, n * s)
     return var
 
 
 @op
-def batch_norm_forward(x, mean, var, weight, bias, eps):
-    """y = (x - mean) / sqrt(var + eps) * weight + bias, per channel."""
-    n, c, s = _geometry("batch_norm_forward", x)
-    _per_channel("batch_norm_forward", c, x, mean=mean, var=var, weight=weight, bias=bias)
+def batch_norm_stats(x):
+    """(mean, var): the per-channel mean and biased variance of x over every axis but 1, in
+    one read of x."""
+    n, c, s = _geometry("batch_norm_stats", x)
+    mean, var = launch.new((c,), stat_dtype(x)), launch.new((c,), stat_dtype(x))
+    if c:
+        if n * s == 0:
+            raise ValueError(f"cuda.batch_norm_stats: no elements per channel in {x.shape}")
+        ws, splits = _channel_sums("bn_stats_partial_kernel", x, 2, (x,), (x,))
+        fn = launch.kernel(NORM, "bn_stats_finalize_kernel", launch.ctype(x.dtype))
+        launch.grid_stride(fn, c, (mean, var, ws, x, np.int32(splits), np.int32(c),
+                                   np.int32(s), np.float64(n * s)))
+    return mean, var
+
+
+@op
+def batch_norm_forward(x, mean, var, weight, bias, eps, residual=None, relu=False):
+    """y = (x - mean) / sqrt(var + eps) * weight + bias, per channel; plus `residual` (x's
+    shape and dtype) where given, then max(y, 0) when `relu`: one pass, rounded once."""
+    op = "batch_norm_forward"
+    planes, c, s, g = _groups(op, x)
+    _per_channel(op, c, x, mean=mean, var=var, weight=weight, bias=bias)
+    grouped = (x,)
+    if residual is not None:
+        launch.check_arrays(op, residual)
+        launch.check_contiguous(op, residual)
+        launch.check_shape(op, residual, x.shape, "residual")
+        if residual.dtype != x.dtype:
+            raise TypeError(f"cuda.{op}: residual must be {x.dtype} like x, got {residual.dtype}")
+        grouped = (x, residual)
     y = launch.new(x.shape, x.dtype)
     if y.size:
         t = stat_dtype(x).type
         fn = launch.kernel(NORM, "bn_forward_kernel", launch.ctype(x.dtype))
-        launch.grid_stride(fn, y.size, (y, x, mean, var, weight, bias, t(eps), np.int64(y.size),
-                                        np.int32(c), np.int32(s)))
+        r = launch.NULL if residual is None else residual
+        launch.grid_stride(fn, planes * g,
+                           (y, x, r, mean, var, weight, bias, t(eps), np.int32(planes),
+                            np.int32(c), np.int32(s), np.int32(bool(relu)),
+                            launch.whole_groups(s, y, *grouped)))
     return y
 
 
@@ -154,7 +196,7 @@ def batch_norm_backward_reduce(gy, x, mean, var, eps):
     _per_channel(op, c, x, mean=mean, var=var)
     sums = launch.new((2, c), stat_dtype(x))
     if c:
-        ws, splits = _channel_sums("bn_backward_partial_kernel", c, n, s, 2, x.dtype,
+        ws, splits = _channel_sums("bn_backward_partial_kernel", x, 2, (gy, x),
                                    (gy, x, mean, var, stat_dtype(x).type(eps)))
         _finalize(sums, ws, splits, 1.0)
     return sums
@@ -176,8 +218,9 @@ def batch_norm_backward_data(gy, x, mean, var, weight, sums, eps, count):
     dx = launch.new(x.shape, x.dtype)
     if dx.size:
         t = stat_dtype(x).type
+        planes, _, _, g = _groups(op, x)
         fn = launch.kernel(NORM, "bn_backward_data_kernel", launch.ctype(x.dtype))
-        launch.grid_stride(fn, dx.size, (dx, gy, x, mean, var, weight, sums, t(eps),
-                                         t(1.0 / count), np.int64(dx.size), np.int32(c),
-                                         np.int32(s)))
+        launch.grid_stride(fn, planes * g, (dx, gy, x, mean, var, weight, sums, t(eps),
+                                            t(1.0 / count), np.int32(planes), np.int32(c),
+                                            np.int32(s), launch.whole_groups(s, dx, gy, x)))
     return dx
