@@ -1,6 +1,7 @@
 """Cold start: kernels built ahead of the first step (a no-op on the CPU), once per host under
 mpirun, keyed by source + options + GPU architecture; images/s leaves out the warm-up and
 capture steps, and summary.json reports the start-up time apart."""
+import collections
 import importlib.util
 import json
 import os
@@ -79,6 +80,19 @@ def test_cache_key_names_the_architecture(monkeypatch):
     # the options are part of it
     monkeypatch.setattr(loader, "cuda_include_dir", lambda: Path("/other/include"))
     assert key != loader.cache_key("elementwise.cu", "90")
+
+
+def test_heavy_modules_build_first(monkeypatch):
+    """A GEMM main loop (one per module) starts before any elementwise module and before a
+    part of the same file that holds less work; a full elementwise part before a short one."""
+    monkeypatch.setattr(loader, "cuda_include_dir", lambda: Path("/toolkit/include"))
+    units = [("elementwise.cu", p) for p in loader.parts("elementwise.cu")]
+    units += [("gemm.cu", "__nv_bfloat16"), ("optim.cu", "double")]
+    order = sorted(units, key=loader._build_order)
+    assert order[0] == ("gemm.cu", "__nv_bfloat16")
+    sizes = collections.Counter(loader._part_table("elementwise.cu").values())
+    rest = [sizes[p] for f, p in order if f == "elementwise.cu"]
+    assert rest == sorted(rest, reverse=True)
 
 
 def test_files_split_into_modules_by_element_family(monkeypatch):

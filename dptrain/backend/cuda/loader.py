@@ -33,7 +33,6 @@ kept.
 """
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import functools
 import hashlib
@@ -133,8 +132,7 @@ def _part_table(filename: str) -> dict[str, str]:
     CHUNK-th (or the file's instantiations-per-module) instantiation of a family on, the family
     with a chunk number."""
     source, _ = source_and_options(filename)
-    asked = _PER_MODULE.search(source)
-    per_module = max(1, int(asked.group(1))) if asked else CHUNK
+    per_module = _per_module(filename)
     table, seen = {}, dict.fromkeys(PARTS, 0)
     for name in name_expressions(source):
         family = part_of(name)
@@ -243,6 +241,25 @@ def part_holding(filename: str, name: str) -> str:
     return _part_table(filename).get(name, part_of(name))
 
 
+def _build_order(unit):
+    """Sort key of a (file, part) build, most work first. The work is the part's
+    instantiations, each weighing CHUNK / the file's instantiations-per-module: a file that
+    asks for fewer per module says each is heavier (gemm.cu's and the wgmma files' main
+    loops, one per module, take 1-4 s each against about 1 s for eight elementwise maps).
+    Ties go to the heavier instantiations."""
+    filename, part = unit
+    per_module = _per_module(filename)
+    count = sum(1 for p in _part_table(filename).values() if p == part)
+    return -count * CHUNK / per_module, per_module
+
+
+def _per_module(filename: str) -> int:
+    """The file's instantiations-per-module (CHUNK unless its header asks for fewer)."""
+    source, _ = source_and_options(filename)
+    asked = _PER_MODULE.search(source)
+    return max(1, int(asked.group(1))) if asked else CHUNK
+
+
 def compile_all(workers: int | None = None, families=PARTS, units=None) -> dict:
     """Build the `families` parts (default: all) of every kernel file the current GPU can
     run, or only the (file, part) `units` given, `workers` at a time (default:
@@ -259,9 +276,7 @@ def compile_all(workers: int | None = None, families=PARTS, units=None) -> dict:
     else:
         units = sorted(set(units))
         files = sorted({f for f, _ in units})
-    # Largest first (instantiations as the measure of work), so no big one starts last.
-    size = {f: collections.Counter(_part_table(f).values()) for f in files}
-    units.sort(key=lambda u: -size[u[0]][u[1]])
+    units.sort(key=_build_order)  # the most work first, so no big one starts last
     env = os.environ.get(WORKERS_ENV, "")
     if not workers and env:
         if not env.isdigit() or int(env) < 1:
