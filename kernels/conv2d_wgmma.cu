@@ -92,12 +92,23 @@ __global__ void __launch_bounds__(wgmma_conv::THREADS, BN <= 64 ? 2 : 1)
   float acc[BN / 2];
 #pragma unroll
   for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+  // This thread's chunk of the slab: column k = kt * BK + lc * CHUNK, channels c.. of the
+  // phase's tap (th, tw). The main loop asks for the slabs in order, so the chunk moves on
+  // by BK each slab, without the divisions of decoding k (the loader is issue-bound).
+  int k = 0, c = 0, th = 0, tw = 0;
+  auto advance = [&](int by) {
+    k += by;
+    c += by;
+    while (c >= C) {
+      c -= C;
+      if (++tw == nkw) tw = 0, ++th;
+    }
+  };
+  advance(lc * CHUNK);
   wgmma_mainloop<T, BM, BN>(acc, smem_base(smem_raw), (K + BK - 1) / BK,
-                            [&](int kt, u32 sa, u32 sb) {
-    const int k = kt * BK + lc * CHUNK;  // this thread's chunk: one tap, CHUNK channels
+                            [&](int, u32 sa, u32 sb) {
     const bool kok = k < K;
-    const int t = k / C, c = k - t * C, th = t / nkw;
-    const int kh = rkh + ps_h * th, kw = rkw + ps_w * (t - th * nkw);
+    const int kh = rkh + ps_h * th, kw = rkw + ps_w * tw;
     const long long wk = (long long)(kh * KW + kw) * C + c;  // the column in wr
 #pragma unroll
     for (int j = 0; j < A_ROWS; ++j) {
@@ -113,6 +124,7 @@ __global__ void __launch_bounds__(wgmma_conv::THREADS, BN <= 64 ? 2 : 1)
       cp_async16(sb + swizzled(lrow + 32 * j, lc), ok ? wr + (long long)m * Kw + wk : wr,
                  ok ? 16 : 0);
     }
+    advance(BK);
   });
 
   // Epilogue: the thread's two pixel rows (row and row + 8), then each pair of channels.

@@ -21,6 +21,11 @@ __device__ __forceinline__ bool conv_tap(const ConvGeom& g, int oy, int ox, int 
   }
   const int ty = oy + g.ph - kh, tx = ox + g.pw - kw;
   if (ty < 0 || tx < 0) return false;
+  if (g.sh == 1 && g.sw == 1) {  // no divisions: the loaders issue this per row and slab
+    iy = ty;
+    ix = tx;
+    return iy < g.Hs && ix < g.Ws;
+  }
   iy = ty / g.sh;
   ix = tx / g.sw;
   return iy * g.sh == ty && ix * g.sw == tx && iy < g.Hs && ix < g.Ws;
