@@ -159,6 +159,17 @@ template <> __device__ __forceinline__ __nv_bfloat16 as<__nv_bfloat16, __nv_bflo
 template <typename T> struct Group { static constexpr int size = 16 / sizeof(T); };
 template <typename T, int V> struct alignas(16) Pack { T v[V]; };
 
+// Group j of a flat kernel over n elements (a grid-stride loop over (n + V - 1) / V groups):
+// its first element o, its element count m, and whether one vector access serves it (`vec`:
+// the launcher found every operand aligned; the last group may be partial).
+struct FlatGroup { long long o; int m; bool whole; };
+template <int V>
+__device__ __forceinline__ FlatGroup flat_group(long long j, long long n, int vec) {
+  const long long o = j * V;
+  const int m = (int)min((long long)V, n - o);
+  return {o, m, vec && m == V};
+}
+
 template <typename P, typename T, int V>
 __device__ __forceinline__ void load_group(P (&out)[V], const T* p, int m, bool vec) {
   if (vec) {

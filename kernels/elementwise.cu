@@ -61,14 +61,12 @@ __global__ void map1_kernel(T* out, const T* a, long long n, compute_t<T> s, com
   const Op op;
   constexpr int V = Group<T>::size;
   GRID_STRIDE(j, (n + V - 1) / V) {
-    const long long o = j * V;
-    const int m = (int)min((long long)V, n - o);
-    const bool whole = vec && m == V;
+    const FlatGroup at = flat_group<V>(j, n, vec);
     C v[V];
-    load_group(v, a + o, m, whole);
+    load_group(v, a + at.o, at.m, at.whole);
 #pragma unroll
     for (int k = 0; k < V; ++k) v[k] = op(v[k], C(0), s, t);
-    store_group(out + o, v, m, whole);
+    store_group(out + at.o, v, at.m, at.whole);
   }
 }
 
@@ -79,15 +77,13 @@ __global__ void map2_kernel(T* out, const T* a, const T* b, long long n, compute
   const Op op;
   constexpr int V = Group<T>::size;
   GRID_STRIDE(j, (n + V - 1) / V) {
-    const long long o = j * V;
-    const int m = (int)min((long long)V, n - o);
-    const bool whole = vec && m == V;
+    const FlatGroup at = flat_group<V>(j, n, vec);
     C u[V], v[V];
-    load_group(u, a + o, m, whole);
-    load_group(v, b + o, m, whole);
+    load_group(u, a + at.o, at.m, at.whole);
+    load_group(v, b + at.o, at.m, at.whole);
 #pragma unroll
     for (int k = 0; k < V; ++k) u[k] = op(u[k], v[k], s, t);
-    store_group(out + o, u, m, whole);
+    store_group(out + at.o, u, at.m, at.whole);
   }
 }
 
@@ -124,16 +120,13 @@ template <typename To, typename Ti>
 __global__ void accumulate_kernel(To* dst, const Ti* src, long long n, int vec) {
   constexpr int V = Group<To>::size;  // groups of dst: src read element by element
   GRID_STRIDE(j, (n + V - 1) / V) {
-    const long long o = j * V;
-    const int m = (int)min((long long)V, n - o);
-    const bool whole = vec && m == V;
-    To d[V], g[V];
-    load_group(d, dst + o, m, whole);
+    const FlatGroup at = flat_group<V>(j, n, vec);
+    To d[V];
+    load_group(d, dst + at.o, at.m, at.whole);
 #pragma unroll
-    for (int k = 0; k < V; ++k) g[k] = k < m ? as<To>(src[o + k]) : To(0);
-#pragma unroll
-    for (int k = 0; k < V; ++k) d[k] = d[k] + g[k];
-    store_group(dst + o, d, m, whole);
+    for (int k = 0; k < V; ++k)
+      if (k < at.m) d[k] = d[k] + as<To>(src[at.o + k]);
+    store_group(dst + at.o, d, at.m, at.whole);
   }
 }
 

@@ -38,13 +38,14 @@ class BatchNorm2d(Module):
         if x.ndim != 4:
             raise ValueError(f"BatchNorm2d expects NCHW input, got shape {x.shape}")
         running = (self.running_mean, self.running_var, self.num_batches_tracked)
-        if not fusion.enabled():
-            y = F.batch_norm(x, self.weight, self.bias, running, self.training, self.momentum,
-                             self.eps, comm=self.comm)
+        fused = fusion.enabled()
+        y = F.batch_norm(x, self.weight, self.bias, running, self.training, self.momentum,
+                         self.eps, comm=self.comm, residual=residual if fused else None,
+                         relu=relu and fused)
+        if not fused:
             y = y if residual is None else y + residual
-            return F.relu(y) if relu else y
-        return F.batch_norm(x, self.weight, self.bias, running, self.training, self.momentum,
-                            self.eps, comm=self.comm, residual=residual, relu=relu)
+            y = F.relu(y) if relu else y
+        return y
 
 
 def sync_batch_norm(model: Module, comm) -> int:

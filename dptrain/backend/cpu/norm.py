@@ -69,10 +69,8 @@ def _invstd(var, eps):
 def batch_norm_stats(x):
     """(mean, var): the per-channel mean and biased variance of x over every axis but 1
     (one read of x on the GPU; here the two passes, in float64)."""
-    mean = batch_norm_mean(x)
-    d = x.astype(np.float64) - _channel(batch_norm_mean(x.astype(np.float64)), x)
-    var = ((d * d).sum(axis=_axes(x)) / max(_count(x), 1)).astype(stat_dtype(x))
-    return mean, var
+    exact = batch_norm_mean(x.astype(np.float64))
+    return exact.astype(stat_dtype(x)), batch_norm_var(x, exact)
 
 
 @op

@@ -33,6 +33,7 @@ kept.
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import functools
 import hashlib
@@ -132,7 +133,7 @@ def _part_table(filename: str) -> dict[str, str]:
     CHUNK-th (or the file's instantiations-per-module) instantiation of a family on, the family
     with a chunk number."""
     source, _ = source_and_options(filename)
-    per_module = _per_module(filename)
+    per_module = _per_module(source)
     table, seen = {}, dict.fromkeys(PARTS, 0)
     for name in name_expressions(source):
         family = part_of(name)
@@ -241,21 +242,22 @@ def part_holding(filename: str, name: str) -> str:
     return _part_table(filename).get(name, part_of(name))
 
 
-def _build_order(unit):
-    """Sort key of a (file, part) build, most work first. The work is the part's
-    instantiations, each weighing CHUNK / the file's instantiations-per-module: a file that
+def _build_order(units) -> list:
+    """The (file, part) builds `units`, most work first. The work is a part's
+    instantiations, each weighing CHUNK / its file's instantiations-per-module: a file that
     asks for fewer per module says each is heavier (gemm.cu's and the wgmma files' main
     loops, one per module, take 1-4 s each against about 1 s for eight elementwise maps).
     Ties go to the heavier instantiations."""
-    filename, part = unit
-    per_module = _per_module(filename)
-    count = sum(1 for p in _part_table(filename).values() if p == part)
-    return -count * CHUNK / per_module, per_module
+    per_module, size = {}, {}
+    for filename in {f for f, _ in units}:  # each file read once
+        per_module[filename] = _per_module(source_and_options(filename)[0])
+        size[filename] = collections.Counter(_part_table(filename).values())
+    return sorted(units, key=lambda u: (-size[u[0]][u[1]] * CHUNK / per_module[u[0]],
+                                        per_module[u[0]]))
 
 
-def _per_module(filename: str) -> int:
-    """The file's instantiations-per-module (CHUNK unless its header asks for fewer)."""
-    source, _ = source_and_options(filename)
+def _per_module(source: str) -> int:
+    """A file's instantiations-per-module (CHUNK unless its header asks for fewer)."""
     asked = _PER_MODULE.search(source)
     return max(1, int(asked.group(1))) if asked else CHUNK
 
@@ -276,7 +278,7 @@ def compile_all(workers: int | None = None, families=PARTS, units=None) -> dict:
     else:
         units = sorted(set(units))
         files = sorted({f for f, _ in units})
-    units.sort(key=_build_order)  # the most work first, so no big one starts last
+    units = _build_order(units)  # the most work first, so no big one starts last
     env = os.environ.get(WORKERS_ENV, "")
     if not workers and env:
         if not env.isdigit() or int(env) < 1:

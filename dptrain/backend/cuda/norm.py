@@ -55,12 +55,12 @@ def _per_channel(op, c, x, **arrays):
         launch.check_shape(op, a, (c,), name)
 
 
-def _channel_sums(name, x, rows, grouped, args):
+def _channel_sums(name, x, geometry, rows, grouped, args):
     """The per-channel double sums of kernel `name` (rows of them per channel) as a (splits,
     rows, C) array of partials, each channel's N * G groups (G = ceil(S / group size)) split
-    over enough blocks to fill the GPU; a finalize kernel adds them. `grouped`: the arrays
-    the kernel reads in groups (x, gy). (partials, splits)"""
-    n, c, s = _geometry(name, x)
+    over enough blocks to fill the GPU; a finalize kernel adds them. `geometry`: x's
+    (N, C, S); `grouped`: the arrays the kernel reads in groups (x, gy). (partials, splits)"""
+    n, c, s = geometry
     threads = launch.block_threads(warps=True)
     _, cap = launch.current_launch_shape()
     blocks = cap or launch.sm_count() * launch.BLOCKS_PER_SM
@@ -77,12 +77,12 @@ def _channel_sums(name, x, rows, grouped, args):
 
 
 def _groups(op, x):
-    """(planes, C, S, G) of the elementwise kernels' grid over x: N * C planes of S elements,
-    G groups each."""
+    """(N, C, S, G) of the elementwise kernels' grid over x (checked by _geometry): N * C
+    planes of S elements, G groups each."""
     n, c, s = _geometry(op, x)
     g = -(-s // launch.group_size(x.dtype))
     launch.check_int32(op, n * c * g)
-    return n * c, c, s, g
+    return n, c, s, g
 
 
 def _finalize(out, ws, splits, divisor):
@@ -101,7 +101,7 @@ def batch_norm_mean(x):
     if c:
         if n * s == 0:
             raise ValueError(f"cuda.batch_norm_mean: no elements per channel in {x.shape}")
-        ws, splits = _channel_sums("bn_mean_partial_kernel", x, 1, (x,), (x,))
+        ws, splits = _channel_sums("bn_mean_partial_kernel", x, (n, c, s), 1, (x,), (x,))
         _finalize(mean, ws, splits, n * s)
     return mean
 
@@ -115,7 +115,7 @@ def batch_norm_var(x, mean):
     if c:
         if n * s == 0:
             raise ValueError(f"cuda.batch_norm_var: no elements per channel in {x.shape}")
-        ws, splits = _channel_sums("bn_var_partial_kernel", x, 1, (x,), (x, mean))
+        ws, splits = _channel_sums("bn_var_partial_kernel", x, (n, c, s), 1, (x,), (x, mean))
         _finalize(var, ws, splits, n * s)
     return var
 
@@ -129,7 +129,7 @@ def batch_norm_stats(x):
     if c:
         if n * s == 0:
             raise ValueError(f"cuda.batch_norm_stats: no elements per channel in {x.shape}")
-        ws, splits = _channel_sums("bn_stats_partial_kernel", x, 2, (x,), (x,))
+        ws, splits = _channel_sums("bn_stats_partial_kernel", x, (n, c, s), 2, (x,), (x,))
         fn = launch.kernel(NORM, "bn_stats_finalize_kernel", launch.ctype(x.dtype))
         launch.grid_stride(fn, c, (mean, var, ws, x, np.int32(splits), np.int32(c),
                                    np.int32(s), np.float64(n * s)))
@@ -141,7 +141,7 @@ def batch_norm_forward(x, mean, var, weight, bias, eps, residual=None, relu=Fals
     """y = (x - mean) / sqrt(var + eps) * weight + bias, per channel; plus `residual` (x's
     shape and dtype) where given, then max(y, 0) when `relu`: one pass, rounded once."""
     op = "batch_norm_forward"
-    planes, c, s, g = _groups(op, x)
+    n, c, s, g = _groups(op, x)
     _per_channel(op, c, x, mean=mean, var=var, weight=weight, bias=bias)
     grouped = (x,)
     if residual is not None:
@@ -156,8 +156,8 @@ def batch_norm_forward(x, mean, var, weight, bias, eps, residual=None, relu=Fals
         t = stat_dtype(x).type
         fn = launch.kernel(NORM, "bn_forward_kernel", launch.ctype(x.dtype))
         r = launch.NULL if residual is None else residual
-        launch.grid_stride(fn, planes * g,
-                           (y, x, r, mean, var, weight, bias, t(eps), np.int32(planes),
+        launch.grid_stride(fn, n * c * g,
+                           (y, x, r, mean, var, weight, bias, t(eps), np.int32(n * c),
                             np.int32(c), np.int32(s), np.int32(bool(relu)),
                             launch.whole_groups(s, y, *grouped)))
     return y
@@ -196,7 +196,7 @@ def batch_norm_backward_reduce(gy, x, mean, var, eps):
     _per_channel(op, c, x, mean=mean, var=var)
     sums = launch.new((2, c), stat_dtype(x))
     if c:
-        ws, splits = _channel_sums("bn_backward_partial_kernel", x, 2, (gy, x),
+        ws, splits = _channel_sums("bn_backward_partial_kernel", x, (n, c, s), 2, (gy, x),
                                    (gy, x, mean, var, stat_dtype(x).type(eps)))
         _finalize(sums, ws, splits, 1.0)
     return sums
@@ -206,7 +206,7 @@ def batch_norm_backward_reduce(gy, x, mean, var, eps):
 def batch_norm_backward_data(gy, x, mean, var, weight, sums, eps, count):
     """dx = weight * invstd * (gy - sums[0] / count - xhat * sums[1] / count)."""
     op = "batch_norm_backward_data"
-    n, c, s = _geometry(op, x)
+    n, c, s, g = _groups(op, x)
     launch.check_float(op, x, gy, half=True)
     launch.check_contiguous(op, gy, sums)
     launch.check_shape(op, gy, x.shape, "gy")
@@ -218,9 +218,8 @@ def batch_norm_backward_data(gy, x, mean, var, weight, sums, eps, count):
     dx = launch.new(x.shape, x.dtype)
     if dx.size:
         t = stat_dtype(x).type
-        planes, _, _, g = _groups(op, x)
         fn = launch.kernel(NORM, "bn_backward_data_kernel", launch.ctype(x.dtype))
-        launch.grid_stride(fn, planes * g, (dx, gy, x, mean, var, weight, sums, t(eps),
-                                            t(1.0 / count), np.int32(planes), np.int32(c),
-                                            np.int32(s), launch.whole_groups(s, dx, gy, x)))
+        launch.grid_stride(fn, n * c * g, (dx, gy, x, mean, var, weight, sums, t(eps),
+                                           t(1.0 / count), np.int32(n * c), np.int32(c),
+                                           np.int32(s), launch.whole_groups(s, dx, gy, x)))
     return dx
