@@ -21,8 +21,21 @@
 //    min(limit, lengths[b]) when `use_lengths` (lengths: int or long long, L). Kept keys get
 //    softmax(scale * x), the others exactly 0; a row with no kept key is all 0. No mask tensor.
 //    Backward takes the forward OUTPUT y: gx = scale * (y * (gy - sum(gy * y))), 0 where y is.
+//  * Fused attention (short sequences): one block per (batch b, head h) holds q (Tq, E),
+//    k (Tk, E), v (Tk, Ev) and the weights (Tq, Tk) in shared memory in compute_t<T> and runs
+//    scores, mask (as the masked softmax's), softmax, dropout and the product with v without
+//    writing the scores out. Every operand, input or output, is a (B, H, T, E) view given by
+//    its element strides over (batch, head, token), the last axis contiguous: the heads of a
+//    packed (B, T, 3, H, E) projection are read, and the output and the gradients written,
+//    where they lie, with no copy. `probs` (B, H, Tq, Tk, compute_t<T>) keeps the softmax for the backward, with
+//    the sign bit set where dropout dropped the weight (-0.0 for a dropped 0). Dropout follows
+//    philox.cuh over the (B * size, H, Tq, Tk) draw of the global batch, batch row b being
+//    global row b * size + rank: the mask data.cu's dropout_mask draws for that shape.
+//    Backward: gv = Pd^T go, dP = keep * keep_scale * (go v^T), dS = P (dP - sum(P dP)) *
+//    scale, gq = dS k, gk = dS^T q, with Pd = keep * keep_scale * P. Fixed order, no atomics.
 
 #include "common.cuh"
+#include "philox.cuh"
 
 // ----------------------------------------------------------------------------- layer norm
 
@@ -147,6 +160,168 @@ __global__ void masked_softmax_bwd_kernel(T* gx, const T* y, const T* gy, int R,
       gx[o + c] = as<T>(scale * (as<A>(y[o + c]) * (as<A>(gy[o + c]) - dot)));
   }
 }
+
+// ----------------------------------------------------------------------------- fused attention
+
+// Shapes and element strides over (batch, head, token) (dptrain/backend/cuda/attention.py:
+// ATTN_GEOM, ATTN_GRADS): q, k, v, and o, the output (forward) or its gradient (backward).
+struct AttnGeom {
+  long long q[3], k[3], v[3], o[3];
+  int H, Tq, Tk, E, Ev;
+  int causal, use_lengths;
+  int rank, size;
+};
+
+// Where the backward writes the gradients of q, k and v.
+struct AttnGrads {
+  long long q[3], k[3], v[3];
+};
+
+__device__ __forceinline__ long long attn_at(const long long* s, int b, int h, int t) {
+  return b * s[0] + h * s[1] + t * s[2];
+}
+
+// rows x cols of operand `src` at (b, h) into shared `dst` (row pitch cols + 1: no bank
+// conflicts when lanes walk rows), converted to the compute type.
+template <typename T, typename A>
+__device__ __forceinline__ void attn_load(A* dst, const T* src, const long long* s, int b, int h,
+                                          int rows, int cols) {
+  const T* base = src + attn_at(s, b, h, 0);
+  for (int idx = threadIdx.x; idx < rows * cols; idx += blockDim.x) {
+    const int r = idx / cols, c = idx - r * cols;
+    dst[r * (cols + 1) + c] = as<A>(base[r * s[2] + c]);
+  }
+}
+
+template <typename T, typename L>
+__global__ void attention_fwd_kernel(T* out, compute_t<T>* probs, const T* q, const T* k,
+                                     const T* v, const L* lengths, AttnGeom g,
+                                     compute_t<T> scale, const unsigned long long* rng,
+                                     float p, compute_t<T> keep_scale) {
+  using A = compute_t<T>;
+  extern __shared__ __align__(16) unsigned char attn_smem[];
+  const int Tq = g.Tq, Tk = g.Tk, E = g.E, Ev = g.Ev, pitch = Tk + 1;
+  A* qs = reinterpret_cast<A*>(attn_smem);
+  A* ks = qs + Tq * (E + 1);
+  A* vs = ks + Tk * (E + 1);
+  A* ws = vs + Tk * (Ev + 1);  // scores, then the weights after softmax and dropout
+  const int b = blockIdx.x / g.H, h = blockIdx.x - b * g.H;
+  attn_load(qs, q, g.q, b, h, Tq, E);
+  attn_load(ks, k, g.k, b, h, Tk, E);
+  attn_load(vs, v, g.v, b, h, Tk, Ev);
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < Tq * Tk; idx += blockDim.x) {
+    const int i = idx / Tk, j = idx - i * Tk;
+    A s = A(0);
+    for (int e = 0; e < E; ++e) s += qs[i * (E + 1) + e] * ks[j * (E + 1) + e];
+    ws[i * pitch + j] = s * scale;
+  }
+  __syncthreads();
+  int kept = Tk;
+  if (g.use_lengths) kept = (int)max(0LL, min((long long)Tk, (long long)lengths[b]));
+  const unsigned long long seed = p > 0.f ? rng[0] : 0ull, offset = p > 0.f ? rng[1] : 0ull;
+  const long long global_row = (long long)b * g.size + g.rank;
+  const int lane = threadIdx.x & 31;
+  for (int i = threadIdx.x >> 5; i < Tq; i += blockDim.x >> 5) {
+    const int limit = g.causal ? min(kept, i + 1) : kept;
+    A* row = ws + i * pitch;
+    A mx = neg_inf<A>();
+    for (int j = lane; j < limit; j += 32) mx = nan_max(mx, row[j]);
+    mx = warp_all_reduce<A, MaxOp>(mx);
+    A sum = A(0);
+    for (int j = lane; j < limit; j += 32) sum += dp_exp(row[j] - mx);
+    sum = warp_all_reduce<A, SumOp>(sum);
+    A* saved = probs + ((long long)blockIdx.x * Tq + i) * Tk;
+    for (int j = lane; j < Tk; j += 32) {
+      const A w = j < limit ? dp_exp(row[j] - mx) / sum : A(0);
+      bool keep = true;
+      if (p > 0.f) {
+        const unsigned long long e = (unsigned long long)(((global_row * g.H + h) * Tq + i) * Tk + j);
+        keep = philox_uniform(seed, offset, e) >= p;
+      }
+      saved[j] = keep ? w : -w;
+      row[j] = keep ? w * keep_scale : A(0);
+    }
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < Tq * Ev; idx += blockDim.x) {
+    const int i = idx / Ev, c = idx - i * Ev;
+    A acc = A(0);
+    for (int j = 0; j < Tk; ++j) acc += ws[i * pitch + j] * vs[j * (Ev + 1) + c];
+    out[attn_at(g.o, b, h, i) + c] = as<T>(acc);
+  }
+}
+
+template <typename T>
+__global__ void attention_bwd_kernel(T* gq, T* gk, T* gv, const T* q, const T* k, const T* v,
+                                     const T* go, const compute_t<T>* probs, AttnGeom g,
+                                     AttnGrads d, compute_t<T> scale, compute_t<T> keep_scale) {
+  using A = compute_t<T>;
+  extern __shared__ __align__(16) unsigned char attn_smem[];
+  const int Tq = g.Tq, Tk = g.Tk, E = g.E, Ev = g.Ev, pitch = Tk + 1;
+  A* qs = reinterpret_cast<A*>(attn_smem);
+  A* ks = qs + Tq * (E + 1);
+  A* vs = ks + Tk * (E + 1);
+  A* gos = vs + Tk * (Ev + 1);
+  A* ps = gos + Tq * (Ev + 1);  // the saved weights, sign bit = dropped
+  A* ds = ps + Tq * pitch;      // dP, then dS
+  const int b = blockIdx.x / g.H, h = blockIdx.x - b * g.H;
+  attn_load(qs, q, g.q, b, h, Tq, E);
+  attn_load(ks, k, g.k, b, h, Tk, E);
+  attn_load(vs, v, g.v, b, h, Tk, Ev);
+  attn_load(gos, go, g.o, b, h, Tq, Ev);
+  const A* saved = probs + (long long)blockIdx.x * Tq * Tk;
+  for (int idx = threadIdx.x; idx < Tq * Tk; idx += blockDim.x) {
+    const int i = idx / Tk, j = idx - i * Tk;
+    ps[i * pitch + j] = saved[idx];
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < Tk * Ev; idx += blockDim.x) {  // gv = Pd^T go
+    const int j = idx / Ev, c = idx - j * Ev;
+    A acc = A(0);
+    for (int i = 0; i < Tq; ++i) {
+      const A w = ps[i * pitch + j];
+      if (!signbit(w)) acc += w * gos[i * (Ev + 1) + c];
+    }
+    gv[attn_at(d.v, b, h, j) + c] = as<T>(acc * keep_scale);
+  }
+  for (int idx = threadIdx.x; idx < Tq * Tk; idx += blockDim.x) {  // dP
+    const int i = idx / Tk, j = idx - i * Tk;
+    A d = A(0);
+    if (!signbit(ps[i * pitch + j])) {
+      for (int c = 0; c < Ev; ++c) d += gos[i * (Ev + 1) + c] * vs[j * (Ev + 1) + c];
+      d *= keep_scale;
+    }
+    ds[i * pitch + j] = d;
+  }
+  __syncthreads();
+  const int lane = threadIdx.x & 31;
+  for (int i = threadIdx.x >> 5; i < Tq; i += blockDim.x >> 5) {  // dS, a warp per row
+    A dot = A(0);
+    for (int j = lane; j < Tk; j += 32) dot += fabs(ps[i * pitch + j]) * ds[i * pitch + j];
+    dot = warp_all_reduce<A, SumOp>(dot);
+    for (int j = lane; j < Tk; j += 32)
+      ds[i * pitch + j] = fabs(ps[i * pitch + j]) * (ds[i * pitch + j] - dot) * scale;
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < Tq * E; idx += blockDim.x) {  // gq = dS k
+    const int i = idx / E, e = idx - i * E;
+    A acc = A(0);
+    for (int j = 0; j < Tk; ++j) acc += ds[i * pitch + j] * ks[j * (E + 1) + e];
+    gq[attn_at(d.q, b, h, i) + e] = as<T>(acc);
+  }
+  for (int idx = threadIdx.x; idx < Tk * E; idx += blockDim.x) {  // gk = dS^T q
+    const int j = idx / E, e = idx - j * E;
+    A acc = A(0);
+    for (int i = 0; i < Tq; ++i) acc += ds[i * pitch + j] * qs[i * (E + 1) + e];
+    gk[attn_at(d.k, b, h, j) + e] = as<T>(acc);
+  }
+}
+
+// instantiate: attention_fwd_kernel<float, int>; attention_fwd_kernel<float, long long>; attention_bwd_kernel<float>
+// instantiate: attention_fwd_kernel<double, int>; attention_fwd_kernel<double, long long>; attention_bwd_kernel<double>
+// instantiate: attention_fwd_kernel<__half, int>; attention_fwd_kernel<__half, long long>; attention_bwd_kernel<__half>
+// instantiate: attention_fwd_kernel<__nv_bfloat16, int>; attention_fwd_kernel<__nv_bfloat16, long long>; attention_bwd_kernel<__nv_bfloat16>
 
 // instantiate: layer_norm_fwd_kernel<float>; layer_norm_fwd_kernel<double>; layer_norm_bwd_kernel<float>; layer_norm_bwd_kernel<double>
 // instantiate: gelu_fwd_kernel<float>; gelu_fwd_kernel<double>; gelu_bwd_kernel<float>; gelu_bwd_kernel<double>

@@ -24,6 +24,7 @@
 //    out[b,c,i,j] = x[b, c, i+dy-pad, j'+dx-pad], j' = flip ? W-1-j : j; 0 outside. `=`.
 
 #include "common.cuh"
+#include "philox.cuh"
 
 #define DP_MAX_CHANNELS 16
 
@@ -79,38 +80,6 @@ __global__ void augment_crop_flip_kernel(T* out, const T* x, long long B, int C,
   }
 }
 
-struct Philox4 {
-  unsigned int v[4];
-};
-
-__host__ __device__ __forceinline__ unsigned int mulhilo(unsigned int a, unsigned int b,
-                                                         unsigned int* hi) {
-  const unsigned long long p = (unsigned long long)a * b;
-  *hi = (unsigned int)(p >> 32);
-  return (unsigned int)p;
-}
-
-// Philox4x32 with 10 rounds.
-__host__ __device__ __forceinline__ Philox4 philox4x32_10(Philox4 c, unsigned int k0,
-                                                         unsigned int k1) {
-  for (int round = 0; round < 10; ++round) {
-    if (round > 0) {
-      k0 += 0x9E3779B9u;
-      k1 += 0xBB67AE85u;
-    }
-    unsigned int hi0, hi1;
-    const unsigned int lo0 = mulhilo(0xD2511F53u, c.v[0], &hi0);
-    const unsigned int lo1 = mulhilo(0xCD9E8D57u, c.v[2], &hi1);
-    Philox4 n;
-    n.v[0] = hi1 ^ c.v[1] ^ k0;
-    n.v[1] = lo1;
-    n.v[2] = hi0 ^ c.v[3] ^ k1;
-    n.v[3] = lo0;
-    c = n;
-  }
-  return c;
-}
-
 template <typename T>
 __global__ void dropout_mask_kernel(T* out, long long n, const unsigned long long* state, float p,
                                     compute_t<T> scale) {
@@ -118,18 +87,11 @@ __global__ void dropout_mask_kernel(T* out, long long n, const unsigned long lon
   const unsigned int key0 = (unsigned int)seed, key1 = (unsigned int)(seed >> 32);
   const long long groups = (n + 3) / 4;
   GRID_STRIDE(i, groups) {
-    const unsigned long long ctr = offset + (unsigned long long)i;
-    Philox4 c;
-    c.v[0] = (unsigned int)ctr;
-    c.v[1] = (unsigned int)(ctr >> 32);
-    c.v[2] = 0u;
-    c.v[3] = 0u;
-    const Philox4 r = philox4x32_10(c, key0, key1);
+    const Philox4 r = philox_group(key0, key1, offset + (unsigned long long)i);
     for (int j = 0; j < 4; ++j) {
       const long long e = 4 * i + j;
       if (e < n) {
-        const float u = float(r.v[j] >> 8) * (1.0f / 16777216.0f);
-        out[e] = as<T>(u >= p ? scale : compute_t<T>(0));
+        out[e] = as<T>(philox_unit(r.v[j]) >= p ? scale : compute_t<T>(0));
       }
     }
   }

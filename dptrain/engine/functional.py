@@ -283,15 +283,53 @@ def masked_softmax(x: Tensor, causal: bool = False, key_lengths=None,
 
 def scaled_dot_product_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False,
                                  key_lengths=None, scale: float | None = None,
-                                 dropout_p: float = 0.0, training: bool = True) -> Tensor:
+                                 dropout_p: float = 0.0, training: bool = True,
+                                 fused: bool = True) -> Tensor:
     """softmax(q k^T * scale, masked) v over the last two axes; q (..., Tq, E), k (..., Tk, E),
-    v (..., Tk, Ev); scale defaults to 1/sqrt(E); dropout on the attention weights."""
+    v (..., Tk, Ev); scale defaults to 1/sqrt(E); dropout on the attention weights. With
+    `fused`, (B, H, T, E) operands the backend runs as one op (attention_supported) take
+    ops.Attention: the weights never leave the kernel; else matmul, masked_softmax, dropout
+    and matmul."""
     if q.shape[-1] != k.shape[-1] or k.shape[-2] != v.shape[-2]:
         raise ValueError(f"scaled_dot_product_attention: q {q.shape}, k {k.shape} and v "
                          f"{v.shape} do not fit")
     scale = 1.0 / float(np.sqrt(q.shape[-1])) if scale is None else scale
+    p = float(dropout_p) if training else 0.0
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout probability must be in [0, 1), got {dropout_p}")
+    if fused and q.be.attention_supported(q.shape, k.shape, v.shape, q.dtype):
+        return ops.Attention.apply(q, k, v, scale=float(scale), causal=bool(causal),
+                                   key_lengths=_lengths(key_lengths), dropout_p=p)
     weights = masked_softmax(matmul(q, k, trans_b=True), causal, key_lengths, scale)
     return matmul(dropout(weights, dropout_p, training), v)
+
+
+def self_attention(qkv: Tensor, heads: int, causal: bool = False, key_lengths=None,
+                   scale: float | None = None, dropout_p: float = 0.0, training: bool = True,
+                   fused: bool = True) -> Tensor:
+    """Multi-head self-attention from one packed projection qkv (B, T, 3 * D), laid out
+    (B, T, 3, heads, E) as PyTorch's in_proj (queries, keys, values): per head
+    scaled_dot_product_attention, the heads' outputs as (B, T, D). With `fused` and a shape the
+    backend runs as one op, ops.SelfAttention reads the heads where they lie in qkv and writes
+    the output and qkv's gradient in place: no transpose is copied either way."""
+    if qkv.ndim != 3 or qkv.shape[-1] % (3 * heads):
+        raise ValueError(f"self_attention: expected (batch, tokens, 3 * heads * E) with "
+                         f"heads {heads}, got {qkv.shape}")
+    b, t, d = qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3
+    e = d // heads
+    scale = 1.0 / float(np.sqrt(e)) if scale is None else scale
+    p = float(dropout_p) if training else 0.0
+    heads_shape = (b, heads, t, e)
+    if fused and qkv.be.attention_supported(heads_shape, heads_shape, heads_shape, qkv.dtype):
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"dropout probability must be in [0, 1), got {dropout_p}")
+        return ops.SelfAttention.apply(qkv, heads=int(heads), scale=float(scale),
+                                       causal=bool(causal), key_lengths=_lengths(key_lengths),
+                                       dropout_p=p)
+    qkv = qkv.reshape(b, t, 3, heads, e).transpose(2, 0, 3, 1, 4)  # (3, B, H, T, E)
+    out = scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], causal, key_lengths, scale,
+                                       dropout_p, training, fused=False)
+    return out.transpose(0, 2, 1, 3).reshape(b, t, d)
 
 
 # ----------------------------------------------------------------------------- normalisation, global pooling

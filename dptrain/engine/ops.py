@@ -464,6 +464,50 @@ class MaskedSoftmax(Function):
         return (self.be.masked_softmax_backward(self.y, gy, scale=self.scale),)
 
 
+class Attention(Function):
+    """Scaled dot-product attention of (B, H, T, E) operands as one backend op
+    (attention_forward): scores, mask, softmax, dropout and the product with v in one pass.
+    Saves q, k, v and the probabilities (dropped weights marked by their sign); dropout draws
+    the global batch's mask as Dropout does."""
+
+    def forward(self, q, k, v, scale=1.0, causal=False, key_lengths=None, dropout_p=0.0):
+        self.saved, self.scale, self.p = (q, k, v), scale, dropout_p
+        out, self.probs = self.be.attention_forward(
+            q, k, v, scale, causal, key_lengths, dropout_p, data_shard() if dropout_p else (0, 1))
+        return out
+
+    def backward(self, gout):
+        return self.be.attention_backward(gout, *self.saved, self.probs, self.scale, self.p)
+
+
+def _heads(a, heads, parts):
+    """`parts` (B, H, T, E) views of a (B, T, parts * H * E) array laid out (B, T, parts, H, E)."""
+    b, t, width = a.shape
+    split = a.reshape(b, t, parts, heads, width // (parts * heads))
+    return tuple(split[:, :, i].transpose(0, 2, 1, 3) for i in range(parts))
+
+
+class SelfAttention(Attention):
+    """Multi-head self-attention from a packed projection qkv (B, T, 3 * D) to (B, T, D) as
+    one backend op: q, k and v are strided views of qkv, the output is written in (B, T, H, E)
+    order and the gradient into one (B, T, 3, H, E) buffer, so no transpose is copied."""
+
+    def forward(self, qkv, heads=1, scale=1.0, causal=False, key_lengths=None, dropout_p=0.0):
+        self.heads, self.shape = heads, qkv.shape
+        out = self.be.empty(qkv.shape[:2] + (qkv.shape[2] // 3,), qkv.dtype)
+        self.saved, self.scale, self.p = _heads(qkv, heads, 3), scale, dropout_p
+        _, self.probs = self.be.attention_forward(
+            *self.saved, scale, causal, key_lengths, dropout_p,
+            data_shard() if dropout_p else (0, 1), out=_heads(out, heads, 1)[0])
+        return out
+
+    def backward(self, gout):
+        gqkv = self.be.empty(self.shape, gout.dtype)
+        self.be.attention_backward(_heads(gout, self.heads, 1)[0], *self.saved, self.probs,
+                                   self.scale, self.p, grads=_heads(gqkv, self.heads, 3))
+        return (gqkv,)
+
+
 # ----------------------------------------------------------------------------- normalisation
 
 

@@ -13,6 +13,7 @@ import math
 import numpy as np
 
 from dptrain.engine import functional as F
+from dptrain.nn import fusion
 from dptrain.nn.layers import Linear, in_dtype_of
 from dptrain.nn.module import Module, Parameter
 from dptrain.engine.rng import init_rng
@@ -48,15 +49,16 @@ class MultiHeadAttention(Module):
         b, tq, d = query.shape
         w, bias = in_dtype_of(query, self.in_proj_weight, self.in_proj_bias)
         if key is None and value is None:  # one projection for q, k and v
-            qkv = F.linear(query, w, bias).reshape(b, tq, 3, self.num_heads, self.head_dim)
-            qkv = qkv.transpose(2, 0, 3, 1, 4)  # (3, B, H, T, head_dim)
-            q, k, v = qkv[0], qkv[1], qkv[2]
-        else:
-            key = query if key is None else key
-            value = key if value is None else value
-            parts = [(w[i * d:(i + 1) * d],) + ((bias[i * d:(i + 1) * d],) if bias is not None
-                                                 else ()) for i in range(3)]
-            q, k, v = (self._heads(F.linear(x, *p)) for x, p in zip((query, key, value), parts))
+            out = F.self_attention(F.linear(query, w, bias), self.num_heads, causal=causal,
+                                   key_lengths=key_lengths, dropout_p=self.dropout,
+                                   training=self.training, fused=fusion.enabled())
+            return self.out_proj(out)
+        key = query if key is None else key
+        value = key if value is None else value
+        parts = [(w[i * d:(i + 1) * d],) + ((bias[i * d:(i + 1) * d],) if bias is not None
+                                             else ()) for i in range(3)]
+        q, k, v = (self._heads(F.linear(x, *p)) for x, p in zip((query, key, value), parts))
         out = F.scaled_dot_product_attention(q, k, v, causal=causal, key_lengths=key_lengths,
-                                             dropout_p=self.dropout, training=self.training)
+                                             dropout_p=self.dropout, training=self.training,
+                                             fused=fusion.enabled())
         return self.out_proj(out.transpose(0, 2, 1, 3).reshape(b, tq, d))

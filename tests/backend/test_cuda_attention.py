@@ -297,3 +297,122 @@ def test_attention_ops_replay_in_a_cuda_graph(cu, rng):
         stream.synchronize()
     for e, o in zip(eager, outs):
         np.testing.assert_array_equal(cu.to_numpy(o), e)
+
+
+# ----------------------------------------------------------------------------- fused attention
+# attention_forward / attention_backward (one block per (batch, head)) against the NumPy
+# reference in float64 on the same inputs: float32 / float64 within RTOL, 16-bit within
+# HALF_TOL. Dropout: the fused kernel's dropped weights are exactly those dropout_mask draws
+# for the (B * size, H, Tq, Tk) global batch from the same RNG state.
+ATTN_SHAPES = [((2, 3, 5, 4), (2, 3, 5, 4), (2, 3, 5, 4)),  # (q, k, v)
+               ((3, 4, 37, 16), (3, 4, 37, 16), (3, 4, 37, 16)),  # the ViT's heads
+               ((2, 2, 7, 8), (2, 2, 40, 8), (2, 2, 40, 3)),  # Tq != Tk, Ev != E
+               ((1, 1, 1, 1), (1, 1, 1, 1), (1, 1, 1, 1))]
+ATTN_MASKS = [(False, False), (True, False), (False, True), (True, True)]
+
+
+def _lengths(rng, b, tk):
+    lengths = rng.integers(0, tk + 2, b).astype(np.int64)
+    lengths[0] = 0  # a batch element with no key left: zero weights, zero output
+    return lengths
+
+
+@pytest.mark.parametrize("shapes", ATTN_SHAPES, ids=lambda s: "x".join(map(str, s[0])))
+@pytest.mark.parametrize("causal,lengths", ATTN_MASKS)
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_fused_attention(cu, rng, shapes, causal, lengths, dtype):
+    q, k, v = (randn(rng, s, dtype) for s in shapes)
+    gout = randn(rng, shapes[0][:3] + shapes[2][3:], dtype)
+    key_lengths = _lengths(rng, q.shape[0], k.shape[2]) if lengths else None
+    scale = 0.41
+    out, probs = cpu.attention_forward(*f64(q, k, v), scale, causal, key_lengths)
+    dout, dprobs = cu.attention_forward(cu.asarray(q), cu.asarray(k), cu.asarray(v), scale,
+                                        causal, None if key_lengths is None else
+                                        cu.asarray(key_lengths))
+    assert_close(cu, dout, out, dtype)
+    assert_close(cu, dprobs, probs, dtype)
+    assert (cu.to_numpy(dprobs)[probs == 0] == 0).all(), "masked keys get exactly 0"
+    ref = cpu.attention_backward(*f64(gout, q, k, v), probs, scale)
+    got = cu.attention_backward(cu.asarray(gout), cu.asarray(q), cu.asarray(k), cu.asarray(v),
+                                dprobs, scale)
+    for g, r in zip(got, ref):
+        assert_close(cu, g, r, dtype)
+
+
+@pytest.mark.parametrize("half", HALVES)
+@pytest.mark.parametrize("causal,lengths", [(False, False), (True, True)])
+def test_16_bit_fused_attention(cu, rng, half, causal, lengths):
+    shape, tol, scale = (3, 4, 37, 16), HALF_TOL[half], 0.25
+    (dq, q), (dk, k), (dv, v), (dg, g) = (_half(cu, randn(rng, shape), half) for _ in range(4))
+    key_lengths = _lengths(rng, 3, 37) if lengths else None
+    out, probs = cpu.attention_forward(q, k, v, scale, causal, key_lengths)
+    dout, dprobs = cu.attention_forward(dq, dk, dv, scale, causal, None if key_lengths is None
+                                        else cu.asarray(key_lengths))
+    assert dprobs.dtype == F32  # the weights are kept in float32
+    for got, ref in [(_widened(cu, dout), out), (cu.to_numpy(dprobs), probs)]:
+        assert np.linalg.norm(got - ref) <= tol * np.linalg.norm(ref)
+    ref = cpu.attention_backward(g, q, k, v, probs, scale)
+    for got, r in zip(cu.attention_backward(dg, dq, dk, dv, dprobs, scale), ref):
+        assert np.linalg.norm(_widened(cu, got) - r) <= tol * np.linalg.norm(r)
+
+
+def test_fused_attention_reads_and_writes_views(cu, rng):
+    """Heads of a packed (B, T, 3, H, E) projection in, outputs and gradients into views:
+    bitwise the contiguous calls' results."""
+    b, t, h, e, scale = 2, 9, 3, 4, 0.5
+    qkv = cu.asarray(randn(rng, (b, t, 3, h, e)))
+    heads = [qkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3)]
+    flat = [cu.copy(x) for x in heads]
+    gout = cu.asarray(randn(rng, (b, h, t, e)))
+    out, probs = cu.attention_forward(*flat, scale, True)
+    packed_out = cu.empty((b, t, h, e), np.float32)
+    _, probs2 = cu.attention_forward(*heads, scale, True, out=packed_out.transpose(0, 2, 1, 3))
+    assert np.array_equal(cu.to_numpy(packed_out).transpose(0, 2, 1, 3), cu.to_numpy(out))
+    assert np.array_equal(cu.to_numpy(probs2), cu.to_numpy(probs))
+    grads = cu.attention_backward(gout, *flat, probs, scale)
+    packed = cu.empty((b, t, 3, h, e), np.float32)
+    views = tuple(packed[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
+    cu.attention_backward(cu.copy(gout.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3),
+                          *heads, probs, scale, grads=views)
+    for i, g in enumerate(grads):
+        assert np.array_equal(cu.to_numpy(packed)[:, :, i].transpose(0, 2, 1, 3),
+                              cu.to_numpy(g))
+
+
+@pytest.mark.parametrize("rank,size", [(0, 1), (1, 2)])
+def test_fused_attention_dropout_is_dropout_mask(cu, rng, rank, size):
+    """The dropped weights are those dropout_mask draws for the global batch from the same RNG
+    state; the state advances by the same count; values and gradients follow from the mask."""
+    shape, p, scale = (3, 2, 37, 16), 0.3, 0.25
+    q, k, v, g = (randn(rng, shape) for _ in range(4))
+    cu.runtime.manual_seed(99)
+    mask = cu.to_numpy(cu.dropout_mask((3 * size, 2, 37, 37), p))[rank::size]
+    after = cu.runtime.get_rng_state()
+    cu.runtime.manual_seed(99)
+    dout, dprobs = cu.attention_forward(cu.asarray(q), cu.asarray(k), cu.asarray(v), scale,
+                                        dropout_p=p, shard=(rank, size))
+    np.testing.assert_array_equal(cu.runtime.get_rng_state(), after)
+    probs = cu.to_numpy(dprobs).astype(F64)
+    np.testing.assert_array_equal(np.signbit(probs), mask == 0)
+    plain, _ = cpu.attention_forward(*f64(q, k, v), scale)
+    weights = np.abs(probs)
+    np.testing.assert_allclose(weights, cpu.masked_softmax(q.astype(F64) @ np.swapaxes(
+        k.astype(F64), -1, -2), scale=scale), rtol=1e-5, atol=1e-7)
+    kept = np.where(mask != 0, weights / (1 - p), 0)
+    assert_close(cu, dout, kept @ v.astype(F64), F32)
+    assert not np.allclose(cu.to_numpy(dout), plain, atol=1e-3)  # dropout did something
+    ref = cpu.attention_backward(*f64(g, q, k, v), probs, scale, p)
+    got = cu.attention_backward(cu.asarray(g), cu.asarray(q), cu.asarray(k), cu.asarray(v),
+                                dprobs, scale, p)
+    for a, r in zip(got, ref):
+        assert_close(cu, a, r, F32)
+
+
+def test_fused_attention_says_what_does_not_fit(cu):
+    big = (1, 1, 512, 64)
+    assert not cu.attention_supported(big, big, big, np.float32)
+    assert cu.attention_supported((256, 4, 37, 16), (256, 4, 37, 16), (256, 4, 37, 16),
+                                  np.float32)
+    x = cu.zeros(big, np.float32)
+    with pytest.raises(ValueError, match="shared memory"):
+        cu.attention_forward(x, x, x, 1.0)

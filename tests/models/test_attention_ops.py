@@ -138,6 +138,52 @@ def test_scaled_dot_product_attention_gradcheck(causal, lengths):
               q, k, v)
 
 
+@pytest.mark.parametrize("causal,lengths", [(False, None), (True, [3, 1])])
+def test_unfused_scaled_dot_product_attention_gradcheck(causal, lengths):
+    """The composition (matmul, masked softmax, dropout, matmul) the fused op replaces."""
+    key_lengths = None if lengths is None else np.array(lengths)
+    q, k, v = randn(2, 3, 4, 5), randn(2, 3, 4, 5), randn(2, 3, 4, 2)
+    gradcheck(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, causal, key_lengths,
+                                                             fused=False), q, k, v)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("causal,lengths", [(False, None), (True, [4, 2])])
+def test_self_attention_gradcheck(fused, causal, lengths):
+    """Packed (B, T, 3 * D) projection in, (B, T, D) out; 2 heads of 3 features."""
+    key_lengths = None if lengths is None else np.array(lengths)
+    gradcheck(lambda x: F.self_attention(x, 2, causal, key_lengths, fused=fused),
+              randn(2, 4, 18))
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.4])
+def test_fused_attention_equals_the_composition(dropout_p):
+    """Same values and gradients fused or not, dropout included: both draw one mask of the
+    weights' shape from the runtime's generator at the same point."""
+    x = randn(3, 6, 24).astype(np.float32)
+    results = []
+    for fused in (True, False):
+        cpu.runtime.manual_seed(7)
+        t = dp.tensor(x, requires_grad=True)
+        y = F.self_attention(t, 4, True, np.array([6, 2, 0]), dropout_p=dropout_p, fused=fused)
+        (y * y).sum().backward()
+        results.append((y.numpy(), t.grad.numpy()))
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_fused_attention_probs_mark_dropped_weights():
+    q = randn(2, 2, 5, 3).astype(np.float32)
+    cpu.runtime.manual_seed(3)
+    out, probs = cpu.attention_forward(q, q, q, 0.5, dropout_p=0.5)
+    cpu.runtime.manual_seed(3)
+    mask = cpu.dropout_mask(probs.shape, 0.5, np.float32)
+    np.testing.assert_array_equal(np.signbit(probs), mask == 0)
+    weights = cpu.masked_softmax(q @ np.swapaxes(q, -1, -2), scale=0.5)
+    np.testing.assert_array_equal(np.abs(probs), weights)
+    np.testing.assert_allclose(out, (weights * mask) @ q, rtol=1e-6)
+
+
 def test_class_token_and_positions_gradcheck():
     """The ViT's token assembly: a (1,1,D) class token repeated over the batch, concatenated in
     front of the patch tokens, plus a (1,T,D) positional parameter added by broadcasting."""

@@ -13,6 +13,16 @@ launchers of the same names are in ``dptrain/backend/cuda/attention.py``.
   ``key_lengths`` (B,) integers keep keys j < key_lengths[b] of batch element b. A row with
   no key left is all zeros (PyTorch gives NaN there). ``masked_softmax_backward(y, gy,
   scale=1.0)`` takes the forward OUTPUT; masked entries (y == 0) get gradient 0.
+* ``attention_forward(q, k, v, scale, causal, key_lengths, dropout_p, shard)``: scaled
+  dot-product attention of (B, H, T, E) operands in one op, ``(out, probs)``: the weights are
+  the masked softmax above, dropped out over the global batch as the Dropout op draws it
+  (``shard`` = (rank, size): rows rank::size of the (B * size, ...) draw). ``probs`` (B, H,
+  Tq, Tk, compute dtype) is what ``attention_backward(gout, q, k, v, probs, scale,
+  dropout_p)`` needs: the softmax, its sign bit set where dropout dropped the weight.
+  ``attention_supported(q_shape, k_shape, v_shape, dtype)`` says whether a backend runs these
+  operands as one op (the CUDA kernels hold a (batch, head) in shared memory). Operands may
+  be views (the heads of a packed projection); ``out=`` and ``grads=`` (views too) receive
+  the output and the three gradients in place, so packed layouts need no copies.
 """
 from __future__ import annotations
 
@@ -21,6 +31,7 @@ import math
 import numpy as np
 from numpy.polynomial import chebyshev as _cheb
 
+from dptrain.backend.cpu.ops import dropout_mask
 from dptrain.backend.registry import op
 
 # ----------------------------------------------------------------------------- erf
@@ -215,3 +226,71 @@ def masked_softmax_backward(y, gy, scale=1.0):
     """scale * y * (gy - sum(gy * y)) over the last axis: 0 wherever y is 0 (masked)."""
     t = y.dtype.type
     return t(scale) * (y * (gy - (gy * y).sum(axis=-1, keepdims=True)))
+
+
+# ----------------------------------------------------------------------------- fused attention
+
+
+def check_attention_args(op, q, k, v, causal, key_lengths):
+    """The checks shared by both backends (raise naming the op)."""
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(f"{op}: q, k and v must be (batch, heads, tokens, features), got "
+                         f"{q.shape}, {k.shape} and {v.shape}")
+    if (q.shape[:2] != k.shape[:2] or k.shape[:2] != v.shape[:2] or q.shape[3] != k.shape[3]
+            or k.shape[2] != v.shape[2]):
+        raise ValueError(f"{op}: q {q.shape}, k {k.shape} and v {v.shape} do not fit")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"{op}: q, k and v differ in dtype: {q.dtype}, {k.dtype}, {v.dtype}")
+    check_masked_softmax_args(op, q.shape[:3] + k.shape[2:3], causal, key_lengths)
+
+
+@op
+def attention_supported(q_shape, k_shape, v_shape, dtype) -> bool:
+    """Whether attention_forward takes operands of these shapes and dtype: (B, H, T, E) ones."""
+    return len(q_shape) == len(k_shape) == len(v_shape) == 4
+
+
+@op
+def attention_forward(q, k, v, scale, causal=False, key_lengths=None, dropout_p=0.0,
+                      shard=(0, 1), out=None):
+    """(out, probs): masked_softmax(q k^T, causal, key_lengths, scale), dropped out, times v
+    (see the module docstring); out in q's dtype (written into `out` when given), probs in
+    the compute dtype."""
+    if key_lengths is not None:
+        key_lengths = np.asarray(key_lengths)
+    check_attention_args("attention_forward", q, k, v, causal, key_lengths)
+    qf, kf, vf = _up(q), _up(k), _up(v)
+    w = masked_softmax(qf @ np.swapaxes(kf, -1, -2), causal, key_lengths, scale)
+    probs = w
+    if dropout_p:
+        rank, size = shard
+        mask = dropout_mask((q.shape[0] * size,) + w.shape[1:], dropout_p, w.dtype)[rank::size]
+        probs = np.where(mask != 0, w, -w)  # -0.0 marks a dropped 0
+        w = w * mask
+    return _into(out, w @ vf, q), probs
+
+
+@op
+def attention_backward(gout, q, k, v, probs, scale, dropout_p=0.0, grads=None):
+    """(gq, gk, gv) of attention_forward from its probs, in q's dtype (written into the three
+    arrays `grads` when given)."""
+    g, qf, kf, vf = _up(gout), _up(q), _up(k), _up(v)
+    t = probs.dtype.type
+    keep, w = ~np.signbit(probs), np.abs(probs)
+    keep_scale = t(1.0 / (1.0 - dropout_p))
+    gv = np.swapaxes(np.where(keep, w * keep_scale, t(0)), -1, -2) @ g
+    dw = np.where(keep, (g @ np.swapaxes(vf, -1, -2)) * keep_scale, t(0))
+    ds = w * (dw - (w * dw).sum(axis=-1, keepdims=True)) * t(scale)
+    gq, gk = ds @ kf, np.swapaxes(ds, -1, -2) @ qf
+    return tuple(_into(dst, r, q) for dst, r in zip(grads or (None,) * 3, (gq, gk, gv)))
+
+
+def _into(dst, result, like):
+    """`result` in `like`'s dtype: a new array, or written into `dst`."""
+    if dst is None:
+        return result.astype(like.dtype)
+    if dst.shape != result.shape or dst.dtype != like.dtype:
+        raise ValueError(f"attention: the destination is {dst.dtype} {dst.shape}, expected "
+                         f"{like.dtype} {result.shape}")
+    dst[...] = result
+    return dst

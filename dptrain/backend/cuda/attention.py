@@ -9,6 +9,10 @@ signatures is dptrain/backend/cpu/attention.py):
   * Row ops run one warp per row with fixed shuffle trees; layer norm's weight and bias
     gradients are column sums by reduce.cu (double accumulation, fixed order): every result
     is deterministic, no atomics.
+  * attention_forward / attention_backward: scaled dot-product attention of short sequences
+    as one kernel each, a block per (batch, head) in shared memory (attention_supported says
+    which shapes fit); operands, `out=` and `grads=` are views read and written through their
+    strides (the last axis contiguous), so a packed projection's heads need no copies.
   * masked_softmax takes the mask as flags: `causal` and `key_lengths` (a (B,) int32/int64
     device array; a host array is uploaded, which synchronises: pass device arrays inside a
     captured step). No mask tensor is built.
@@ -17,11 +21,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from dptrain.backend.cpu.attention import check_masked_softmax_args
+from dptrain.backend.cpu.attention import check_attention_args, check_masked_softmax_args
 from dptrain.backend.cuda import launch
 from dptrain.backend.cuda.arrays import asarray
 from dptrain.backend.cuda.reduce import sum as _sum
 from dptrain.backend.cuda.reduce import sum_float32
+from dptrain.backend.cuda.runtime import runtime
 from dptrain.backend.registry import op
 
 AT = "attention.cu"
@@ -160,3 +165,150 @@ def masked_softmax_backward(y, gy, scale=1.0):
         launch.grid_stride(fn, r, (gx, y, gy, np.int32(r), np.int32(c), _compute(y).type(scale)),
                            launch.WARPS)
     return gx
+
+
+# ----------------------------------------------------------------------------- fused attention
+
+# struct AttnGeom / AttnGrads (kernels/attention.cu): element strides over (batch, head, token)
+# of q, k, v and the output (forward) or its gradient (backward); then the shape, the mask
+# flags and the dropout shard; AttnGrads: the strides of gq, gk, gv.
+_STRIDES = [(name, np.int64, (3,)) for name in ("q", "k", "v", "o")]
+ATTN_GEOM = np.dtype(_STRIDES + [(name, np.int32) for name in
+                                 ("H", "Tq", "Tk", "E", "Ev", "causal", "use_lengths", "rank",
+                                  "size")], align=True)
+ATTN_GRADS = np.dtype(_STRIDES[:3], align=True)
+# Shared memory a block may use: two blocks per SM on an H100 (the kernels wait on loads).
+ATTN_SMEM_MAX = 96 * 1024
+ATTN_BLOCK = 128
+
+
+def _attention_smem(tq, tk, e, ev, itemsize) -> int:
+    """The backward's dynamic shared memory (the forward needs less): q, k, v, the output
+    gradient with row pitch +1, and two (Tq, Tk + 1) tables."""
+    return itemsize * (tq * (e + 1) + tk * (e + 1) + tk * (ev + 1) + tq * (ev + 1)
+                       + 2 * tq * (tk + 1))
+
+
+@op
+def attention_supported(q_shape, k_shape, v_shape, dtype) -> bool:
+    """Whether attention_forward runs these (B, H, T, E) operands: a (batch, head) fits one
+    block's shared memory (ATTN_SMEM_MAX) and the blocks one grid."""
+    if not len(q_shape) == len(k_shape) == len(v_shape) == 4:
+        return False
+    dt = np.dtype(dtype)
+    if dt not in launch.FLOATS + launch.HALVES:
+        return False
+    b, h, tq, e = q_shape
+    tk, ev = v_shape[2], v_shape[3]
+    a = 4 if dt in launch.HALVES else dt.itemsize
+    return (_attention_smem(tq, tk, e, ev, a) <= ATTN_SMEM_MAX and 0 < b * h <= launch.INT32_MAX)
+
+
+def _heads_strides(op, name, a):
+    """Element strides over (batch, head, token) of a (B, H, T, E) view whose last axis is
+    contiguous."""
+    st = launch.estrides(a)
+    if a.shape[3] > 1 and st[3] != 1:
+        raise ValueError(f"cuda.{op}: {name} must have a contiguous last axis (strides "
+                         f"{a.strides})")
+    return st[:3]
+
+
+def _destination(op, name, dst, shape, dtype):
+    if dst is None:
+        return launch.new(shape, dtype)
+    launch.check_arrays(op, dst)
+    if tuple(dst.shape) != tuple(shape) or dst.dtype != dtype:
+        raise ValueError(f"cuda.{op}: {name} is {dst.dtype} {tuple(dst.shape)}, expected "
+                         f"{np.dtype(dtype)} {tuple(shape)}")
+    return dst
+
+
+def _geom(op, q, k, v, o, causal, use_lengths, shard=(0, 1)):
+    b, h, tq, e = q.shape
+    tk, ev = v.shape[2], v.shape[3]
+    launch.check_int32(op, b * h, tq * tk, tq * max(e, ev), tk * max(e, ev))
+    return launch.struct(ATTN_GEOM, q=_heads_strides(op, "q", q), k=_heads_strides(op, "k", k),
+                         v=_heads_strides(op, "v", v), o=_heads_strides(op, "the output", o),
+                         H=h, Tq=tq, Tk=tk, E=e, Ev=ev, causal=int(bool(causal)),
+                         use_lengths=int(use_lengths), rank=shard[0], size=shard[1])
+
+
+def _check_supported(op, q, k, v):
+    if not attention_supported(q.shape, k.shape, v.shape, q.dtype):
+        raise ValueError(f"cuda.{op}: q {q.shape}, k {k.shape}, v {v.shape} ({q.dtype}) do "
+                         f"not fit one block's shared memory ({ATTN_SMEM_MAX} bytes); use the "
+                         f"unfused composition (attention_supported is False)")
+
+
+@op
+def attention_forward(q, k, v, scale, causal=False, key_lengths=None, dropout_p=0.0,
+                      shard=(0, 1), out=None):
+    """(out, probs): softmax(scale q k^T, masked) with dropout, times v, one block per
+    (batch, head); out (B, H, Tq, Ev) in q's dtype (a new array, or written into `out`),
+    probs (B, H, Tq, Tk) in the compute dtype with dropped weights' sign bit set."""
+    launch.check_float("attention_forward", q, k, v, half=True)
+    if key_lengths is not None:
+        if not launch.is_cupy(key_lengths):
+            key_lengths = asarray(np.asarray(key_lengths))
+        if key_lengths.dtype.kind != "i" or key_lengths.itemsize not in (4, 8):
+            raise TypeError(f"cuda.attention_forward: key_lengths must be int32 or int64, "
+                            f"got {key_lengths.dtype}")
+        launch.check_contiguous("attention_forward", key_lengths)
+    check_attention_args("cuda.attention_forward", q, k, v, causal, key_lengths)
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"cuda.attention_forward: dropout_p must be in [0, 1), got {dropout_p}")
+    _check_supported("attention_forward", q, k, v)
+    b, h, tq, e = q.shape
+    tk, ev = v.shape[2], v.shape[3]
+    a = _compute(q)
+    out = _destination("attention_forward", "out", out, (b, h, tq, ev), q.dtype)
+    probs = launch.new((b, h, tq, tk), a)
+    if not (out.size or probs.size):
+        return out, probs
+    rank, size = shard
+    geom = _geom("attention_forward", q, k, v, out, causal, key_lengths is not None,
+                 (rank, size))
+    ltype = launch.ctype(key_lengths.dtype) if key_lengths is not None else "int"
+    smem = a.itemsize * ((tq + tk) * (e + 1) + tk * (ev + 1) + tq * (tk + 1))
+    fn = launch.kernel(AT, "attention_fwd_kernel", launch.ctype(q.dtype), ltype, smem=smem)
+    state = runtime.rng_state if dropout_p else launch.NULL
+    lengths = key_lengths if key_lengths is not None else launch.NULL
+    fn((b * h,), (ATTN_BLOCK,), (out, probs, q, k, v, lengths, geom, a.type(scale), state,
+                                 np.float32(dropout_p), a.type(1.0 / (1.0 - dropout_p))),
+       shared_mem=smem)
+    if dropout_p:  # the draw covered the global batch: (B * size, H, Tq, Tk) elements
+        groups = -(-(b * size * h * tq * tk) // 4)
+        launch.kernel("data.cu", "rng_advance_kernel")((1,), (1,), (state, np.uint64(groups)))
+    return out, probs
+
+
+@op
+def attention_backward(gout, q, k, v, probs, scale, dropout_p=0.0, grads=None):
+    """(gq, gk, gv) of attention_forward from its probs, in q's dtype (new arrays, or
+    written into the three views `grads`)."""
+    launch.check_float("attention_backward", q, k, v, gout, half=True)
+    check_attention_args("cuda.attention_backward", q, k, v, False, None)
+    _check_supported("attention_backward", q, k, v)
+    b, h, tq, e = q.shape
+    tk, ev = v.shape[2], v.shape[3]
+    a = _compute(q)
+    launch.check_shape("attention_backward", gout, (b, h, tq, ev), "gout")
+    launch.check_shape("attention_backward", probs, (b, h, tq, tk), "probs")
+    launch.check_contiguous("attention_backward", probs)
+    if probs.dtype != a:
+        raise TypeError(f"cuda.attention_backward: probs is {probs.dtype}, expected {a}")
+    grads = grads or (None,) * 3
+    gq, gk, gv = (_destination("attention_backward", name, dst, x.shape, q.dtype)
+                  for name, dst, x in zip(("gq", "gk", "gv"), grads, (q, k, v)))
+    if not (gq.size or gk.size or gv.size):
+        return gq, gk, gv
+    geom = _geom("attention_backward", q, k, v, gout, False, False)
+    where = launch.struct(ATTN_GRADS, q=_heads_strides("attention_backward", "gq", gq),
+                          k=_heads_strides("attention_backward", "gk", gk),
+                          v=_heads_strides("attention_backward", "gv", gv))
+    smem = _attention_smem(tq, tk, e, ev, a.itemsize)
+    fn = launch.kernel(AT, "attention_bwd_kernel", launch.ctype(q.dtype), smem=smem)
+    fn((b * h,), (ATTN_BLOCK,), (gq, gk, gv, q, k, v, gout, probs, geom, where, a.type(scale),
+                                 a.type(1.0 / (1.0 - dropout_p))), shared_mem=smem)
+    return gq, gk, gv
