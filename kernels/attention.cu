@@ -182,14 +182,38 @@ __device__ __forceinline__ long long attn_at(const long long* s, int b, int h, i
 }
 
 // rows x cols of operand `src` at (b, h) into shared `dst` (row pitch cols + 1: no bank
-// conflicts when lanes walk rows), converted to the compute type.
+// conflicts when lanes walk rows), converted to the compute type. (r, c) advance by the
+// block's stride without a division per element.
 template <typename T, typename A>
 __device__ __forceinline__ void attn_load(A* dst, const T* src, const long long* s, int b, int h,
                                           int rows, int cols) {
   const T* base = src + attn_at(s, b, h, 0);
-  for (int idx = threadIdx.x; idx < rows * cols; idx += blockDim.x) {
-    const int r = idx / cols, c = idx - r * cols;
+  const int dr = blockDim.x / cols, dc = blockDim.x - dr * cols;
+  int r = threadIdx.x / cols, c = threadIdx.x - r * cols;
+  for (; r < rows; r += dr, c += dc) {
+    if (c >= cols) c -= cols, ++r;
+    if (r >= rows) break;
     dst[r * (cols + 1) + c] = as<A>(base[r * s[2] + c]);
+  }
+}
+
+// out (rows, cols) at (b, h) through strides s: out[r][c] = sum_k x[r][k] * y[k][c] over
+// shared x (r at stride xp, k at stride xs: either layout of a table) and y (pitch cols + 1).
+template <typename T, typename A>
+__device__ __forceinline__ void attn_product(T* out, const long long* s, int b, int h, int rows,
+                                             int cols, int inner, const A* x, int xp, int xs,
+                                             const A* y) {
+  T* base = out + attn_at(s, b, h, 0);
+  const int dr = blockDim.x / cols, dc = blockDim.x - dr * cols;
+  int r = threadIdx.x / cols, c = threadIdx.x - r * cols;
+  for (; r < rows; r += dr, c += dc) {
+    if (c >= cols) c -= cols, ++r;
+    if (r >= rows) break;
+    const A* xr = x + r * xp;
+    A acc = A(0);
+#pragma unroll 4
+    for (int k = 0; k < inner; ++k) acc += xr[k * xs] * y[k * (cols + 1) + c];
+    base[r * s[2] + c] = as<T>(acc);
   }
 }
 
@@ -204,52 +228,62 @@ __global__ void attention_fwd_kernel(T* out, compute_t<T>* probs, const T* q, co
   A* qs = reinterpret_cast<A*>(attn_smem);
   A* ks = qs + Tq * (E + 1);
   A* vs = ks + Tk * (E + 1);
-  A* ws = vs + Tk * (Ev + 1);  // scores, then the weights after softmax and dropout
+  A* ws = vs + Tk * (Ev + 1);  // the weights: softmax, then dropout
   const int b = blockIdx.x / g.H, h = blockIdx.x - b * g.H;
   attn_load(qs, q, g.q, b, h, Tq, E);
   attn_load(ks, k, g.k, b, h, Tk, E);
   attn_load(vs, v, g.v, b, h, Tk, Ev);
   __syncthreads();
-  for (int idx = threadIdx.x; idx < Tq * Tk; idx += blockDim.x) {
-    const int i = idx / Tk, j = idx - i * Tk;
-    A s = A(0);
-    for (int e = 0; e < E; ++e) s += qs[i * (E + 1) + e] * ks[j * (E + 1) + e];
-    ws[i * pitch + j] = s * scale;
-  }
-  __syncthreads();
   int kept = Tk;
   if (g.use_lengths) kept = (int)max(0LL, min((long long)Tk, (long long)lengths[b]));
-  const unsigned long long seed = p > 0.f ? rng[0] : 0ull, offset = p > 0.f ? rng[1] : 0ull;
-  const long long global_row = (long long)b * g.size + g.rank;
+  A* saved = probs + (long long)blockIdx.x * Tq * Tk;
   const int lane = threadIdx.x & 31;
-  for (int i = threadIdx.x >> 5; i < Tq; i += blockDim.x >> 5) {
+  for (int i = threadIdx.x >> 5; i < Tq; i += blockDim.x >> 5) {  // a warp per query row
     const int limit = g.causal ? min(kept, i + 1) : kept;
+    const A* qi = qs + i * (E + 1);
     A* row = ws + i * pitch;
     A mx = neg_inf<A>();
-    for (int j = lane; j < limit; j += 32) mx = nan_max(mx, row[j]);
+    for (int j = lane; j < limit; j += 32) {  // scores of the kept keys, each lane its own
+      const A* kj = ks + j * (E + 1);
+      A s = A(0);
+#pragma unroll 4
+      for (int e = 0; e < E; ++e) s += qi[e] * kj[e];
+      row[j] = s * scale;
+      mx = nan_max(mx, row[j]);
+    }
     mx = warp_all_reduce<A, MaxOp>(mx);
     A sum = A(0);
     for (int j = lane; j < limit; j += 32) sum += dp_exp(row[j] - mx);
     sum = warp_all_reduce<A, SumOp>(sum);
-    A* saved = probs + ((long long)blockIdx.x * Tq + i) * Tk;
     for (int j = lane; j < Tk; j += 32) {
       const A w = j < limit ? dp_exp(row[j] - mx) / sum : A(0);
-      bool keep = true;
-      if (p > 0.f) {
-        const unsigned long long e = (unsigned long long)(((global_row * g.H + h) * Tq + i) * Tk + j);
-        keep = philox_uniform(seed, offset, e) >= p;
+      row[j] = w;
+      if (p == 0.f) saved[i * Tk + j] = w;
+    }
+  }
+  if (p > 0.f) {
+    // Dropout over the block's Tq * Tk weights, one generator call per group of four
+    // elements of the global draw (philox.cuh): elements first .. first + n - 1.
+    __syncthreads();
+    const unsigned long long seed = rng[0], offset = rng[1];
+    const long long n = (long long)Tq * Tk;
+    const long long first = (((long long)b * g.size + g.rank) * g.H + h) * n;
+    for (long long grp = first / 4 + threadIdx.x; grp * 4 < first + n; grp += blockDim.x) {
+      const Philox4 r = philox_group((unsigned int)seed, (unsigned int)(seed >> 32),
+                                     offset + (unsigned long long)grp);
+      for (int l = 0; l < 4; ++l) {
+        const long long e = grp * 4 + l - first;
+        if (e < 0 || e >= n) continue;
+        const int at = (int)e, i = at / Tk, j = at - i * Tk;
+        const A w = ws[i * pitch + j];
+        const bool keep = philox_unit(r.v[l]) >= p;
+        saved[at] = keep ? w : -w;  // -0.0 marks a dropped 0
+        ws[i * pitch + j] = keep ? w * keep_scale : A(0);
       }
-      saved[j] = keep ? w : -w;
-      row[j] = keep ? w * keep_scale : A(0);
     }
   }
   __syncthreads();
-  for (int idx = threadIdx.x; idx < Tq * Ev; idx += blockDim.x) {
-    const int i = idx / Ev, c = idx - i * Ev;
-    A acc = A(0);
-    for (int j = 0; j < Tk; ++j) acc += ws[i * pitch + j] * vs[j * (Ev + 1) + c];
-    out[attn_at(g.o, b, h, i) + c] = as<T>(acc);
-  }
+  attn_product(out, g.o, b, h, Tq, Ev, Tk, ws, pitch, 1, vs);
 }
 
 template <typename T>
@@ -263,59 +297,40 @@ __global__ void attention_bwd_kernel(T* gq, T* gk, T* gv, const T* q, const T* k
   A* ks = qs + Tq * (E + 1);
   A* vs = ks + Tk * (E + 1);
   A* gos = vs + Tk * (Ev + 1);
-  A* ps = gos + Tq * (Ev + 1);  // the saved weights, sign bit = dropped
-  A* ds = ps + Tq * pitch;      // dP, then dS
+  A* pd = gos + Tq * (Ev + 1);  // the kept weights times keep_scale (0 where dropped)
+  A* ds = pd + Tq * pitch;      // dS
   const int b = blockIdx.x / g.H, h = blockIdx.x - b * g.H;
   attn_load(qs, q, g.q, b, h, Tq, E);
   attn_load(ks, k, g.k, b, h, Tk, E);
   attn_load(vs, v, g.v, b, h, Tk, Ev);
   attn_load(gos, go, g.o, b, h, Tq, Ev);
+  __syncthreads();
   const A* saved = probs + (long long)blockIdx.x * Tq * Tk;
-  for (int idx = threadIdx.x; idx < Tq * Tk; idx += blockDim.x) {
-    const int i = idx / Tk, j = idx - i * Tk;
-    ps[i * pitch + j] = saved[idx];
-  }
-  __syncthreads();
-  for (int idx = threadIdx.x; idx < Tk * Ev; idx += blockDim.x) {  // gv = Pd^T go
-    const int j = idx / Ev, c = idx - j * Ev;
-    A acc = A(0);
-    for (int i = 0; i < Tq; ++i) {
-      const A w = ps[i * pitch + j];
-      if (!signbit(w)) acc += w * gos[i * (Ev + 1) + c];
-    }
-    gv[attn_at(d.v, b, h, j) + c] = as<T>(acc * keep_scale);
-  }
-  for (int idx = threadIdx.x; idx < Tq * Tk; idx += blockDim.x) {  // dP
-    const int i = idx / Tk, j = idx - i * Tk;
-    A d = A(0);
-    if (!signbit(ps[i * pitch + j])) {
-      for (int c = 0; c < Ev; ++c) d += gos[i * (Ev + 1) + c] * vs[j * (Ev + 1) + c];
-      d *= keep_scale;
-    }
-    ds[i * pitch + j] = d;
-  }
-  __syncthreads();
   const int lane = threadIdx.x & 31;
-  for (int i = threadIdx.x >> 5; i < Tq; i += blockDim.x >> 5) {  // dS, a warp per row
+  for (int i = threadIdx.x >> 5; i < Tq; i += blockDim.x >> 5) {  // a warp per query row
+    const A* goi = gos + i * (Ev + 1);
     A dot = A(0);
-    for (int j = lane; j < Tk; j += 32) dot += fabs(ps[i * pitch + j]) * ds[i * pitch + j];
+    for (int j = lane; j < Tk; j += 32) {
+      const A w = saved[i * Tk + j];
+      A dp = A(0);  // the gradient of the undropped weight
+      if (!signbit(w)) {
+        const A* vj = vs + j * (Ev + 1);
+#pragma unroll 4
+        for (int c = 0; c < Ev; ++c) dp += goi[c] * vj[c];
+        dp *= keep_scale;
+      }
+      pd[i * pitch + j] = signbit(w) ? A(0) : w * keep_scale;
+      ds[i * pitch + j] = dp;
+      dot += fabs(w) * dp;
+    }
     dot = warp_all_reduce<A, SumOp>(dot);
     for (int j = lane; j < Tk; j += 32)
-      ds[i * pitch + j] = fabs(ps[i * pitch + j]) * (ds[i * pitch + j] - dot) * scale;
+      ds[i * pitch + j] = fabs(saved[i * Tk + j]) * (ds[i * pitch + j] - dot) * scale;
   }
   __syncthreads();
-  for (int idx = threadIdx.x; idx < Tq * E; idx += blockDim.x) {  // gq = dS k
-    const int i = idx / E, e = idx - i * E;
-    A acc = A(0);
-    for (int j = 0; j < Tk; ++j) acc += ds[i * pitch + j] * ks[j * (E + 1) + e];
-    gq[attn_at(d.q, b, h, i) + e] = as<T>(acc);
-  }
-  for (int idx = threadIdx.x; idx < Tk * E; idx += blockDim.x) {  // gk = dS^T q
-    const int j = idx / E, e = idx - j * E;
-    A acc = A(0);
-    for (int i = 0; i < Tq; ++i) acc += ds[i * pitch + j] * qs[i * (E + 1) + e];
-    gk[attn_at(d.k, b, h, j) + e] = as<T>(acc);
-  }
+  attn_product(gv, d.v, b, h, Tk, Ev, Tq, pd, 1, pitch, gos);  // Pd^T go
+  attn_product(gq, d.q, b, h, Tq, E, Tk, ds, pitch, 1, ks);    // dS k
+  attn_product(gk, d.k, b, h, Tk, E, Tq, ds, 1, pitch, qs);    // dS^T q
 }
 
 // instantiate: attention_fwd_kernel<float, int>; attention_fwd_kernel<float, long long>; attention_bwd_kernel<float>

@@ -133,7 +133,36 @@ __global__ void __launch_bounds__(128, 2) gemm_b16_kernel(GEMM_PARAMS) {
   mma16_mainloop<Cfg>(acc, la, lb, smem, k_begin, k_end);
 
   const MmaCoords<Cfg> at;
-  if (splits == 1) {
+  // `=` into C with 16-byte aligned rows: the tile goes through shared memory so each thread
+  // stores whole 16-byte row segments (a fragment holds 2 columns of 8 rows: direct stores
+  // half-fill their sectors and cost one instruction per element).
+  const bool staged = splits == 1 && beta == 0.f && ldc % 8 == 0 && sC % 8 == 0 &&
+                      (reinterpret_cast<unsigned long long>(C) & 15) == 0;
+  if (staged) {
+    constexpr int PITCH = Cfg::BN + 8;  // +16 bytes: a fragment's 8 rows hit distinct banks
+    static_assert(Cfg::BM * PITCH <= Cfg::STAGES * (LayA::kSize + LayB::kSize), "tile fits");
+    __syncthreads();  // every warp is done reading the main loop's tiles
+    at.for_each(acc, [&](int r, int c, int, float v) {
+      v *= alpha;
+      if (bias_mode == 1 && n0 + c < N) v += as<float>(bias[n0 + c]);
+      if (bias_mode == 2 && m0 + r < M) v += as<float>(bias[m0 + r]);
+      smem[r * PITCH + c] = as<T>(v);
+    });
+    __syncthreads();
+    T* cb = C + b * sC;
+    constexpr int SEGS = Cfg::BN / 8;  // 16-byte segments per tile row
+    for (int i = threadIdx.x; i < Cfg::BM * SEGS; i += Cfg::THREADS) {
+      const int r = i / SEGS, c = (i - r * SEGS) * 8, m = m0 + r, n = n0 + c;
+      if (m >= M || n >= N) continue;
+      T* dst = cb + (long long)m * ldc + n;
+      const T* src = smem + r * PITCH + c;
+      if (n + 8 <= N) {
+        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+      } else {
+        for (int q = 0; q < N - n; ++q) dst[q] = src[q];
+      }
+    }
+  } else if (splits == 1) {
     const GemmEpilogue<T> epi{C + b * sC, ldc, M, N, alpha, beta, bias, bias_mode};
     at.for_each(acc, [&](int r, int c, int, float v) { epi.store(m0 + r, n0 + c, v); });
   } else {
