@@ -285,7 +285,10 @@ def _plan_matmul(a, b, ta, tb, bias):
     # 16-bit products whose 128 x 128 tiles leave SMs idle (the FC layers at small batches)
     # take 64-row tiles: twice the blocks before any split of K.
     bm = 64 if dt in launch.HALVES and -(-m // 128) * -(-n // 128) * nb < launch.sm_count() else 128
-    splits, chunk = split_k(-(-m // bm) * -(-n // 128) * nb, k, 256, 64)
+    # A product of very few tiles (a classifier's weight gradient: 7 x 256 @ 256 x 64) splits
+    # K into chunks of 64: one block would otherwise walk all of K alone.
+    tiles = -(-m // bm) * -(-n // 128) * nb
+    splits, chunk = split_k(tiles, k, 64 if 4 * tiles <= launch.sm_count() else 256, 64)
     if nb * splits > launch.GRID_YZ_MAX:
         if nb > launch.GRID_YZ_MAX:
             raise ValueError(f"cuda.matmul: batch {nb} exceeds the grid's limit of "
