@@ -9,11 +9,10 @@
 //    sums. Fixed order, no atomics: deterministic. Math in compute_t<T>: the element type for
 //    float and double, float for the 16-bit types (read up, results rounded once).
 //  * Layer norm over the last axis (D = C): forward writes y, and mean and rstd per row
-//    (rstd = 1 / sqrt(var + eps), biased variance); weight, bias, mean, rstd and gyxhat are
+//    (rstd = 1 / sqrt(var + eps), biased variance); weight, bias, mean, rstd and sums are
 //    compute_t<T> (float32 parameters for 16-bit activations); backward writes gx with `=`
-//    and the product gy * xhat (R, D), which the launcher sums over rows with reduce.cu's
-//    deterministic column sums for the weight gradient (the bias gradient sums gy the same
-//    way, into the weight's dtype).
+//    and rows [gy * xhat | gy] (R, 2D), which the launcher sums over rows with reduce.cu's
+//    deterministic column sums: the weight and the bias gradient in one pass.
 //  * GELU is the erf form: y = 0.5 x (1 + erf(x / sqrt 2)); its backward takes the forward
 //    INPUT x: gx = gy (Phi(x) + x phi(x)). Flat, grid-stride.
 //  * Masked softmax: rows of Tk keys; row r is query i = r % Tq of batch element
@@ -66,9 +65,10 @@ __global__ void layer_norm_fwd_kernel(T* y, compute_t<T>* mean, compute_t<T>* rs
 }
 
 // gx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = gy * w, xhat = (x - mean) * rstd;
-// gyxhat = gy * xhat (summed over rows by the launcher: the weight gradient).
+// sums row r = [gy * xhat | gy] (2D wide; the launcher sums it over rows in one pass: the
+// weight and the bias gradient).
 template <typename T>
-__global__ void layer_norm_bwd_kernel(T* gx, compute_t<T>* gyxhat, const T* gy, const T* x,
+__global__ void layer_norm_bwd_kernel(T* gx, compute_t<T>* sums, const T* gy, const T* x,
                                       const compute_t<T>* w, const compute_t<T>* mean,
                                       const compute_t<T>* rstd, int R, int D) {
   using A = compute_t<T>;
@@ -82,7 +82,8 @@ __global__ void layer_norm_bwd_kernel(T* gx, compute_t<T>* gyxhat, const T* gy, 
       const A g = as<A>(gy[o + c]) * w[c];
       sg += g;
       sgx += g * xh;
-      gyxhat[o + c] = as<A>(gy[o + c]) * xh;
+      sums[2 * o + c] = as<A>(gy[o + c]) * xh;
+      sums[2 * o + D + c] = as<A>(gy[o + c]);
     }
     sg = warp_all_reduce<A, SumOp>(sg) / A(D);
     sgx = warp_all_reduce<A, SumOp>(sgx) / A(D);
