@@ -487,7 +487,7 @@ def _heads(a, heads, parts):
     return tuple(split[:, :, i].transpose(0, 2, 1, 3) for i in range(parts))
 
 
-class SelfAttention(Attention):
+class SelfAttention(Function):
     """Multi-head self-attention from a packed projection qkv (B, T, 3 * D) to (B, T, D) as
     one backend op: q, k and v are strided views of qkv, the output is written in (B, T, H, E)
     order and the gradient into one (B, T, 3, H, E) buffer, so no transpose is copied."""

@@ -2,7 +2,7 @@
 
 The array ops (each marked ``@op`` where it is defined) live in ``ops``, ``conv`` (convolution
 and pooling), ``norm`` (batch normalisation) and ``attention`` (layer norm, GELU, masked
-softmax); ``workspace`` holds the memory and work that a caller lets ops reuse between calls
+softmax, fused attention); ``workspace`` holds the memory and work that a caller lets ops reuse between calls
 (``new_workspace()``); ``runtime`` is the trivial runtime of a device that is the host itself. No op keeps state of its own
 between calls.
 

@@ -7,7 +7,7 @@ NVRTC; every op's arithmetic runs in our kernels. One launcher module per kernel
 beside its .cu file and headed by that layer's conventions:
 
     arrays.py       creation, host transfers, copy_, astype
-    attention.py    attention.cu: layer norm, GELU, attention's masked softmax
+    attention.py    attention.cu: layer norm, GELU, masked softmax, fused attention
     elementwise.py  elementwise.cu: maps, broadcasting binaries, activations, fill_
     transpose.py    transpose.cu: copies through strides, getitem, concatenate, broadcast_to
     reduce.py       reduce.cu: sum, max, their gradients, bias_grad, count_correct
