@@ -34,18 +34,28 @@ struct ChannelAffine {
   float shift[DP_MAX_CHANNELS];
 };
 
+// Image b of the batch along grid y (striding over the batch), its chw values along grid x:
+// no 64-bit division per element, and the per-channel pairs read from shared memory (indexing
+// the by-value struct with a computed channel would copy it to local memory in every thread).
 template <typename L>
 __global__ void gather_normalize_kernel(float* out, const unsigned char* images, const L* idx,
-                                        int B, long long M, long long chw, long long hw,
-                                        ChannelAffine a) {
-  GRID_STRIDE(i, (long long)B * chw) {
-    const long long b = i / chw;
-    const long long r = i - b * chw;
-    const int c = (int)(r / hw);
+                                        int B, long long M, int chw, int hw, ChannelAffine a) {
+  __shared__ float scale[DP_MAX_CHANNELS], shift[DP_MAX_CHANNELS];
+  if (threadIdx.x < DP_MAX_CHANNELS) {
+    scale[threadIdx.x] = a.scale[threadIdx.x];
+    shift[threadIdx.x] = a.shift[threadIdx.x];
+  }
+  __syncthreads();
+  for (int b = blockIdx.y; b < B; b += gridDim.y) {
     const long long row = (long long)idx[b];
-    out[i] = (row >= 0 && row < M)
-                 ? __fsub_rn(__fmul_rn(float(images[row * chw + r]), a.scale[c]), a.shift[c])
-                 : quiet_nan<float>();
+    const bool valid = row >= 0 && row < M;
+    const unsigned char* src = images + (valid ? row : 0) * chw;
+    float* dst = out + (long long)b * chw;
+    for (int r = blockIdx.x * blockDim.x + threadIdx.x; r < chw; r += gridDim.x * blockDim.x) {
+      const int c = r / hw;
+      dst[r] = valid ? __fsub_rn(__fmul_rn(float(src[r]), scale[c]), shift[c])
+                     : quiet_nan<float>();
+    }
   }
 }
 

@@ -74,14 +74,15 @@ def gather_normalize(images, idx, mean, std):
     m = images.shape[0]
     chw = math.prod(images.shape[1:])
     out = launch.new((idx.size,) + tuple(images.shape[1:]), np.float32)
-    launch.check_int32("gather_normalize", idx.size)
+    launch.check_int32("gather_normalize", idx.size, chw)
     channels, affine = _channel_affine(images, mean, std)
     hw = chw // channels if channels > 1 else max(chw, 1)
     if out.size:
-        launch.grid_stride(launch.kernel(DATA, "gather_normalize_kernel", launch.ctype(idx.dtype)),
-                           out.size,
-                           (out, images, idx, np.int32(idx.size), np.int64(m), np.int64(chw),
-                            np.int64(hw), affine))
+        # grid y: images (striding over the batch past the grid's limit); x: one image's values
+        grid = (min(-(-chw // launch.BLOCK), 1024), min(idx.size, launch.GRID_YZ_MAX))
+        launch.kernel(DATA, "gather_normalize_kernel", launch.ctype(idx.dtype))(
+            grid, (launch.BLOCK,), (out, images, idx, np.int32(idx.size), np.int64(m),
+                                    np.int32(chw), np.int32(hw), affine))
     return out
 
 
