@@ -78,6 +78,70 @@ __device__ __forceinline__ GemmEpilogue<> gemm_epilogue(float* C, float* ws, con
   return {ws + (s * (long long)batch + b) * M * N, N, M, N, 1.f, 0.f, nullptr, 0};
 }
 
+// `=` of the tile's accumulators into the (M, N) matrix D (rows ldd apart; D and ldd 16-byte
+// aligned) through shared memory: staged as E (alpha and bias applied), then each thread
+// stores whole 16-byte row segments. A fragment holds 2 columns of 8 rows, so storing it
+// directly half-fills its sectors and costs an instruction per element. `smem` must hold
+// BM x (BN + 16 bytes) of E (staged_fits); the main loop must be done with it.
+template <class Cfg, typename E>
+__host__ __device__ constexpr bool staged_fits(int smem_bytes) {
+  return Cfg::BM * (Cfg::BN + 16 / (int)sizeof(E)) * (int)sizeof(E) <= smem_bytes;
+}
+
+template <class Cfg, typename E, typename B>
+__device__ __forceinline__ void store_staged(void* smem_raw,
+                                             const float (&acc)[Cfg::MT][Cfg::NT][4], E* D,
+                                             int ldd, int M, int N, int m0, int n0, float alpha,
+                                             const B* bias, int bias_mode) {
+  constexpr int V = 16 / sizeof(E), PITCH = Cfg::BN + V;  // +16 bytes: fewer bank conflicts
+  E* smem = reinterpret_cast<E*>(smem_raw);
+  __syncthreads();  // every warp is done reading the main loop's tiles
+  MmaCoords<Cfg>().for_each(acc, [&](int r, int c, int, float v) {
+    v *= alpha;
+    if (bias_mode == 1 && n0 + c < N) v += as<float>(bias[n0 + c]);
+    if (bias_mode == 2 && m0 + r < M) v += as<float>(bias[m0 + r]);
+    smem[r * PITCH + c] = as<E>(v);
+  });
+  __syncthreads();
+  constexpr int SEGS = Cfg::BN / V;  // 16-byte segments per tile row
+  for (int i = threadIdx.x; i < Cfg::BM * SEGS; i += Cfg::THREADS) {
+    const int r = i / SEGS, c = (i - r * SEGS) * V, m = m0 + r, n = n0 + c;
+    if (m >= M || n >= N) continue;
+    E* dst = D + (long long)m * ldd + n;
+    const E* src = smem + r * PITCH + c;
+    if (n + V <= N) {
+      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+    } else {
+      for (int q = 0; q < N - n; ++q) dst[q] = src[q];
+    }
+  }
+}
+
+// Whether C takes staged 16-byte stores: `=` (beta 0) into 16-byte aligned rows.
+__device__ __forceinline__ bool c_staged(const void* C, int ldc, long long sC, int elem_bytes,
+                                         float beta) {
+  const int v = 16 / elem_bytes;
+  return beta == 0.f && ldc % v == 0 && sC % v == 0 &&
+         (reinterpret_cast<unsigned long long>(C) & 15) == 0;
+}
+
+// The split-K partials of this tile: ws slice (s, b), rows N apart, staged where the tile fits
+// the kernel's shared memory and N keeps rows 16-byte aligned.
+template <class Cfg, int SMEM>
+__device__ __forceinline__ void store_partials(void* smem, const float (&acc)[Cfg::MT][Cfg::NT][4],
+                                               float* ws, int M, int N, int m0, int n0, int b,
+                                               int s, int batch) {
+  float* w = ws + (s * (long long)batch + b) * M * N;
+  if constexpr (staged_fits<Cfg, float>(SMEM)) {
+    if (N % 4 == 0) {
+      store_staged<Cfg, float, float>(smem, acc, w, N, M, N, m0, n0, 1.f, nullptr, 0);
+      return;
+    }
+  }
+  const GemmEpilogue<float> epi{w, N, M, N, 1.f, 0.f, nullptr, 0};
+  MmaCoords<Cfg>().for_each(acc, [&](int r, int c, int, float v) { epi.store(m0 + r, n0 + c, v); });
+}
+
 #define GEMM_PARAMS                                                                          \
   const T *__restrict__ A, const T *__restrict__ B, T *C, const T *__restrict__ bias, float *ws, \
       int M, int N, int K, int lda, int ldb, int ldc, long long sA, long long sB,           \
@@ -111,9 +175,18 @@ __global__ void __launch_bounds__(128, 2) gemm_tf32_kernel(GEMM_PARAMS) {
   float acc[Cfg::MT][Cfg::NT][4];
   mma_mainloop<Cfg>(acc, la, lb, smem, k_begin, k_end);
 
-  const GemmEpilogue<> epi =
-      gemm_epilogue(C, ws, bias, M, N, ldc, sC, batch, splits, b, s, alpha, beta, bias_mode);
-  MmaCoords<Cfg>().for_each(acc, [&](int r, int c, int, float v) { epi.store(m0 + r, n0 + c, v); });
+  constexpr int SMEM = Cfg::STAGES * (LayA::kSize + LayB::kSize) * 4;
+  if (splits > 1) {
+    store_partials<Cfg, SMEM>(smem, acc, ws, M, N, m0, n0, b, s, batch);
+  } else if (c_staged(C, ldc, sC, 4, beta)) {
+    static_assert(staged_fits<Cfg, float>(SMEM), "the staged tile fits");
+    store_staged<Cfg, float, float>(smem, acc, C + b * sC, ldc, M, N, m0, n0, alpha, bias,
+                                    bias_mode);
+  } else {
+    const GemmEpilogue<> epi{C + b * sC, ldc, M, N, alpha, beta, bias, bias_mode};
+    MmaCoords<Cfg>().for_each(acc,
+                              [&](int r, int c, int, float v) { epi.store(m0 + r, n0 + c, v); });
+  }
 }
 
 template <typename T, bool TA, bool TB, int BM = 128>
@@ -132,43 +205,16 @@ __global__ void __launch_bounds__(128, 2) gemm_b16_kernel(GEMM_PARAMS) {
   float acc[Cfg::MT][Cfg::NT][4];
   mma16_mainloop<Cfg>(acc, la, lb, smem, k_begin, k_end);
 
-  const MmaCoords<Cfg> at;
-  // `=` into C with 16-byte aligned rows: the tile goes through shared memory so each thread
-  // stores whole 16-byte row segments (a fragment holds 2 columns of 8 rows: direct stores
-  // half-fill their sectors and cost one instruction per element).
-  const bool staged = splits == 1 && beta == 0.f && ldc % 8 == 0 && sC % 8 == 0 &&
-                      (reinterpret_cast<unsigned long long>(C) & 15) == 0;
-  if (staged) {
-    constexpr int PITCH = Cfg::BN + 8;  // +16 bytes: a fragment's 8 rows hit distinct banks
-    static_assert(Cfg::BM * PITCH <= Cfg::STAGES * (LayA::kSize + LayB::kSize), "tile fits");
-    __syncthreads();  // every warp is done reading the main loop's tiles
-    at.for_each(acc, [&](int r, int c, int, float v) {
-      v *= alpha;
-      if (bias_mode == 1 && n0 + c < N) v += as<float>(bias[n0 + c]);
-      if (bias_mode == 2 && m0 + r < M) v += as<float>(bias[m0 + r]);
-      smem[r * PITCH + c] = as<T>(v);
-    });
-    __syncthreads();
-    T* cb = C + b * sC;
-    constexpr int SEGS = Cfg::BN / 8;  // 16-byte segments per tile row
-    for (int i = threadIdx.x; i < Cfg::BM * SEGS; i += Cfg::THREADS) {
-      const int r = i / SEGS, c = (i - r * SEGS) * 8, m = m0 + r, n = n0 + c;
-      if (m >= M || n >= N) continue;
-      T* dst = cb + (long long)m * ldc + n;
-      const T* src = smem + r * PITCH + c;
-      if (n + 8 <= N) {
-        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
-      } else {
-        for (int q = 0; q < N - n; ++q) dst[q] = src[q];
-      }
-    }
-  } else if (splits == 1) {
-    const GemmEpilogue<T> epi{C + b * sC, ldc, M, N, alpha, beta, bias, bias_mode};
-    at.for_each(acc, [&](int r, int c, int, float v) { epi.store(m0 + r, n0 + c, v); });
+  constexpr int SMEM = Cfg::STAGES * (LayA::kSize + LayB::kSize) * sizeof(T);
+  if (splits > 1) {
+    store_partials<Cfg, SMEM>(smem, acc, ws, M, N, m0, n0, b, s, batch);
+  } else if (c_staged(C, ldc, sC, sizeof(T), beta)) {
+    static_assert(staged_fits<Cfg, T>(SMEM), "the staged tile fits");
+    store_staged<Cfg, T, T>(smem, acc, C + b * sC, ldc, M, N, m0, n0, alpha, bias, bias_mode);
   } else {
-    const GemmEpilogue<float> epi{ws + (s * (long long)batch + b) * M * N, N, M, N, 1.f, 0.f,
-                                  nullptr, 0};
-    at.for_each(acc, [&](int r, int c, int, float v) { epi.store(m0 + r, n0 + c, v); });
+    const GemmEpilogue<T> epi{C + b * sC, ldc, M, N, alpha, beta, bias, bias_mode};
+    MmaCoords<Cfg>().for_each(acc,
+                              [&](int r, int c, int, float v) { epi.store(m0 + r, n0 + c, v); });
   }
 }
 
