@@ -281,6 +281,14 @@ def masked_softmax(x: Tensor, causal: bool = False, key_lengths=None,
                                    scale=float(scale))
 
 
+def _attention_dropout(dropout_p, training) -> float:
+    """The dropout probability attention applies: dropout_p in training, else 0."""
+    p = float(dropout_p) if training else 0.0
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout probability must be in [0, 1), got {dropout_p}")
+    return p
+
+
 def scaled_dot_product_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False,
                                  key_lengths=None, scale: float | None = None,
                                  dropout_p: float = 0.0, training: bool = True,
@@ -294,9 +302,7 @@ def scaled_dot_product_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool =
         raise ValueError(f"scaled_dot_product_attention: q {q.shape}, k {k.shape} and v "
                          f"{v.shape} do not fit")
     scale = 1.0 / float(np.sqrt(q.shape[-1])) if scale is None else scale
-    p = float(dropout_p) if training else 0.0
-    if not 0.0 <= p < 1.0:
-        raise ValueError(f"dropout probability must be in [0, 1), got {dropout_p}")
+    p = _attention_dropout(dropout_p, training)
     if fused and q.be.attention_supported(q.shape, k.shape, v.shape, q.dtype):
         return ops.Attention.apply(q, k, v, scale=float(scale), causal=bool(causal),
                                    key_lengths=_lengths(key_lengths), dropout_p=p)
@@ -318,11 +324,9 @@ def self_attention(qkv: Tensor, heads: int, causal: bool = False, key_lengths=No
     b, t, d = qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3
     e = d // heads
     scale = 1.0 / float(np.sqrt(e)) if scale is None else scale
-    p = float(dropout_p) if training else 0.0
+    p = _attention_dropout(dropout_p, training)
     heads_shape = (b, heads, t, e)
     if fused and qkv.be.attention_supported(heads_shape, heads_shape, heads_shape, qkv.dtype):
-        if not 0.0 <= p < 1.0:
-            raise ValueError(f"dropout probability must be in [0, 1), got {dropout_p}")
         return ops.SelfAttention.apply(qkv, heads=int(heads), scale=float(scale),
                                        causal=bool(causal), key_lengths=_lengths(key_lengths),
                                        dropout_p=p)

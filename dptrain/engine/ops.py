@@ -472,12 +472,17 @@ class Attention(Function):
 
     def forward(self, q, k, v, scale=1.0, causal=False, key_lengths=None, dropout_p=0.0):
         self.saved, self.scale, self.p = (q, k, v), scale, dropout_p
-        out, self.probs = self.be.attention_forward(
-            q, k, v, scale, causal, key_lengths, dropout_p, data_shard() if dropout_p else (0, 1))
+        out, self.probs = self.be.attention_forward(q, k, v, scale, causal, key_lengths,
+                                                    dropout_p, _dropout_shard(dropout_p))
         return out
 
     def backward(self, gout):
         return self.be.attention_backward(gout, *self.saved, self.probs, self.scale, self.p)
+
+
+def _dropout_shard(p):
+    """(rank, size) of the global batch whose dropout mask attention draws (see Dropout)."""
+    return data_shard() if p else (0, 1)
 
 
 def _heads(a, heads, parts):
@@ -497,8 +502,8 @@ class SelfAttention(Function):
         out = self.be.empty(qkv.shape[:2] + (qkv.shape[2] // 3,), qkv.dtype)
         self.saved, self.scale, self.p = _heads(qkv, heads, 3), scale, dropout_p
         _, self.probs = self.be.attention_forward(
-            *self.saved, scale, causal, key_lengths, dropout_p,
-            data_shard() if dropout_p else (0, 1), out=_heads(out, heads, 1)[0])
+            *self.saved, scale, causal, key_lengths, dropout_p, _dropout_shard(dropout_p),
+            out=_heads(out, heads, 1)[0])
         return out
 
     def backward(self, gout):
