@@ -117,6 +117,42 @@ __device__ __forceinline__ void store_staged(void* smem_raw,
   }
 }
 
+// The general epilogue: epi.store(m, n, v) for every element of the tile, from the raw
+// accumulators staged in shared memory ROWS rows at a time, in a rolled loop. This path (beta
+// != 0, unaligned C, split-K partials of odd N) is rarely the hot one: rolled, it compiles
+// once instead of once per accumulator (unrolled, it was over a second of NVRTC time per
+// GEMM kernel), and its stores run along rows.
+template <class Cfg, int SMEM>
+__host__ __device__ constexpr int rolled_rows() {
+  int rows = Cfg::BM;
+  while (rows > 16 && rows * (Cfg::BN + 4) * 4 > SMEM) rows /= 2;
+  return rows;
+}
+
+template <class Cfg, int SMEM, class Epi>
+__device__ __forceinline__ void store_rolled(void* smem_raw,
+                                             const float (&acc)[Cfg::MT][Cfg::NT][4],
+                                             const Epi& epi, int m0, int n0) {
+  constexpr int PITCH = Cfg::BN + 4, ROWS = rolled_rows<Cfg, SMEM>();
+  static_assert(ROWS * PITCH * 4 <= SMEM, "the staged rows fit");
+  float* smem = reinterpret_cast<float*>(smem_raw);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int cols = min(Cfg::BN, epi.N - n0);
+#pragma unroll 1
+  for (int r0 = 0; r0 < Cfg::BM && m0 + r0 < epi.M; r0 += ROWS) {
+    __syncthreads();  // the main loop's tiles (or the previous rows) are read
+    MmaCoords<Cfg>().for_each(acc, [&](int r, int c, int, float v) {
+      if (r >= r0 && r < r0 + ROWS) smem[(r - r0) * PITCH + c] = v;
+    });
+    __syncthreads();
+    const int rows = min(ROWS, epi.M - m0 - r0);
+#pragma unroll 1
+    for (int r = warp; r < rows; r += Cfg::THREADS / 32)
+#pragma unroll 1
+      for (int c = lane; c < cols; c += 32) epi.store(m0 + r0 + r, n0 + c, smem[r * PITCH + c]);
+  }
+}
+
 // Whether C takes staged 16-byte stores: `=` (beta 0) into 16-byte aligned rows.
 __device__ __forceinline__ bool c_staged(const void* C, int ldc, long long sC, int elem_bytes,
                                          float beta) {
@@ -138,8 +174,8 @@ __device__ __forceinline__ void store_partials(void* smem, const float (&acc)[Cf
       return;
     }
   }
-  const GemmEpilogue<float> epi{w, N, M, N, 1.f, 0.f, nullptr, 0};
-  MmaCoords<Cfg>().for_each(acc, [&](int r, int c, int, float v) { epi.store(m0 + r, n0 + c, v); });
+  store_rolled<Cfg, SMEM>(smem, acc, GemmEpilogue<float>{w, N, M, N, 1.f, 0.f, nullptr, 0}, m0,
+                          n0);
 }
 
 #define GEMM_PARAMS                                                                          \
@@ -183,9 +219,8 @@ __global__ void __launch_bounds__(128, 2) gemm_tf32_kernel(GEMM_PARAMS) {
     store_staged<Cfg, float, float>(smem, acc, C + b * sC, ldc, M, N, m0, n0, alpha, bias,
                                     bias_mode);
   } else {
-    const GemmEpilogue<> epi{C + b * sC, ldc, M, N, alpha, beta, bias, bias_mode};
-    MmaCoords<Cfg>().for_each(acc,
-                              [&](int r, int c, int, float v) { epi.store(m0 + r, n0 + c, v); });
+    const GemmEpilogue<float> epi{C + b * sC, ldc, M, N, alpha, beta, bias, bias_mode};
+    store_rolled<Cfg, SMEM>(smem, acc, epi, m0, n0);
   }
 }
 
@@ -213,8 +248,7 @@ __global__ void __launch_bounds__(128, 2) gemm_b16_kernel(GEMM_PARAMS) {
     store_staged<Cfg, T, T>(smem, acc, C + b * sC, ldc, M, N, m0, n0, alpha, bias, bias_mode);
   } else {
     const GemmEpilogue<T> epi{C + b * sC, ldc, M, N, alpha, beta, bias, bias_mode};
-    MmaCoords<Cfg>().for_each(acc,
-                              [&](int r, int c, int, float v) { epi.store(m0 + r, n0 + c, v); });
+    store_rolled<Cfg, SMEM>(smem, acc, epi, m0, n0);
   }
 }
 
