@@ -57,16 +57,28 @@ __global__ void __launch_bounds__(wgmma_bwdw::THREADS, 1)
   const int KT = p_end > p_begin ? (p_end - p_begin + BK - 1) / BK : 0;
 
   // Loader: chunk lc = tid % 8 of pixel rows lrow + 32 r of every atom. A thread's columns
-  // (its taps and channels) stay the same for every slab: decoded once.
+  // (its taps and channels) stay the same for every slab: decoded once, as offsets into x
+  // from a pixel's top-left tap. Its pixels move on by BK each slab (the main loop asks for
+  // the slabs in order): carried as (n, oy, ox), without the two divisions per row and slab
+  // of decoding q (the loader is issue-bound).
   const int lrow = threadIdx.x >> 3, lc = threadIdx.x & 7;
-  int tkh[A_ATOMS], tkw[A_ATOMS], tc[A_ATOMS];
+  int tkh[A_ATOMS], tkw[A_ATOMS], toff[A_ATOMS];
 #pragma unroll
   for (int a = 0; a < A_ATOMS; ++a) {
     const int j = j0 + a * 64 + lc * CHUNK, t = j / C;
-    tc[a] = j < J ? j - t * C : -1;
     tkh[a] = t / KW;
     tkw[a] = t - tkh[a] * KW;
+    toff[a] = j < J ? (tkh[a] * W + tkw[a]) * C + (j - t * C) : -1;
   }
+  int pn[ROWS], poy[ROWS], pox[ROWS];
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    const int q = p_begin + lrow + 32 * r, p = q - (q / hw) * hw;
+    pn[r] = q / hw;
+    poy[r] = p / Wo;
+    pox[r] = p - poy[r] * Wo;
+  }
+  const int dn = BK / hw, dy = (BK - dn * hw) / Wo, dx = BK - dn * hw - dy * Wo;
 
   float acc[BN / 2];
 #pragma unroll
@@ -77,21 +89,29 @@ __global__ void __launch_bounds__(wgmma_bwdw::THREADS, 1)
       for (int r = 0; r < ROWS; ++r) {
         const int row = lrow + 32 * r, q = p_begin + kt * BK + row;
         const bool qok = q < p_end;
-        const int n = q / hw, p = q - n * hw, oy = p / Wo, ox = p - oy * Wo;
+        const int iy0 = poy[r] * sh - ph, ix0 = pox[r] * sw - pw;  // the top-left tap
+        const long long pix = ((long long)pn[r] * H + iy0) * W + ix0;
 #pragma unroll
         for (int a = 0; a < A_ATOMS; ++a) {
-          const int iy = oy * sh - ph + tkh[a], ix = ox * sw - pw + tkw[a];
-          const bool ok = qok && tc[a] >= 0 && (unsigned)iy < (unsigned)H && (unsigned)ix < (unsigned)W;
-          const T* src = ok ? x + (((long long)n * H + iy) * W + ix) * C + tc[a] : x;
-          cp_async16(sa + a * (BK * ROW_BYTES) + swizzled(row, lc), src, ok ? 16 : 0);
+          const int iy = iy0 + tkh[a], ix = ix0 + tkw[a];
+          const bool ok =
+              qok && toff[a] >= 0 && (unsigned)iy < (unsigned)H && (unsigned)ix < (unsigned)W;
+          cp_async16(sa + a * (BK * ROW_BYTES) + swizzled(row, lc),
+                     ok ? x + pix * C + toff[a] : x, ok ? 16 : 0);
         }
+        const T* gq = gy + (long long)q * M;
 #pragma unroll
         for (int b = 0; b < B_ATOMS; ++b) {
           const int m = m0 + b * 64 + lc * CHUNK;
           const bool ok = qok && m < M;
-          const T* src = ok ? gy + (long long)q * M + m : gy;
-          cp_async16(sb + b * (BK * ROW_BYTES) + swizzled(row, lc), src, ok ? 16 : 0);
+          cp_async16(sb + b * (BK * ROW_BYTES) + swizzled(row, lc), ok ? gq + m : gy, ok ? 16 : 0);
         }
+        // the next slab's pixel, BK further: dn images, dy rows, dx columns, with carries
+        pox[r] += dx;
+        if (pox[r] >= Wo) pox[r] -= Wo, ++poy[r];
+        poy[r] += dy;
+        if (poy[r] >= Ho) poy[r] -= Ho, ++pn[r];
+        pn[r] += dn;
       }
     });
 

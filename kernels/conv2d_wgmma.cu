@@ -76,7 +76,8 @@ __global__ void __launch_bounds__(wgmma_conv::THREADS, BN <= 64 ? 2 : 1)
   if (q0 >= npix && q0 > 0) return;  // past this phase's pixels (the grid fits phase 0)
 
   // Loader: 16-byte chunk lc = tid % 8 of tile rows lrow + 32 j. The pixel rows' coordinates
-  // are worked out once; each slab then costs one tap decode per thread.
+  // are worked out once; each row's source pointer once per filter tap (the slabs of a tap,
+  // C / BK of them, then only add their channel offset: the loader is issue-bound).
   const int lrow = threadIdx.x >> 3, lc = threadIdx.x & 7;
   long long pbase[A_ROWS];  // offset of the pixel's image in src; -1 past the last pixel
   int py[A_ROWS], px[A_ROWS];
@@ -94,34 +95,43 @@ __global__ void __launch_bounds__(wgmma_conv::THREADS, BN <= 64 ? 2 : 1)
   for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
   // This thread's chunk of the slab: column k = kt * BK + lc * CHUNK, channels c.. of the
   // phase's tap (th, tw). The main loop asks for the slabs in order, so the chunk moves on
-  // by BK each slab, without the divisions of decoding k (the loader is issue-bound).
+  // by BK each slab, without the divisions of decoding k; `retap` says the tap changed.
   int k = 0, c = 0, th = 0, tw = 0;
+  bool retap = true;
   auto advance = [&](int by) {
     k += by;
     c += by;
     while (c >= C) {
       c -= C;
+      retap = true;
       if (++tw == nkw) tw = 0, ++th;
     }
   };
   advance(lc * CHUNK);
+  const T* row[A_ROWS];  // the rows' source pixel at channel 0 of the tap; nullptr: zeros
+  const T* wcol = wr;    // the weight column of the tap's channel 0
   wgmma_mainloop<T, BM, BN>(acc, smem_base(smem_raw), (K + BK - 1) / BK,
                             [&](int, u32 sa, u32 sb) {
-    const bool kok = k < K;
-    const int kh = rkh + ps_h * th, kw = rkw + ps_w * tw;
-    const long long wk = (long long)(kh * KW + kw) * C + c;  // the column in wr
+    if (retap) {
+      retap = false;
+      const int kh = rkh + ps_h * th, kw = rkw + ps_w * tw;
+      wcol = wr + (kh * KW + kw) * C;
 #pragma unroll
-    for (int j = 0; j < A_ROWS; ++j) {
-      int iy = 0, ix = 0;
-      const bool ok = kok && pbase[j] >= 0 && conv_tap(g, py[j], px[j], kh, kw, iy, ix);
-      const T* p = ok ? src + pbase[j] + (long long)(iy * Ws + ix) * C + c : src;
-      cp_async16(sa + swizzled(lrow + 32 * j, lc), p, ok ? 16 : 0);
+      for (int j = 0; j < A_ROWS; ++j) {
+        int iy = 0, ix = 0;
+        const bool ok = k < K && pbase[j] >= 0 && conv_tap(g, py[j], px[j], kh, kw, iy, ix);
+        row[j] = ok ? src + pbase[j] + (long long)(iy * Ws + ix) * C : nullptr;
+      }
     }
+#pragma unroll
+    for (int j = 0; j < A_ROWS; ++j)
+      cp_async16(sa + swizzled(lrow + 32 * j, lc), row[j] ? row[j] + c : src, row[j] ? 16 : 0);
+    const bool kok = k < K;
 #pragma unroll
     for (int j = 0; j < B_ROWS; ++j) {
       const int m = m0 + lrow + 32 * j;
       const bool ok = kok && m < M;
-      cp_async16(sb + swizzled(lrow + 32 * j, lc), ok ? wr + (long long)m * Kw + wk : wr,
+      cp_async16(sb + swizzled(lrow + 32 * j, lc), ok ? wcol + (long long)m * Kw + c : wr,
                  ok ? 16 : 0);
     }
     advance(BK);
