@@ -218,6 +218,31 @@ __device__ __forceinline__ void attn_product(T* out, const long long* s, int b, 
   }
 }
 
+// The block's (batch, head) and its q, k and v in shared memory (row pitches E + 1, E + 1,
+// Ev + 1, in that order from `smem`), loaded (the caller syncs); `rest` is the first free
+// element after them.
+template <typename A>
+struct AttnBlock {
+  int b, h;
+  A *q, *k, *v, *rest;
+};
+
+template <typename T, typename A>
+__device__ __forceinline__ AttnBlock<A> attn_open(void* smem, const T* q, const T* k, const T* v,
+                                                  const AttnGeom& g) {
+  AttnBlock<A> t;
+  t.b = blockIdx.x / g.H;
+  t.h = blockIdx.x - t.b * g.H;
+  t.q = reinterpret_cast<A*>(smem);
+  t.k = t.q + g.Tq * (g.E + 1);
+  t.v = t.k + g.Tk * (g.E + 1);
+  t.rest = t.v + g.Tk * (g.Ev + 1);
+  attn_load(t.q, q, g.q, t.b, t.h, g.Tq, g.E);
+  attn_load(t.k, k, g.k, t.b, t.h, g.Tk, g.E);
+  attn_load(t.v, v, g.v, t.b, t.h, g.Tk, g.Ev);
+  return t;
+}
+
 template <typename T, typename L>
 __global__ void attention_fwd_kernel(T* out, compute_t<T>* probs, const T* q, const T* k,
                                      const T* v, const L* lengths, AttnGeom g,
@@ -226,14 +251,10 @@ __global__ void attention_fwd_kernel(T* out, compute_t<T>* probs, const T* q, co
   using A = compute_t<T>;
   extern __shared__ __align__(16) unsigned char attn_smem[];
   const int Tq = g.Tq, Tk = g.Tk, E = g.E, Ev = g.Ev, pitch = Tk + 1;
-  A* qs = reinterpret_cast<A*>(attn_smem);
-  A* ks = qs + Tq * (E + 1);
-  A* vs = ks + Tk * (E + 1);
-  A* ws = vs + Tk * (Ev + 1);  // the weights: softmax, then dropout
-  const int b = blockIdx.x / g.H, h = blockIdx.x - b * g.H;
-  attn_load(qs, q, g.q, b, h, Tq, E);
-  attn_load(ks, k, g.k, b, h, Tk, E);
-  attn_load(vs, v, g.v, b, h, Tk, Ev);
+  const AttnBlock<A> t = attn_open<T, A>(attn_smem, q, k, v, g);
+  const int b = t.b, h = t.h;
+  const A *qs = t.q, *ks = t.k, *vs = t.v;
+  A* ws = t.rest;  // the weights: softmax, then dropout
   __syncthreads();
   int kept = Tk;
   if (g.use_lengths) kept = (int)max(0LL, min((long long)Tk, (long long)lengths[b]));
@@ -294,16 +315,12 @@ __global__ void attention_bwd_kernel(T* gq, T* gk, T* gv, const T* q, const T* k
   using A = compute_t<T>;
   extern __shared__ __align__(16) unsigned char attn_smem[];
   const int Tq = g.Tq, Tk = g.Tk, E = g.E, Ev = g.Ev, pitch = Tk + 1;
-  A* qs = reinterpret_cast<A*>(attn_smem);
-  A* ks = qs + Tq * (E + 1);
-  A* vs = ks + Tk * (E + 1);
-  A* gos = vs + Tk * (Ev + 1);
+  const AttnBlock<A> t = attn_open<T, A>(attn_smem, q, k, v, g);
+  const int b = t.b, h = t.h;
+  const A *qs = t.q, *ks = t.k, *vs = t.v;
+  A* gos = t.rest;
   A* pd = gos + Tq * (Ev + 1);  // the kept weights times keep_scale (0 where dropped)
   A* ds = pd + Tq * pitch;      // dS
-  const int b = blockIdx.x / g.H, h = blockIdx.x - b * g.H;
-  attn_load(qs, q, g.q, b, h, Tq, E);
-  attn_load(ks, k, g.k, b, h, Tk, E);
-  attn_load(vs, v, g.v, b, h, Tk, Ev);
   attn_load(gos, go, g.o, b, h, Tq, Ev);
   __syncthreads();
   const A* saved = probs + (long long)blockIdx.x * Tq * Tk;

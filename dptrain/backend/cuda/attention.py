@@ -125,18 +125,26 @@ def gelu_backward(x, gy):
 # ----------------------------------------------------------------------------- masked softmax
 
 
+def _key_lengths(op, key_lengths):
+    """`key_lengths` on the device (None stays None), checked for `op`: int32 or int64,
+    contiguous."""
+    if key_lengths is None:
+        return None
+    if not launch.is_cupy(key_lengths):
+        key_lengths = asarray(np.asarray(key_lengths))
+    if key_lengths.dtype.kind != "i" or key_lengths.itemsize not in (4, 8):
+        raise TypeError(f"cuda.{op}: key_lengths must be int32 or int64, "
+                        f"got {key_lengths.dtype}")
+    launch.check_contiguous(op, key_lengths)
+    return key_lengths
+
+
 @op
 def masked_softmax(x, causal=False, key_lengths=None, scale=1.0):
     """softmax(scale * x) over the last axis, keys masked by `causal` (key j > query i) and
     `key_lengths` (keys j >= key_lengths[b] of batch element b) at probability exactly 0."""
     r, c = launch.rows("masked_softmax", x, half=True)
-    if key_lengths is not None:
-        if not launch.is_cupy(key_lengths):
-            key_lengths = asarray(np.asarray(key_lengths))
-        if key_lengths.dtype.kind != "i" or key_lengths.itemsize not in (4, 8):
-            raise TypeError(f"cuda.masked_softmax: key_lengths must be int32 or int64, "
-                            f"got {key_lengths.dtype}")
-        launch.check_contiguous("masked_softmax", key_lengths)
+    key_lengths = _key_lengths("masked_softmax", key_lengths)
     check_masked_softmax_args("cuda.masked_softmax", x.shape, causal, key_lengths)
     y = launch.new(x.shape, x.dtype)
     if x.size:
@@ -248,13 +256,7 @@ def attention_forward(q, k, v, scale, causal=False, key_lengths=None, dropout_p=
     (batch, head); out (B, H, Tq, Ev) in q's dtype (a new array, or written into `out`),
     probs (B, H, Tq, Tk) in the compute dtype with dropped weights' sign bit set."""
     launch.check_float("attention_forward", q, k, v, half=True)
-    if key_lengths is not None:
-        if not launch.is_cupy(key_lengths):
-            key_lengths = asarray(np.asarray(key_lengths))
-        if key_lengths.dtype.kind != "i" or key_lengths.itemsize not in (4, 8):
-            raise TypeError(f"cuda.attention_forward: key_lengths must be int32 or int64, "
-                            f"got {key_lengths.dtype}")
-        launch.check_contiguous("attention_forward", key_lengths)
+    key_lengths = _key_lengths("attention_forward", key_lengths)
     check_attention_args("cuda.attention_forward", q, k, v, causal, key_lengths)
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"cuda.attention_forward: dropout_p must be in [0, 1), got {dropout_p}")
