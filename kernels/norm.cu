@@ -144,15 +144,21 @@ template <typename T> __device__ __forceinline__ GroupAt group_at(int j, int G, 
   return {p % C, p * S + s0, min(V, S - s0)};
 }
 
+// f(at) for each 16-byte group of the (planes, S) array of C channels, a group per thread
+// (grid-stride, 32-bit indices): the loop of the flat per-element kernels.
+template <typename T, class F>
+__device__ __forceinline__ void for_each_group(int planes, int C, int S, F&& f) {
+  const int G = (S + Group<T>::size - 1) / Group<T>::size;
+  GRID_STRIDE_32(j, planes * G) f(group_at<T>(j, G, C, S));
+}
+
 // y = (x - mean) * (invstd * weight) + bias [+ residual], then max(., 0) when relu.
 template <typename T, typename P = compute_t<T>>
 __global__ void bn_forward_kernel(T* y, const T* x, const T* residual, const P* mean,
                                   const P* var, const P* weight, const P* bias, P eps,
                                   int planes, int C, int S, int relu, int vec) {
   constexpr int V = Group<T>::size;
-  const int G = (S + V - 1) / V;
-  GRID_STRIDE_32(j, planes * G) {
-    const GroupAt at = group_at<T>(j, G, C, S);
+  for_each_group<T>(planes, C, S, [&](const GroupAt& at) {
     const P scale = inv_std(var[at.c], eps) * weight[at.c], mu = mean[at.c], b = bias[at.c];
     P v[V], r[V];
     load_group(v, x + at.o, at.m, vec);
@@ -164,7 +170,7 @@ __global__ void bn_forward_kernel(T* y, const T* x, const T* residual, const P* 
       if (relu) v[k] = v[k] < P(0) ? P(0) : v[k];
     }
     store_group(y + at.o, v, at.m, vec);
-  }
+  });
 }
 
 template <typename T>
@@ -205,9 +211,7 @@ __global__ void bn_backward_data_kernel(T* dx, const T* gy, const T* x, const P*
                                         const P* var, const P* weight, const P* sums, P eps,
                                         P inv_count, int planes, int C, int S, int vec) {
   constexpr int V = Group<T>::size;
-  const int G = (S + V - 1) / V;
-  GRID_STRIDE_32(j, planes * G) {
-    const GroupAt at = group_at<T>(j, G, C, S);
+  for_each_group<T>(planes, C, S, [&](const GroupAt& at) {
     const P invstd = inv_std(var[at.c], eps), mu = mean[at.c];
     const P mean_g = sums[at.c] * inv_count, mean_gx = sums[C + at.c] * inv_count;
     const P scale = weight[at.c] * invstd;
@@ -220,7 +224,7 @@ __global__ void bn_backward_data_kernel(T* dx, const T* gy, const T* x, const P*
       g[k] = (g[k] - mean_g - xhat * mean_gx) * scale;
     }
     store_group(dx + at.o, g, at.m, vec);
-  }
+  });
 }
 
 // instantiate: bn_stats_partial_kernel<float>; bn_stats_partial_kernel<double>; bn_stats_finalize_kernel<float>; bn_stats_finalize_kernel<double>
