@@ -45,6 +45,7 @@ def test_data_parallel_traces_the_model_on_a_copy(monkeypatch):
 
     import dptrain as dp
     from dptrain import nn
+    from dptrain.dist import world as world_module
 
     dp.manual_seed(0)
     model = nn.MODELS["resnet18"]((3, 8, 8), 5).to("cpu")
@@ -62,7 +63,10 @@ def test_data_parallel_traces_the_model_on_a_copy(monkeypatch):
 
     monkeypatch.setattr(runtime, "prepare", prepare)
     monkeypatch.setattr(type(model), "forward", spy)
-    ddp = dp.DataParallel(model, "sgd", lr=0.1, input_shapes=[(4, 3, 8, 8), (3, 3, 8, 8)])
+    monkeypatch.setattr(world_module, "_current", None)  # a CPU world, also on a GPU machine
+    world = dp.dist.init(device="cpu")
+    ddp = dp.DataParallel(model, "sgd", lr=0.1, world=world,
+                          input_shapes=[(4, 3, 8, 8), (3, 3, 8, 8)])
     assert seen == [(False, (4, 3, 8, 8), True), (False, (3, 3, 8, 8), False)]
     assert ddp.prepare_report["traced"] is None
     assert all(p.grad is None or not p.grad.data.any() for p in model.parameters())
@@ -126,6 +130,51 @@ def test_files_split_into_modules_by_element_family(monkeypatch):
     names = loader.name_expressions(source)
     assert sum(loader.part_of(n) == "main" for n in names) > 0
     assert {loader.part_of(n) for n in names} == set(loader.PARTS)
+
+
+def test_a_traced_run_builds_modules_of_its_kernels_alone(monkeypatch):
+    """A traced run's modules hold exactly the kernels it launches, by element family and at
+    most the file's instantiations-per-module each; a name the file does not instantiate is
+    left out. Their cache keys follow the set of names, not its order."""
+    monkeypatch.setattr(loader, "cuda_include_dir", lambda: Path("/toolkit/include"))
+    names = ["map2_kernel<__nv_bfloat16, Add>", "fill_kernel<unsigned int>",
+             "map2_kernel<float, Add>", "no_such_kernel<float>"]
+    assert loader.groups("elementwise.cu", names) == [
+        ("map2_kernel<float, Add>", "fill_kernel<unsigned int>"),  # file order
+        ("map2_kernel<__nv_bfloat16, Add>",)]
+    gemm = [n for n in loader._part_table("gemm.cu") if loader.part_of(n) == "main"][:3]
+    assert loader.groups("gemm.cu", gemm) == [(n,) for n in gemm]  # one per module
+    reduce = [n for n in loader._part_table("reduce.cu") if loader.part_of(n) == "main"][:5]
+    assert [len(g) for g in loader.groups("reduce.cu", reduce)] == [3, 2]
+    key = loader.cache_key("elementwise.cu", "90", names=names[:3])
+    assert key == loader.cache_key("elementwise.cu", "90", names=names[2::-1])
+    assert key != loader.cache_key("elementwise.cu", "90", names=names[:2])
+    assert key != loader.cache_key("elementwise.cu", "90", "main")
+
+
+def test_traced_units_add_the_step_kernels_of_the_run_dtypes(monkeypatch):
+    """Around the traced model a run builds the step's own kernels (STEP_KERNELS, each named
+    in its file, the 16-bit ones for the run's 16-bit type only) and the STEP_FILES' parts of
+    its families, not the large files whole."""
+    monkeypatch.setattr(loader, "cuda_include_dir", lambda: Path("/toolkit/include"))
+    for f, names in loader.STEP_KERNELS.items():
+        table = loader._part_table(f)
+        for n in names:
+            for t in ("__half", "__nv_bfloat16") if "{t}" in n else ("",):
+                assert n.format(t=t) in table, (f, n, t)
+    gemm = next(iter(loader._part_table("gemm.cu")))
+    traced = {("gemm.cu", gemm), ("norm.cu", "bn_forward_kernel<float>")}
+    units = loader.traced_units(traced, ("main", "__nv_bfloat16"))
+    held = {(f, n) for f, unit in units if not isinstance(unit, str) for n in unit}
+    assert ("norm.cu", "bn_forward_kernel<float>") in held
+    assert ("elementwise.cu", "accumulate_kernel<float, __nv_bfloat16>") in held
+    assert ("elementwise.cu", "accumulate_kernel<float, __half>") not in held
+    assert ("softmax.cu", "ce_rows_kernel<float, long long>") in held
+    whole = {(f, unit) for f, unit in units if isinstance(unit, str)}
+    assert whole == {(f, p) for f in loader.STEP_FILES for p in loader.parts(f)
+                     if p.split(".")[0] in ("main", "__nv_bfloat16")}
+    assert not {f for f, _ in whole} & {"elementwise.cu", "reduce.cu"}
+    assert loader._build_order(units)[0] == ("gemm.cu", (gemm,))  # the heaviest first
 
 
 def test_cache_key_follows_sources_and_headers(monkeypatch, tmp_path):
@@ -326,11 +375,13 @@ print(",".join(late) or "-", reports[0]["traced"], reports[0]["built"], loader.b
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("model, precision", [("cnn", "bf16"), ("cnn", "tf32"),
-                                              ("resnet18", "bf16"), ("vit", "bf16"),
-                                              ("vit", "tf32"), ("mlp", "bf16")])
+                                              ("cnn", "fp16"), ("resnet18", "bf16"),
+                                              ("resnet18", "tf32"), ("vit", "bf16"),
+                                              ("vit", "tf32"), ("mlp", "bf16"),
+                                              ("mlp", "tf32")])
 def test_a_run_builds_every_kernel_it_uses_up_front(tmp_path, model, precision):
     """prepare builds the kernels its trace of the model records (training and evaluation
-    shapes) and the step's own files, yet nothing the run uses is left to build on first
+    shapes) and the step's own (loader.STEP_KERNELS and STEP_FILES), yet nothing the run uses is left to build on first
     use (which would stall a step): every module this fresh process built, it built in
     prepare."""
     out = subprocess.run([sys.executable, "-c", _FAMILIES_RUN, model, precision,

@@ -16,7 +16,9 @@ second process start skips NVRTC.
 Cold start: ``compile_all()`` (what ``runtime.prepare()`` calls) builds the parts of every
 file this GPU can run that the run's dtypes need ahead of the first step, one thread per part
 (a float32 / TF32 run skips the 16-bit and double families, a bf16 run the float16 and double
-ones). Threads, not processes, because
+ones). Given the kernels a run launches (a trace), it builds modules of exactly those
+instantiations instead (``groups()``, ``module_of()``): a whole part is up to eight kernels
+the run may never launch, and every one costs compile time. Threads, not processes, because
 CuPy's binding calls ``nvrtcCompileProgram`` with the GIL released (``with nogil`` in
 cupy_backends/cuda/libs/nvrtc.pyx; the installed binary brackets the call with
 PyEval_SaveThread / PyEval_RestoreThread), NVRTC is documented thread-safe, and a thread's
@@ -170,12 +172,13 @@ def source_and_options(filename: str) -> tuple[str, tuple[str, ...]]:
     return source, options
 
 
-def cache_key(filename: str, arch: str, part: str = PARTS[0]) -> str:
+def cache_key(filename: str, arch: str, part: str = PARTS[0], names=None) -> str:
     """The identity of part `part` of kernels/`filename` built for GPU architecture `arch`
-    (compute capability digits, "90"): a digest of its source, the headers, the options,
-    `arch` and `part`."""
+    (compute capability digits, "90"), or of the module holding exactly the instantiations
+    `names`: a digest of its source, the headers, the options, `arch` and the part or names."""
     source, options = source_and_options(filename)
-    text = "\0".join((filename, source, *options, f"arch={arch}", f"part={part}"))
+    held = f"part={part}" if names is None else "names=" + ";".join(sorted(names))
+    text = "\0".join((filename, source, *options, f"arch={arch}", held))
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -203,8 +206,10 @@ def device_arch() -> str:
 
 
 # Modules built in this process, by cache_key; `builds` counts them (compiled by NVRTC or
-# loaded from CuPy's disk cache): after compile_all(), a training step builds none.
+# loaded from CuPy's disk cache): after compile_all(), a training step builds none. `_home`
+# names the module that holds each (file, instantiation) built so far.
 _modules: dict[str, object] = {}
+_home: dict[tuple[str, str], object] = {}
 _locks: dict[str, threading.Lock] = {}
 _table_lock = threading.Lock()
 builds = 0
@@ -213,8 +218,19 @@ builds = 0
 def module(filename: str, part: str = PARTS[0]):
     """The compiled module of part `part` of kernels/`filename` for the current GPU (built on
     first use)."""
+    names = [n for n, p in _part_table(filename).items() if p == part]
+    return _build(filename, names, cache_key(filename, device_arch(), part))
+
+
+def module_of(filename: str, names) -> object:
+    """A module of kernels/`filename` holding exactly the instantiations `names` (one
+    family's, a traced run's: no more than it launches), built on first use."""
+    names = sorted(names)
+    return _build(filename, names, cache_key(filename, device_arch(), names=names))
+
+
+def _build(filename: str, names, key: str):
     global builds
-    key = cache_key(filename, device_arch(), part)
     mod = _modules.get(key)
     if mod is not None:
         return mod
@@ -225,11 +241,12 @@ def module(filename: str, part: str = PARTS[0]):
             import cupy
 
             source, options = source_and_options(filename)
-            names = [n for n, p in _part_table(filename).items() if p == part]
-            mod = cupy.RawModule(code=source, options=options, name_expressions=names)
+            mod = cupy.RawModule(code=source, options=options, name_expressions=list(names))
             mod.compile()
             with _table_lock:
                 _modules[key] = mod
+                for name in names:
+                    _home.setdefault((filename, name), mod)
                 builds += 1
         return _modules[key]
 
@@ -242,17 +259,85 @@ def part_holding(filename: str, name: str) -> str:
     return _part_table(filename).get(name, part_of(name))
 
 
+def groups(filename: str, names) -> list[tuple[str, ...]]:
+    """The instantiations `names` of kernels/`filename` as the modules to build them in: by
+    element family, in file order, at most the file's instantiations-per-module each (so a
+    traced run builds what it launches, on as many threads as its whole parts would)."""
+    wanted, per_module = set(names), _per_module(source_and_options(filename)[0])
+    families: dict[str, list[str]] = {}
+    for name in _part_table(filename):
+        if name in wanted:
+            families.setdefault(part_of(name), []).append(name)
+    return [tuple(held[i:i + per_module]) for held in families.values()
+            for i in range(0, len(held), per_module)]
+
+
+# The work around the model in every training step, which a trace of the model does not
+# see: traced_units() builds these files whole for the run's dtypes (small files: any
+# optimizer, the non-finite guard and loss scale, the loader's gathers)...
+STEP_FILES = ("data.cu", "guard.cu", "optim.cu")
+# ...and these kernels of the large ones ({t}: each 16-bit dtype of the run; a name its file
+# does not instantiate is skipped): the gradients' zeroing, accumulation, scaling and casts,
+# the cross-entropy loss and its accuracy count, the loader's row gather. Found by recording
+# `python -m dptrain train`'s steps; a kernel missing here is built on its first launch
+# (tests/backend/test_startup.py checks the train command's runs launch none).
+STEP_KERNELS = {
+    "elementwise.cu": ("fill_kernel<unsigned char>", "fill_kernel<unsigned short>",
+                       "fill_kernel<unsigned int>", "fill_kernel<unsigned long long>",
+                       "map1_kernel<float, Scale>", "map2_kernel<float, Add>",
+                       "accumulate_kernel<float, {t}>", "convert_kernel<float, {t}>",
+                       "convert_kernel<{t}, float>"),
+    "reduce.cu": ("count_correct_kernel<float, long long>",),
+    "softmax.cu": ("ce_rows_kernel<float, long long>", "ce_mean_kernel<float>",
+                   "ce_bwd_kernel<float, long long>"),
+    "transpose.cu": ("strided_copy_kernel<unsigned int>",
+                     "take_rows_kernel<unsigned long long, long long>"),
+}
+
+
+def traced_units(recorded, families=PARTS) -> list:
+    """The build units of a traced run: modules of exactly the (file, instantiation) pairs
+    `recorded` and the STEP_KERNELS (for the 16-bit `families`), and the STEP_FILES' parts of
+    `families`."""
+    wanted = collections.defaultdict(set)
+    for f, name in recorded:
+        wanted[f].add(name)
+    half = [t for t in PARTS[2:] if t in families]  # the 16-bit families are their C types
+    for f, names in STEP_KERNELS.items():
+        for n in names:
+            wanted[f].update([n.format(t=t) for t in half] if "{t}" in n else [n])
+    units = [(f, group) for f, names in sorted(wanted.items()) for group in groups(f, names)]
+    return units + [(f, part) for f in STEP_FILES for part in parts(f)
+                    if part.split(".")[0] in families]
+
+
+def _unit_names(unit) -> list[str]:
+    """The instantiations a build unit holds: (file, part) or (file, (names...))."""
+    filename, held = unit
+    if isinstance(held, str):
+        return [n for n, p in _part_table(filename).items() if p == held]
+    return list(held)
+
+
+def _build_unit(unit):
+    filename, held = unit
+    return module(filename, held) if isinstance(held, str) else module_of(filename, held)
+
+
+def _label(unit) -> str:
+    """A unit as the build report names it: its part, or its family and kernel count."""
+    filename, held = unit
+    return held if isinstance(held, str) else f"{part_of(held[0])}[{len(held)}]"
+
+
 def _build_order(units) -> list:
-    """The (file, part) builds `units`, most work first. The work is a part's
+    """The build units (file, part) or (file, names), most work first. The work is a unit's
     instantiations, each weighing CHUNK / its file's instantiations-per-module: a file that
     asks for fewer per module says each is heavier (gemm.cu's and the wgmma files' main
     loops, one per module, take 1-4 s each against about 1 s for eight elementwise maps).
     Ties go to the heavier instantiations."""
-    per_module, size = {}, {}
-    for filename in {f for f, _ in units}:  # each file read once
-        per_module[filename] = _per_module(source_and_options(filename)[0])
-        size[filename] = collections.Counter(_part_table(filename).values())
-    return sorted(units, key=lambda u: (-size[u[0]][u[1]] * CHUNK / per_module[u[0]],
+    per_module = {f: _per_module(source_and_options(f)[0]) for f in {f for f, _ in units}}
+    return sorted(units, key=lambda u: (-len(_unit_names(u)) * CHUNK / per_module[u[0]],
                                         per_module[u[0]]))
 
 
@@ -264,7 +349,8 @@ def _per_module(source: str) -> int:
 
 def compile_all(workers: int | None = None, families=PARTS, units=None) -> dict:
     """Build the `families` parts (default: all) of every kernel file the current GPU can
-    run, or only the (file, part) `units` given, `workers` at a time (default:
+    run, or only the `units` given ((file, part), or (file, names) for a module of exactly
+    those instantiations, see groups()), `workers` at a time (default:
     $DPTRAIN_COMPILE_WORKERS, else one thread per part, at most the host's cores). Returns
     {"files", "built" (modules), "seconds", "workers", "slowest": [[file, part, seconds],
     ...] (the five longest builds)}."""
@@ -276,7 +362,7 @@ def compile_all(workers: int | None = None, families=PARTS, units=None) -> dict:
         units = [(f, part) for f in files for part in parts(f)
                  if part.split(".")[0] in families]
     else:
-        units = sorted(set(units))
+        units = list(dict.fromkeys(units))
         files = sorted({f for f, _ in units})
     units = _build_order(units)  # the most work first, so no big one starts last
     env = os.environ.get(WORKERS_ENV, "")
@@ -294,7 +380,7 @@ def compile_all(workers: int | None = None, families=PARTS, units=None) -> dict:
         # current here (CUDA >= 12), which loading the compiled module needs.
         cupy.cuda.runtime.setDevice(device)
         began = time.perf_counter()
-        module(*unit)
+        _build_unit(unit)
         took[unit] = time.perf_counter() - began
 
     if workers == 1:
@@ -307,10 +393,12 @@ def compile_all(workers: int | None = None, families=PARTS, units=None) -> dict:
     slowest = sorted(took.items(), key=lambda kv: -kv[1])[:5]
     return {"files": len(files), "built": builds - before,
             "seconds": time.perf_counter() - start, "workers": workers,
-            "slowest": [[f, part, round(s, 3)] for (f, part), s in slowest]}
+            "slowest": [[u[0], _label(u), round(s, 3)] for u, s in slowest]}
 
 
 @functools.lru_cache(maxsize=None)
 def function(filename: str, name: str):
-    """The kernel `name` (a plain name or a template instantiation) from kernels/`filename`."""
-    return module(filename, part_holding(filename, name)).get_function(name)
+    """The kernel `name` (a plain name or a template instantiation) from kernels/`filename`:
+    from the module built with it, else its part's (built now)."""
+    mod = _home.get((filename, name)) or module(filename, part_holding(filename, name))
+    return mod.get_function(name)

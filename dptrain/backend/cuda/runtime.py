@@ -9,14 +9,14 @@
 * Precision of the matrix kernels: "tf32" (compute capability >= 8.0) or "fp32"; the GEMM and
   convolution launchers read ``runtime.precision`` and keep it in their plan keys.
 * ``prepare()`` compiles the kernels ahead of the first step (loader.compile_all): every
-  kernel file's, or those a trace of the model launches (launch.recording) and STEP_FILES.
+  kernel file's, or those a trace of the model launches (launch.recording), the step's own
+  (loader.STEP_KERNELS, loader.STEP_FILES).
 * Random numbers: ``rng_state`` is a device uint64 array [seed, offset] that the dropout
   kernels read and advance on the device, so a replayed graph draws fresh numbers. It is
   created on first use, on the device current then (after ``select_device``); until then
   ``manual_seed`` and ``set_rng_state`` only set its host copy.
 """
 from __future__ import annotations
-
 
 import cupy
 import numpy as np
@@ -25,13 +25,6 @@ from dptrain.backend.bfloat16 import BFLOAT16
 from dptrain.backend.runtime import RuntimeBase
 
 PRECISIONS = ("tf32", "fp32")
-# The kernel files of the work around the model in every training step (loader, loss and
-# metrics, gradient exchange, non-finite guard, optimizer, copies): prepare(trace=...)
-# builds them whole for the run's dtypes, as its trace runs the model only.
-STEP_FILES = ("data.cu", "elementwise.cu", "guard.cu", "optim.cu", "reduce.cu", "softmax.cu",
-              "transpose.cu")
-
-
 def _order(waiter, signaller):
     event = cupy.cuda.Event(disable_timing=True)
     event.record(signaller)
@@ -162,7 +155,8 @@ class Runtime(RuntimeBase):
         step, in parallel threads (NVRTC, or CuPy's disk cache when warm): of every kernel
         file this GPU runs, or, given `trace` (a callable running the model as the step
         will, on arrays of the step's shapes), only the kernels `trace()` launches, recorded
-        without launching them, and the STEP_FILES. {"files", "built", "seconds",
+        without launching them, and the step's own (loader.traced_units), in modules of
+        those kernels alone. {"files", "built", "seconds",
         "workers", "slowest", "traced" (kernels recorded, or None: every kernel built)}."""
         from dptrain.backend.cuda import launch, loader
 
@@ -180,9 +174,7 @@ class Runtime(RuntimeBase):
                 recorded = None
         if recorded is None:
             return {**loader.compile_all(families=families), "traced": None}
-        units = {(f, loader.part_holding(f, name)) for f, name in recorded}
-        units |= {(f, part) for f in STEP_FILES for part in loader.parts(f)
-                  if part.split(".")[0] in families}
+        units = loader.traced_units(recorded, families)
         return {**loader.compile_all(units=units), "traced": len(recorded)}
 
     # -- capture and replay of a step
