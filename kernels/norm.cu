@@ -26,6 +26,9 @@
 //  * Elementwise kernels (forward, backward_data) write every output element with `=`. The
 //    forward adds an optional residual (same shape as x) and applies ReLU when `relu`, in its
 //    compute type, rounding once: relu(bn(x) + residual) in one pass.
+//  * ReLU without a residual is undone inside the backward: both backward kernels recompute
+//    the forward's output from x (relu_passed) and zero gy where it was 0, so the ReLU's
+//    gradient costs no pass over the activations of its own.
 //  * update_running: running = keep * running + momentum * batch (keep = 1 - momentum, rounded
 //    on the host; var made unbiased by count / (count - 1)), in place; one thread also adds 1
 //    to the int64 batch counter.
@@ -34,6 +37,20 @@
 
 template <typename T> __device__ __forceinline__ T inv_std(T var, T eps) {
   return T(1) / dp_sqrt(var + eps);
+}
+
+// The normalised, scaled and shifted value: (x - mean) * scale + bias, one fused multiply-add
+// (so the forward and a backward that recomputes it round alike).
+template <typename P> __device__ __forceinline__ P bn_affine(P x, P mu, P scale, P bias) {
+  return fma(x - mu, scale, bias);
+}
+
+// Whether relu(bn(x)) was positive, as the forward rounded it to T: where the ReLU's
+// gradient passes. Recomputed from x, so the backward needs neither the output nor a pass
+// of its own.
+template <typename T, typename P>
+__device__ __forceinline__ bool relu_passed(P x, P mu, P scale, P bias) {
+  return as<P>(as<T>(bn_affine(x, mu, scale, bias))) > P(0);
 }
 
 // The partial-sum loop of every channel reduction: for each channel c of this block and each
@@ -165,7 +182,7 @@ __global__ void bn_forward_kernel(T* y, const T* x, const T* residual, const P* 
     if (residual) load_group(r, residual + at.o, at.m, vec);
 #pragma unroll
     for (int k = 0; k < V; ++k) {
-      v[k] = (v[k] - mu) * scale + b;
+      v[k] = bn_affine(v[k], mu, scale, b);
       if (residual) v[k] = v[k] + r[k];
       if (relu) v[k] = v[k] < P(0) ? P(0) : v[k];
     }
@@ -185,11 +202,13 @@ __global__ void bn_update_running_kernel(T* running_mean, T* running_var, long l
 }
 
 // ws[(y * 2) * C + c] = sum over block y's part of channel c of gy, ws[(y * 2 + 1) * C + c]
-// of gy * xhat.
+// of gy * xhat. With relu_weight and relu_bias (a forward that applied ReLU without a
+// residual, with these parameters), gy is first zeroed where the forward's output was.
 template <typename T, typename P = compute_t<T>>
 __global__ void bn_backward_partial_kernel(double* ws, const T* gy, const T* x, const P* mean,
-                                           const P* var, P eps, int N, int C, int S, int chunk,
-                                           int vec) {
+                                           const P* var, const P* relu_weight,
+                                           const P* relu_bias, P eps, int N, int C, int S,
+                                           int chunk, int vec) {
   constexpr int V = Group<T>::size;
   channel_partials<2, T>(ws, N, C, S, chunk, [&](double (&acc)[2], int c, int o, int m) {
     const double mu = (double)mean[c];
@@ -197,6 +216,12 @@ __global__ void bn_backward_partial_kernel(double* ws, const T* gy, const T* x, 
     double g[V], v[V];
     load_group(g, gy + o, m, vec);  // lanes past m are zero: they add nothing
     load_group(v, x + o, m, vec);
+    if (relu_weight) {
+      const P scale = inv_std(var[c], eps) * relu_weight[c], b = relu_bias[c];
+#pragma unroll
+      for (int k = 0; k < V; ++k)
+        if (!relu_passed<T>(P(v[k]), mean[c], scale, b)) g[k] = 0.0;
+    }
 #pragma unroll
     for (int k = 0; k < V; ++k) {
       acc[0] += g[k];
@@ -205,21 +230,24 @@ __global__ void bn_backward_partial_kernel(double* ws, const T* gy, const T* x, 
   });
 }
 
-// dx = weight * invstd * (gy - sums[c] / count - xhat * sums[C + c] / count).
+// dx = weight * invstd * (gy - sums[c] / count - xhat * sums[C + c] / count); with relu_bias
+// (a forward that applied ReLU without a residual), gy zeroed first where its output was.
 template <typename T, typename P = compute_t<T>>
 __global__ void bn_backward_data_kernel(T* dx, const T* gy, const T* x, const P* mean,
-                                        const P* var, const P* weight, const P* sums, P eps,
-                                        P inv_count, int planes, int C, int S, int vec) {
+                                        const P* var, const P* weight, const P* sums,
+                                        const P* relu_bias, P eps, P inv_count, int planes,
+                                        int C, int S, int vec) {
   constexpr int V = Group<T>::size;
   for_each_group<T>(planes, C, S, [&](const GroupAt& at) {
     const P invstd = inv_std(var[at.c], eps), mu = mean[at.c];
     const P mean_g = sums[at.c] * inv_count, mean_gx = sums[C + at.c] * inv_count;
-    const P scale = weight[at.c] * invstd;
+    const P scale = invstd * weight[at.c];  // the forward's scale, bit for bit
     P g[V], v[V];
     load_group(g, gy + at.o, at.m, vec);
     load_group(v, x + at.o, at.m, vec);
 #pragma unroll
     for (int k = 0; k < V; ++k) {
+      if (relu_bias && !relu_passed<T>(v[k], mu, scale, relu_bias[at.c])) g[k] = P(0);
       const P xhat = (v[k] - mu) * invstd;
       g[k] = (g[k] - mean_g - xhat * mean_gx) * scale;
     }

@@ -547,17 +547,22 @@ class BatchNorm(Function):
             mean, var = running[0], running[1]
         if training and running is not None:
             be.batch_norm_update_(*running, mean, var, momentum, self.count)
-        self.x, self.weight, self.mean, self.var = x, weight, mean, var
+        self.x, self.weight, self.bias, self.mean, self.var = x, weight, bias, mean, var
+        self.residual = bool(residual)
         y = be.batch_norm_forward(x, mean, var, weight, bias, eps,
                                   residual=residual[0] if residual else None, relu=relu)
-        self.y = y if relu else None
+        self.y = y if relu and residual else None  # without a residual, its mask is recomputed
         return y
 
     def backward(self, gy):
         be = self.be
-        if self.relu:  # through the ReLU once; the residual's gradient is this too
+        relu = None
+        if self.relu and self.residual:  # through the ReLU once: the residual's gradient too
             gy = be.relu_backward(self.y, gy)
-        sums = be.batch_norm_backward_reduce(gy, self.x, self.mean, self.var, self.eps)
+        elif self.relu:  # the kernels recompute the ReLU's mask from x: no pass of its own
+            relu = (self.weight, self.bias)
+        sums = be.batch_norm_backward_reduce(gy, self.x, self.mean, self.var, self.eps,
+                                             relu=relu)
         gw = be.getitem(sums, 1) if self.needs_grad[1] else None  # this rank's own sums
         gb = be.getitem(sums, 0) if self.needs_grad[2] else None
         gx = None
@@ -568,7 +573,7 @@ class BatchNorm(Function):
                 sums = be.copy(sums)
                 self.comm.all_reduce(sums.reshape(-1), "sum")
             gx = be.batch_norm_backward_data(gy, self.x, self.mean, self.var, self.weight, sums,
-                                             self.eps, self.count)
+                                             self.eps, self.count, relu=relu)
         if len(self.needs_grad) == 3:
             return gx, gw, gb
         return gx, gw, gb, gy if self.needs_grad[3] else None

@@ -120,6 +120,41 @@ def test_16_bit_batch_norm_keeps_fp32_statistics(cu, rng, shape, half):
     assert np.linalg.norm(widened(g) - ref) / max(np.linalg.norm(ref), 1e-30) <= 2 * tol
 
 
+@pytest.mark.parametrize("shape", SHAPES[:4] + SHAPES[6:])
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
+def test_relu_mask_recomputed_in_the_backward_equals_its_own_pass(cu, rng, shape, dtype):
+    """relu=(weight, bias): both backward kernels zero gy where relu(bn(x)) was 0, recomputed
+    from x as the forward rounded it. Bitwise the results of masking gy with the forward's
+    output first (relu_backward), in every dtype; the same on the NumPy reference."""
+    from dptrain.backend.bfloat16 import to_bfloat16
+
+    x, gy, w, b = _inputs(rng, shape, F32)
+    stat = F64 if dtype == "float64" else F32
+    w, b = w.astype(stat), b.astype(stat)
+    if dtype == "bfloat16":
+        x, gy = to_bfloat16(x), to_bfloat16(gy)
+    else:
+        x, gy = x.astype(dtype), gy.astype(dtype)
+    for be, asarray in ((cu, cu.asarray), (cpu, np.asarray)):
+        dx, dgy, dw, db = (asarray(a) for a in (x, gy, w, b))
+        mean, var = be.batch_norm_stats(dx)
+        eps, count = 1e-5, x.size // shape[1]
+        y = be.batch_norm_forward(dx, mean, var, dw, db, eps, relu=True)
+        masked = be.relu_backward(y, dgy)
+        sums = be.batch_norm_backward_reduce(masked, dx, mean, var, eps)
+        fused = be.batch_norm_backward_reduce(dgy, dx, mean, var, eps, relu=(dw, db))
+        assert np.array_equal(be.to_numpy(fused), be.to_numpy(sums))
+        gx = be.batch_norm_backward_data(masked, dx, mean, var, dw, sums, eps, count)
+        fused = be.batch_norm_backward_data(dgy, dx, mean, var, dw, sums, eps, count,
+                                            relu=(dw, db))
+        assert np.array_equal(be.to_numpy(fused).view(np.uint8), be.to_numpy(gx).view(np.uint8))
+    dx, dw, db = cu.asarray(x), cu.asarray(w), cu.asarray(b)
+    mean, var = cu.batch_norm_stats(dx)
+    with pytest.raises(ValueError, match="relu's weight"):  # the mask's scale is the weight's
+        cu.batch_norm_backward_data(dx, dx, mean, var, dw, cu.asarray(sums), 1e-5, count,
+                                    relu=(cu.asarray(w), db))
+
+
 @pytest.mark.parametrize("dtype", [F32, np.uint16], ids=["float32", "bfloat16"])
 def test_unaligned_arrays_take_the_element_path(cu, rng, dtype):
     """Views that start off a 16-byte boundary (S a whole number of groups) give the same

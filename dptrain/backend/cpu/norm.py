@@ -104,9 +104,21 @@ def batch_norm_update_(running_mean, running_var, num_batches_tracked, mean, var
     return running_mean
 
 
+def _relu_masked(gy, x, mean, var, eps, relu):
+    """gy zeroed where relu(bn(x)) with `relu`'s (weight, bias) was 0 (the forward's output,
+    recomputed bit for bit), or gy itself for no `relu`."""
+    if relu is None:
+        return gy
+    y = batch_norm_forward(x, mean, var, relu[0], relu[1], eps, relu=True)
+    return gy * (y > 0)  # as relu_backward
+
+
 @op
-def batch_norm_backward_reduce(gy, x, mean, var, eps):
-    """(2, C): [sum of gy, sum of gy * xhat] per channel (bias and weight gradients)."""
+def batch_norm_backward_reduce(gy, x, mean, var, eps, relu=None):
+    """(2, C): [sum of gy, sum of gy * xhat] per channel (bias and weight gradients). `relu`:
+    the (weight, bias) of a forward that applied ReLU (no residual); gy is then that ReLU's
+    output gradient, masked here where the recomputed output was 0."""
+    gy = _relu_masked(gy, x, mean, var, eps, relu)
     xhat = (x.astype(np.float64) - _channel(mean, x)) * _channel(_invstd(var, eps), x)
     g = gy.astype(np.float64)
     sums = np.stack([g.sum(axis=_axes(x)), (g * xhat).sum(axis=_axes(x))])
@@ -114,8 +126,10 @@ def batch_norm_backward_reduce(gy, x, mean, var, eps):
 
 
 @op
-def batch_norm_backward_data(gy, x, mean, var, weight, sums, eps, count):
-    """dx = weight * invstd * (gy - sums[0] / count - xhat * sums[1] / count)."""
+def batch_norm_backward_data(gy, x, mean, var, weight, sums, eps, count, relu=None):
+    """dx = weight * invstd * (gy - sums[0] / count - xhat * sums[1] / count); `relu` as in
+    batch_norm_backward_reduce (gy masked first)."""
+    gy = _relu_masked(gy, x, mean, var, eps, relu)
     invstd = _invstd(var, eps)
     t = stat_dtype(x).type
     xhat = (_compute(x, x) - _channel(mean, x)) * _channel(invstd, x)

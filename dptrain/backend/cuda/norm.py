@@ -185,41 +185,58 @@ def batch_norm_update_(running_mean, running_var, num_batches_tracked, mean, var
     return running_mean
 
 
+def _relu_affine(op, c, x, relu):
+    """The (weight, bias) of a forward that applied ReLU without a residual, checked, or
+    (NULL, NULL) for none."""
+    if relu is None:
+        return launch.NULL, launch.NULL
+    weight, bias = relu
+    _per_channel(op, c, x, relu_weight=weight, relu_bias=bias)
+    return weight, bias
+
+
 @op
-def batch_norm_backward_reduce(gy, x, mean, var, eps):
-    """(2, C): [sum of gy, sum of gy * xhat] per channel (bias and weight gradients)."""
+def batch_norm_backward_reduce(gy, x, mean, var, eps, relu=None):
+    """(2, C): [sum of gy, sum of gy * xhat] per channel (bias and weight gradients). `relu`:
+    the (weight, bias) of a forward that applied ReLU (no residual); gy is then that ReLU's
+    output gradient, masked here where the recomputed output was 0."""
     op = "batch_norm_backward_reduce"
     n, c, s = _geometry(op, x)
     launch.check_float(op, x, gy, half=True)
     launch.check_contiguous(op, gy)
     launch.check_shape(op, gy, x.shape, "gy")
     _per_channel(op, c, x, mean=mean, var=var)
+    masks = _relu_affine(op, c, x, relu)
     sums = launch.new((2, c), stat_dtype(x))
     if c:
         ws, splits = _channel_sums("bn_backward_partial_kernel", x, (n, c, s), 2, (gy, x),
-                                   (gy, x, mean, var, stat_dtype(x).type(eps)))
+                                   (gy, x, mean, var, *masks, stat_dtype(x).type(eps)))
         _finalize(sums, ws, splits, 1.0)
     return sums
 
 
 @op
-def batch_norm_backward_data(gy, x, mean, var, weight, sums, eps, count):
-    """dx = weight * invstd * (gy - sums[0] / count - xhat * sums[1] / count)."""
+def batch_norm_backward_data(gy, x, mean, var, weight, sums, eps, count, relu=None):
+    """dx = weight * invstd * (gy - sums[0] / count - xhat * sums[1] / count); `relu` as in
+    batch_norm_backward_reduce (gy masked first; its weight must be `weight`)."""
     op = "batch_norm_backward_data"
     n, c, s, g = _groups(op, x)
     launch.check_float(op, x, gy, half=True)
     launch.check_contiguous(op, gy, sums)
     launch.check_shape(op, gy, x.shape, "gy")
-    launch.check_shape(op, sums, (2, c), "sums")
     _per_channel(op, c, x, mean=mean, var=var, weight=weight)
     if sums.dtype != stat_dtype(x):
         raise TypeError(f"cuda.{op}: sums must be {stat_dtype(x)} for {x.dtype} x, got "
                         f"{sums.dtype}")
+    if relu is not None and relu[0] is not weight:
+        raise ValueError(f"cuda.{op}: relu's weight must be the weight given")
+    relu_bias = _relu_affine(op, c, x, relu)[1]
     dx = launch.new(x.shape, x.dtype)
     if dx.size:
         t = stat_dtype(x).type
         fn = launch.kernel(NORM, "bn_backward_data_kernel", launch.ctype(x.dtype))
-        launch.grid_stride(fn, n * c * g, (dx, gy, x, mean, var, weight, sums, t(eps),
-                                           t(1.0 / count), np.int32(n * c), np.int32(c),
-                                           np.int32(s), launch.whole_groups(s, dx, gy, x)))
+        launch.grid_stride(fn, n * c * g, (dx, gy, x, mean, var, weight, sums, relu_bias,
+                                           t(eps), t(1.0 / count), np.int32(n * c),
+                                           np.int32(c), np.int32(s),
+                                           launch.whole_groups(s, dx, gy, x)))
     return dx
