@@ -14,6 +14,13 @@
 //    0), and a chunk of 8 consecutive m is gy's channels of one pixel (M % 8 == 0): both tiles
 //    are MN-major (wgmma.cuh), each slab 64 pixels of K; zero-fill outside the image, past
 //    the block's pixel range, past the rows and columns.
+//  * TF32 (conv2d_bwdw_wgmma_tf32_kernel): wgmma reads 32-bit operands K-major only, so the
+//    float loader stages each slab in registers and stores it transposed: a thread loads 16
+//    bytes (4 channels of one pixel) per row and writes them as 4 values of 4 K-major rows
+//    (32 pixels of 128 bytes each), lanes spread over 8 pixels and 4 chunks (2-way bank
+//    conflicts at most), and the next slab stored and the one after loaded while the
+//    tensor cores run (wgmma_mainloop_staged). 64 or 128 columns per block (256 would spill
+//    the registers the staging needs).
 //  * K is split over grid z (the launcher picks the count): split s covers pixels
 //    [s*chunk, (s+1)*chunk). One split writes gw directly; several write float partials
 //    ws[s][j][m], which conv2d_bwdw_wgmma_reduce_kernel sums in split order (bitwise
@@ -26,8 +33,10 @@
 // instantiate: conv2d_bwdw_wgmma_kernel<__nv_bfloat16, 256>
 // instantiate: conv2d_bwdw_wgmma_kernel<__half, 64>; conv2d_bwdw_wgmma_kernel<__half, 128>
 // instantiate: conv2d_bwdw_wgmma_kernel<__half, 256>
+// instantiate: conv2d_bwdw_wgmma_tf32_kernel<64>; conv2d_bwdw_wgmma_tf32_kernel<128>
 // instantiate: conv2d_bwdw_wgmma_reduce_kernel<__nv_bfloat16>
 // instantiate: conv2d_bwdw_wgmma_reduce_kernel<__half>
+// instantiate: conv2d_bwdw_wgmma_reduce_kernel<float>
 
 #include "common.cuh"
 #include "wgmma.cuh"
@@ -36,6 +45,40 @@ namespace wgmma_bwdw {
 constexpr int BM = 128, BK = 64, THREADS = 256, CHUNK = 8;  // CHUNK: 16-bit values
 constexpr int ROWS = BK / (THREADS / 8);                    // pixel rows a thread loads: 2
 }  // namespace wgmma_bwdw
+
+// Epilogue of both kernels: the thread's rows j (row and row + 8) and pairs of columns m, to
+// gw (one split) or to split blockIdx.z's float partials.
+template <typename T, int BN>
+__device__ __forceinline__ void bwdw_store(const float (&acc)[BN / 2], T* gw, float* ws, int M,
+                                           int C, int J, int taps, int splits, int j0,
+                                           int m0) {
+  using namespace wgmma_tiles;
+  int jrow[2], gcol[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int j = j0 + (threadIdx.x >> 7) * 64 + ((threadIdx.x >> 5) & 3) * 16 +
+                  ((threadIdx.x & 31) >> 2) + 8 * h;
+    const int t = j / C;
+    jrow[h] = j < J ? j : -1;
+    gcol[h] = (j - t * C) * taps + t;  // gw's column (c, kh, kw)
+  }
+  float* part = ws + (long long)blockIdx.z * J * M;
+  for_each_pair<BN>(acc, [&](int, int col, float x0, float y0, float x1, float y1) {
+    const int m = m0 + col;
+    if (m >= M) return;  // M % 8 == 0 (16-bit), % 4 (float): m + 1 < M too
+    const float v[2][2] = {{x0, y0}, {x1, y1}};
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (jrow[h] < 0) continue;
+      if (splits == 1) {
+        gw[(long long)m * J + gcol[h]] = as<T>(v[h][0]);
+        gw[(long long)(m + 1) * J + gcol[h]] = as<T>(v[h][1]);
+      } else {
+        *reinterpret_cast<float2*>(part + (long long)jrow[h] * M + m) = make_float2(v[h][0], v[h][1]);
+      }
+    }
+  });
+}
 
 template <typename T, int BN>
 __global__ void __launch_bounds__(wgmma_bwdw::THREADS, 1)
@@ -115,32 +158,117 @@ __global__ void __launch_bounds__(wgmma_bwdw::THREADS, 1)
       }
     });
 
-  // Epilogue: the thread's rows j (row and row + 8) and pairs of columns m.
-  int jrow[2], gcol[2];
+  bwdw_store<T, BN>(acc, gw, ws, M, C, J, taps, splits, j0, m0);
+}
+
+namespace wgmma_bwdw_tf32 {
+constexpr int BM = 128, BK = 32, THREADS = 256;  // BK: pixels per slab (128 bytes of floats)
+// A thread's share of a slab of an R-row operand tile: R / 32 items, item i being 4 rows
+// (one 16-byte chunk of the source) by one pixel. Lanes: 8 pixels by 4 chunks; warp w and
+// item i pick the chunks' quad and the pixels' octet.
+template <int R> __device__ __forceinline__ int item_rows(int i) {  // first of the 4 rows
+  constexpr int quads = R / 16;
+  const int slot = (threadIdx.x >> 5) + 8 * i;
+  return 16 * (slot % quads) + 4 * ((threadIdx.x & 31) >> 3);
+}
+template <int R> __device__ __forceinline__ int item_pixel(int i) {  // 0..31 in the slab
+  constexpr int quads = R / 16;
+  return 8 * (((threadIdx.x >> 5) + 8 * i) / quads) + (threadIdx.x & 7);
+}
+// 16 bytes from global memory where `ok`, else zeros: one predicated load, no branch (a
+// branch inside the wgmma pipeline makes ptxas serialise the wgmmas).
+__device__ __forceinline__ float4 load4_or_zero(const float* p, bool ok) {
+  float4 v;
+  asm volatile(
+      "{\n.reg .pred q;\nsetp.ne.b32 q, %5, 0;\n"
+      "mov.f32 %0, 0f00000000;\nmov.f32 %1, 0f00000000;\n"
+      "mov.f32 %2, 0f00000000;\nmov.f32 %3, 0f00000000;\n"
+      "@q ld.global.nc.v4.f32 {%0, %1, %2, %3}, [%4];\n}\n"
+      : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+      : "l"(p), "r"((int)ok));
+  return v;
+}
+// Stores 4 values of rows r..r+3 at pixel column p of a K-major, 128-byte swizzled tile.
+__device__ __forceinline__ void stash4(wgmma_tiles::u32 tile, int r, int p, float4 v) {
+  const float e[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int j = j0 + (threadIdx.x >> 7) * 64 + ((threadIdx.x >> 5) & 3) * 16 +
-                  ((threadIdx.x & 31) >> 2) + 8 * h;
-    const int t = j / C;
-    jrow[h] = j < J ? j : -1;
-    gcol[h] = (j - t * C) * taps + t;  // gw's column (c, kh, kw)
+  for (int k = 0; k < 4; ++k)
+    asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(tile + wgmma_tiles::swizzled(r + k, p >> 2) +
+                                                  (p & 3) * 4),
+                 "f"(e[k])
+                 : "memory");
+}
+}  // namespace wgmma_bwdw_tf32
+
+// TF32: the GEMM and epilogue of conv2d_bwdw_wgmma_kernel, slabs of 32 pixels stored K-major
+// from registers (see the conventions).
+template <int BN>
+__global__ void __launch_bounds__(wgmma_bwdw_tf32::THREADS, BN <= 64 ? 2 : 1)
+    conv2d_bwdw_wgmma_tf32_kernel(const float* __restrict__ x, const float* __restrict__ gy,
+                                  float* __restrict__ gw, float* __restrict__ ws, int Nb, int M,
+                                  int C, int H, int W, int Ho, int Wo, int KH, int KW, int sh,
+                                  int sw, int ph, int pw, int splits, int chunk) {
+  using namespace wgmma_tiles;
+  using namespace wgmma_bwdw_tf32;
+  constexpr int A_ITEMS = BM / 32, B_ITEMS = BN / 32;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  unsigned dyn;
+  asm volatile("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(dyn));
+  if (dyn < (unsigned)smem_bytes<BM, BN>()) __trap();  // the launcher must pass it
+
+  const int taps = KH * KW, J = taps * C, hw = Ho * Wo, npix = Nb * hw;
+  const int j0 = blockIdx.x * BM, m0 = blockIdx.y * BN;
+  const int p_begin = blockIdx.z * chunk, p_end = min(npix, p_begin + chunk);
+  const int KT = p_end > p_begin ? (p_end - p_begin + BK - 1) / BK : 0;
+
+  // A: this thread's 4 rows j (one tap's channels) are the same in every item and slab:
+  // decoded once. Its pixels move on by BK a slab: carried as (n, oy, ox).
+  const int ja = j0 + item_rows<BM>(0), ta = ja / C;
+  const int akh = ta / KW, akw = ta - akh * KW;
+  const int aoff = ja < J ? (akh * W + akw) * C + (ja - ta * C) : -1;
+  int pn[A_ITEMS], poy[A_ITEMS], pox[A_ITEMS];
+#pragma unroll
+  for (int i = 0; i < A_ITEMS; ++i) {
+    const int q = p_begin + item_pixel<BM>(i), p = q - (q / hw) * hw;
+    pn[i] = q / hw;
+    poy[i] = p / Wo;
+    pox[i] = p - poy[i] * Wo;
   }
-  float* part = ws + (long long)blockIdx.z * J * M;
-  for_each_pair<BN>(acc, [&](int, int col, float x0, float y0, float x1, float y1) {
-    const int m = m0 + col;
-    if (m >= M) return;  // M % 8 == 0: m + 1 < M too
-    const float v[2][2] = {{x0, y0}, {x1, y1}};
+  const int dn = BK / hw, dy = (BK - dn * hw) / Wo, dx = BK - dn * hw - dy * Wo;
+  float4 ra[A_ITEMS], rb[B_ITEMS];
+
+  auto fetch = [&](int kt) {
+    const int q0 = p_begin + kt * BK;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      if (jrow[h] < 0) continue;
-      if (splits == 1) {
-        gw[(long long)m * J + gcol[h]] = as<T>(v[h][0]);
-        gw[(long long)(m + 1) * J + gcol[h]] = as<T>(v[h][1]);
-      } else {
-        *reinterpret_cast<float2*>(part + (long long)jrow[h] * M + m) = make_float2(v[h][0], v[h][1]);
-      }
+    for (int i = 0; i < A_ITEMS; ++i) {
+      const int iy = poy[i] * sh - ph + akh, ix = pox[i] * sw - pw + akw;
+      const bool ok = q0 + item_pixel<BM>(i) < p_end && aoff >= 0 && (unsigned)iy < (unsigned)H &&
+                      (unsigned)ix < (unsigned)W;
+      ra[i] = load4_or_zero(x + (((long long)pn[i] * H + iy) * W + ix) * C + (ja - ta * C), ok);
+      pox[i] += dx;  // the next slab's pixel, BK further, with carries
+      if (pox[i] >= Wo) pox[i] -= Wo, ++poy[i];
+      poy[i] += dy;
+      if (poy[i] >= Ho) poy[i] -= Ho, ++pn[i];
+      pn[i] += dn;
     }
-  });
+#pragma unroll
+    for (int i = 0; i < B_ITEMS; ++i) {
+      const int q = q0 + item_pixel<BN>(i), m = m0 + item_rows<BN>(i);
+      rb[i] = load4_or_zero(gy + (long long)q * M + m, q < p_end && m < M);
+    }
+  };
+  auto stash = [&](u32 sa, u32 sb) {
+#pragma unroll
+    for (int i = 0; i < A_ITEMS; ++i) stash4(sa, item_rows<BM>(i), item_pixel<BM>(i), ra[i]);
+#pragma unroll
+    for (int i = 0; i < B_ITEMS; ++i) stash4(sb, item_rows<BN>(i), item_pixel<BN>(i), rb[i]);
+  };
+
+  float acc[BN / 2];
+#pragma unroll
+  for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+  wgmma_mainloop_staged<float, BM, BN>(acc, smem_base(smem_raw), KT, fetch, stash);
+  bwdw_store<float, BN>(acc, gw, ws, M, C, J, taps, splits, j0, m0);
 }
 
 // gw[m][c*taps + t] = sum over s in order of ws[s][t*C + c][m]: a thread per output, reading

@@ -184,6 +184,40 @@ __device__ __forceinline__ void wgmma_mainloop(float (&acc)[BN / 2], u32 sbase, 
   cp_async_wait<0>();
 }
 
+// The main loop of a loader that cannot copy asynchronously (TF32 from MN-major sources:
+// loads to registers, stores transposed): fetch(kt) loads slab kt into the caller's
+// registers (zeros past the last slab), stash(a_tile, b_tile) stores them into a stage,
+// K-major. While slab kt's wgmma runs, slab kt+1 is stashed (fetched one slab earlier) and
+// slab kt+2 fetched; then the wgmma is waited for, so none is in flight across the loop's
+// branch (ptxas serialises the wgmmas otherwise) and one barrier per slab suffices.
+template <typename T, int BM, int BN, class Fetch, class Stash>
+__device__ __forceinline__ void wgmma_mainloop_staged(float (&acc)[BN / 2], u32 sbase, int KT,
+                                                      Fetch&& fetch, Stash&& stash) {
+  constexpr int A_BYTES = BM * ROW_BYTES, STAGE_BYTES = (BM + BN) * ROW_BYTES;
+  static_assert(BM % 64 == 0 && STAGE_BYTES % 1024 == 0, "tiles of 64-row warpgroups");
+  const int wg = threadIdx.x >> 7;
+  if (KT > 0) fetch(0), stash(sbase, sbase + A_BYTES);
+  if (KT > 1) fetch(1);
+  for (int kt = 0; kt < KT; ++kt) {
+    fence_proxy_async();  // this thread's stores of slab kt, visible to the async proxy
+    __syncthreads();      // ... everyone's; every earlier wgmma retired
+    const u32 st = sbase + (kt % STAGES) * STAGE_BYTES;
+    fence_regs(acc);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < ROW_BYTES / 32; ++kk)
+      Wgmma<T, BN>::run(acc, smem_desc(st + wg * (64 * ROW_BYTES) + kk * 32),
+                        smem_desc(st + A_BYTES + kk * 32));
+    wgmma_commit();
+    // unconditionally (no branch in the pipeline): past the last slab, fetch loads nothing
+    // and stash fills a stage no wgmma reads
+    const u32 next = sbase + ((kt + 1) % STAGES) * STAGE_BYTES;
+    stash(next, next + A_BYTES);
+    fetch(kt + 2);
+    wgmma_wait<0>();
+    fence_regs(acc);
+  }
+}
 // The accumulator's coordinates in the block tile: f(row, col, x0, y0, x1, y1) for each pair
 // of neighbouring columns (col, col + 1) this thread holds, (x0, y0) at row 16v + l/4 and
 // (x1, y1) eight rows further down (see the layout above).

@@ -1,7 +1,7 @@
 """The Hopper convolution kernels against the float64 CPU reference: kernels/conv2d_wgmma.cu
 (forward and backward-data on wgmma, channels-last gathers; TF32, fp16 and bf16) and
 kernels/conv2d_bwdw_wgmma.cu (backward-weight, both operands channels-last, its pixels split
-or not; fp16 and bf16). The shapes reach their edges: partial pixel and channel tiles, a
+or not; fp16 and bf16, and TF32 through its register-staged loader). The shapes reach their edges: partial pixel and channel tiles, a
 partial K slab, strides (backward-data's phases of output pixels, those no tap reaches
 included), padding, 1x1 and non-square filters, a bias. The mma.sync kernels agree on the
 same inputs, channels not in whole 16-byte chunks fall back to them, and results repeat
@@ -20,6 +20,11 @@ from dptrain.backend.cuda import conv2d, gemm  # noqa: E402 - after the CuPy che
 
 WGMMA = "conv2d_wgmma_kernel"
 WGMMA_BWDW = "conv2d_bwdw_wgmma_kernel"
+WGMMA_BWDW_TF32 = "conv2d_bwdw_wgmma_tf32_kernel"
+
+
+def bwdw_kernel(dt):
+    return WGMMA_BWDW if np.dtype(dt).itemsize == 2 else WGMMA_BWDW_TF32
 CASES = [  # x shape, w shape, stride, padding
     ((4, 32, 12, 12), (64, 32, 3, 3), (1, 1), (1, 1)),  # a reference-CNN layer (K = 288)
     ((2, 64, 6, 6), (128, 64, 3, 3), (1, 1), (1, 1)),  # the next one: a 128-channel tile
@@ -48,6 +53,7 @@ def fresh_plans(cu, monkeypatch):
     NaN in the pool."""
     monkeypatch.setenv(conv2d.WGMMA_CONV_ENV, "1")
     monkeypatch.setenv(conv2d.WGMMA_BWDW_ENV, "1")
+    monkeypatch.setenv(conv2d.WGMMA_BWDW_TF32_ENV, "1")
     monkeypatch.setenv(conv2d.DIRECT_ENV, "0")
     with fresh_conv_plans(cu):
         yield
@@ -60,11 +66,11 @@ def test_wgmma_passes_match_reference(cu, dt, xs, ws, stride, pad):
     ran = planned_kernels(cu, x, w, gy, stride, pad)
     assert ran["forward"] == WGMMA
     assert ran["backward_data"] == WGMMA
-    assert (ran["backward_weight"] == WGMMA_BWDW) == (np.dtype(dt).itemsize == 2)
+    assert ran["backward_weight"] == bwdw_kernel(dt)
     passes_match_reference(cu, dt, x, w, gy, stride, pad)
 
 
-@pytest.mark.parametrize("dt", DTYPES[1:])
+@pytest.mark.parametrize("dt", DTYPES)
 @pytest.mark.parametrize("xs, ws, stride, pad, split", [
     ((2, 256, 6, 6), (512, 256, 3, 3), (1, 1), (1, 1), False),  # 36 tiles, 72 pixels: one split
     ((64, 64, 16, 16), (32, 64, 3, 3), (1, 1), (1, 1), True),  # 16,384 pixels: many splits
@@ -72,7 +78,7 @@ def test_wgmma_passes_match_reference(cu, dt, xs, ws, stride, pad):
 ])
 def test_wgmma_backward_weight_with_and_without_splits(cu, dt, xs, ws, stride, pad, split):
     x, w, gy = inputs(dt, xs, ws, stride, pad)
-    assert planned_kernels(cu, x, w, gy, stride, pad)["backward_weight"] == WGMMA_BWDW
+    assert planned_kernels(cu, x, w, gy, stride, pad)["backward_weight"] == bwdw_kernel(dt)
     bwdw = conv2d._backward_weight(cu.asarray(x), cu.asarray(gy), ws, stride, pad)
     assert (bwdw.splits > 1) == split
     got = to_f32(cu.to_numpy(cu.conv2d_backward_weight(cu.asarray(x), cu.asarray(gy), ws,
@@ -81,15 +87,26 @@ def test_wgmma_backward_weight_with_and_without_splits(cu, dt, xs, ws, stride, p
     close(got, cpu.conv2d_backward_weight(x64, gy64, ws, stride, pad), dt, 2)
 
 
-@pytest.mark.parametrize("dt", DTYPES[1:])
+@pytest.mark.parametrize("dt", DTYPES)
 def test_wgmma_backward_weight_agrees_with_the_mma_kernel(cu, dt, monkeypatch):
     xs, ws, stride, pad = CASES[0]
     x, w, gy = inputs(dt, xs, ws, stride, pad)
     fast = passes(cu, dt, x, w, gy, stride, pad)[2]
     monkeypatch.setenv(conv2d.WGMMA_BWDW_ENV, "0")
     gemm.clear_plans()
-    assert planned_kernels(cu, x, w, gy, stride, pad)["backward_weight"] != WGMMA_BWDW
+    assert planned_kernels(cu, x, w, gy, stride, pad)["backward_weight"] != bwdw_kernel(dt)
     close(fast, passes(cu, dt, x, w, gy, stride, pad)[2], dt, 2)
+
+
+def test_tf32_backward_weight_takes_wgmma_from_128_input_channels(cu, monkeypatch):
+    """By default TF32 backward-weight runs on wgmma where it measured faster: inputs of
+    TF32_BWDW_MIN_CIN channels or more; below, conv2d_nhwc.cu's kernel."""
+    monkeypatch.delenv(conv2d.WGMMA_BWDW_TF32_ENV)
+    f32 = DTYPES[0].values[0]
+    for cin, kernel in ((64, "conv2d_bwdw_nhwc_kernel"), (conv2d.TF32_BWDW_MIN_CIN, WGMMA_BWDW_TF32)):
+        gemm.clear_plans()
+        x, w, gy = inputs(f32, (2, cin, 6, 6), (64, cin, 3, 3), (1, 1), (1, 1))
+        assert planned_kernels(cu, x, w, gy, (1, 1), (1, 1))["backward_weight"] == kernel
 
 
 @pytest.mark.parametrize("dt", DTYPES)

@@ -21,9 +21,10 @@ Conventions (the .cu file's header has the kernel side):
     source is copied to NHWC first, and the kernel needs the summed channels in whole 16-byte
     chunks; otherwise conv2d.cu's mma.sync kernels run.
   * Backward-weight of 16-bit operands on Hopper (conv2d_bwdw_wgmma.cu, wgmma with both
-    operands channels-last; DPTRAIN_WGMMA_BWDW=0 turns it off): x and gy are copied to NHWC,
-    and C_in and C_out must come in whole 16-byte chunks; its split of the pixels over grid
-    z is chosen by a cost model of waves, slabs and the reduce (_bwdw_wgmma_splits).
+    operands channels-last; DPTRAIN_WGMMA_BWDW=0 turns it off), and of TF32 ones from 128
+    input channels on (DPTRAIN_WGMMA_BWDW_TF32: "0" never, "1" always): x and gy are copied
+    to NHWC, and C_in and C_out must come in whole 16-byte chunks; its split of the pixels
+    over grid z is chosen by a cost model of waves, slabs and the reduce (_bwdw_wgmma_splits).
   * `conv2d_kernels` names the kernel each pass's plan runs (tests, benchmarks).
   * Small filters (C_in*KH*KW <= 32, e.g. a first layer on 1-3 channel images) run the
     direct kernels of conv2d_direct.cu instead, forward (<= 128 output channels) and
@@ -63,6 +64,12 @@ WGMMA_CONV_ENV = "DPTRAIN_WGMMA_CONV"
 NHWC_ENV = "DPTRAIN_NHWC_CONV"  # "0": backward-weight keeps the NCHW gathers
 WGMMA_BWDW = "conv2d_bwdw_wgmma.cu"
 WGMMA_BWDW_ENV = "DPTRAIN_WGMMA_BWDW"  # "0": 16-bit backward-weight keeps conv2d_nhwc.cu
+# TF32 backward-weight on wgmma (conv2d_bwdw_wgmma_tf32_kernel): by default where the input
+# has TF32_BWDW_MIN_CIN channels or more (ResNet-18's passes on an H100, 2026-11-25: 1.2-1.6x
+# faster than conv2d_nhwc.cu from 128 input channels on, 0.65-0.9x at 64); "1": every shape
+# it takes, "0": none
+WGMMA_BWDW_TF32_ENV = "DPTRAIN_WGMMA_BWDW_TF32"
+TF32_BWDW_MIN_CIN = 128
 DIRECT_MAX_K, DIRECT_MAX_M = 32, 128  # C_in*KH*KW; output channels (forward)
 _DIRECT_MG = {4: 8, 8: 4, 12: 4, 16: 4, 20: 2, 24: 2, 28: 2, 32: 2}  # KMAX -> channels/thread
 
@@ -455,9 +462,12 @@ def _plan_backward_weight(x, gy, w_shape, stride, padding):
 
 def _wgmma_bwdw(dt, cin: int, cout: int, nb: int) -> bool:
     """Whether conv2d_bwdw_wgmma.cu computes a backward-weight pass (DPTRAIN_WGMMA_BWDW not
-    "0"): a Hopper GPU, 16-bit operands, both channel counts in whole 16-byte chunks and the
-    NHWC copies within their grids."""
-    return (os.environ.get(WGMMA_BWDW_ENV, "1") != "0" and dt in launch.HALVES
+    "0"): a Hopper GPU, 16-bit operands (or TF32 ones, see TF32_BWDW_MIN_CIN), both channel
+    counts in whole 16-byte chunks and the NHWC copies within their grids."""
+    tf32_env = os.environ.get(WGMMA_BWDW_TF32_ENV, "")
+    tf32 = (dt == np.float32 and runtime.precision == "tf32" and tf32_env != "0"
+            and (tf32_env == "1" or cin >= TF32_BWDW_MIN_CIN))
+    return (os.environ.get(WGMMA_BWDW_ENV, "1") != "0" and (dt in launch.HALVES or tf32)
             and wgmma_available() and _channels_last(dt, cin, nb)
             and _channels_last(dt, cout, nb) and -(-cout // 256) <= launch.GRID_YZ_MAX)
 
@@ -482,17 +492,22 @@ def _bwdw_wgmma_splits(tiles: int, npix: int, outputs: int, per_sm: int) -> tupl
 
 def _plan_wgmma_backward_weight(x_shape, w_shape, ho, wo, stride, padding, dt):
     """conv2d_bwdw_wgmma.cu: 128 rows of (tap, c) by BN output channels per block (64 / 128 /
-    256, the smallest covering them), the pixels split over grid z."""
+    256, the smallest covering them; at most 128 in TF32), the pixels split over grid z."""
     f = "conv2d_backward_weight"
     (n, c, h, wd), (cout, _, kh, kw) = x_shape, w_shape
     ncol, npix = c * kh * kw, n * ho * wo
     launch.check_int32(f, n * c * h * wd, n * cout * ho * wo)
-    bn = 64 if cout <= 64 else 128 if cout <= 128 else 256
+    # TF32 stages its slabs in registers: 128 columns at most (256 would spill)
+    bn = 64 if cout <= 64 else 128 if cout <= 128 or dt == np.float32 else 256
     smem = wgmma_smem(128, bn)
     tiles = -(-ncol // 128) * -(-cout // bn)
     splits, chunk = _bwdw_wgmma_splits(tiles, npix, ncol * cout, 2 if bn == 64 else 1)
-    name = "conv2d_bwdw_wgmma_kernel"
-    fn = launch.kernel(WGMMA_BWDW, name, launch.ctype(dt), str(bn), smem=smem)
+    if dt == np.float32:  # TF32: slabs stored K-major from registers
+        name = "conv2d_bwdw_wgmma_tf32_kernel"
+        fn = launch.kernel(WGMMA_BWDW, name, str(bn), smem=smem)
+    else:
+        name = "conv2d_bwdw_wgmma_kernel"
+        fn = launch.kernel(WGMMA_BWDW, name, launch.ctype(dt), str(bn), smem=smem)
     grid = (-(-ncol // 128), -(-cout // bn), splits)
     tail = (i32(n), i32(cout), i32(c), i32(h), i32(wd), i32(ho), i32(wo), i32(kh), i32(kw),
             i32(stride[0]), i32(stride[1]), i32(padding[0]), i32(padding[1]), i32(splits),
