@@ -15,12 +15,11 @@
 //    are MN-major (wgmma.cuh), each slab 64 pixels of K; zero-fill outside the image, past
 //    the block's pixel range, past the rows and columns.
 //  * TF32 (conv2d_bwdw_wgmma_tf32_kernel): wgmma reads 32-bit operands K-major only, so the
-//    float loader stages each slab in registers and stores it transposed: a thread loads 16
-//    bytes (4 channels of one pixel) per row and writes them as 4 values of 4 K-major rows
-//    (32 pixels of 128 bytes each), lanes spread over 8 pixels and 4 chunks (2-way bank
-//    conflicts at most), and the next slab stored and the one after loaded while the
-//    tensor cores run (wgmma_mainloop_staged). 64 or 128 columns per block (256 would spill
-//    the registers the staging needs).
+//    float loader stages each slab in registers and stores it transposed: a thread loads a
+//    block of 4 channels by 4 pixels (4 chunks of 16 bytes) per operand and stores it as 4
+//    K-major chunks (each 4 pixels of one row), conflict-free; the next slab is stored and
+//    the third one loaded while the tensor cores run (wgmma_mainloop_staged: two slabs in
+//    registers). Tiles of 128 x 128 (more columns would spill the staging registers).
 //  * K is split over grid z (the launcher picks the count): split s covers pixels
 //    [s*chunk, (s+1)*chunk). One split writes gw directly; several write float partials
 //    ws[s][j][m], which conv2d_bwdw_wgmma_reduce_kernel sums in split order (bitwise
@@ -33,7 +32,7 @@
 // instantiate: conv2d_bwdw_wgmma_kernel<__nv_bfloat16, 256>
 // instantiate: conv2d_bwdw_wgmma_kernel<__half, 64>; conv2d_bwdw_wgmma_kernel<__half, 128>
 // instantiate: conv2d_bwdw_wgmma_kernel<__half, 256>
-// instantiate: conv2d_bwdw_wgmma_tf32_kernel<64>; conv2d_bwdw_wgmma_tf32_kernel<128>
+// instantiate: conv2d_bwdw_wgmma_tf32_kernel<128>
 // instantiate: conv2d_bwdw_wgmma_reduce_kernel<__nv_bfloat16>
 // instantiate: conv2d_bwdw_wgmma_reduce_kernel<__half>
 // instantiate: conv2d_bwdw_wgmma_reduce_kernel<float>
@@ -162,19 +161,15 @@ __global__ void __launch_bounds__(wgmma_bwdw::THREADS, 1)
 }
 
 namespace wgmma_bwdw_tf32 {
-constexpr int BM = 128, BK = 32, THREADS = 256;  // BK: pixels per slab (128 bytes of floats)
-// A thread's share of a slab of an R-row operand tile: R / 32 items, item i being 4 rows
-// (one 16-byte chunk of the source) by one pixel. Lanes: 8 pixels by 4 chunks; warp w and
-// item i pick the chunks' quad and the pixels' octet.
-template <int R> __device__ __forceinline__ int item_rows(int i) {  // first of the 4 rows
-  constexpr int quads = R / 16;
-  const int slot = (threadIdx.x >> 5) + 8 * i;
-  return 16 * (slot % quads) + 4 * ((threadIdx.x & 31) >> 3);
-}
-template <int R> __device__ __forceinline__ int item_pixel(int i) {  // 0..31 in the slab
-  constexpr int quads = R / 16;
-  return 8 * (((threadIdx.x >> 5) + 8 * i) / quads) + (threadIdx.x & 7);
-}
+constexpr int BM = 128, BK = 32, THREADS = 256;  // BK: pixels per slab (128 bytes)
+// A thread's share of a slab of a 128-row operand tile: one block of 4 rows (one 16-byte
+// chunk of the channels-last source) by 4 pixels, loaded as 4 chunks (one per pixel) and
+// stored as 4 (one per row): 16 bytes of a K-major row are 4 consecutive pixels. Warp w
+// covers rows 16w..16w+15; lane l rows 4(l%4).. of them and pixels 4(l/4)..: a store
+// instruction's 32 chunks fall 4 to each of the 8 swizzled 16-byte bank groups (no
+// conflict), a load's are 8 pixels' 64 contiguous bytes.
+__device__ __forceinline__ int block_row() { return 16 * (threadIdx.x >> 5) + 4 * (threadIdx.x & 3); }
+__device__ __forceinline__ int block_pixel() { return 4 * ((threadIdx.x & 31) >> 2); }
 // 16 bytes from global memory where `ok`, else zeros: one predicated load, no branch (a
 // branch inside the wgmma pipeline makes ptxas serialise the wgmmas).
 __device__ __forceinline__ float4 load4_or_zero(const float* p, bool ok) {
@@ -188,29 +183,32 @@ __device__ __forceinline__ float4 load4_or_zero(const float* p, bool ok) {
       : "l"(p), "r"((int)ok));
   return v;
 }
-// Stores 4 values of rows r..r+3 at pixel column p of a K-major, 128-byte swizzled tile.
-__device__ __forceinline__ void stash4(wgmma_tiles::u32 tile, int r, int p, float4 v) {
-  const float e[4] = {v.x, v.y, v.z, v.w};
+// Stores the block v[pixel] (4 rows each) transposed: row r + k gets the 4 pixels' k-th
+// values, one 16-byte store into the K-major, 128-byte swizzled tile.
+__device__ __forceinline__ void stash_block(wgmma_tiles::u32 tile, int r, int p,
+                                            const float4 (&v)[4]) {
+  const float* e[4] = {&v[0].x, &v[1].x, &v[2].x, &v[3].x};
 #pragma unroll
   for (int k = 0; k < 4; ++k)
-    asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(tile + wgmma_tiles::swizzled(r + k, p >> 2) +
-                                                  (p & 3) * 4),
-                 "f"(e[k])
+    asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(
+                     tile + wgmma_tiles::swizzled(r + k, p >> 2)),
+                 "f"(e[0][k]), "f"(e[1][k]), "f"(e[2][k]), "f"(e[3][k])
                  : "memory");
 }
 }  // namespace wgmma_bwdw_tf32
 
-// TF32: the GEMM and epilogue of conv2d_bwdw_wgmma_kernel, slabs of 32 pixels stored K-major
-// from registers (see the conventions).
+// TF32: the GEMM and epilogue of conv2d_bwdw_wgmma_kernel with 128 x 128 tiles, slabs of 32
+// pixels stored K-major from registers (see the conventions). A template (of one
+// instantiation) so that only the module naming it compiles it.
 template <int BN>
-__global__ void __launch_bounds__(wgmma_bwdw_tf32::THREADS, BN <= 64 ? 2 : 1)
+__global__ void __launch_bounds__(wgmma_bwdw_tf32::THREADS, 1)  // two slabs of registers
     conv2d_bwdw_wgmma_tf32_kernel(const float* __restrict__ x, const float* __restrict__ gy,
                                   float* __restrict__ gw, float* __restrict__ ws, int Nb, int M,
                                   int C, int H, int W, int Ho, int Wo, int KH, int KW, int sh,
                                   int sw, int ph, int pw, int splits, int chunk) {
   using namespace wgmma_tiles;
   using namespace wgmma_bwdw_tf32;
-  constexpr int A_ITEMS = BM / 32, B_ITEMS = BN / 32;
+  static_assert(BN == BM, "one 4 x 4 block of each operand per thread");
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned dyn;
   asm volatile("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(dyn));
@@ -220,48 +218,46 @@ __global__ void __launch_bounds__(wgmma_bwdw_tf32::THREADS, BN <= 64 ? 2 : 1)
   const int j0 = blockIdx.x * BM, m0 = blockIdx.y * BN;
   const int p_begin = blockIdx.z * chunk, p_end = min(npix, p_begin + chunk);
   const int KT = p_end > p_begin ? (p_end - p_begin + BK - 1) / BK : 0;
+  const int brow = block_row(), bpix = block_pixel();
 
-  // A: this thread's 4 rows j (one tap's channels) are the same in every item and slab:
-  // decoded once. Its pixels move on by BK a slab: carried as (n, oy, ox).
-  const int ja = j0 + item_rows<BM>(0), ta = ja / C;
+  // A: this thread's 4 rows j (one tap's channels) are the same in every slab: decoded once.
+  // Its 4 pixels move on by BK a slab: carried as (n, oy, ox). B: 4 channels m of gy.
+  const int ja = j0 + brow, ta = ja / C, ca = ja - ta * C;
   const int akh = ta / KW, akw = ta - akh * KW;
-  const int aoff = ja < J ? (akh * W + akw) * C + (ja - ta * C) : -1;
-  int pn[A_ITEMS], poy[A_ITEMS], pox[A_ITEMS];
+  const bool jok = ja < J;
+  const int mb = m0 + brow;
+  int pn[4], poy[4], pox[4];
 #pragma unroll
-  for (int i = 0; i < A_ITEMS; ++i) {
-    const int q = p_begin + item_pixel<BM>(i), p = q - (q / hw) * hw;
-    pn[i] = q / hw;
-    poy[i] = p / Wo;
-    pox[i] = p - poy[i] * Wo;
+  for (int e = 0; e < 4; ++e) {
+    const int q = p_begin + bpix + e, p = q - (q / hw) * hw;
+    pn[e] = q / hw;
+    poy[e] = p / Wo;
+    pox[e] = p - poy[e] * Wo;
   }
   const int dn = BK / hw, dy = (BK - dn * hw) / Wo, dx = BK - dn * hw - dy * Wo;
-  float4 ra[A_ITEMS], rb[B_ITEMS];
+  float4 ra[2][4], rb[2][4];  // two slabs in flight (wgmma_mainloop_staged), by pixel
 
-  auto fetch = [&](int kt) {
-    const int q0 = p_begin + kt * BK;
+  auto fetch = [&](int kt, auto set) {
+    constexpr int S = decltype(set)::value;
+    const int q0 = p_begin + kt * BK + bpix;
 #pragma unroll
-    for (int i = 0; i < A_ITEMS; ++i) {
-      const int iy = poy[i] * sh - ph + akh, ix = pox[i] * sw - pw + akw;
-      const bool ok = q0 + item_pixel<BM>(i) < p_end && aoff >= 0 && (unsigned)iy < (unsigned)H &&
-                      (unsigned)ix < (unsigned)W;
-      ra[i] = load4_or_zero(x + (((long long)pn[i] * H + iy) * W + ix) * C + (ja - ta * C), ok);
-      pox[i] += dx;  // the next slab's pixel, BK further, with carries
-      if (pox[i] >= Wo) pox[i] -= Wo, ++poy[i];
-      poy[i] += dy;
-      if (poy[i] >= Ho) poy[i] -= Ho, ++pn[i];
-      pn[i] += dn;
-    }
-#pragma unroll
-    for (int i = 0; i < B_ITEMS; ++i) {
-      const int q = q0 + item_pixel<BN>(i), m = m0 + item_rows<BN>(i);
-      rb[i] = load4_or_zero(gy + (long long)q * M + m, q < p_end && m < M);
+    for (int e = 0; e < 4; ++e) {
+      const int iy = poy[e] * sh - ph + akh, ix = pox[e] * sw - pw + akw;
+      const bool qok = q0 + e < p_end;
+      const bool ok = qok && jok && (unsigned)iy < (unsigned)H && (unsigned)ix < (unsigned)W;
+      ra[S][e] = load4_or_zero(x + (((long long)pn[e] * H + iy) * W + ix) * C + ca, ok);
+      rb[S][e] = load4_or_zero(gy + (long long)(q0 + e) * M + mb, qok && mb < M);
+      pox[e] += dx;  // the next slab's pixel, BK further, with carries
+      if (pox[e] >= Wo) pox[e] -= Wo, ++poy[e];
+      poy[e] += dy;
+      if (poy[e] >= Ho) poy[e] -= Ho, ++pn[e];
+      pn[e] += dn;
     }
   };
-  auto stash = [&](u32 sa, u32 sb) {
-#pragma unroll
-    for (int i = 0; i < A_ITEMS; ++i) stash4(sa, item_rows<BM>(i), item_pixel<BM>(i), ra[i]);
-#pragma unroll
-    for (int i = 0; i < B_ITEMS; ++i) stash4(sb, item_rows<BN>(i), item_pixel<BN>(i), rb[i]);
+  auto stash = [&](auto set, u32 sa, u32 sb) {
+    constexpr int S = decltype(set)::value;
+    stash_block(sa, brow, bpix, ra[S]);
+    stash_block(sb, brow, bpix, rb[S]);
   };
 
   float acc[BN / 2];

@@ -98,15 +98,16 @@ def test_wgmma_backward_weight_agrees_with_the_mma_kernel(cu, dt, monkeypatch):
     close(fast, passes(cu, dt, x, w, gy, stride, pad)[2], dt, 2)
 
 
-def test_tf32_backward_weight_takes_wgmma_from_128_input_channels(cu, monkeypatch):
-    """By default TF32 backward-weight runs on wgmma where it measured faster: inputs of
-    TF32_BWDW_MIN_CIN channels or more; below, conv2d_nhwc.cu's kernel."""
+def test_tf32_backward_weight_takes_wgmma_where_its_rows_fill_a_tile(cu, monkeypatch):
+    """By default TF32 backward-weight runs on wgmma where it measured faster: C_in*KH*KW of
+    TF32_BWDW_MIN_ROWS or more; below, conv2d_nhwc.cu's kernel."""
     monkeypatch.delenv(conv2d.WGMMA_BWDW_TF32_ENV)
-    f32 = DTYPES[0].values[0]
-    for cin, kernel in ((64, "conv2d_bwdw_nhwc_kernel"), (conv2d.TF32_BWDW_MIN_CIN, WGMMA_BWDW_TF32)):
+    f32, nhwc = DTYPES[0].values[0], "conv2d_bwdw_nhwc_kernel"
+    for cin, k, kernel in ((64, 1, nhwc), (128, 1, WGMMA_BWDW_TF32), (64, 3, WGMMA_BWDW_TF32)):
         gemm.clear_plans()
-        x, w, gy = inputs(f32, (2, cin, 6, 6), (64, cin, 3, 3), (1, 1), (1, 1))
-        assert planned_kernels(cu, x, w, gy, (1, 1), (1, 1))["backward_weight"] == kernel
+        x, w, gy = inputs(f32, (2, cin, 6, 6), (64, cin, k, k), (1, 1), (k // 2, k // 2))
+        assert planned_kernels(cu, x, w, gy, (1, 1), (k // 2,) * 2)["backward_weight"] == kernel
+    assert conv2d.TF32_BWDW_MIN_ROWS == 128
 
 
 @pytest.mark.parametrize("dt", DTYPES)

@@ -21,8 +21,8 @@ Conventions (the .cu file's header has the kernel side):
     source is copied to NHWC first, and the kernel needs the summed channels in whole 16-byte
     chunks; otherwise conv2d.cu's mma.sync kernels run.
   * Backward-weight of 16-bit operands on Hopper (conv2d_bwdw_wgmma.cu, wgmma with both
-    operands channels-last; DPTRAIN_WGMMA_BWDW=0 turns it off), and of TF32 ones from 128
-    input channels on (DPTRAIN_WGMMA_BWDW_TF32: "0" never, "1" always): x and gy are copied
+    operands channels-last; DPTRAIN_WGMMA_BWDW=0 turns it off), and of TF32 ones where
+    C_in*KH*KW >= 128 (DPTRAIN_WGMMA_BWDW_TF32: "0" never, "1" always): x and gy are copied
     to NHWC, and C_in and C_out must come in whole 16-byte chunks; its split of the pixels
     over grid z is chosen by a cost model of waves, slabs and the reduce (_bwdw_wgmma_splits).
   * `conv2d_kernels` names the kernel each pass's plan runs (tests, benchmarks).
@@ -64,12 +64,12 @@ WGMMA_CONV_ENV = "DPTRAIN_WGMMA_CONV"
 NHWC_ENV = "DPTRAIN_NHWC_CONV"  # "0": backward-weight keeps the NCHW gathers
 WGMMA_BWDW = "conv2d_bwdw_wgmma.cu"
 WGMMA_BWDW_ENV = "DPTRAIN_WGMMA_BWDW"  # "0": 16-bit backward-weight keeps conv2d_nhwc.cu
-# TF32 backward-weight on wgmma (conv2d_bwdw_wgmma_tf32_kernel): by default where the input
-# has TF32_BWDW_MIN_CIN channels or more (ResNet-18's passes on an H100, 2026-11-25: 1.2-1.6x
-# faster than conv2d_nhwc.cu from 128 input channels on, 0.65-0.9x at 64); "1": every shape
-# it takes, "0": none
+# TF32 backward-weight on wgmma (conv2d_bwdw_wgmma_tf32_kernel): by default where C_in*KH*KW
+# fills its 128-row tiles (ResNet-18's passes on an H100, 2026-11-25: 1.03-2.5x faster than
+# conv2d_nhwc.cu from 128 rows on, 0.76x at 64, a 1x1 filter on 64 channels); "1": every
+# shape it takes, "0": none
 WGMMA_BWDW_TF32_ENV = "DPTRAIN_WGMMA_BWDW_TF32"
-TF32_BWDW_MIN_CIN = 128
+TF32_BWDW_MIN_ROWS = 128
 DIRECT_MAX_K, DIRECT_MAX_M = 32, 128  # C_in*KH*KW; output channels (forward)
 _DIRECT_MG = {4: 8, 8: 4, 12: 4, 16: 4, 20: 2, 24: 2, 28: 2, 32: 2}  # KMAX -> channels/thread
 
@@ -249,7 +249,7 @@ def _plan_implicit(fn_name, mode, out_shape, m, c, hs, ws, ho, wo, kh, kw, strid
         to_nhwc = _to_nhwc((nb, c, hs, ws), dt)
         # the copy backward-weight reads again: x always (both its channels-last kernels);
         # gy only where the wgmma one runs (the mma.sync one reads gy as it is)
-        kept = ("gy" if _wgmma_bwdw(dt, m, c, nb) else None) if mode else "x"
+        kept = ("gy" if _wgmma_bwdw(dt, m, c, nb, m * kh * kw) else None) if mode else "x"
     else:
         name, fn, grid, block, smem = _mma_kernel(m, npix, dt)
         tail = geom + (i32(k % _chunk(dt) == 0), i32(mode))  # + vec_w
@@ -414,7 +414,8 @@ def _plan_backward_weight(x, gy, w_shape, stride, padding):
     if kmax:
         return _plan_direct_backward_weight(x.shape, out_shape, ho, wo, (sh, sw), (ph, pw), kmax,
                                             dt)
-    if _wgmma_bwdw(dt, cin, cout, n) and x.data.ptr % 16 == 0 and gy.data.ptr % 16 == 0:
+    if (_wgmma_bwdw(dt, cin, cout, n, ncol) and x.data.ptr % 16 == 0
+            and gy.data.ptr % 16 == 0):
         return _plan_wgmma_backward_weight(x.shape, out_shape, ho, wo, (sh, sw), (ph, pw), dt)
     bm, bn = _rows_tile(m), _cols_tile(ncol)
     if -(-m // bm) > launch.GRID_YZ_MAX:
@@ -460,13 +461,14 @@ def _plan_backward_weight(x, gy, w_shape, stride, padding):
     return run
 
 
-def _wgmma_bwdw(dt, cin: int, cout: int, nb: int) -> bool:
+def _wgmma_bwdw(dt, cin: int, cout: int, nb: int, rows: int) -> bool:
     """Whether conv2d_bwdw_wgmma.cu computes a backward-weight pass (DPTRAIN_WGMMA_BWDW not
-    "0"): a Hopper GPU, 16-bit operands (or TF32 ones, see TF32_BWDW_MIN_CIN), both channel
-    counts in whole 16-byte chunks and the NHWC copies within their grids."""
+    "0") of `rows` = C_in*KH*KW: a Hopper GPU, 16-bit operands (or TF32 ones, see
+    TF32_BWDW_MIN_ROWS), both channel counts in whole 16-byte chunks and the NHWC copies
+    within their grids."""
     tf32_env = os.environ.get(WGMMA_BWDW_TF32_ENV, "")
     tf32 = (dt == np.float32 and runtime.precision == "tf32" and tf32_env != "0"
-            and (tf32_env == "1" or cin >= TF32_BWDW_MIN_CIN))
+            and (tf32_env == "1" or rows >= TF32_BWDW_MIN_ROWS))
     return (os.environ.get(WGMMA_BWDW_ENV, "1") != "0" and (dt in launch.HALVES or tf32)
             and wgmma_available() and _channels_last(dt, cin, nb)
             and _channels_last(dt, cout, nb) and -(-cout // 256) <= launch.GRID_YZ_MAX)
@@ -492,13 +494,14 @@ def _bwdw_wgmma_splits(tiles: int, npix: int, outputs: int, per_sm: int) -> tupl
 
 def _plan_wgmma_backward_weight(x_shape, w_shape, ho, wo, stride, padding, dt):
     """conv2d_bwdw_wgmma.cu: 128 rows of (tap, c) by BN output channels per block (64 / 128 /
-    256, the smallest covering them; at most 128 in TF32), the pixels split over grid z."""
+    256, the smallest covering them; 128 in TF32), the pixels split over grid z."""
     f = "conv2d_backward_weight"
     (n, c, h, wd), (cout, _, kh, kw) = x_shape, w_shape
     ncol, npix = c * kh * kw, n * ho * wo
     launch.check_int32(f, n * c * h * wd, n * cout * ho * wo)
-    # TF32 stages its slabs in registers: 128 columns at most (256 would spill)
-    bn = 64 if cout <= 64 else 128 if cout <= 128 or dt == np.float32 else 256
+    bn = 64 if cout <= 64 else 128 if cout <= 128 else 256
+    if dt == np.float32:  # TF32 stages its slabs in registers: 128 x 128 tiles only
+        bn = 128
     smem = wgmma_smem(128, bn)
     tiles = -(-ncol // 128) * -(-cout // bn)
     splits, chunk = _bwdw_wgmma_splits(tiles, npix, ncol * cout, 2 if bn == 64 else 1)
