@@ -89,9 +89,7 @@ __global__ void __launch_bounds__(wgmma_bwdw::THREADS, 1)
   using namespace wgmma_bwdw;
   constexpr int A_ATOMS = BM / 64, B_ATOMS = BN / 64;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  unsigned dyn;
-  asm volatile("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(dyn));
-  if (dyn < (unsigned)smem_bytes<BM, BN>()) __trap();  // the launcher must pass it
+  require_smem(smem_bytes<BM, BN>());  // the launcher must pass it
 
   const int taps = KH * KW, J = taps * C, hw = Ho * Wo, npix = Nb * hw;
   const int j0 = blockIdx.x * BM, m0 = blockIdx.y * BN;
@@ -210,9 +208,7 @@ __global__ void __launch_bounds__(wgmma_bwdw_tf32::THREADS, 1)  // two slabs of 
   using namespace wgmma_bwdw_tf32;
   static_assert(BN == BM, "one 4 x 4 block of each operand per thread");
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  unsigned dyn;
-  asm volatile("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(dyn));
-  if (dyn < (unsigned)smem_bytes<BM, BN>()) __trap();  // the launcher must pass it
+  require_smem(smem_bytes<BM, BN>());  // the launcher must pass it
 
   const int taps = KH * KW, J = taps * C, hw = Ho * Wo, npix = Nb * hw;
   const int j0 = blockIdx.x * BM, m0 = blockIdx.y * BN;

@@ -57,9 +57,7 @@ __global__ void __launch_bounds__(wgmma_conv::THREADS, BN <= 64 ? 2 : 1)
   constexpr int B_ROWS = BN / (THREADS / 8);  // weight rows each thread loads
   static_assert(B_ROWS >= 1, "at least one weight row per thread");
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  unsigned dyn;
-  asm volatile("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(dyn));
-  if (dyn < (unsigned)smem_bytes<BM, BN>()) __trap();  // the launcher must pass it
+  require_smem(smem_bytes<BM, BN>());  // the launcher must pass it
 
   const ConvGeom g{Nb, M, C, Hs, Ws, Ho, Wo, KH, KW, sh, sw, ph, pw, mode};
   // This block's phase: output pixels (ry + ps_h*i, rx + ps_w*j) and the taps (rkh + ps_h*t,

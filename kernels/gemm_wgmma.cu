@@ -57,9 +57,7 @@ __global__ void __launch_bounds__(wgmma_gemm::THREADS, 1)
   using namespace wgmma_gemm;
   constexpr int BK = ROW_BYTES / sizeof(T), CHUNK = 16 / sizeof(T);  // elements
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  unsigned dyn;
-  asm volatile("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(dyn));
-  if (dyn < (unsigned)SMEM_BYTES) __trap();  // the launcher must pass SMEM_BYTES
+  require_smem(SMEM_BYTES);  // the launcher must pass it
 
   // Grouped raster: GROUP_M block rows sweep the block columns together (L2 reuse).
   const int tiles_m = M / BM, tiles_n = N / BN;

@@ -42,6 +42,12 @@ constexpr int ROW_BYTES = 128, STAGES = 4;
 template <int BM, int BN>
 __host__ __device__ constexpr int smem_bytes() { return STAGES * (BM + BN) * ROW_BYTES + 1024; }
 
+// Traps unless the launcher gave the block `bytes` of dynamic shared memory (or more).
+__device__ __forceinline__ void require_smem(int bytes) {
+  unsigned dyn;
+  asm volatile("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(dyn));
+  if (dyn < (unsigned)bytes) __trap();
+}
 __device__ __forceinline__ u32 smem_base(const void* raw) {
   return ((u32)__cvta_generic_to_shared(raw) + 1023u) & ~1023u;
 }
