@@ -18,8 +18,8 @@
 //    float loader stages each slab in registers and stores it transposed: a thread loads a
 //    block of 4 channels by 4 pixels (4 chunks of 16 bytes) per operand and stores it as 4
 //    K-major chunks (each 4 pixels of one row), conflict-free; the next slab is stored and
-//    the third one loaded while the tensor cores run (wgmma_mainloop_staged: two slabs in
-//    registers). Tiles of 128 x 128 (more columns would spill the staging registers).
+//    the one after loaded while the tensor cores run (wgmma_mainloop_staged). Tiles of 128 x
+//    128 (more columns would spill the staging registers).
 //  * K is split over grid z (the launcher picks the count): split s covers pixels
 //    [s*chunk, (s+1)*chunk). One split writes gw directly; several write float partials
 //    ws[s][j][m], which conv2d_bwdw_wgmma_reduce_kernel sums in split order (bitwise
@@ -199,7 +199,7 @@ __device__ __forceinline__ void stash_block(wgmma_tiles::u32 tile, int r, int p,
 // pixels stored K-major from registers (see the conventions). A template (of one
 // instantiation) so that only the module naming it compiles it.
 template <int BN>
-__global__ void __launch_bounds__(wgmma_bwdw_tf32::THREADS, 1)  // two slabs of registers
+__global__ void __launch_bounds__(wgmma_bwdw_tf32::THREADS, 1)
     conv2d_bwdw_wgmma_tf32_kernel(const float* __restrict__ x, const float* __restrict__ gy,
                                   float* __restrict__ gw, float* __restrict__ ws, int Nb, int M,
                                   int C, int H, int W, int Ho, int Wo, int KH, int KW, int sh,
@@ -231,18 +231,17 @@ __global__ void __launch_bounds__(wgmma_bwdw_tf32::THREADS, 1)  // two slabs of 
     pox[e] = p - poy[e] * Wo;
   }
   const int dn = BK / hw, dy = (BK - dn * hw) / Wo, dx = BK - dn * hw - dy * Wo;
-  float4 ra[2][4], rb[2][4];  // two slabs in flight (wgmma_mainloop_staged), by pixel
+  float4 ra[4], rb[4];  // the slab in flight (wgmma_mainloop_staged), by pixel
 
-  auto fetch = [&](int kt, auto set) {
-    constexpr int S = decltype(set)::value;
+  auto fetch = [&](int kt) {
     const int q0 = p_begin + kt * BK + bpix;
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int iy = poy[e] * sh - ph + akh, ix = pox[e] * sw - pw + akw;
       const bool qok = q0 + e < p_end;
       const bool ok = qok && jok && (unsigned)iy < (unsigned)H && (unsigned)ix < (unsigned)W;
-      ra[S][e] = load4_or_zero(x + (((long long)pn[e] * H + iy) * W + ix) * C + ca, ok);
-      rb[S][e] = load4_or_zero(gy + (long long)(q0 + e) * M + mb, qok && mb < M);
+      ra[e] = load4_or_zero(x + (((long long)pn[e] * H + iy) * W + ix) * C + ca, ok);
+      rb[e] = load4_or_zero(gy + (long long)(q0 + e) * M + mb, qok && mb < M);
       pox[e] += dx;  // the next slab's pixel, BK further, with carries
       if (pox[e] >= Wo) pox[e] -= Wo, ++poy[e];
       poy[e] += dy;
@@ -250,10 +249,9 @@ __global__ void __launch_bounds__(wgmma_bwdw_tf32::THREADS, 1)  // two slabs of 
       pn[e] += dn;
     }
   };
-  auto stash = [&](auto set, u32 sa, u32 sb) {
-    constexpr int S = decltype(set)::value;
-    stash_block(sa, brow, bpix, ra[S]);
-    stash_block(sb, brow, bpix, rb[S]);
+  auto stash = [&](u32 sa, u32 sb) {
+    stash_block(sa, brow, bpix, ra);
+    stash_block(sb, brow, bpix, rb);
   };
 
   float acc[BN / 2];

@@ -191,13 +191,11 @@ __device__ __forceinline__ void wgmma_mainloop(float (&acc)[BN / 2], u32 sbase, 
 }
 
 // The main loop of a loader that cannot copy asynchronously (TF32 from MN-major sources:
-// loads to registers, stores transposed). Two register sets: slab s is loaded into set s % 2
-// by fetch(s, RegSet<s % 2>) (zeros past the last slab) and stored into a stage, K-major,
-// by stash(RegSet<s % 2>, a_tile, b_tile). While slab kt's wgmma runs, slab kt+1 is stashed
-// (fetched two slabs earlier, so its loads had that long to land) and slab kt+3 fetched
-// into the set just freed; then the wgmma is waited for, so none is in flight across a
+// loads to registers, stores transposed): fetch(kt) loads slab kt into the caller's
+// registers (zeros past the last slab), stash(a_tile, b_tile) stores them into a stage,
+// K-major. While slab kt's wgmma runs, slab kt+1 is stashed (fetched one slab earlier) and
+// slab kt+2 fetched; then the wgmma is waited for, so none is in flight across the loop's
 // branch (ptxas serialises the wgmmas otherwise). One barrier per slab.
-template <int S> struct RegSet { static constexpr int value = S; };
 template <typename T, int BM, int BN, class Fetch, class Stash>
 __device__ __forceinline__ void wgmma_mainloop_staged(float (&acc)[BN / 2], u32 sbase, int KT,
                                                       Fetch&& fetch, Stash&& stash) {
@@ -205,11 +203,10 @@ __device__ __forceinline__ void wgmma_mainloop_staged(float (&acc)[BN / 2], u32 
   static_assert(BM % 64 == 0 && STAGE_BYTES % 1024 == 0, "tiles of 64-row warpgroups");
   const int wg = threadIdx.x >> 7;
   if (KT <= 0) return;
-  fetch(0, RegSet<0>{});
-  stash(RegSet<0>{}, sbase, sbase + A_BYTES);
-  fetch(1, RegSet<1>{});
-  fetch(2, RegSet<0>{});
-  auto slab = [&](int kt, auto next_set) {  // next_set: the registers of slab kt + 1
+  fetch(0);
+  stash(sbase, sbase + A_BYTES);
+  fetch(1);
+  for (int kt = 0; kt < KT; ++kt) {
     fence_proxy_async();  // this thread's stores of slab kt, visible to the async proxy
     __syncthreads();      // ... everyone's; every earlier wgmma retired
     const u32 st = sbase + (kt % STAGES) * STAGE_BYTES;
@@ -223,14 +220,10 @@ __device__ __forceinline__ void wgmma_mainloop_staged(float (&acc)[BN / 2], u32 
     // unconditionally (no branch in the pipeline): past the last slab, fetch loads nothing
     // and stash fills a stage no wgmma reads
     const u32 next = sbase + ((kt + 1) % STAGES) * STAGE_BYTES;
-    stash(next_set, next, next + A_BYTES);
-    fetch(kt + 3, next_set);
+    stash(next, next + A_BYTES);
+    fetch(kt + 2);
     wgmma_wait<0>();
     fence_regs(acc);
-  };
-  for (int kt = 0; kt < KT; kt += 2) {  // by twos: the register sets are compile-time
-    slab(kt, RegSet<1>{});
-    if (kt + 1 < KT) slab(kt + 1, RegSet<0>{});
   }
 }
 // The accumulator's coordinates in the block tile: f(row, col, x0, y0, x1, y1) for each pair
