@@ -45,6 +45,28 @@ constexpr int BM = 128, BK = 64, THREADS = 256, CHUNK = 8;  // CHUNK: 16-bit val
 constexpr int ROWS = BK / (THREADS / 8);                    // pixel rows a thread loads: 2
 }  // namespace wgmma_bwdw
 
+// An output pixel q as (n, oy, ox), walked by both kernels' loaders a slab at a time: the
+// slab's pixel count decoded once into whole images, rows and columns (PixelStep), each
+// step then carried, without the two divisions per pixel and slab of decoding q (the
+// loaders are issue-bound). Branch-free: the TF32 loader runs inside the wgmma pipeline.
+struct Pixel { int n, oy, ox; };
+struct PixelStep { int dn, dy, dx, Ho, Wo; };
+__device__ __forceinline__ Pixel pixel_at(int q, int Ho, int Wo) {
+  const int hw = Ho * Wo, n = q / hw, p = q - n * hw, oy = p / Wo;
+  return {n, oy, p - oy * Wo};
+}
+__device__ __forceinline__ PixelStep pixel_step(int by, int Ho, int Wo) {
+  const int hw = Ho * Wo, dn = by / hw, dy = (by - dn * hw) / Wo;
+  return {dn, dy, by - dn * hw - dy * Wo, Ho, Wo};
+}
+__device__ __forceinline__ void advance(Pixel& px, const PixelStep& s) {
+  px.ox += s.dx;
+  if (px.ox >= s.Wo) px.ox -= s.Wo, ++px.oy;
+  px.oy += s.dy;
+  if (px.oy >= s.Ho) px.oy -= s.Ho, ++px.n;
+  px.n += s.dn;
+}
+
 // Epilogue of both kernels: the thread's rows j (row and row + 8) and pairs of columns m, to
 // gw (one split) or to split blockIdx.z's float partials.
 template <typename T, int BN>
@@ -91,7 +113,7 @@ __global__ void __launch_bounds__(wgmma_bwdw::THREADS, 1)
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   require_smem(smem_bytes<BM, BN>());  // the launcher must pass it
 
-  const int taps = KH * KW, J = taps * C, hw = Ho * Wo, npix = Nb * hw;
+  const int taps = KH * KW, J = taps * C, npix = Nb * Ho * Wo;
   const int j0 = blockIdx.x * BM, m0 = blockIdx.y * BN;
   const int p_begin = blockIdx.z * chunk, p_end = min(npix, p_begin + chunk);
   const int KT = p_end > p_begin ? (p_end - p_begin + BK - 1) / BK : 0;
@@ -99,8 +121,7 @@ __global__ void __launch_bounds__(wgmma_bwdw::THREADS, 1)
   // Loader: chunk lc = tid % 8 of pixel rows lrow + 32 r of every atom. A thread's columns
   // (its taps and channels) stay the same for every slab: decoded once, as offsets into x
   // from a pixel's top-left tap. Its pixels move on by BK each slab (the main loop asks for
-  // the slabs in order): carried as (n, oy, ox), without the two divisions per row and slab
-  // of decoding q (the loader is issue-bound).
+  // the slabs in order): walked as Pixels.
   const int lrow = threadIdx.x >> 3, lc = threadIdx.x & 7;
   int tkh[A_ATOMS], tkw[A_ATOMS], toff[A_ATOMS];
 #pragma unroll
@@ -110,15 +131,10 @@ __global__ void __launch_bounds__(wgmma_bwdw::THREADS, 1)
     tkw[a] = t - tkh[a] * KW;
     toff[a] = j < J ? (tkh[a] * W + tkw[a]) * C + (j - t * C) : -1;
   }
-  int pn[ROWS], poy[ROWS], pox[ROWS];
+  Pixel pix[ROWS];
 #pragma unroll
-  for (int r = 0; r < ROWS; ++r) {
-    const int q = p_begin + lrow + 32 * r, p = q - (q / hw) * hw;
-    pn[r] = q / hw;
-    poy[r] = p / Wo;
-    pox[r] = p - poy[r] * Wo;
-  }
-  const int dn = BK / hw, dy = (BK - dn * hw) / Wo, dx = BK - dn * hw - dy * Wo;
+  for (int r = 0; r < ROWS; ++r) pix[r] = pixel_at(p_begin + lrow + 32 * r, Ho, Wo);
+  const PixelStep slab = pixel_step(BK, Ho, Wo);
 
   float acc[BN / 2];
 #pragma unroll
@@ -129,15 +145,15 @@ __global__ void __launch_bounds__(wgmma_bwdw::THREADS, 1)
       for (int r = 0; r < ROWS; ++r) {
         const int row = lrow + 32 * r, q = p_begin + kt * BK + row;
         const bool qok = q < p_end;
-        const int iy0 = poy[r] * sh - ph, ix0 = pox[r] * sw - pw;  // the top-left tap
-        const long long pix = ((long long)pn[r] * H + iy0) * W + ix0;
+        const int iy0 = pix[r].oy * sh - ph, ix0 = pix[r].ox * sw - pw;  // the top-left tap
+        const long long at = ((long long)pix[r].n * H + iy0) * W + ix0;
 #pragma unroll
         for (int a = 0; a < A_ATOMS; ++a) {
           const int iy = iy0 + tkh[a], ix = ix0 + tkw[a];
           const bool ok =
               qok && toff[a] >= 0 && (unsigned)iy < (unsigned)H && (unsigned)ix < (unsigned)W;
           cp_async16(sa + a * (BK * ROW_BYTES) + swizzled(row, lc),
-                     ok ? x + pix * C + toff[a] : x, ok ? 16 : 0);
+                     ok ? x + at * C + toff[a] : x, ok ? 16 : 0);
         }
         const T* gq = gy + (long long)q * M;
 #pragma unroll
@@ -146,12 +162,7 @@ __global__ void __launch_bounds__(wgmma_bwdw::THREADS, 1)
           const bool ok = qok && m < M;
           cp_async16(sb + b * (BK * ROW_BYTES) + swizzled(row, lc), ok ? gq + m : gy, ok ? 16 : 0);
         }
-        // the next slab's pixel, BK further: dn images, dy rows, dx columns, with carries
-        pox[r] += dx;
-        if (pox[r] >= Wo) pox[r] -= Wo, ++poy[r];
-        poy[r] += dy;
-        if (poy[r] >= Ho) poy[r] -= Ho, ++pn[r];
-        pn[r] += dn;
+        advance(pix[r], slab);  // the next slab's pixel, BK further
       }
     });
 
@@ -210,43 +221,34 @@ __global__ void __launch_bounds__(wgmma_bwdw_tf32::THREADS, 1)
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   require_smem(smem_bytes<BM, BN>());  // the launcher must pass it
 
-  const int taps = KH * KW, J = taps * C, hw = Ho * Wo, npix = Nb * hw;
+  const int taps = KH * KW, J = taps * C, npix = Nb * Ho * Wo;
   const int j0 = blockIdx.x * BM, m0 = blockIdx.y * BN;
   const int p_begin = blockIdx.z * chunk, p_end = min(npix, p_begin + chunk);
   const int KT = p_end > p_begin ? (p_end - p_begin + BK - 1) / BK : 0;
   const int brow = block_row(), bpix = block_pixel();
 
   // A: this thread's 4 rows j (one tap's channels) are the same in every slab: decoded once.
-  // Its 4 pixels move on by BK a slab: carried as (n, oy, ox). B: 4 channels m of gy.
+  // Its 4 pixels move on by BK a slab: walked as Pixels. B: 4 channels m of gy.
   const int ja = j0 + brow, ta = ja / C, ca = ja - ta * C;
   const int akh = ta / KW, akw = ta - akh * KW;
   const bool jok = ja < J;
   const int mb = m0 + brow;
-  int pn[4], poy[4], pox[4];
+  Pixel pix[4];
 #pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    const int q = p_begin + bpix + e, p = q - (q / hw) * hw;
-    pn[e] = q / hw;
-    poy[e] = p / Wo;
-    pox[e] = p - poy[e] * Wo;
-  }
-  const int dn = BK / hw, dy = (BK - dn * hw) / Wo, dx = BK - dn * hw - dy * Wo;
+  for (int e = 0; e < 4; ++e) pix[e] = pixel_at(p_begin + bpix + e, Ho, Wo);
+  const PixelStep slab = pixel_step(BK, Ho, Wo);
   float4 ra[4], rb[4];  // the slab in flight (wgmma_mainloop_staged), by pixel
 
   auto fetch = [&](int kt) {
     const int q0 = p_begin + kt * BK + bpix;
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int iy = poy[e] * sh - ph + akh, ix = pox[e] * sw - pw + akw;
+      const int iy = pix[e].oy * sh - ph + akh, ix = pix[e].ox * sw - pw + akw;
       const bool qok = q0 + e < p_end;
       const bool ok = qok && jok && (unsigned)iy < (unsigned)H && (unsigned)ix < (unsigned)W;
-      ra[e] = load4_or_zero(x + (((long long)pn[e] * H + iy) * W + ix) * C + ca, ok);
+      ra[e] = load4_or_zero(x + (((long long)pix[e].n * H + iy) * W + ix) * C + ca, ok);
       rb[e] = load4_or_zero(gy + (long long)(q0 + e) * M + mb, qok && mb < M);
-      pox[e] += dx;  // the next slab's pixel, BK further, with carries
-      if (pox[e] >= Wo) pox[e] -= Wo, ++poy[e];
-      poy[e] += dy;
-      if (poy[e] >= Ho) poy[e] -= Ho, ++pn[e];
-      pn[e] += dn;
+      advance(pix[e], slab);  // the next slab's pixel, BK further
     }
   };
   auto stash = [&](u32 sa, u32 sb) {

@@ -2,9 +2,9 @@
 
 The array ops (each marked ``@op`` where it is defined) live in ``ops``, ``conv`` (convolution
 and pooling), ``norm`` (batch normalisation) and ``attention`` (layer norm, GELU, masked
-softmax, fused attention); ``workspace`` holds the memory and work that a caller lets ops reuse between calls
-(``new_workspace()``); ``runtime`` is the trivial runtime of a device that is the host itself. No op keeps state of its own
-between calls.
+softmax, fused attention); ``workspace`` holds the memory and work that a caller lets ops
+reuse between calls (``new_workspace()``); ``runtime`` is the trivial runtime of a device
+that is the host itself. No op keeps state of its own between calls.
 
 16-bit floats: NumPy computes float16 elementwise ops in float and rounds each result, which
 is what a 16-bit kernel does. The products and reductions (marked ``@op(fp32_math=True)``)

@@ -218,8 +218,13 @@ builds = 0
 def module(filename: str, part: str = PARTS[0]):
     """The compiled module of part `part` of kernels/`filename` for the current GPU (built on
     first use)."""
-    names = [n for n, p in _part_table(filename).items() if p == part]
-    return _build(filename, names, cache_key(filename, device_arch(), part))
+    key = cache_key(filename, device_arch(), part)
+    return _build(filename, _part_names(filename, part), key)
+
+
+def _part_names(filename: str, part: str) -> list[str]:
+    """The instantiations of kernels/`filename` that part `part` holds."""
+    return [n for n, p in _part_table(filename).items() if p == part]
 
 
 def module_of(filename: str, names) -> object:
@@ -314,9 +319,7 @@ def traced_units(recorded, families=PARTS) -> list:
 def _unit_names(unit) -> list[str]:
     """The instantiations a build unit holds: (file, part) or (file, (names...))."""
     filename, held = unit
-    if isinstance(held, str):
-        return [n for n, p in _part_table(filename).items() if p == held]
-    return list(held)
+    return _part_names(filename, held) if isinstance(held, str) else list(held)
 
 
 def _build_unit(unit):

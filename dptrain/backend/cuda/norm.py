@@ -224,6 +224,7 @@ def batch_norm_backward_data(gy, x, mean, var, weight, sums, eps, count, relu=No
     launch.check_float(op, x, gy, half=True)
     launch.check_contiguous(op, gy, sums)
     launch.check_shape(op, gy, x.shape, "gy")
+    launch.check_shape(op, sums, (2, c), "sums")
     _per_channel(op, c, x, mean=mean, var=var, weight=weight)
     if sums.dtype != stat_dtype(x):
         raise TypeError(f"cuda.{op}: sums must be {stat_dtype(x)} for {x.dtype} x, got "

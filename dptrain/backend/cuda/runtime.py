@@ -25,6 +25,8 @@ from dptrain.backend.bfloat16 import BFLOAT16
 from dptrain.backend.runtime import RuntimeBase
 
 PRECISIONS = ("tf32", "fp32")
+
+
 def _order(waiter, signaller):
     event = cupy.cuda.Event(disable_timing=True)
     event.record(signaller)
