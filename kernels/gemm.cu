@@ -12,14 +12,15 @@
 //  * Split-K (splits > 1): split s covers K range [s*kchunk, (s+1)*kchunk) and writes its raw
 //    partial product to ws[s][b] (dense M x N); splitk_reduce_kernel then sums the splits in a
 //    fixed order and applies alpha, bias and beta. No atomics: results are bitwise repeatable.
-//  * bias_mode: 0 none, 1 bias[n] per column (y = x W^T + b), 2 bias[m] per row.
+//  * bias_mode: 0 none, 1 bias[n] per column (y = x W^T + b), 2 bias[m] per row; + EPI_RELU
+//    (4): ReLU after the bias (gemm_tiles.cuh's epilogue_value), with beta 0 only.
 //  * vec_a / vec_b: the launcher's promise that the operand's rows (leading dimension, batch
 //    stride) are whole 16-byte chunks and its base 16-byte aligned, so tiles move in 16-byte
 //    chunks.
 //  * Split-K partials (ws) are float for every element type; the reduce rounds once.
 //  * Tiles: fp32 128x128x16, 256 threads, 8x8 per thread, 3-stage cp.async pipeline;
-//    tf32 and f16 128x128x32, 128 threads = 4 warps of 64x64, 3 stages (f16 also 64x128 tiles,
-//    warps of 32x64, where 128-row tiles would leave SMs idle). Dynamic shared memory sizes
+//    tf32 and f16 128x128x32, 128 threads = 4 warps of 64x64, 3 stages (both also 64x128
+//    tiles, warps of 32x64, where 128-row tiles would leave SMs idle). Dynamic shared memory sizes
 //    and block sizes are computed by the launcher (kept in step with gemm_tiles.cuh; the
 //    kernels check their shared memory at entry).
 //
@@ -28,6 +29,8 @@
 // instantiate: gemm_fp32_kernel<float, true, false>; gemm_fp32_kernel<float, true, true>
 // instantiate: gemm_tf32_kernel<float, false, false>; gemm_tf32_kernel<float, false, true>
 // instantiate: gemm_tf32_kernel<float, true, false>; gemm_tf32_kernel<float, true, true>
+// instantiate: gemm_tf32_kernel<float, false, false, 64>; gemm_tf32_kernel<float, false, true, 64>
+// instantiate: gemm_tf32_kernel<float, true, false, 64>; gemm_tf32_kernel<float, true, true, 64>
 // instantiate: gemm_b16_kernel<__half, false, false>; gemm_b16_kernel<__half, false, true>
 // instantiate: gemm_b16_kernel<__nv_bfloat16, false, false>
 // instantiate: gemm_b16_kernel<__nv_bfloat16, false, true>
@@ -60,9 +63,7 @@ struct GemmEpilogue {
 
   __device__ __forceinline__ void store(int m, int n, float v) const {
     if (m >= M || n >= N) return;
-    v *= alpha;
-    if (bias_mode == 1) v += as<float>(bias[n]);
-    if (bias_mode == 2) v += as<float>(bias[m]);
+    v = epilogue_value(v, alpha, bias, bias_mode, m, n);
     T* p = c + (long long)m * ldc + n;
     if (beta != 0.f) v += beta * as<float>(*p);
     *p = as<T>(v);
@@ -97,10 +98,9 @@ __device__ __forceinline__ void store_staged(void* smem_raw,
   E* smem = reinterpret_cast<E*>(smem_raw);
   __syncthreads();  // every warp is done reading the main loop's tiles
   MmaCoords<Cfg>().for_each(acc, [&](int r, int c, int, float v) {
-    v *= alpha;
-    if (bias_mode == 1 && n0 + c < N) v += as<float>(bias[n0 + c]);
-    if (bias_mode == 2 && m0 + r < M) v += as<float>(bias[m0 + r]);
-    smem[r * PITCH + c] = as<E>(v);
+    // (a bias index out of the matrix only reaches elements that are never stored)
+    const int mode = m0 + r < M && n0 + c < N ? bias_mode : bias_mode & EPI_RELU;
+    smem[r * PITCH + c] = as<E>(epilogue_value(v, alpha, bias, mode, m0 + r, n0 + c));
   });
   __syncthreads();
   constexpr int SEGS = Cfg::BN / V;  // 16-byte segments per tile row
@@ -192,12 +192,13 @@ __device__ __forceinline__ void store_partials(void* smem, const float (&acc)[Cf
   const DenseLoader<LayA, !TA, Cfg::THREADS> la{A + b * sA, lda, m0, M, vec_a != 0};      \
   const DenseLoader<LayB, TB, Cfg::THREADS> lb{B + b * sB, ldb, n0, N, vec_b != 0}
 
-template <typename T, bool TA, bool TB>
+template <typename T, bool TA, bool TB, int BM = 128>
 __global__ void __launch_bounds__(128, 2) gemm_tf32_kernel(GEMM_PARAMS) {
   static_assert(sizeof(T) == 4, "float only for now");
   // 4 warps of 64x64: 32 mma per 8-wide k step per warp against 16 fragment loads (64x32
-  // warp tiles measured 11% slower; see NOTES-gemm.md).
-  using Cfg = MmaCfg<128, 128, 32, 2, 2, 3>;
+  // warp tiles measured 11% slower; see NOTES-gemm.md). BM 64 (warps of 32x64): twice the
+  // blocks, half the work each, for products whose 128-row tiles leave SMs idle.
+  using Cfg = MmaCfg<BM, 128, 32, 2, 2, 3>;
   // Each operand's smem tile keeps its source's contiguous direction (16-byte copies);
   // padding 4 (K-major) / 8 (MN-major) makes the fragment reads conflict-free.
   using LayA = TileLayout<Cfg::BM, Cfg::BK, !TA, TA ? 8 : 4>;

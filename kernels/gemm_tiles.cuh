@@ -557,11 +557,27 @@ __device__ __forceinline__ void simt_mainloop(float (&acc)[Cfg::TM][Cfg::TN], co
   cp_async_wait<0>();
 }
 
+// ----------------------------------------------------------------------------- epilogue
+
+// bias_mode: 0 none, 1 bias[n] (per column), 2 bias[m] (per row); + EPI_RELU: ReLU after the
+// bias (Linear + ReLU in one pass), as relu's kernel: v < 0 -> 0, NaN kept.
+constexpr int EPI_RELU = 4;
+
+// alpha * acc + bias, then ReLU where bias_mode asks: one output's value before rounding.
+template <typename B>
+__device__ __forceinline__ float epilogue_value(float acc, float alpha, const B* bias,
+                                                int bias_mode, int m, int n) {
+  float v = alpha * acc;
+  if ((bias_mode & 3) == 1) v += as<float>(bias[n]);
+  if ((bias_mode & 3) == 2) v += as<float>(bias[m]);
+  return (bias_mode & EPI_RELU) && v < 0.f ? 0.f : v;
+}
+
 // ----------------------------------------------------------------------------- split-K reduce
 
 // C[b] = alpha * sum_s ws[s][b] (+ bias) (+ beta * C[b]), summed in split order so results do
 // not depend on scheduling. ws is dense [splits][batch][M][N] (float partials W for 16-bit
-// outputs); C rows are ldc apart. bias_mode: 0 none, 1 bias[n] (per column), 2 bias[m] (row).
+// outputs); C rows are ldc apart. bias_mode as epilogue_value's (beta != 0 takes no ReLU).
 // Loads go 8 at a time ahead of their additions (same order), so a thread waits for memory
 // once per 8 splits rather than once per split.
 template <typename T, typename W>
@@ -569,9 +585,7 @@ __device__ __forceinline__ void splitk_store(T* __restrict__ C, const T* __restr
                                              float acc, long long b, int m, int n, int ldc,
                                              long long sC, float alpha, float beta,
                                              int bias_mode) {
-  float v = alpha * acc;
-  if (bias_mode == 1) v += as<float>(bias[n]);
-  if (bias_mode == 2) v += as<float>(bias[m]);
+  float v = epilogue_value(acc, alpha, bias, bias_mode, m, n);
   T* c = C + b * sC + (long long)m * ldc + n;
   if (beta != 0.f) v += beta * as<float>(*c);
   *c = as<T>(v);

@@ -13,7 +13,8 @@
 //  * Fast-path shapes only, checked by the launcher: M % 128 == 0, N % 256 == 0,
 //    K % BK == 0 (BK = one 128-byte row: 32 floats, 64 16-bit values), K > 0, A, B, C
 //    16-byte aligned (rows then are too). No edge handling.
-//  * `=`: C is written, never read. bias_mode 1 adds bias[n] to every row.
+//  * `=`: C is written, never read. bias_mode 1 adds bias[n] to every row; + 4 then applies
+//    ReLU (v < 0 -> 0, NaN kept), as gemm_tiles.cuh's EPI_RELU.
 //  * Batch in grid z: matrix b starts at A + b*sA (B, C likewise); stride 0 broadcasts.
 //
 // Design: block tile 128 x 256 x one 128-byte slab of K, 256 threads = two warpgroups,
@@ -95,9 +96,10 @@ __global__ void __launch_bounds__(wgmma_gemm::THREADS, 1)
   for_each_pair<BN>(acc, [&](int r, int c, float x0, float y0, float x1, float y1) {
     const int col = n0 + c;
     float bx = 0.f, by = 0.f;
-    if (bias_mode == 1) bx = to_f32(bias[col]), by = to_f32(bias[col + 1]);
+    if (bias_mode & 1) bx = to_f32(bias[col]), by = to_f32(bias[col + 1]);
+    const auto out = [&](float v) { return (bias_mode & 4) && v < 0.f ? 0.f : v; };
     T* c0 = C + (long long)(m0 + r) * N + col;
-    store2(c0, x0 + bx, y0 + by);
-    store2(c0 + 8LL * N, x1 + bx, y1 + by);
+    store2(c0, out(x0 + bx), out(y0 + by));
+    store2(c0 + 8LL * N, out(x1 + bx), out(y1 + by));
   });
 }

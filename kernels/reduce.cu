@@ -95,15 +95,37 @@ __global__ void channel_sum_fold_kernel(T* out, const double* part, int S, int C
 // generic reduce_kernel gave each column one group of lanes reading down the rows: a sector
 // per element.)
 template <typename T>
-__global__ void column_sum_kernel(double* part, const T* __restrict__ in, int R, int C, int S,
-                                  int chunk) {
-  const int c = blockIdx.x * blockDim.x + threadIdx.x, s = blockIdx.y * blockDim.y + threadIdx.y;
-  if (c >= C || s >= S) return;
+__device__ __forceinline__ double column_partial(const T* __restrict__ in, int R, int C, int c,
+                                                 int s, int chunk) {
   const int r1 = min(R, (s + 1) * chunk);
   double acc = 0.0;
 #pragma unroll 8
   for (int r = s * chunk; r < r1; ++r) acc += as<double>(in[(long long)r * C + c]);
-  part[(long long)s * C + c] = acc;
+  return acc;
+}
+
+template <typename T>
+__global__ void column_sum_kernel(double* part, const T* __restrict__ in, int R, int C, int S,
+                                  int chunk) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x, s = blockIdx.y * blockDim.y + threadIdx.y;
+  if (c >= C || s >= S) return;
+  part[(long long)s * C + c] = column_partial(in, R, C, c, s, chunk);
+}
+
+// The same sums and fold in one launch where a block holds every split of its columns
+// (blockDim = (32, S), S <= 32: a batch of up to 1024 rows): the partials meet in shared
+// memory and thread y = 0 adds them in split order, as channel_sum_fold_kernel would.
+template <typename T>
+__global__ void column_sum_folded_kernel(T* out, const T* __restrict__ in, int R, int C,
+                                         int chunk) {
+  __shared__ double part[32][33];
+  const int c = blockIdx.x * 32 + threadIdx.x, s = threadIdx.y;
+  part[s][threadIdx.x] = c < C ? column_partial(in, R, C, c, s, chunk) : 0.0;
+  __syncthreads();
+  if (s != 0 || c >= C) return;
+  double acc = 0.0;
+  for (int i = 0; i < blockDim.y; ++i) acc += part[i][threadIdx.x];
+  out[c] = as<T>(acc);
 }
 
 // Gradient of max: gx = (x == y[m]) ? gy[m] / count[m] : 0, count = number of ties in output
@@ -172,3 +194,5 @@ __global__ void count_correct_kernel(float* out, const T* logits, const L* label
 // instantiate: channel_sum_kernel<__nv_bfloat16>; channel_sum_fold_kernel<__nv_bfloat16>
 // instantiate: column_sum_kernel<float>; column_sum_kernel<double>; column_sum_kernel<__half>
 // instantiate: column_sum_kernel<__nv_bfloat16>
+// instantiate: column_sum_folded_kernel<float>; column_sum_folded_kernel<double>
+// instantiate: column_sum_folded_kernel<__half>; column_sum_folded_kernel<__nv_bfloat16>

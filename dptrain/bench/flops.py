@@ -24,10 +24,11 @@ TRAINING_FACTOR = 3  # forward + input gradient + weight gradient
 
 @contextlib.contextmanager
 def counting(be):
-    """Within the block, the FLOPs of `be`'s conv2d_forward and matmul calls add up in the
-    returned dict's "flops" (and per op under "conv2d_forward" / "matmul")."""
+    """Within the block, the FLOPs of `be`'s conv2d_forward, matmul and linear calls add up in
+    the returned dict's "flops" (and per op under "conv2d_forward" / "matmul", linear's
+    products counted as matmul's)."""
     counts = {"flops": 0, "conv2d_forward": 0, "matmul": 0}
-    conv, matmul = be.conv2d_forward, be.matmul
+    conv, matmul, linear = be.conv2d_forward, be.matmul, be.linear
 
     def add(op, n):
         counts[op] += n
@@ -43,11 +44,16 @@ def counting(be):
         add("matmul", 2 * int(np.prod(y.shape)) * (a.shape[-2] if trans_a else a.shape[-1]))
         return y
 
-    be.conv2d_forward, be.matmul = conv_counted, matmul_counted
+    def linear_counted(x, w, *args, **kwargs):
+        y = linear(x, w, *args, **kwargs)
+        add("matmul", 2 * int(np.prod(y.shape)) * x.shape[-1])
+        return y
+
+    be.conv2d_forward, be.matmul, be.linear = conv_counted, matmul_counted, linear_counted
     try:
         yield counts
     finally:
-        be.conv2d_forward, be.matmul = conv, matmul
+        be.conv2d_forward, be.matmul, be.linear = conv, matmul, linear
 
 
 def forward_flops_per_image(model_name: str, image_shape, num_classes: int) -> dict:

@@ -33,6 +33,14 @@ def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
     return ops.Linear.apply(x, w) if b is None else ops.Linear.apply(x, w, b)
 
 
+def linear_relu(x: Tensor, w: Tensor, b: Tensor | None = None, *, workspace=None) -> Tensor:
+    """relu(linear(x, w, b)) in one op (what nn.Sequential runs for a Linear then a ReLU)."""
+    if x.shape[-1] != w.shape[1]:
+        raise ValueError(f"linear: input has {x.shape[-1]} features, weight expects {w.shape[1]}")
+    args = (x, w) if b is None else (x, w, b)
+    return ops.Linear.apply(*args, relu=True, workspace=workspace)
+
+
 def conv2d(x: Tensor, w: Tensor, b: Tensor | None = None, stride=1, padding=0, *,
            workspace=None) -> Tensor:
     """Convolution; `workspace` (``x.be.new_workspace()``) lets the backend reuse memory and

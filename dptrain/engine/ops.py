@@ -277,20 +277,23 @@ class MatMul(Function):
 
 
 class Linear(Function):
-    """y = x W^T + b over the last axis of x; W is (out, in) as in PyTorch."""
+    """y = x W^T + b over the last axis of x; W is (out, in) as in PyTorch. With `relu`,
+    y = relu(x W^T + b) (Linear then ReLU as one op: the bias and the ReLU ride in the GEMM's
+    epilogue; the backward masks gy by y > 0 first, as relu's would)."""
 
-    def forward(self, x, w, b=None):
+    def forward(self, x, w, b=None, relu=False, workspace=None):
         self.x_shape = x.shape
         self.x2 = x.reshape(-1, x.shape[-1])
-        self.w = w
-        y = self.be.matmul(self.x2, w, trans_b=True)
-        if b is not None:
-            y = self.be.bias_add(y, b)
+        self.w, self.workspace = w, workspace
+        y = self.be.linear(self.x2, w, b, relu=relu)
+        self.y = y if relu else None
         return y.reshape(x.shape[:-1] + (w.shape[0],))
 
     def backward(self, gy):
         be = self.be
         g2 = gy.reshape(-1, gy.shape[-1])
+        if self.y is not None:
+            g2 = be.relu_backward(self.y, g2, workspace=self.workspace)
         gx = be.matmul(g2, self.w).reshape(self.x_shape) if self.needs_grad[0] else None
         gw = be.matmul(g2, self.x2, trans_a=True) if self.needs_grad[1] else None
         gb = be.bias_grad(g2) if len(self.needs_grad) > 2 and self.needs_grad[2] else None

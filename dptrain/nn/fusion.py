@@ -2,9 +2,12 @@
 that op (``layer.fused_with(next)`` returns the fused call, or None).
 
 Today ReLU followed by MaxPool2d runs as ``F.relu_max_pool2d``: one pass forward and the
-pool's backward alone, with the same values and gradients as the two layers. The layers stay
+pool's backward alone, with the same values and gradients as the two layers; Linear followed
+by ReLU runs as ``F.linear_relu``: the bias and the ReLU in the GEMM's epilogue. The layers stay
 in the Sequential as they are, so parameter names, state dicts and the PyTorch twin do not
-change. A layer with forward pre-hooks is never fused (its hook must run on its own input).
+change. The first layer's forward pre-hooks run before the fused call (the reducer's wait
+for a Linear's parameters); a second layer with pre-hooks is never fused (its hooks must run
+between the two).
 
 Outside a Sequential a model asks for a fused call itself: ResNet's blocks call
 ``bn(x, residual=..., relu=True)`` (BatchNorm2d runs relu(bn(x) + residual) in one pass).
@@ -30,8 +33,19 @@ def plan(layers) -> list:
         layer = layers[i]
         nxt = layers[i + 1] if i + 1 < len(layers) else None
         fused = None
-        if fuse and nxt is not None and not layer._pre_hooks and not nxt._pre_hooks:
+        if fuse and nxt is not None and not nxt._pre_hooks:
             fused = getattr(layer, "fused_with", lambda _: None)(nxt)
+        if fused and layer._pre_hooks:
+            fused = _after_hooks(layer, fused)
         steps.append(fused or layer)
         i += 2 if fused else 1
     return steps
+
+
+def _after_hooks(layer, call):
+    """`call` preceded by `layer`'s forward pre-hooks, as calling the layer would run them."""
+    def run(x):
+        for hook in layer._pre_hooks:
+            hook(layer)
+        return call(x)
+    return run

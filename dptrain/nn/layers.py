@@ -55,6 +55,13 @@ class Linear(Module):
     def forward(self, x):
         return F.linear(x, *in_dtype_of(x, self.weight, self.bias))
 
+    def fused_with(self, following):
+        """Linear then ReLU as one op (nn.fusion), or None for any other layer."""
+        if type(following) is not ReLU:
+            return None
+        return lambda x: F.linear_relu(x, *in_dtype_of(x, self.weight, self.bias),
+                                       workspace=following.workspace(x))
+
 
 class Conv2d(Module):
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, bias=True):

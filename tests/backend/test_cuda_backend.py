@@ -355,6 +355,24 @@ def test_sums_down_the_rows_repeat_bitwise(cu, rng, dtype):
 
 
 @gpu
+@pytest.mark.parametrize("shape", [(256, 512), (1000, 7), (33, 100), (1, 5)], ids=str)
+@pytest.mark.parametrize("dtype", FLOATS + [np.float16, "bfloat16"])
+def test_column_sums_in_one_launch_equal_two(cu, rng, monkeypatch, shape, dtype):
+    """column_sum_folded_kernel (sums and fold in one launch, up to 1024 rows) gives the bits
+    of column_sum_kernel + channel_sum_fold_kernel."""
+    from dptrain.backend.bfloat16 import to_bfloat16
+    from dptrain.backend.cuda import reduce
+
+    x = uniform(rng, shape, -0.5, 1.5)
+    x = cu.asarray(to_bfloat16(x) if dtype == "bfloat16" else x.astype(dtype))
+    one = cu.to_numpy(cu.bias_grad(x))
+    monkeypatch.setattr(reduce, "COLUMN_SUM_FOLDED_SPLITS", 0)
+    assert one.tobytes() == cu.to_numpy(cu.bias_grad(x)).tobytes()
+    if dtype in FLOATS:
+        assert_close(cu, cu.asarray(one), sum64(cpu.sum, cu.to_numpy(x), 0))
+
+
+@gpu
 def test_sum_of_a_strided_view(cu, rng):
     x = uniform(rng, (7, 5, 33), -0.5, 1.5)
     t = cu.asarray(x).transpose(2, 0, 1)

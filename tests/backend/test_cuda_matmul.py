@@ -66,6 +66,7 @@ MNK = [
     (1, 257, 129), (129, 1, 257), (7, 7, 1000), (33, 17, 3001),  # last two: split-K
     (64, 128, 256), (260, 132, 516), (64, 48, 5000),  # multiples of 4: 16-byte tile loads
     (33, 65, 0),  # empty inner dimension: zeros
+    (1537, 1409, 40),  # >= 132 tiles of 128 rows: the 128-row kernels
 ]
 
 
@@ -414,3 +415,59 @@ def test_wgmma_switched_off_by_environment(hopper, monkeypatch):
     monkeypatch.setenv(gemm.WGMMA_ENV, "1")
     gemm.clear_plans()
     assert hopper.matmul_kernel(ga, gb, False, True) == WGMMA
+
+
+# ----------------------------------------------------------------------------- linear (+ ReLU)
+
+# (m, n, k): rolled epilogue (odd N), staged, split-K of each, the MLP's first layer
+LINEAR = [(65, 33, 129), (64, 128, 256), (8, 16, 3000), (8, 24, 3000), (256, 512, 2304)]
+
+
+def _as(dtype, x):
+    from dptrain.backend.bfloat16 import to_bfloat16
+
+    return cp.asarray(to_bfloat16(x) if dtype == "bfloat16" else x.astype(dtype))
+
+
+def _values(a):
+    from dptrain.backend.bfloat16 import from_bfloat16
+
+    a = cp.asnumpy(a)
+    return from_bfloat16(a) if a.dtype == np.uint16 else a.astype(np.float32)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("m,n,k", LINEAR)
+def test_linear_bias_relu(cm, prec, dtype, m, n, k):
+    """linear(x, w, b, relu) against float64, and bitwise equal to its parts: matmul with the
+    bias in its epilogue, then relu's own kernel (ReLU commutes with the one rounding)."""
+    if dtype != "float32" and prec == "fp32":
+        pytest.skip("16-bit operands take one kernel whatever the float32 precision")
+    x, w, b = (_as(dtype, a) for a in (rand(m, k), rand(n, k), rand(n)))
+    plain = cm.linear(x, w, b)
+    fused = cm.linear(x, w, b, relu=True)
+    assert cp.array_equal(plain, cm.matmul(x, w, trans_b=True, bias=b))
+    assert cp.array_equal(fused, cm.relu(plain))
+    xv, wv, bv = (_values(a).astype(np.float64) for a in (x, w, b))
+    ref = np.maximum(xv @ wv.T + bv, 0)
+    got = _values(fused).astype(np.float64)
+    err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+    assert err <= (TOL[prec] if dtype == "float32" else 1e-2), err
+    assert (got[ref < -1e-2 * np.abs(ref).max()] == 0).all()
+
+
+def test_linear_without_bias_and_bad_input(cm):
+    x, w = cp.asarray(rand(5, 7)), cp.asarray(rand(3, 7))
+    assert cp.array_equal(cm.linear(x, w, relu=True), cm.relu(cm.matmul(x, w, trans_b=True)))
+    with pytest.raises(ValueError, match="cuda.linear: x and w must be 2-D"):
+        cm.linear(x[None], w)
+
+
+def test_wgmma_linear_relu(hopper):
+    x, w, b = cp.asarray(rand(1408, 64)), cp.asarray(rand(3072, 64)), cp.asarray(rand(3072))
+    assert hopper.matmul_kernel(x, w, False, True, bias=b) == WGMMA
+    plain = hopper.linear(x, w, b)
+    assert cp.array_equal(hopper.linear(x, w, b, relu=True), hopper.relu(plain))
+    ref = np.maximum(cp.asnumpy(x).astype(np.float64) @ cp.asnumpy(w).astype(np.float64).T
+                     + cp.asnumpy(b), 0)
+    check(hopper.linear(x, w, b, relu=True), ref, "tf32")

@@ -67,6 +67,13 @@ def test_linear(xshape, bias):
     gradcheck(lambda x, w, *b: F.linear(x, w, *b), *args)
 
 
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("xshape", [(3, 4), (2, 3, 4)])
+def test_linear_relu(xshape, bias):
+    args = (randn(*xshape), randn(5, 4)) + ((randn(5),) if bias else ())
+    gradcheck(lambda x, w, *b: F.linear_relu(x, w, *b), *args)
+
+
 CONV_CASES = [
     # x shape, w shape, stride, padding
     ((2, 3, 5, 5), (4, 3, 3, 3), 1, 0),

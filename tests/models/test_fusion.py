@@ -5,7 +5,7 @@ import pytest
 import dptrain.engine.functional as F
 from dptrain.engine.autograd import Tensor
 from dptrain.backend import cpu
-from dptrain.nn import MaxPool2d, ReLU, Sequential, cnn, fusion, resnet18
+from dptrain.nn import Linear, MaxPool2d, ReLU, Sequential, cnn, fusion, resnet18
 
 POOLS = [((2, 2), (2, 2), (0, 0)), ((3, 3), (2, 2), (1, 1)), ((3, 2), (1, 2), (1, 0))]
 
@@ -42,10 +42,10 @@ def _forward_backward(model, x):
 
 
 def test_fused_cnn_equals_unfused_bitwise(monkeypatch):
-    """The reference CNN's ReLU + MaxPool2d pairs run fused; outputs and gradients are the
-    same bits as with fusion off."""
+    """The reference CNN's ReLU + MaxPool2d pairs and its Linear + ReLU run fused; outputs
+    and gradients are the same bits as with fusion off."""
     model = cnn(image_shape=(1, 16, 16), num_classes=5, widths=(4, 8), hidden=16)
-    assert sum(callable(s) and not hasattr(s, "forward") for s in model._steps()) == 2
+    assert sum(callable(s) and not hasattr(s, "forward") for s in model._steps()) == 3
     x = _tricky(np.random.default_rng(1), (3, 1, 16, 16))
     fused = _forward_backward(model, x)
     for p in model.parameters():
@@ -57,7 +57,7 @@ def test_fused_cnn_equals_unfused_bitwise(monkeypatch):
         assert np.array_equal(a, b)
 
 
-def test_layers_with_hooks_are_not_fused():
+def test_a_second_layer_with_hooks_is_not_fused():
     relu, pool = ReLU(), MaxPool2d(2)
     seq = Sequential(relu, pool)
     assert len(seq._steps()) == 1
@@ -65,6 +65,19 @@ def test_layers_with_hooks_are_not_fused():
     assert seq._steps() == [relu, pool]
     x = Tensor(np.arange(16, dtype=np.float32).reshape(1, 1, 4, 4) - 8)
     assert np.array_equal(seq(x).numpy(), F.max_pool2d(F.relu(x), 2).numpy())
+
+
+def test_a_first_layer_with_hooks_fuses_and_runs_its_hooks_first():
+    """The reducer hooks every layer with parameters (its wait for their all-gather): a
+    Linear so hooked still fuses with its ReLU, its hooks called before the fused op."""
+    lin, relu = Linear(4, 3), ReLU()
+    seq = Sequential(lin, relu)
+    calls = []
+    lin.register_forward_pre_hook(lambda m: calls.append(m))
+    assert len(seq._steps()) == 1
+    x = Tensor(np.arange(8, dtype=np.float32).reshape(2, 4) - 4)
+    assert np.array_equal(seq(x).numpy(), F.relu(F.linear(x, lin.weight, lin.bias)).numpy())
+    assert calls == [lin]
 
 
 def test_fused_resnet_equals_unfused_bitwise(monkeypatch):

@@ -286,6 +286,18 @@ def matmul(a, b, trans_a=False, trans_b=False):
     return np.ascontiguousarray(np.matmul(a, b))
 
 
+@op(fp32_math=True)
+def linear(x, w, b=None, relu=False):
+    """x @ w^T (+ b), then ReLU if `relu`: Linear's forward as one op (a 16-bit result is
+    rounded once, after the bias and the ReLU)."""
+    if x.ndim != 2 or w.ndim != 2:
+        raise ValueError(f"linear: x and w must be 2-D, got {x.shape} and {w.shape}")
+    y = matmul(x, w, trans_b=True)
+    if b is not None:
+        y += b.astype(y.dtype, copy=False)
+    return np.maximum(y, y.dtype.type(0), out=y) if relu else y
+
+
 def _channel_shape(y):
     return (1, -1) + (1,) * (y.ndim - 2)
 

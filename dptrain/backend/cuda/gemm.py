@@ -48,6 +48,8 @@ from dptrain.backend.registry import op
 WGMMA_ENV = "DPTRAIN_WGMMA"  # "0" turns the Hopper wgmma path off
 _WGMMA_DEFAULT = True  # on where it applies, unless the environment says "0"
 _WGMMA_BM, _WGMMA_BN, _WGMMA_ROW = 128, 256, 128
+EPI_RELU = 4  # bias_mode's ReLU bit (gemm_tiles.cuh)
+SMALL_TILES = True  # 64-row tiles where 128-row ones leave SMs idle (False: to measure them)
 
 
 def wgmma_smem(bm: int, bn: int) -> int:
@@ -219,11 +221,11 @@ def _wgmma_fits(a, b, ta, tb, m, n, k, nb) -> bool:
             and nb <= launch.GRID_YZ_MAX)
 
 
-def _matmul_plan(a, b, trans_a, trans_b, bias):
-    ta, tb = bool(trans_a), bool(trans_b)
+def _matmul_plan(a, b, trans_a, trans_b, bias, relu=False):
+    ta, tb, relu = bool(trans_a), bool(trans_b), bool(relu)
     key = ("matmul", sig("matmul", "a", a), sig("matmul", "b", b), ta, tb,
-           sig("matmul", "bias", bias), runtime.precision)
-    return plan(key, lambda: _plan_matmul(a, b, ta, tb, bias))
+           sig("matmul", "bias", bias), relu, runtime.precision)
+    return plan(key, lambda: _plan_matmul(a, b, ta, tb, bias, relu))
 
 
 def matmul_kernel(a, b, trans_a=False, trans_b=False, *, bias=None) -> str:
@@ -244,7 +246,16 @@ def matmul(a, b, trans_a=False, trans_b=False, *, bias=None, out=None):
     return _matmul_plan(a, b, trans_a, trans_b, bias)(a, b, bias, out)
 
 
-def _plan_matmul(a, b, ta, tb, bias):
+@op
+def linear(x, w, b=None, relu=False):
+    """x @ w^T (+ b), then ReLU if `relu`, for x (N, in) and w (out, in): Linear's forward as
+    one GEMM, bias and ReLU applied in its epilogue (a 16-bit result is rounded once)."""
+    if x.ndim != 2 or w.ndim != 2:
+        raise ValueError(f"cuda.linear: x and w must be 2-D, got {x.shape} and {w.shape}")
+    return _matmul_plan(x, w, False, True, b, relu)(x, w, b, None)
+
+
+def _plan_matmul(a, b, ta, tb, bias, relu=False):
     dt = operand_dtype("matmul", a)
     launch.check_f32("matmul", "a", a, dtype=dt)
     launch.check_f32("matmul", "b", b, dtype=dt)
@@ -266,6 +277,7 @@ def _plan_matmul(a, b, ta, tb, bias):
         if bias.shape[0] != n:
             raise ValueError(f"cuda.matmul: bias has shape {bias.shape}, expected ({n},)")
         bias_mode = 1
+    bias_mode |= EPI_RELU if relu else 0
     if nb == 0 or m == 0 or n == 0:
         empty = lambda a, b, bias, out: output("matmul", out, out_shape, dt)  # noqa: E731
         empty.kernel = "none"
@@ -282,9 +294,11 @@ def _plan_matmul(a, b, ta, tb, bias):
         raise ValueError(f"cuda.matmul: M = {m} exceeds the grid's limit of "
                          f"{128 * launch.GRID_YZ_MAX}")
 
-    # 16-bit products whose 128 x 128 tiles leave SMs idle (the FC layers at small batches)
-    # take 64-row tiles: twice the blocks before any split of K.
-    bm = 64 if dt in launch.HALVES and -(-m // 128) * -(-n // 128) * nb < launch.sm_count() else 128
+    tf32 = runtime.precision == "tf32"
+    # Tensor-core products whose 128 x 128 tiles leave SMs idle (the FC layers at small
+    # batches) take 64-row tiles: twice the blocks before any split of K.
+    bm = 64 if ((dt in launch.HALVES or tf32) and SMALL_TILES
+                and -(-m // 128) * -(-n // 128) * nb < launch.sm_count()) else 128
     # A product of very few tiles (a classifier's weight gradient: 7 x 256 @ 256 x 64) splits
     # K into chunks of 64: one block would otherwise walk all of K alone.
     tiles = -(-m // bm) * -(-n // 128) * nb
@@ -297,16 +311,16 @@ def _plan_matmul(a, b, ta, tb, bias):
     ws_shape = (splits, nb, m, n)
 
     flags = (str(ta).lower(), str(tb).lower())
-    tf32 = runtime.precision == "tf32"
+    tail64 = ("64",) if bm == 64 else ()
     if dt in launch.HALVES:
         smem = 3 * 2 * (tile_floats(bm, 32, not ta, 8) + tile_floats(128, 32, tb, 8))
-        fn = launch.kernel("gemm.cu", "gemm_b16_kernel", launch.ctype(dt), *flags,
-                           *(("64",) if bm == 64 else ()), smem=smem)
+        fn = launch.kernel("gemm.cu", "gemm_b16_kernel", launch.ctype(dt), *flags, *tail64,
+                           smem=smem)
         block = (128,)
     elif tf32:
-        smem = 3 * 4 * (tile_floats(128, 32, not ta, 8 if ta else 4)
+        smem = 3 * 4 * (tile_floats(bm, 32, not ta, 8 if ta else 4)
                         + tile_floats(128, 32, tb, 4 if tb else 8))
-        fn = launch.kernel("gemm.cu", "gemm_tf32_kernel", "float", *flags, smem=smem)
+        fn = launch.kernel("gemm.cu", "gemm_tf32_kernel", "float", *flags, *tail64, smem=smem)
         block = (128,)
     else:
         smem = 3 * 4 * 2 * tile_floats(128, 16, False, 4)

@@ -33,6 +33,8 @@ SPLIT_CHUNK = 8192
 # column reads coalesced anyway.
 COLUMN_SUM_MAX_M = 4096
 COLUMN_SUM_ROWS = 32  # rows per split, at least (else about sqrt(rows))
+# Up to this many splits (a block of 32 columns x splits threads) sum and fold in one launch.
+COLUMN_SUM_FOLDED_SPLITS = 32
 
 
 def _axes(op, ndim, axis):
@@ -133,7 +135,9 @@ def _leading_rows(a, axes) -> bool:
 
 def _column_sum(out, a, rows, cols):
     """out = the sum of the contiguous (rows, cols) view of `a` down its rows: (split, column)
-    partials in double, then each column's folded in split order (deterministic)."""
+    partials in double, then each column's folded in split order (deterministic). Up to 32
+    splits (1024 rows) both happen in one launch, column_sum_folded_kernel, with the same
+    bits as the two."""
     # about sqrt(rows) rows per split: the first pass's loop and the fold's are of a length
     # (the fold, a thread per column, is what few columns wait on)
     per_split = builtins.max(COLUMN_SUM_ROWS, math.isqrt(rows))
@@ -141,6 +145,11 @@ def _column_sum(out, a, rows, cols):
                                           -(-16 * launch.sm_count() * launch.BLOCK // cols)))
     chunk = -(-rows // splits)
     splits = -(-rows // chunk)
+    if splits <= COLUMN_SUM_FOLDED_SPLITS:
+        launch.kernel(RED, "column_sum_folded_kernel", launch.ctype(a.dtype))(
+            (-(-cols // 32),), (32, splits),
+            (out, a, np.int32(rows), np.int32(cols), np.int32(chunk)))
+        return out
     part = launch.new((splits, cols), np.float64)
     bx = builtins.min(launch.BLOCK, 32 * -(-cols // 32))
     by = launch.BLOCK // bx
