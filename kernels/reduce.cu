@@ -78,12 +78,26 @@ __global__ void channel_sum_kernel(double* part, const T* __restrict__ in, int N
   if (threadIdx.x == 0) part[(long long)s * C + c] = acc;
 }
 
+// out[c] = the sum rounded to T, or with `accumulate` out[c] + that (a bias gradient added
+// into its .grad as add_ adds it: the rounded sum, then one rounding of the addition).
 template <typename T>
-__global__ void channel_sum_fold_kernel(T* out, const double* part, int S, int C) {
+__device__ __forceinline__ void write_sum(T* out, int c, double acc, int accumulate) {
+  if (!accumulate) {
+    out[c] = as<T>(acc);
+  } else if constexpr (sizeof(T) == 8) {
+    out[c] += acc;
+  } else {
+    out[c] = as<T>(as<float>(out[c]) + as<float>(as<T>(acc)));
+  }
+}
+
+template <typename T>
+__global__ void channel_sum_fold_kernel(T* out, const double* part, int S, int C,
+                                        int accumulate) {
   GRID_STRIDE_32(c, C) {
     double acc = 0.0;
     for (int s = 0; s < S; ++s) acc += part[(long long)s * C + c];
-    out[c] = as<T>(acc);
+    write_sum(out, c, acc, accumulate);
   }
 }
 
@@ -117,7 +131,7 @@ __global__ void column_sum_kernel(double* part, const T* __restrict__ in, int R,
 // memory and thread y = 0 adds them in split order, as channel_sum_fold_kernel would.
 template <typename T>
 __global__ void column_sum_folded_kernel(T* out, const T* __restrict__ in, int R, int C,
-                                         int chunk) {
+                                         int chunk, int accumulate) {
   __shared__ double part[32][33];
   const int c = blockIdx.x * 32 + threadIdx.x, s = threadIdx.y;
   part[s][threadIdx.x] = c < C ? column_partial(in, R, C, c, s, chunk) : 0.0;
@@ -125,7 +139,7 @@ __global__ void column_sum_folded_kernel(T* out, const T* __restrict__ in, int R
   if (s != 0 || c >= C) return;
   double acc = 0.0;
   for (int i = 0; i < blockDim.y; ++i) acc += part[i][threadIdx.x];
-  out[c] = as<T>(acc);
+  write_sum(out, c, acc, accumulate);
 }
 
 // Gradient of max: gx = (x == y[m]) ? gy[m] / count[m] : 0, count = number of ties in output

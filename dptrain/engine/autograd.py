@@ -9,9 +9,13 @@ summed, so a value used twice needs no special case.
 Leaves that already hold a ``.grad`` (parameters, whose gradients are views of
 one flat buffer) accumulate into it in place; this keeps the step free of
 per-step allocations whose addresses change, which CUDA-graph capture needs.
+Where such a leaf feeds one op only, that op's backward may add its gradient into
+the ``.grad`` itself (``Function.grad_into``: a GEMM's epilogue does the add, no
+separate pass); the sum is the same, grad + g, so the result is too.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 
 import numpy as np
@@ -20,6 +24,7 @@ from dptrain import backend
 from dptrain.backend.bfloat16 import BFLOAT16, from_bfloat16
 
 _grad_enabled = True
+DIRECT_GRADS = True  # ops may add a leaf's gradient into its .grad (False: to compare)
 
 
 class no_grad(contextlib.ContextDecorator):
@@ -51,6 +56,7 @@ class Function:
     be = None
     needs_grad: tuple = ()
     inputs: tuple = ()
+    into: tuple = ()  # per input: the .grad backward may add into (set by Tensor.backward)
 
     @classmethod
     def apply(cls, *tensors: "Tensor", **params) -> "Tensor":
@@ -70,6 +76,12 @@ class Function:
 
     def backward(self, gy):
         raise NotImplementedError
+
+    def grad_into(self, i: int):
+        """The ``.grad`` array of input i (a leaf that this op alone uses) that backward may
+        add input i's gradient into, in place, returning that very array; None where it
+        returns a new gradient."""
+        return self.into[i] if i < len(self.into) else None
 
 
 def _default_dtype(data):
@@ -155,16 +167,29 @@ class Tensor:
         be = self.be
         seed = be.full(self.shape, 1.0, self.data.dtype) if grad is None else grad.data
         grads = {id(self): seed}
-        for node in reversed(_topological_order(self)):
+        order = _topological_order(self)
+        uses = collections.Counter(id(i) for node in order if node._ctx is not None
+                                   for i in node._ctx.inputs)
+        added = set()  # leaves whose gradient an op added into their .grad itself
+        for node in reversed(order):
             g = grads.pop(id(node), None)
+            fn = node._ctx
+            if fn is None and id(node) in added:
+                node._run_grad_hooks()
+                continue
             if g is None:
                 continue
-            fn = node._ctx
             if fn is None:
                 node._accumulate(g)
                 continue
-            for inp, gi, need in zip(fn.inputs, fn.backward(g), fn.needs_grad):
+            fn.into = tuple(i.grad.data if DIRECT_GRADS and i._ctx is None and i.requires_grad
+                            and i.grad is not None and uses[id(i)] == 1 else None
+                            for i in fn.inputs)
+            for inp, gi, need, into in zip(fn.inputs, fn.backward(g), fn.needs_grad, fn.into):
                 if gi is None or not need:
+                    continue
+                if into is not None and gi is into:
+                    added.add(id(inp))
                     continue
                 prev = grads.get(id(inp))
                 if prev is not None and inp.dtype not in (prev.dtype, gi.dtype):
@@ -179,6 +204,9 @@ class Tensor:
                                else self.be.copy(g))
         else:
             self.be.add_(self.grad.data, g)
+        self._run_grad_hooks()
+
+    def _run_grad_hooks(self):
         for hook in self._grad_hooks:
             hook(self)
 

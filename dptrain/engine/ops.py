@@ -295,9 +295,22 @@ class Linear(Function):
         if self.y is not None:
             g2 = be.relu_backward(self.y, g2, workspace=self.workspace)
         gx = be.matmul(g2, self.w).reshape(self.x_shape) if self.needs_grad[0] else None
-        gw = be.matmul(g2, self.x2, trans_a=True) if self.needs_grad[1] else None
-        gb = be.bias_grad(g2) if len(self.needs_grad) > 2 and self.needs_grad[2] else None
+        gw = gb = None
+        if self.needs_grad[1]:
+            into = self._into(1, g2)
+            gw = (be.matmul(g2, self.x2, trans_a=True) if into is None
+                  else be.matmul_add_(into, g2, self.x2, trans_a=True))
+        if len(self.needs_grad) > 2 and self.needs_grad[2]:
+            into = self._into(2, g2)
+            gb = be.bias_grad(g2) if into is None else be.bias_grad_add_(into, g2)
         return gx, gw, gb
+
+    def _into(self, i, g2):
+        """grad_into(i) where the add in place gives add_'s bits: a float32 / float64 .grad
+        of g2's dtype (a 16-bit product would be rounded twice by add_)."""
+        into = self.grad_into(i)
+        ok = into is not None and into.dtype == g2.dtype and into.dtype.itemsize >= 4
+        return into if ok else None
 
 
 # ----------------------------------------------------------------------------- convolution and pooling

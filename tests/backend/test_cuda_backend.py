@@ -852,7 +852,7 @@ def _launch_modules(monkeypatch, sms=4):
     package.__path__ = []
     package.loader = types.ModuleType("dptrain.backend.cuda.loader")
     elementwise = types.ModuleType("dptrain.backend.cuda.elementwise")
-    elementwise.fill_ = None
+    elementwise.fill_ = elementwise.add_ = None
     for name, module in (("cupy", fake), ("dptrain.backend.cuda", package),
                          ("dptrain.backend.cuda.loader", package.loader),
                          ("dptrain.backend.cuda.elementwise", elementwise)):

@@ -471,3 +471,33 @@ def test_wgmma_linear_relu(hopper):
     ref = np.maximum(cp.asnumpy(x).astype(np.float64) @ cp.asnumpy(w).astype(np.float64).T
                      + cp.asnumpy(b), 0)
     check(hopper.linear(x, w, b, relu=True), ref, "tf32")
+
+
+# ----------------------------------------------------------------------------- adds in place
+
+@pytest.mark.parametrize("m,n,k,ta", [(65, 33, 129, False), (512, 2304, 256, True),
+                                      (8, 16, 3000, False), (7, 256, 256, True),
+                                      (16, 12, 7, True), (1408, 3072, 64, False)])
+def test_matmul_add_equals_matmul_then_add(cm, prec, m, n, k, ta):
+    """c += op(a) @ b, by split-K's reduce where the product splits K, else matmul and add_:
+    the bits of matmul then add_ either way."""
+    a = cp.asarray(rand(*((k, m) if ta else (m, k))))
+    b, c = cp.asarray(rand(k, n)), cp.asarray(rand(m, n))
+    want = cm.add_(c.copy(), cm.matmul(a, b, ta))
+    got = c.copy()
+    assert cm.matmul_add_(got, a, b, ta) is got
+    assert cp.array_equal(got, want)
+    with pytest.raises(ValueError, match="float32 2-D operands only"):
+        cm.matmul_add_(c.astype(np.float16), a.astype(np.float16), b.astype(np.float16), ta)
+
+
+@pytest.mark.parametrize("shape", [(256, 512), (5000, 64), (3, 8, 5, 5), (0, 4), (6, 9000)],
+                         ids=str)
+def test_bias_grad_add_equals_bias_grad_then_add(cm, shape):
+    """dst += bias_grad(gy) by the sum's last kernel (one-launch column sums, the two-pass
+    ones, the channel sums of NCHW, the generic reduce): the bits of bias_grad then add_."""
+    gy, dst = cp.asarray(rand(*shape)), cp.asarray(rand(shape[1]))
+    want = cm.add_(dst.copy(), cm.bias_grad(gy))
+    got = dst.copy()
+    assert cm.bias_grad_add_(got, gy) is got
+    assert cp.array_equal(got, want)

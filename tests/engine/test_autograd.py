@@ -94,3 +94,56 @@ def test_shape_errors_name_the_shapes():
         F.linear(dp.tensor(np.zeros((2, 3))), dp.tensor(np.zeros((4, 5))))
     with pytest.raises(ValueError, match="integer labels"):
         F.cross_entropy(dp.tensor(np.zeros((2, 3))), dp.tensor([0.5, 1.0]))
+
+
+def _mlp_grads(monkeypatch, direct, device="cpu", shared=False):
+    """Two backward passes of a small Linear-ReLU-Linear net (parameters with .grad from the
+    first on, so the second may add in place), with direct adds on or off; the grads, and the
+    parameters' hook calls in order."""
+    from dptrain.backend import get
+    from dptrain.engine import autograd
+
+    monkeypatch.setattr(autograd, "DIRECT_GRADS", direct)
+    rng = np.random.default_rng(3)
+    ws = [dp.tensor(rng.standard_normal(s).astype(np.float32), requires_grad=True,
+                    device=device) for s in [(16, 12), (16,), (5, 16), (5,)]]
+    calls, added = [], []
+    be = get(device)
+    real = be.matmul_add_
+    monkeypatch.setattr(be, "matmul_add_", lambda *a, **k: added.append(1) or real(*a, **k))
+    for i, w in enumerate(ws):
+        w.register_grad_hook(lambda t, i=i: calls.append(i))
+    x = dp.tensor(rng.standard_normal((7, 12)).astype(np.float32), device=device)
+    for _ in range(2):
+        h = F.linear_relu(x, ws[0], ws[1])
+        out = F.linear(h, ws[2], ws[3])
+        if shared:  # the last weight used twice: its gradient goes back the usual way
+            out = out + F.linear(h, ws[2])
+        (out * out).sum().backward()
+    return [w.grad.numpy() for w in ws], calls, len(added)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_gradients_added_in_place_equal_added_after(monkeypatch, shared):
+    """A leaf with a .grad that one op alone uses gets its gradient added by that op (Linear:
+    matmul_add_ / bias_grad_add_); the grads are the same bits as computing and then adding
+    them, and each leaf's hooks still run once per backward, in the same order."""
+    direct, calls, added = _mlp_grads(monkeypatch, True, shared=shared)
+    after, calls_after, added_after = _mlp_grads(monkeypatch, False, shared=shared)
+    assert added == (1 if shared else 2) and added_after == 0  # the second pass, each weight
+    assert calls == calls_after and len(calls) == 8
+    for a, b in zip(direct, after):
+        assert a.tobytes() == b.tobytes()
+
+
+@pytest.mark.gpu
+def test_gradients_added_in_place_on_the_gpu(monkeypatch):
+    pytest.importorskip("cupy")
+    from dptrain.backend import get
+
+    with get("cuda").runtime.precision_scope("tf32"):
+        direct, calls, added = _mlp_grads(monkeypatch, True, device="cuda")
+        after, calls_after, _ = _mlp_grads(monkeypatch, False, device="cuda")
+    assert added == 2 and calls == calls_after
+    for a, b in zip(direct, after):
+        assert a.tobytes() == b.tobytes()

@@ -286,6 +286,12 @@ def matmul(a, b, trans_a=False, trans_b=False):
     return np.ascontiguousarray(np.matmul(a, b))
 
 
+@op
+def matmul_add_(c, a, b, trans_a=False, trans_b=False):
+    """c += op(a) @ op(b), in place (a weight's gradient added into its .grad). Returns c."""
+    return add_(c, matmul(a, b, trans_a, trans_b))
+
+
 @op(fp32_math=True)
 def linear(x, w, b=None, relu=False):
     """x @ w^T (+ b), then ReLU if `relu`: Linear's forward as one op (a 16-bit result is
@@ -318,6 +324,12 @@ def bias_grad(gy):
     n, c = gy.shape[:2]
     planes = gy.reshape(n * c, -1) @ np.ones(gy.size // (n * c), dtype=gy.dtype)
     return planes.reshape(n, c).sum(axis=0)
+
+
+@op
+def bias_grad_add_(dst, gy):
+    """dst += bias_grad(gy), in place (a bias gradient added into its .grad). Returns dst."""
+    return add_(dst, bias_grad(gy))
 
 
 # ----------------------------------------------------------------------------- softmax family

@@ -41,6 +41,7 @@ import numpy as np
 
 from dptrain.backend.cuda import launch
 from dptrain.backend.cuda.launch import i32
+from dptrain.backend.cuda.elementwise import add_
 from dptrain.backend.cuda.runtime import runtime
 from dptrain.backend.cuda.transpose import broadcast_to, transposer
 from dptrain.backend.registry import op
@@ -137,9 +138,9 @@ def split_k(tiles: int, k: int, min_chunk: int, max_splits: int) -> tuple[int, i
     return _chunks(k, splits) if splits > 1 else (1, k)
 
 
-def reducer(file, splits, batch, m, n, ldc, sc, bias_mode, dtype=np.float32):
+def reducer(file, splits, batch, m, n, ldc, sc, bias_mode, dtype=np.float32, beta=0.0):
     """Launch of splitk_reduce_kernel: c = sum of the float partials in ws, in split order
-    (+ bias), rounded to c's `dtype`. Few outputs over many splits (under one thread per
+    (+ bias) (+ beta * c), rounded to c's `dtype`. Few outputs over many splits (under one thread per
     output for 256 per SM, >= 16 splits: the backward-weight of a convolution) take
     splitk_reduce_warp_kernel, a warp per output, rather than one thread waiting on each
     split in turn."""
@@ -150,7 +151,7 @@ def reducer(file, splits, batch, m, n, ldc, sc, bias_mode, dtype=np.float32):
                        *((launch.ctype(dtype), "float") if half else ("float",)))
     grid = (max(1, min(-(-outputs * (32 if warp else 1) // 256), launch.sm_count() * 8)),)
     tail = (i32(splits), i32(batch), i32(m), i32(n), i32(ldc), np.int64(sc),
-            np.float32(1.0), np.float32(0.0), i32(bias_mode))
+            np.float32(1.0), np.float32(beta), i32(bias_mode))
     return lambda ws, c, bias: fn(grid, (256,), (ws, c, bias) + tail)
 
 
@@ -221,11 +222,11 @@ def _wgmma_fits(a, b, ta, tb, m, n, k, nb) -> bool:
             and nb <= launch.GRID_YZ_MAX)
 
 
-def _matmul_plan(a, b, trans_a, trans_b, bias, relu=False):
-    ta, tb, relu = bool(trans_a), bool(trans_b), bool(relu)
+def _matmul_plan(a, b, trans_a, trans_b, bias, relu=False, accumulate=False):
+    ta, tb, relu, accumulate = bool(trans_a), bool(trans_b), bool(relu), bool(accumulate)
     key = ("matmul", sig("matmul", "a", a), sig("matmul", "b", b), ta, tb,
-           sig("matmul", "bias", bias), relu, runtime.precision)
-    return plan(key, lambda: _plan_matmul(a, b, ta, tb, bias, relu))
+           sig("matmul", "bias", bias), relu, accumulate, runtime.precision)
+    return plan(key, lambda: _plan_matmul(a, b, ta, tb, bias, relu, accumulate))
 
 
 def matmul_kernel(a, b, trans_a=False, trans_b=False, *, bias=None) -> str:
@@ -255,7 +256,25 @@ def linear(x, w, b=None, relu=False):
     return _matmul_plan(x, w, False, True, b, relu)(x, w, b, None)
 
 
-def _plan_matmul(a, b, ta, tb, bias, relu=False):
+@op
+def matmul_add_(c, a, b, trans_a=False, trans_b=False):
+    """c += op(a) @ op(b), in place, for 2-D operands: a weight's gradient added into its
+    .grad by split-K's reduce (beta 1). float32 only: there the sum is matmul's result added
+    to c, as add_ would (one rounding), so the bits are matmul's then add_'s. A product
+    without split-K runs as those two: the tiles' read-modify-write epilogue (rolled) measured
+    slower than their staged stores and a separate add (MLP and CNN TF32 steps 1-4%), and
+    the wgmma kernel only writes. Returns c."""
+    if c.dtype != np.float32 or a.ndim != 2 or b.ndim != 2:
+        raise ValueError(f"cuda.matmul_add_: float32 2-D operands only, got c {c.dtype} and "
+                         f"{a.ndim}-D, {b.ndim}-D operands")
+    launch.check_contiguous("matmul_add_", c)
+    product = _matmul_plan(a, b, trans_a, trans_b, None)
+    if getattr(product, "splits", 1) == 1:
+        return add_(c, product(a, b, None, None))
+    return _matmul_plan(a, b, trans_a, trans_b, None, accumulate=True)(a, b, None, c)
+
+
+def _plan_matmul(a, b, ta, tb, bias, relu=False, accumulate=False):
     dt = operand_dtype("matmul", a)
     launch.check_f32("matmul", "a", a, dtype=dt)
     launch.check_f32("matmul", "b", b, dtype=dt)
@@ -288,7 +307,8 @@ def _plan_matmul(a, b, ta, tb, bias, relu=False):
     if s_b == 0 and not ta and nb > 1 and s_a:
         m, nb, s_a = m * nb, 1, 0  # (batch, M, K) @ (K, N) is one (batch*M, K) @ (K, N)
     lda, ldb, ldc, s_c = a.shape[-1], b.shape[-1], n, m * n
-    if _wgmma_fits(a, b, ta, tb, m, n, k, nb):
+    beta = 1.0 if accumulate else 0.0  # the wgmma kernel only writes C
+    if not accumulate and _wgmma_fits(a, b, ta, tb, m, n, k, nb):
         return _plan_wgmma(m, n, k, nb, s_a, s_b, bias_mode, out_shape, dt, ta, tb)
     if m > 128 * launch.GRID_YZ_MAX:
         raise ValueError(f"cuda.matmul: M = {m} exceeds the grid's limit of "
@@ -331,9 +351,10 @@ def _plan_matmul(a, b, ta, tb, bias, relu=False):
     # alpha beta bias_mode vec_a vec_b.
     tail = (i32(m), i32(n), i32(k), i32(lda), i32(ldb), i32(ldc),
             np.int64(s_a), np.int64(s_b), np.int64(s_c), i32(nb), i32(splits), i32(chunk),
-            np.float32(1.0), np.float32(0.0), i32(bias_mode),
+            np.float32(1.0), np.float32(beta), i32(bias_mode),
             i32(_aligned(a, lda, s_a)), i32(_aligned(b, ldb, s_b)))
-    reduce = reducer("gemm.cu", splits, nb, m, n, ldc, s_c, bias_mode, dt) if splits > 1 else None
+    reduce = (reducer("gemm.cu", splits, nb, m, n, ldc, s_c, bias_mode, dt, beta)
+              if splits > 1 else None)
     kernel_name = ("gemm_b16_kernel" if dt in launch.HALVES else
                    "gemm_tf32_kernel" if tf32 else "gemm_fp32_kernel")
 
@@ -346,7 +367,7 @@ def _plan_matmul(a, b, ta, tb, bias, relu=False):
             reduce(ws, c, bias)
         return c
 
-    run.kernel = kernel_name
+    run.kernel, run.splits = kernel_name, splits
     return run
 
 

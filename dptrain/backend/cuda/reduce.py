@@ -22,7 +22,7 @@ import math
 import numpy as np
 
 from dptrain.backend.cuda import launch
-from dptrain.backend.cuda.elementwise import fill_
+from dptrain.backend.cuda.elementwise import add_, fill_
 from dptrain.backend.registry import op
 
 RED = "reduce.cu"
@@ -133,11 +133,11 @@ def _leading_rows(a, axes) -> bool:
     return a.flags.c_contiguous and axes == tuple(range(len(axes))) and len(axes) < a.ndim
 
 
-def _column_sum(out, a, rows, cols):
-    """out = the sum of the contiguous (rows, cols) view of `a` down its rows: (split, column)
-    partials in double, then each column's folded in split order (deterministic). Up to 32
-    splits (1024 rows) both happen in one launch, column_sum_folded_kernel, with the same
-    bits as the two."""
+def _column_sum(out, a, rows, cols, accumulate=False):
+    """out = (or with `accumulate`, +=) the sum of the contiguous (rows, cols) view of `a`
+    down its rows: (split, column) partials in double, then each column's folded in split
+    order (deterministic). Up to 32 splits (1024 rows) both happen in one launch,
+    column_sum_folded_kernel, with the same bits as the two."""
     # about sqrt(rows) rows per split: the first pass's loop and the fold's are of a length
     # (the fold, a thread per column, is what few columns wait on)
     per_split = builtins.max(COLUMN_SUM_ROWS, math.isqrt(rows))
@@ -148,7 +148,7 @@ def _column_sum(out, a, rows, cols):
     if splits <= COLUMN_SUM_FOLDED_SPLITS:
         launch.kernel(RED, "column_sum_folded_kernel", launch.ctype(a.dtype))(
             (-(-cols // 32),), (32, splits),
-            (out, a, np.int32(rows), np.int32(cols), np.int32(chunk)))
+            (out, a, np.int32(rows), np.int32(cols), np.int32(chunk), np.int32(accumulate)))
         return out
     part = launch.new((splits, cols), np.float64)
     bx = builtins.min(launch.BLOCK, 32 * -(-cols // 32))
@@ -156,7 +156,7 @@ def _column_sum(out, a, rows, cols):
     launch.kernel(RED, "column_sum_kernel", launch.ctype(a.dtype))(
         (-(-cols // bx), -(-splits // by)), (bx, by),
         (part, a, np.int32(rows), np.int32(cols), np.int32(splits), np.int32(chunk)))
-    return _fold(out, part, splits, cols)
+    return _fold(out, part, splits, cols, accumulate)
 
 
 @op
@@ -231,9 +231,29 @@ def bias_grad(gy):
     return _reduce("SumOp", gy, axes, (gy.shape[1],))
 
 
-def _channel_sum(gy, n, c, planes):
+@op
+def bias_grad_add_(dst, gy):
+    """dst += bias_grad(gy), in place: a bias gradient added into its .grad by the sum's last
+    kernel (the same bits as bias_grad then add_, one launch fewer). Returns dst."""
+    launch.check_float("bias_grad_add_", dst, gy, half=True)
+    if gy.ndim < 2 or dst.shape != (gy.shape[1],) or dst.dtype != gy.dtype:
+        raise ValueError(f"cuda.bias_grad_add_: dst {dst.dtype} {dst.shape} does not take the "
+                         f"bias gradient of gy {gy.dtype} {gy.shape}")
+    launch.check_contiguous("bias_grad_add_", dst)
+    n, c, planes = gy.shape[0], gy.shape[1], math.prod(gy.shape[2:])
+    if n * c * planes == 0:
+        return dst
+    if gy.flags.c_contiguous and planes > 1:
+        return _channel_sum(gy, n, c, planes, dst)
+    if gy.flags.c_contiguous and gy.ndim == 2 and c < COLUMN_SUM_MAX_M:
+        return _column_sum(dst, gy, n, c, accumulate=True)
+    return add_(dst, bias_grad(gy))
+
+
+def _channel_sum(gy, n, c, planes, add_to=None):
     """bias_grad of a contiguous (N, C, pixels...) array: per (channel, split of the batch)
-    sums of whole planes, then the splits folded in order (kernels/reduce.cu)."""
+    sums of whole planes, then the splits folded in order (kernels/reduce.cu); added into
+    `add_to` instead of a new array when one is given."""
     launch.check_int32("bias_grad", planes, c, n)
     splits = builtins.max(1, builtins.min(n, -(-4 * launch.sm_count() // c)))
     chunk = -(-n // splits)
@@ -242,13 +262,16 @@ def _channel_sum(gy, n, c, planes):
     launch.kernel(RED, "channel_sum_kernel", launch.ctype(gy.dtype))(
         (c, splits), (launch.BLOCK,), (part, gy, np.int32(n), np.int32(c), np.int32(planes),
                                        np.int32(chunk)))
+    if add_to is not None:
+        return _fold(add_to, part, splits, c, accumulate=True)
     return _fold(launch.new((c,), gy.dtype), part, splits, c)
 
 
-def _fold(out, part, splits, cols):
-    """out[c] = the sum of the (splits, cols) double partials' column c, in split order."""
+def _fold(out, part, splits, cols, accumulate=False):
+    """out[c] = (with `accumulate`, +=) the sum of the (splits, cols) double partials' column
+    c, in split order."""
     launch.grid_stride(launch.kernel(RED, "channel_sum_fold_kernel", launch.ctype(out.dtype)),
-                       cols, (out, part, np.int32(splits), np.int32(cols)))
+                       cols, (out, part, np.int32(splits), np.int32(cols), np.int32(accumulate)))
     return out
 
 
