@@ -37,7 +37,9 @@ struct ChannelAffine {
 // Image b of the batch along grid y (striding over the batch), its chw values along grid x:
 // no 64-bit division per element, and the per-channel pairs read from shared memory (indexing
 // the by-value struct with a computed channel would copy it to local memory in every thread).
-template <typename L>
+// V values per thread (4 where the launcher found rows and planes in whole 4-byte words: a
+// word loaded, 16 bytes stored; a plane never splits one), each computed as one value is.
+template <typename L, int V>
 __global__ void gather_normalize_kernel(float* out, const unsigned char* images, const L* idx,
                                         int B, long long M, int chw, int hw, ChannelAffine a) {
   __shared__ float scale[DP_MAX_CHANNELS], shift[DP_MAX_CHANNELS];
@@ -51,10 +53,19 @@ __global__ void gather_normalize_kernel(float* out, const unsigned char* images,
     const bool valid = row >= 0 && row < M;
     const unsigned char* src = images + (valid ? row : 0) * chw;
     float* dst = out + (long long)b * chw;
-    for (int r = blockIdx.x * blockDim.x + threadIdx.x; r < chw; r += gridDim.x * blockDim.x) {
+    for (int r = (blockIdx.x * blockDim.x + threadIdx.x) * V; r < chw;
+         r += gridDim.x * blockDim.x * V) {
       const int c = r / hw;
-      dst[r] = valid ? __fsub_rn(__fmul_rn(float(src[r]), scale[c]), shift[c])
-                     : quiet_nan<float>();
+      const auto value = [&](unsigned char q) {
+        return valid ? __fsub_rn(__fmul_rn(float(q), scale[c]), shift[c]) : quiet_nan<float>();
+      };
+      if constexpr (V == 4) {
+        const uchar4 q = *reinterpret_cast<const uchar4*>(src + r);
+        *reinterpret_cast<float4*>(dst + r) = make_float4(value(q.x), value(q.y), value(q.z),
+                                                          value(q.w));
+      } else {
+        dst[r] = value(src[r]);
+      }
     }
   }
 }
@@ -112,7 +123,8 @@ __global__ void rng_advance_kernel(unsigned long long* state, unsigned long long
   state[1] += groups;
 }
 
-// instantiate: gather_normalize_kernel<int>; gather_normalize_kernel<long long>
+// instantiate: gather_normalize_kernel<int, 1>; gather_normalize_kernel<long long, 1>
+// instantiate: gather_normalize_kernel<int, 4>; gather_normalize_kernel<long long, 4>
 // instantiate: dropout_mask_kernel<float>; dropout_mask_kernel<double>; rng_advance_kernel
 // instantiate: dropout_mask_kernel<__half>; dropout_mask_kernel<__nv_bfloat16>
 // instantiate: augment_crop_flip_kernel<float>; augment_crop_flip_kernel<double>
