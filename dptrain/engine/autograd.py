@@ -10,8 +10,8 @@ Leaves that already hold a ``.grad`` (parameters, whose gradients are views of
 one flat buffer) accumulate into it in place; this keeps the step free of
 per-step allocations whose addresses change, which CUDA-graph capture needs.
 Where such a leaf feeds one op only, that op's backward may add its gradient into
-the ``.grad`` itself (``Function.grad_into``: a GEMM's epilogue does the add, no
-separate pass); the sum is the same, grad + g, so the result is too.
+the ``.grad`` itself (``Function.grad_into``; Linear's split-K reduce and bias sums
+do the add, no separate pass); the sum is the same, grad + g, so the result is too.
 """
 from __future__ import annotations
 

@@ -307,7 +307,8 @@ class Linear(Function):
 
     def _into(self, i, g2):
         """grad_into(i) where the add in place gives add_'s bits: a float32 / float64 .grad
-        of g2's dtype (a 16-bit product would be rounded twice by add_)."""
+        of g2's dtype (into a 16-bit one the kernel would round once where the product and
+        then add_ round twice)."""
         into = self.grad_into(i)
         ok = into is not None and into.dtype == g2.dtype and into.dtype.itemsize >= 4
         return into if ok else None

@@ -3,9 +3,9 @@ that op (``layer.fused_with(next)`` returns the fused call, or None).
 
 Today ReLU followed by MaxPool2d runs as ``F.relu_max_pool2d``: one pass forward and the
 pool's backward alone, with the same values and gradients as the two layers; Linear followed
-by ReLU runs as ``F.linear_relu``: the bias and the ReLU in the GEMM's epilogue. The layers stay
-in the Sequential as they are, so parameter names, state dicts and the PyTorch twin do not
-change. The first layer's forward pre-hooks run before the fused call (the reducer's wait
+by ReLU runs as ``F.linear_relu``: the bias and the ReLU in the GEMM's epilogue. The layers
+stay in the Sequential as they are, so parameter names, state dicts and the PyTorch twin do
+not change. The first layer's forward pre-hooks run before the fused call (the reducer's wait
 for a Linear's parameters); a second layer with pre-hooks is never fused (its hooks must run
 between the two).
 

@@ -140,10 +140,10 @@ def split_k(tiles: int, k: int, min_chunk: int, max_splits: int) -> tuple[int, i
 
 def reducer(file, splits, batch, m, n, ldc, sc, bias_mode, dtype=np.float32, beta=0.0):
     """Launch of splitk_reduce_kernel: c = sum of the float partials in ws, in split order
-    (+ bias) (+ beta * c), rounded to c's `dtype`. Few outputs over many splits (under one thread per
-    output for 256 per SM, >= 16 splits: the backward-weight of a convolution) take
-    splitk_reduce_warp_kernel, a warp per output, rather than one thread waiting on each
-    split in turn."""
+    (+ bias) (+ beta * c), rounded to c's `dtype`. Few outputs over many splits (under one
+    thread per output for 256 per SM, >= 16 splits: the backward-weight of a convolution)
+    take splitk_reduce_warp_kernel, a warp per output, rather than one thread waiting on
+    each split in turn."""
     half = np.dtype(dtype) in launch.HALVES
     outputs = batch * m * n
     warp = splits >= 16 and outputs < 256 * launch.sm_count()
