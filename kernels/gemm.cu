@@ -20,9 +20,9 @@
 //  * Split-K partials (ws) are float for every element type; the reduce rounds once.
 //  * Tiles: fp32 128x128x16, 256 threads, 8x8 per thread, 3-stage cp.async pipeline;
 //    tf32 and f16 128x128x32, 128 threads = 4 warps of 64x64, 3 stages (both also 64x128
-//    tiles, warps of 32x64, where 128-row tiles would leave SMs idle). Dynamic shared memory sizes
-//    and block sizes are computed by the launcher (kept in step with gemm_tiles.cuh; the
-//    kernels check their shared memory at entry).
+//    tiles, warps of 32x64, where 128-row tiles would leave SMs idle). Dynamic shared memory
+//    sizes and block sizes are computed by the launcher (kept in step with gemm_tiles.cuh;
+//    the kernels check their shared memory at entry).
 //
 // instantiations-per-module: 1  (each takes seconds to build: more threads at a cold start)
 // instantiate: gemm_fp32_kernel<float, false, false>; gemm_fp32_kernel<float, false, true>

@@ -101,13 +101,7 @@ __global__ void channel_sum_fold_kernel(T* out, const double* part, int S, int C
   }
 }
 
-// Sum over the leading rows of a contiguous (R, C) array with few columns (a bias gradient of
-// (tokens, features), the parameter gradients of a layer norm): part[s*C + c] = sum of
-// in[r, c] over rows r of split s (r in [s*chunk, (s+1)*chunk)). Threads run along c
-// (blockDim.x of them: one warp reads consecutive columns, coalesced), blockDim.y splits per
-// block; channel_sum_fold_kernel then adds each column's partials in split order. (The
-// generic reduce_kernel gave each column one group of lanes reading down the rows: a sector
-// per element.)
+// Rows [s*chunk, (s+1)*chunk) of column c of a row-major (R, C) array, summed in double.
 template <typename T>
 __device__ __forceinline__ double column_partial(const T* __restrict__ in, int R, int C, int c,
                                                  int s, int chunk) {
@@ -118,6 +112,13 @@ __device__ __forceinline__ double column_partial(const T* __restrict__ in, int R
   return acc;
 }
 
+// Sum over the leading rows of a contiguous (R, C) array with few columns (a bias gradient of
+// (tokens, features), the parameter gradients of a layer norm): part[s*C + c] = sum of
+// in[r, c] over rows r of split s (r in [s*chunk, (s+1)*chunk)). Threads run along c
+// (blockDim.x of them: one warp reads consecutive columns, coalesced), blockDim.y splits per
+// block; channel_sum_fold_kernel then adds each column's partials in split order. (The
+// generic reduce_kernel gave each column one group of lanes reading down the rows: a sector
+// per element.)
 template <typename T>
 __global__ void column_sum_kernel(double* part, const T* __restrict__ in, int R, int C, int S,
                                   int chunk) {

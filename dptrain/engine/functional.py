@@ -28,17 +28,18 @@ def _check_nchw(x: Tensor, op: str):
 
 
 def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
-    if x.shape[-1] != w.shape[1]:
-        raise ValueError(f"linear: input has {x.shape[-1]} features, weight expects {w.shape[1]}")
-    return ops.Linear.apply(x, w) if b is None else ops.Linear.apply(x, w, b)
+    return _linear(x, w, b)
 
 
 def linear_relu(x: Tensor, w: Tensor, b: Tensor | None = None, *, workspace=None) -> Tensor:
     """relu(linear(x, w, b)) in one op (what nn.Sequential runs for a Linear then a ReLU)."""
+    return _linear(x, w, b, relu=True, workspace=workspace)
+
+
+def _linear(x, w, b, **params):
     if x.shape[-1] != w.shape[1]:
         raise ValueError(f"linear: input has {x.shape[-1]} features, weight expects {w.shape[1]}")
-    args = (x, w) if b is None else (x, w, b)
-    return ops.Linear.apply(*args, relu=True, workspace=workspace)
+    return ops.Linear.apply(*((x, w) if b is None else (x, w, b)), **params)
 
 
 def conv2d(x: Tensor, w: Tensor, b: Tensor | None = None, stride=1, padding=0, *,

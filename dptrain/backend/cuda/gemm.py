@@ -50,7 +50,6 @@ WGMMA_ENV = "DPTRAIN_WGMMA"  # "0" turns the Hopper wgmma path off
 _WGMMA_DEFAULT = True  # on where it applies, unless the environment says "0"
 _WGMMA_BM, _WGMMA_BN, _WGMMA_ROW = 128, 256, 128
 EPI_RELU = 4  # bias_mode's ReLU bit (gemm_tiles.cuh)
-SMALL_TILES = True  # 64-row tiles where 128-row ones leave SMs idle (False: to measure them)
 
 
 def wgmma_smem(bm: int, bn: int) -> int:
@@ -317,7 +316,7 @@ def _plan_matmul(a, b, ta, tb, bias, relu=False, accumulate=False):
     tf32 = runtime.precision == "tf32"
     # Tensor-core products whose 128 x 128 tiles leave SMs idle (the FC layers at small
     # batches) take 64-row tiles: twice the blocks before any split of K.
-    bm = 64 if ((dt in launch.HALVES or tf32) and SMALL_TILES
+    bm = 64 if ((dt in launch.HALVES or tf32)
                 and -(-m // 128) * -(-n // 128) * nb < launch.sm_count()) else 128
     # A product of very few tiles (a classifier's weight gradient: 7 x 256 @ 256 x 64) splits
     # K into chunks down to one 32-wide slab: one block would otherwise walk all of K alone,

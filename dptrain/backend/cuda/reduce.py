@@ -262,9 +262,8 @@ def _channel_sum(gy, n, c, planes, add_to=None):
     launch.kernel(RED, "channel_sum_kernel", launch.ctype(gy.dtype))(
         (c, splits), (launch.BLOCK,), (part, gy, np.int32(n), np.int32(c), np.int32(planes),
                                        np.int32(chunk)))
-    if add_to is not None:
-        return _fold(add_to, part, splits, c, accumulate=True)
-    return _fold(launch.new((c,), gy.dtype), part, splits, c)
+    out = launch.new((c,), gy.dtype) if add_to is None else add_to
+    return _fold(out, part, splits, c, accumulate=add_to is not None)
 
 
 def _fold(out, part, splits, cols, accumulate=False):
