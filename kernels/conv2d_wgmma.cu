@@ -25,7 +25,13 @@
 //    stay in one grid with the zero-filled taps. Forward and stride 1: one phase.
 //  * The output is NCHW, out[n, m, oy, ox] = acc (+ bias[m]), written with `=`: per
 //    accumulator, lanes along the pixels (8 consecutive pixels of one channel per quad).
-//  * Tiles, swizzle and pipeline: wgmma.cuh. 256 threads = two warpgroups of 64 pixels.
+//  * Tiles, swizzle and pipeline: wgmma.cuh. conv2d_wgmma_kernel: a tile per block, 256
+//    threads = two warpgroups of 64 pixels that both gather and multiply. The launcher's
+//    default: the measured faster one (NOTES-gemm.md row 34).
+//  * conv2d_wgmma_ws_kernel (DPTRAIN_WGMMA_CONV_WS=1): the same tiles, slabs and wgmmas (so
+//    the same bits), persistent and warp-specialized: two warpgroups multiply, two gather,
+//    handing stages over through mbarriers. With cp.async gathers its gathering warps cannot
+//    keep the tensor cores fed; it is the pipeline a TMA im2col loader would feed.
 //
 // nvrtc-options: -arch=sm_90a
 // instantiations-per-module: 1  (a run builds only those it uses: a shorter cold start)
@@ -35,126 +41,269 @@
 // instantiate: conv2d_wgmma_kernel<__nv_bfloat16, 128>
 // instantiate: conv2d_wgmma_kernel<__half, 32>; conv2d_wgmma_kernel<__half, 64>
 // instantiate: conv2d_wgmma_kernel<__half, 128>
+// instantiate: conv2d_wgmma_ws_kernel<float, 32>; conv2d_wgmma_ws_kernel<float, 64>
+// instantiate: conv2d_wgmma_ws_kernel<float, 128>
+// instantiate: conv2d_wgmma_ws_kernel<__nv_bfloat16, 32>; conv2d_wgmma_ws_kernel<__nv_bfloat16, 64>
+// instantiate: conv2d_wgmma_ws_kernel<__nv_bfloat16, 128>
+// instantiate: conv2d_wgmma_ws_kernel<__half, 32>; conv2d_wgmma_ws_kernel<__half, 64>
+// instantiate: conv2d_wgmma_ws_kernel<__half, 128>
 
 #include "common.cuh"
 #include "conv_geom.cuh"
 #include "wgmma.cuh"
 
 namespace wgmma_conv {
-constexpr int BM = 128, THREADS = 256;
-constexpr int A_ROWS = BM / (THREADS / 8);  // pixel rows each thread loads: 4
-}  // namespace wgmma_conv
+using namespace wgmma_tiles;
+constexpr int BM = 128;
+constexpr int GATHER_WGS = 2;  // gathering warpgroups of the warp-specialized kernel
 
-template <typename T, int BN>
-__global__ void __launch_bounds__(wgmma_conv::THREADS, BN <= 64 ? 2 : 1)
-    conv2d_wgmma_kernel(const T* __restrict__ wr, const T* __restrict__ src,
-                        const T* __restrict__ bias, T* __restrict__ out, int has_bias, int Nb,
-                        int M, int C, int Hs, int Ws, int Ho, int Wo, int KH, int KW, int sh,
-                        int sw, int ph, int pw, int mode) {
-  using namespace wgmma_tiles;
-  using namespace wgmma_conv;
-  constexpr int BK = ROW_BYTES / sizeof(T), CHUNK = 16 / sizeof(T);  // elements
-  constexpr int B_ROWS = BN / (THREADS / 8);  // weight rows each thread loads
-  static_assert(B_ROWS >= 1, "at least one weight row per thread");
-  extern __shared__ __align__(1024) unsigned char smem_raw[];
-  require_smem(smem_bytes<BM, BN>());  // the launcher must pass it
-
-  const ConvGeom g{Nb, M, C, Hs, Ws, Ho, Wo, KH, KW, sh, sw, ph, pw, mode};
-  // This block's phase: output pixels (ry + ps_h*i, rx + ps_w*j) and the taps (rkh + ps_h*t,
-  // rkw + ps_w*u) that reach them (nkh x nkw of them; every tap for the forward).
-  const bool phased = mode == 2;
-  const int ps_h = phased ? sh : 1, ps_w = phased ? sw : 1;
-  const int ry = blockIdx.z / ps_w, rx = blockIdx.z - ry * ps_w;
-  const int rkh = phased ? (ry + ph) % sh : 0, rkw = phased ? (rx + pw) % sw : 0;
-  const int nkh = rkh < KH ? (KH - rkh + ps_h - 1) / ps_h : 0;
-  const int nkw = rkw < KW ? (KW - rkw + ps_w - 1) / ps_w : 0;
-  const int Hq = (Ho - ry + ps_h - 1) / ps_h, Wq = (Wo - rx + ps_w - 1) / ps_w;
-  const int K = nkh * nkw * C, Kw = KH * KW * C, hq = Hq * Wq, hw = Ho * Wo, npix = Nb * hq;
-  const int q0 = blockIdx.x * BM, m0 = blockIdx.y * BN;
-  if (q0 >= npix && q0 > 0) return;  // past this phase's pixels (the grid fits phase 0)
-
-  // Loader: 16-byte chunk lc = tid % 8 of tile rows lrow + 32 j. The pixel rows' coordinates
-  // are worked out once; each row's source pointer once per filter tap (the slabs of a tap,
-  // C / BK of them, then only add their channel offset: the loader is issue-bound).
-  const int lrow = threadIdx.x >> 3, lc = threadIdx.x & 7;
-  long long pbase[A_ROWS];  // offset of the pixel's image in src; -1 past the last pixel
-  int py[A_ROWS], px[A_ROWS];
-#pragma unroll
-  for (int j = 0; j < A_ROWS; ++j) {
-    const int q = q0 + lrow + 32 * j;
-    const int n = q / hq, p = q - n * hq, qy = p / Wq;
-    py[j] = ry + ps_h * qy;
-    px[j] = rx + ps_w * (p - qy * Wq);
-    pbase[j] = q < npix ? (long long)n * Hs * Ws * C : -1;
+// A tile's phase: output pixels (ry + ps_h*i, rx + ps_w*j) and the taps (rkh + ps_h*t,
+// rkw + ps_w*u) that reach them (nkh x nkw of them); every pixel and tap unless mode 2.
+struct Phase {
+  int ry, rx, rkh, rkw, ps_h, ps_w, nkh, nkw, Wq, hq, npix, K;
+  __device__ __forceinline__ Phase(const ConvGeom& g, int z) {
+    const bool phased = g.mode == 2;
+    ps_h = phased ? g.sh : 1;
+    ps_w = phased ? g.sw : 1;
+    ry = z / ps_w;
+    rx = z - ry * ps_w;
+    rkh = phased ? (ry + g.ph) % g.sh : 0;
+    rkw = phased ? (rx + g.pw) % g.sw : 0;
+    nkh = rkh < g.KH ? (g.KH - rkh + ps_h - 1) / ps_h : 0;
+    nkw = rkw < g.KW ? (g.KW - rkw + ps_w - 1) / ps_w : 0;
+    Wq = (g.Wo - rx + ps_w - 1) / ps_w;
+    hq = ((g.Ho - ry + ps_h - 1) / ps_h) * Wq;
+    npix = g.Nb * hq;
+    K = nkh * nkw * g.C;
   }
+  // Image n and output pixel (oy, ox) of the phase's pixel q.
+  __device__ __forceinline__ void pixel(int q, int& n, int& oy, int& ox) const {
+    n = q / hq;
+    const int p = q - n * hq, qy = p / Wq;
+    oy = ry + ps_h * qy;
+    ox = rx + ps_w * (p - qy * Wq);
+  }
+};
 
-  float acc[BN / 2];
+// The im2col gather of one tile's slabs, as one thread's share: 16-byte chunk lc of pixel
+// rows lrow + STEP*j (j < ROWS) and of weight rows lrow + STEP*j (j < BROWS). Pixel rows'
+// coordinates are worked out once a tile; each row's source pointer once per filter tap (C /
+// BK slabs; between taps only the channel offset moves: the loader is issue-bound).
+template <typename T, int ROWS, int BROWS, int STEP>
+struct Gather {
+  static constexpr int BK = ROW_BYTES / sizeof(T), CHUNK = 16 / sizeof(T);  // elements
+  long long pbase[ROWS];  // offset of the pixel's image in src; -1 past the last pixel
+  int py[ROWS], px[ROWS];
+  const T* row[ROWS];  // the rows' source pixel at channel 0 of the tap; nullptr: zeros
+  const T* wcol;       // the weight column of the tap's channel 0
+  // This thread's chunk of the slab: column k, channels c.. of the phase's tap (th, tw). The
+  // slabs come in order, so the chunk moves on by BK a slab, without the divisions of
+  // decoding k; `retap` says the tap changed.
+  int k, c, th, tw, lrow, lc;
+  bool retap;
+
+  // image: the elements of one source image (Hs * Ws * C); C: the channels summed
+  __device__ __forceinline__ void start(const Phase& f, long long image, int C, int q0,
+                                        int lrow_, int lc_) {
+    lrow = lrow_;
+    lc = lc_;
 #pragma unroll
-  for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
-  // This thread's chunk of the slab: column k = kt * BK + lc * CHUNK, channels c.. of the
-  // phase's tap (th, tw). The main loop asks for the slabs in order, so the chunk moves on
-  // by BK each slab, without the divisions of decoding k; `retap` says the tap changed.
-  int k = 0, c = 0, th = 0, tw = 0;
-  bool retap = true;
-  auto advance = [&](int by) {
+    for (int j = 0; j < ROWS; ++j) {
+      const int q = q0 + lrow + STEP * j;
+      int n;
+      f.pixel(q, n, py[j], px[j]);
+      pbase[j] = q < f.npix ? n * image : -1;
+    }
+    k = c = th = tw = 0;
+    retap = true;
+    advance(lc * CHUNK, f, C);
+  }
+  __device__ __forceinline__ void advance(int by, const Phase& f, int C) {
     k += by;
     c += by;
     while (c >= C) {
       c -= C;
       retap = true;
-      if (++tw == nkw) tw = 0, ++th;
+      if (++tw == f.nkw) tw = 0, ++th;
     }
-  };
-  advance(lc * CHUNK);
-  const T* row[A_ROWS];  // the rows' source pixel at channel 0 of the tap; nullptr: zeros
-  const T* wcol = wr;    // the weight column of the tap's channel 0
-  wgmma_mainloop<T, BM, BN>(acc, smem_base(smem_raw), (K + BK - 1) / BK,
-                            [&](int, u32 sa, u32 sb) {
+  }
+  // Issues the copies of the next slab into tiles sa (pixels) and sb (weights).
+  __device__ __forceinline__ void load(const ConvGeom& g, const Phase& f, const T* src,
+                                       const T* wr, int m0, u32 sa, u32 sb) {
     if (retap) {
       retap = false;
-      const int kh = rkh + ps_h * th, kw = rkw + ps_w * tw;
-      wcol = wr + (kh * KW + kw) * C;
+      const int kh = f.rkh + f.ps_h * th, kw = f.rkw + f.ps_w * tw;
+      wcol = wr + (kh * g.KW + kw) * g.C;
 #pragma unroll
-      for (int j = 0; j < A_ROWS; ++j) {
+      for (int j = 0; j < ROWS; ++j) {
         int iy = 0, ix = 0;
-        const bool ok = k < K && pbase[j] >= 0 && conv_tap(g, py[j], px[j], kh, kw, iy, ix);
-        row[j] = ok ? src + pbase[j] + (long long)(iy * Ws + ix) * C : nullptr;
+        const bool ok = k < f.K && pbase[j] >= 0 && conv_tap(g, py[j], px[j], kh, kw, iy, ix);
+        row[j] = ok ? src + pbase[j] + (long long)(iy * g.Ws + ix) * g.C : nullptr;
       }
     }
 #pragma unroll
-    for (int j = 0; j < A_ROWS; ++j)
-      cp_async16(sa + swizzled(lrow + 32 * j, lc), row[j] ? row[j] + c : src, row[j] ? 16 : 0);
-    const bool kok = k < K;
+    for (int j = 0; j < ROWS; ++j)
+      cp_async16(sa + swizzled(lrow + STEP * j, lc), row[j] ? row[j] + c : src, row[j] ? 16 : 0);
+    const bool kok = k < f.K;
+    const long long Kw = (long long)g.KH * g.KW * g.C;
 #pragma unroll
-    for (int j = 0; j < B_ROWS; ++j) {
-      const int m = m0 + lrow + 32 * j;
-      const bool ok = kok && m < M;
-      cp_async16(sb + swizzled(lrow + 32 * j, lc), ok ? wcol + (long long)m * Kw + c : wr,
-                 ok ? 16 : 0);
+    for (int j = 0; j < BROWS; ++j) {
+      const int m = m0 + lrow + STEP * j;
+      const bool ok = kok && m < g.M;
+      cp_async16(sb + swizzled(lrow + STEP * j, lc), ok ? wcol + m * Kw + c : wr, ok ? 16 : 0);
     }
-    advance(BK);
-  });
+    advance(BK, f, g.C);
+  }
+};
 
-  // Epilogue: the thread's two pixel rows (row and row + 8), then each pair of channels.
+// The epilogue of consumer threads 0..255: out[n, m, oy, ox] = acc (+ bias[m]), NCHW, the
+// thread's two pixel rows (row and row + 8), then each pair of channels.
+template <typename T, int BN>
+__device__ __forceinline__ void store_tile(const float (&acc)[BN / 2], const ConvGeom& g,
+                                           const Phase& f, int q0, int m0, const T* bias,
+                                           int has_bias, T* out) {
+  const int hw = g.Ho * g.Wo;
   long long obase[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int q = q0 + (threadIdx.x >> 7) * 64 + ((threadIdx.x >> 5) & 3) * 16 +
                   ((threadIdx.x & 31) >> 2) + 8 * h;
-    const int n = q / hq, p = q - n * hq, qy = p / Wq;
-    obase[h] = q < npix ? (long long)n * M * hw + (ry + ps_h * qy) * Wo + rx + ps_w * (p - qy * Wq)
-                        : -1;
+    int n, oy, ox;
+    f.pixel(q, n, oy, ox);
+    obase[h] = q < f.npix ? (long long)n * g.M * hw + oy * g.Wo + ox : -1;
   }
   for_each_pair<BN>(acc, [&](int, int col, float x0, float y0, float x1, float y1) {
     const float v[2][2] = {{x0, y0}, {x1, y1}};
 #pragma unroll
     for (int e = 0; e < 2; ++e) {  // channel m0 + col + e
       const int m = m0 + col + e;
-      if (m >= M) break;
+      if (m >= g.M) break;
       const float b = has_bias ? as<float>(bias[m]) : 0.f;
 #pragma unroll
       for (int h = 0; h < 2; ++h)
-        if (obase[h] >= 0) out[obase[h] + (long long)m * hw] = as<T>(has_bias ? v[h][e] + b : v[h][e]);
+        if (obase[h] >= 0)
+          out[obase[h] + (long long)m * hw] = as<T>(has_bias ? v[h][e] + b : v[h][e]);
     }
   });
+}
+}  // namespace wgmma_conv
+
+#define DP_CONV_PARAMS                                                                      \
+  const T *__restrict__ wr, const T *__restrict__ src, const T *__restrict__ bias,          \
+      T *__restrict__ out, int has_bias, int Nb, int M, int C, int Hs, int Ws, int Ho, int Wo, \
+      int KH, int KW, int sh, int sw, int ph, int pw, int mode
+
+// One tile per block, grid (pixel tiles, channel tiles, phases); every thread loads and
+// every warpgroup multiplies (wgmma_mainloop).
+template <typename T, int BN>
+__global__ void __launch_bounds__(256, BN <= 64 ? 2 : 1) conv2d_wgmma_kernel(DP_CONV_PARAMS) {
+  using namespace wgmma_conv;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  require_smem(smem_bytes<BM, BN>());  // the launcher must pass it
+  const ConvGeom g{Nb, M, C, Hs, Ws, Ho, Wo, KH, KW, sh, sw, ph, pw, mode};
+  const Phase f(g, blockIdx.z);
+  const int q0 = blockIdx.x * BM, m0 = blockIdx.y * BN;
+  if (q0 >= f.npix && q0 > 0) return;  // past this phase's pixels (the grid fits phase 0)
+  Gather<T, BM / 32, BN / 32, 32> ld;
+  ld.start(f, (long long)Hs * Ws * C, C, q0, threadIdx.x >> 3, threadIdx.x & 7);
+  float acc[BN / 2];
+#pragma unroll
+  for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+  wgmma_mainloop<T, BM, BN>(acc, smem_base(smem_raw), (f.K + ld.BK - 1) / ld.BK,
+                            [&](int, u32 sa, u32 sb) { ld.load(g, f, src, wr, m0, sa, sb); });
+  store_tile<T, BN>(acc, g, f, q0, m0, bias, has_bias, out);
+}
+
+// Warp-specialized and persistent: warpgroups 0-1 multiply (64 pixel rows each), warpgroup 2
+// gathers; the blocks walk the tiles (pixel tiles fastest, then channel tiles, then phases)
+// with a stride of the grid, so the gathers of a block's next tile overlap the epilogue and
+// the last slabs of its current one. Stage s's slot is handed over by two mbarriers: full[s]
+// (the 128 gathering threads arrive once their copies of the slab have landed and been fenced
+// for the async proxy, LAG slabs after issuing them) and empty[s] (the 256 multiplying threads
+// arrive once the slab's wgmmas have retired).
+template <typename T, int BN>
+__global__ void __launch_bounds__(256 + 128 * wgmma_conv::GATHER_WGS, 1)
+    conv2d_wgmma_ws_kernel(DP_CONV_PARAMS, int tiles_x, int tiles_y, int tiles) {
+  using namespace wgmma_conv;
+  constexpr int S = STAGES, LAG = S - 2, A_BYTES = BM * ROW_BYTES, STAGE_BYTES = (BM + BN) * ROW_BYTES;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  __shared__ __align__(8) unsigned long long bars[2 * S];  // full[S], then empty[S]
+  require_smem(smem_bytes<BM, BN>());  // the launcher must pass it
+  const u32 sbase = smem_base(smem_raw);
+  const u32 full = (u32)__cvta_generic_to_shared(bars), empty = full + 8 * S;
+  if (threadIdx.x == 0)
+    for (int s = 0; s < S; ++s) {
+      mbar_init(full + 8 * s, 128 * GATHER_WGS);
+      mbar_init(empty + 8 * s, 256);
+    }
+  __syncthreads();
+  const ConvGeom g{Nb, M, C, Hs, Ws, Ho, Wo, KH, KW, sh, sw, ph, pw, mode};
+  constexpr int BK = ROW_BYTES / sizeof(T);
+  int slot = 0;
+  u32 parity = 0;  // of the slot's current use: flips each time the slots wrap
+  auto next_slot = [&] {
+    if (++slot == S) slot = 0, parity ^= 1;
+  };
+  if (threadIdx.x >= 256) {  // the gathering warpgroup
+    const int t = threadIdx.x - 256;
+    constexpr int STEP = 16 * GATHER_WGS;  // rows apart
+    Gather<T, BM / STEP, (BN + STEP - 1) / STEP, STEP> ld;
+    int pending = 0;  // slabs issued whose full[] arrival is still owed (at most LAG)
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+      const int tx = tile % tiles_x, ty = (tile / tiles_x) % tiles_y;
+      const Phase f(g, tile / (tiles_x * tiles_y));
+      const int q0 = tx * BM, m0 = ty * BN;
+      if (q0 >= f.npix && q0 > 0) continue;  // past this phase's pixels
+      ld.start(f, (long long)Hs * Ws * C, C, q0, t >> 3, t & 7);
+      for (int kt = 0, KT = (f.K + BK - 1) / BK; kt < KT; ++kt) {
+        mbar_wait(empty + 8 * slot, parity ^ 1);  // the slot's previous slab retired
+        const u32 st = sbase + slot * STAGE_BYTES;
+        ld.load(g, f, src, wr, m0, st, st + A_BYTES);
+        cp_async_commit();
+        if (pending == LAG) {  // the slab LAG back has landed: hand it over
+          cp_async_wait<LAG>();
+          fence_proxy_async();
+          mbar_arrive(full + 8 * ((slot + S - LAG) % S));
+        } else {
+          ++pending;
+        }
+        next_slot();
+      }
+    }
+    cp_async_wait<0>();
+    fence_proxy_async();
+    for (int i = pending; i > 0; --i) mbar_arrive(full + 8 * ((slot + S - i) % S));
+    return;
+  }
+  const int wg = threadIdx.x >> 7;
+  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const int tx = tile % tiles_x, ty = (tile / tiles_x) % tiles_y;
+    const Phase f(g, tile / (tiles_x * tiles_y));
+    const int q0 = tx * BM, m0 = ty * BN;
+    if (q0 >= f.npix && q0 > 0) continue;
+    float acc[BN / 2];
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+    int last = -1;  // the slot of the slab before, released once its wgmmas retire
+    for (int kt = 0, KT = (f.K + BK - 1) / BK; kt < KT; ++kt) {
+      mbar_wait(full + 8 * slot, parity);
+      const u32 sa = sbase + slot * STAGE_BYTES + wg * (64 * ROW_BYTES);
+      const u32 sb = sbase + slot * STAGE_BYTES + A_BYTES;
+      fence_regs(acc);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < ROW_BYTES / 32; ++kk)
+        Wgmma<T, BN>::run(acc, smem_desc(sa + kk * 32), smem_desc(sb + kk * 32));
+      wgmma_commit();
+      wgmma_wait<1>();  // the slab before has retired: its slot may be refilled
+      fence_regs(acc);
+      if (last >= 0) mbar_arrive(empty + 8 * last);
+      last = slot;
+      next_slot();
+    }
+    wgmma_wait<0>();
+    fence_regs(acc);
+    if (last >= 0) mbar_arrive(empty + 8 * last);
+    store_tile<T, BN>(acc, g, f, q0, m0, bias, has_bias, out);
+  }
 }

@@ -19,6 +19,7 @@ pytestmark = pytest.mark.gpu
 from dptrain.backend.cuda import conv2d, gemm  # noqa: E402 - after the CuPy check
 
 WGMMA = "conv2d_wgmma_kernel"
+WGMMA_WS = "conv2d_wgmma_ws_kernel"
 WGMMA_BWDW = "conv2d_bwdw_wgmma_kernel"
 WGMMA_BWDW_TF32 = "conv2d_bwdw_wgmma_tf32_kernel"
 
@@ -68,6 +69,27 @@ def test_wgmma_passes_match_reference(cu, dt, xs, ws, stride, pad):
     assert ran["backward_data"] == WGMMA
     assert ran["backward_weight"] == bwdw_kernel(dt)
     passes_match_reference(cu, dt, x, w, gy, stride, pad)
+
+
+WS_CASES = CASES + [
+    ((64, 64, 24, 24), (32, 64, 3, 3), (1, 1), (1, 1)),  # 288 tiles: each block walks several
+    ((32, 32, 24, 24), (64, 32, 3, 3), (2, 2), (1, 1)),  # backward-data: 4 phases of 36 tiles
+]
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+@pytest.mark.parametrize("xs, ws, stride, pad", WS_CASES)
+def test_warp_specialized_kernel_is_bitwise_the_same(cu, dt, xs, ws, stride, pad, monkeypatch):
+    """DPTRAIN_WGMMA_CONV_WS=1: the persistent warp-specialized kernel multiplies the same
+    slabs in the same order as conv2d_wgmma_kernel, so both passes agree to the bit."""
+    x, w, gy = inputs(dt, xs, ws, stride, pad)
+    base = passes(cu, dt, x, w, gy, stride, pad)[:2]
+    monkeypatch.setenv(conv2d.WGMMA_WS_ENV, "1")
+    gemm.clear_plans()
+    ran = planned_kernels(cu, x, w, gy, stride, pad)
+    assert ran["forward"] == ran["backward_data"] == WGMMA_WS
+    for got, want in zip(passes(cu, dt, x, w, gy, stride, pad)[:2], base):
+        assert got.tobytes() == want.tobytes()
 
 
 @pytest.mark.parametrize("dt", DTYPES)

@@ -61,6 +61,11 @@ WGMMA_CONV = "conv2d_wgmma.cu"
 # reference CNN's captured step ran 6-8% faster with it on an H200 (2026-11-24, bench train,
 # TF32 and bf16, batch 256 and 1024; BENCHMARKS.md).
 WGMMA_CONV_ENV = "DPTRAIN_WGMMA_CONV"
+# "1": forward / backward-data on conv2d_wgmma_ws_kernel (persistent, warp-specialized, an
+# mbarrier pipeline), bitwise equal to conv2d_wgmma_kernel. Off: with cp.async gathers it was
+# 1.2-1.6x slower on ResNet-18's passes (H100, 2026-11-25, NOTES-gemm row 34); it is the
+# pipeline a TMA loader would feed.
+WGMMA_WS_ENV = "DPTRAIN_WGMMA_CONV_WS"
 NHWC_ENV = "DPTRAIN_NHWC_CONV"  # "0": backward-weight keeps the NCHW gathers
 WGMMA_BWDW = "conv2d_bwdw_wgmma.cu"
 WGMMA_BWDW_ENV = "DPTRAIN_WGMMA_BWDW"  # "0": 16-bit backward-weight keeps conv2d_nhwc.cu
@@ -244,8 +249,13 @@ def _plan_implicit(fn_name, mode, out_shape, m, c, hs, ws, ho, wo, kh, kw, strid
         phases = stride[0] * stride[1] if phased else 1
         first = nb * -(-ho // stride[0]) * -(-wo // stride[1]) if phased else npix
         name, fn, grid, block, smem = _wgmma_kernel(m, first, dt)
-        grid = grid + (phases,)
         tail = geom + (i32(2 if phased else mode),)
+        if name == "conv2d_wgmma_ws_kernel":  # persistent: a block per SM walks the tiles
+            tiles = grid[0] * grid[1] * phases
+            tail += (i32(grid[0]), i32(grid[1]), i32(tiles))
+            grid = (min(tiles, launch.sm_count()),)
+        else:
+            grid = grid + (phases,)
         to_nhwc = _to_nhwc((nb, c, hs, ws), dt)
         # the copy backward-weight reads again: x always (both its channels-last kernels);
         # gy only where the wgmma one runs (the mma.sync one reads gy as it is)
@@ -285,9 +295,10 @@ def _wgmma_kernel(m, npix, dt):
     smallest covering m), 128 pixels per block. (name, kernel, grid, block, shared memory)"""
     bn = _rows_tile(m)
     smem = wgmma_smem(128, bn)
-    name = "conv2d_wgmma_kernel"
+    ws = os.environ.get(WGMMA_WS_ENV, "0") == "1"
+    name = "conv2d_wgmma_ws_kernel" if ws else "conv2d_wgmma_kernel"
     fn = launch.kernel(WGMMA_CONV, name, launch.ctype(dt), str(bn), smem=smem)
-    return name, fn, (-(-npix // 128), -(-m // bn)), (256,), smem
+    return name, fn, (-(-npix // 128), -(-m // bn)), (512 if ws else 256,), smem
 
 
 def _mma_kernel(m, npix, dt):
