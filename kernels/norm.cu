@@ -142,13 +142,21 @@ __global__ void bn_var_partial_kernel(double* ws, const T* x, const compute_t<T>
   });
 }
 
-// out[j] = T(sum_y ws[y * n + j] / divisor), the partials added in split order.
+// out[j] = T(sum_y ws[y * n + j] / divisor), the partials added in split order. With add0
+// (n = 2c: batch norm's sums), row 0 is also added into add0 and row 1 into add1 (the bias
+// and weight .grad): the bits of adding the rows afterwards, without those launches.
 template <typename T>
-__global__ void bn_finalize_kernel(T* out, const double* ws, int splits, int n, double divisor) {
+__global__ void bn_finalize_kernel(T* out, const double* ws, int splits, int n, double divisor,
+                                   T* add0, T* add1, int c) {
   GRID_STRIDE_32(j, n) {
     double acc = 0.0;
     for (int y = 0; y < splits; ++y) acc += ws[(long long)y * n + j];
-    out[j] = T(acc / divisor);
+    const T v = T(acc / divisor);
+    out[j] = v;
+    if (add0) {
+      T* dst = j < c ? add0 + j : add1 + (j - c);
+      *dst = *dst + v;
+    }
   }
 }
 

@@ -578,10 +578,20 @@ class BatchNorm(Function):
             gy = be.relu_backward(self.y, gy)
         elif self.relu:  # the kernels recompute the ReLU's mask from x: no pass of its own
             relu = (self.weight, self.bias)
+        # the sums' last kernel adds them into both parameters' .grad where it may (the bits
+        # of add_ afterwards); else they are returned: this rank's own sums either way
+        into_b, into_w = self.grad_into(2), self.grad_into(1)
+        add_to = None
+        if (into_w is not None and into_b is not None and self.needs_grad[1]
+                and self.needs_grad[2] and into_w.dtype == into_b.dtype == self.mean.dtype):
+            add_to = (into_b, into_w)
         sums = be.batch_norm_backward_reduce(gy, self.x, self.mean, self.var, self.eps,
-                                             relu=relu)
-        gw = be.getitem(sums, 1) if self.needs_grad[1] else None  # this rank's own sums
-        gb = be.getitem(sums, 0) if self.needs_grad[2] else None
+                                             relu=relu, add_to=add_to)
+        if add_to is not None:
+            gb, gw = add_to
+        else:
+            gw = be.getitem(sums, 1) if self.needs_grad[1] else None
+            gb = be.getitem(sums, 0) if self.needs_grad[2] else None
         gx = None
         if self.needs_grad[0]:
             if not self.training:  # the statistics are constants: dx = gy * weight * invstd

@@ -147,3 +147,51 @@ def test_gradients_added_in_place_on_the_gpu(monkeypatch):
     assert added == 2 and calls == calls_after
     for a, b in zip(direct, after):
         assert a.tobytes() == b.tobytes()
+
+
+def _bn_grads(monkeypatch, direct, device="cpu", x_dtype=np.float32):
+    """Two backward passes of batch norm (+ ReLU) over x, weight and bias leaves with .grad
+    from the first pass on; direct adds on or off: the grads and how often the sums' kernel
+    added them into .grad itself."""
+    from dptrain.backend import get
+    from dptrain.engine import autograd
+
+    monkeypatch.setattr(autograd, "DIRECT_GRADS", direct)
+    be = get(device)
+    added, real = [], be.batch_norm_backward_reduce
+    monkeypatch.setattr(be, "batch_norm_backward_reduce", lambda *a, add_to=None, **k: (
+        added.append(add_to is not None) or real(*a, add_to=add_to, **k)))
+    rng = np.random.default_rng(5)
+    w, b = (dp.tensor(rng.standard_normal(6).astype(np.float32), requires_grad=True,
+                      device=device) for _ in range(2))
+    x = dp.tensor(rng.standard_normal((4, 6, 5, 5)).astype(np.float32), requires_grad=True,
+                  device=device)
+    for relu in (False, True):
+        xs = F.cast(x, x_dtype) if x_dtype != np.float32 else x
+        y = F.batch_norm(xs, w, b, relu=relu)
+        (F.cast(y, np.float32) * F.cast(y, np.float32)).sum().backward()
+    return [t.grad.numpy() for t in (w, b, x)], sum(added)
+
+
+def test_batch_norm_parameter_grads_added_by_the_sums_kernel(monkeypatch):
+    """Batch norm's weight and bias gradients are added into their .grad by the sums' last
+    kernel where autograd offers it (the second pass): the same bits as adding them after."""
+    direct, added = _bn_grads(monkeypatch, True)
+    after, added_after = _bn_grads(monkeypatch, False)
+    assert added == 1 and added_after == 0
+    for a, b in zip(direct, after):
+        assert a.tobytes() == b.tobytes()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("x_dtype", ["float32", "bfloat16"])
+def test_batch_norm_parameter_grads_added_in_place_on_the_gpu(monkeypatch, x_dtype):
+    pytest.importorskip("cupy")
+    from dptrain.backend.bfloat16 import BFLOAT16
+
+    dt = BFLOAT16 if x_dtype == "bfloat16" else np.float32
+    direct, added = _bn_grads(monkeypatch, True, device="cuda", x_dtype=dt)
+    after, _ = _bn_grads(monkeypatch, False, device="cuda", x_dtype=dt)
+    assert added == 1
+    for a, b in zip(direct, after):
+        assert a.tobytes() == b.tobytes()

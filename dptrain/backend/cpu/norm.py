@@ -114,15 +114,24 @@ def _relu_masked(gy, x, mean, var, eps, relu):
 
 
 @op
-def batch_norm_backward_reduce(gy, x, mean, var, eps, relu=None):
+def batch_norm_backward_reduce(gy, x, mean, var, eps, relu=None, add_to=None):
     """(2, C): [sum of gy, sum of gy * xhat] per channel (bias and weight gradients). `relu`:
     the (weight, bias) of a forward that applied ReLU (no residual); gy is then that ReLU's
-    output gradient, masked here where the recomputed output was 0."""
+    output gradient, masked here where the recomputed output was 0. `add_to`: (bias .grad,
+    weight .grad), (C,) arrays of the sums' dtype that rows 0 and 1 are also added into, in
+    place."""
     gy = _relu_masked(gy, x, mean, var, eps, relu)
     xhat = (x.astype(np.float64) - _channel(mean, x)) * _channel(_invstd(var, eps), x)
     g = gy.astype(np.float64)
     sums = np.stack([g.sum(axis=_axes(x)), (g * xhat).sum(axis=_axes(x))])
-    return sums.astype(stat_dtype(x))
+    sums = sums.astype(stat_dtype(x))
+    if add_to is not None:
+        for dst, row in zip(add_to, sums):
+            if dst.shape != row.shape or dst.dtype != row.dtype:
+                raise ValueError(f"cpu.batch_norm_backward_reduce: add_to arrays must be "
+                                 f"{row.dtype} {row.shape}, got {dst.dtype} {dst.shape}")
+            np.add(dst, row, out=dst)
+    return sums
 
 
 @op

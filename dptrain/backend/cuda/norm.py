@@ -85,11 +85,14 @@ def _groups(op, x):
     return n, c, s, g
 
 
-def _finalize(out, ws, splits, divisor):
-    """out (any shape, R * C values) = the partials' sums in split order / divisor."""
+def _finalize(out, ws, splits, divisor, add_to=None):
+    """out (any shape, R * C values) = the partials' sums in split order / divisor; with
+    add_to (two (C,) arrays, R = 2), row r is also added into add_to[r]."""
     fn = launch.kernel(NORM, "bn_finalize_kernel", launch.ctype(out.dtype))
+    add0, add1 = add_to if add_to is not None else (launch.NULL, launch.NULL)
     launch.grid_stride(fn, out.size, (out, ws, np.int32(splits), np.int32(out.size),
-                                      np.float64(divisor)))
+                                      np.float64(divisor), add0, add1,
+                                      np.int32(out.shape[-1])))
     return out
 
 
@@ -196,22 +199,26 @@ def _relu_affine(op, c, x, relu):
 
 
 @op
-def batch_norm_backward_reduce(gy, x, mean, var, eps, relu=None):
+def batch_norm_backward_reduce(gy, x, mean, var, eps, relu=None, add_to=None):
     """(2, C): [sum of gy, sum of gy * xhat] per channel (bias and weight gradients). `relu`:
     the (weight, bias) of a forward that applied ReLU (no residual); gy is then that ReLU's
-    output gradient, masked here where the recomputed output was 0."""
+    output gradient, masked here where the recomputed output was 0. `add_to`: (bias .grad,
+    weight .grad), (C,) arrays of the sums' dtype that the sums' last kernel also adds rows 0
+    and 1 into, in place (the bits of add_ afterwards, two launches fewer per row)."""
     op = "batch_norm_backward_reduce"
     n, c, s = _geometry(op, x)
     launch.check_float(op, x, gy, half=True)
     launch.check_contiguous(op, gy)
     launch.check_shape(op, gy, x.shape, "gy")
     _per_channel(op, c, x, mean=mean, var=var)
+    if add_to is not None:
+        _per_channel(op, c, x, bias_grad=add_to[0], weight_grad=add_to[1])
     masks = _relu_affine(op, c, x, relu)
     sums = launch.new((2, c), stat_dtype(x))
     if c:
         ws, splits = _channel_sums("bn_backward_partial_kernel", x, (n, c, s), 2, (gy, x),
                                    (gy, x, mean, var, *masks, stat_dtype(x).type(eps)))
-        _finalize(sums, ws, splits, 1.0)
+        _finalize(sums, ws, splits, 1.0, add_to)
     return sums
 
 
