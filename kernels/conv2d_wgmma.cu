@@ -156,6 +156,20 @@ struct Gather {
   }
 };
 
+// Tile `tile` of the warp-specialized kernel's walk (pixel tiles fastest, then channel
+// tiles, then phases): its phase and origin; `none` past the phase's pixels (the grid of
+// pixel tiles fits phase 0, the largest).
+struct Tile {
+  Phase f;
+  int q0, m0;
+  bool none;
+  __device__ __forceinline__ Tile(const ConvGeom& g, int tile, int tiles_x, int tiles_y, int bn)
+      : f(g, tile / (tiles_x * tiles_y)),
+        q0(tile % tiles_x * BM),
+        m0(tile / tiles_x % tiles_y * bn),
+        none(q0 >= f.npix && q0 > 0) {}
+};
+
 // The epilogue of consumer threads 0..255: out[n, m, oy, ox] = acc (+ bias[m]), NCHW, the
 // thread's two pixel rows (row and row + 8), then each pair of channels.
 template <typename T, int BN>
@@ -214,18 +228,19 @@ __global__ void __launch_bounds__(256, BN <= 64 ? 2 : 1) conv2d_wgmma_kernel(DP_
   store_tile<T, BN>(acc, g, f, q0, m0, bias, has_bias, out);
 }
 
-// Warp-specialized and persistent: warpgroups 0-1 multiply (64 pixel rows each), warpgroup 2
-// gathers; the blocks walk the tiles (pixel tiles fastest, then channel tiles, then phases)
-// with a stride of the grid, so the gathers of a block's next tile overlap the epilogue and
-// the last slabs of its current one. Stage s's slot is handed over by two mbarriers: full[s]
-// (the 128 gathering threads arrive once their copies of the slab have landed and been fenced
-// for the async proxy, LAG slabs after issuing them) and empty[s] (the 256 multiplying threads
-// arrive once the slab's wgmmas have retired).
+// Warp-specialized and persistent: warpgroups 0-1 multiply (64 pixel rows each), the
+// GATHER_WGS after them gather; the blocks walk the tiles (Tile) with a stride of the grid,
+// so the gathers of a block's next tile overlap the epilogue and the last slabs of its
+// current one. Stage s's slot is handed over by two mbarriers: full[s] (every gathering
+// thread arrives once its copies of the slab have landed and been fenced for the async
+// proxy, LAG slabs after issuing them) and empty[s] (the 256 multiplying threads arrive once
+// the slab's wgmmas have retired).
 template <typename T, int BN>
 __global__ void __launch_bounds__(256 + 128 * wgmma_conv::GATHER_WGS, 1)
     conv2d_wgmma_ws_kernel(DP_CONV_PARAMS, int tiles_x, int tiles_y, int tiles) {
   using namespace wgmma_conv;
-  constexpr int S = STAGES, LAG = S - 2, A_BYTES = BM * ROW_BYTES, STAGE_BYTES = (BM + BN) * ROW_BYTES;
+  constexpr int S = STAGES, LAG = S - 2;
+  constexpr int A_BYTES = BM * ROW_BYTES, STAGE_BYTES = (BM + BN) * ROW_BYTES;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   __shared__ __align__(8) unsigned long long bars[2 * S];  // full[S], then empty[S]
   require_smem(smem_bytes<BM, BN>());  // the launcher must pass it
@@ -244,21 +259,19 @@ __global__ void __launch_bounds__(256 + 128 * wgmma_conv::GATHER_WGS, 1)
   auto next_slot = [&] {
     if (++slot == S) slot = 0, parity ^= 1;
   };
-  if (threadIdx.x >= 256) {  // the gathering warpgroup
+  if (threadIdx.x >= 256) {  // the gathering warpgroups
     const int t = threadIdx.x - 256;
     constexpr int STEP = 16 * GATHER_WGS;  // rows apart
     Gather<T, BM / STEP, (BN + STEP - 1) / STEP, STEP> ld;
     int pending = 0;  // slabs issued whose full[] arrival is still owed (at most LAG)
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-      const int tx = tile % tiles_x, ty = (tile / tiles_x) % tiles_y;
-      const Phase f(g, tile / (tiles_x * tiles_y));
-      const int q0 = tx * BM, m0 = ty * BN;
-      if (q0 >= f.npix && q0 > 0) continue;  // past this phase's pixels
-      ld.start(f, (long long)Hs * Ws * C, C, q0, t >> 3, t & 7);
-      for (int kt = 0, KT = (f.K + BK - 1) / BK; kt < KT; ++kt) {
+      const Tile at(g, tile, tiles_x, tiles_y, BN);
+      if (at.none) continue;
+      ld.start(at.f, (long long)Hs * Ws * C, C, at.q0, t >> 3, t & 7);
+      for (int kt = 0, KT = (at.f.K + BK - 1) / BK; kt < KT; ++kt) {
         mbar_wait(empty + 8 * slot, parity ^ 1);  // the slot's previous slab retired
         const u32 st = sbase + slot * STAGE_BYTES;
-        ld.load(g, f, src, wr, m0, st, st + A_BYTES);
+        ld.load(g, at.f, src, wr, at.m0, st, st + A_BYTES);
         cp_async_commit();
         if (pending == LAG) {  // the slab LAG back has landed: hand it over
           cp_async_wait<LAG>();
@@ -277,24 +290,16 @@ __global__ void __launch_bounds__(256 + 128 * wgmma_conv::GATHER_WGS, 1)
   }
   const int wg = threadIdx.x >> 7;
   for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    const int tx = tile % tiles_x, ty = (tile / tiles_x) % tiles_y;
-    const Phase f(g, tile / (tiles_x * tiles_y));
-    const int q0 = tx * BM, m0 = ty * BN;
-    if (q0 >= f.npix && q0 > 0) continue;
+    const Tile at(g, tile, tiles_x, tiles_y, BN);
+    if (at.none) continue;
     float acc[BN / 2];
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
     int last = -1;  // the slot of the slab before, released once its wgmmas retire
-    for (int kt = 0, KT = (f.K + BK - 1) / BK; kt < KT; ++kt) {
+    for (int kt = 0, KT = (at.f.K + BK - 1) / BK; kt < KT; ++kt) {
       mbar_wait(full + 8 * slot, parity);
-      const u32 sa = sbase + slot * STAGE_BYTES + wg * (64 * ROW_BYTES);
-      const u32 sb = sbase + slot * STAGE_BYTES + A_BYTES;
-      fence_regs(acc);
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < ROW_BYTES / 32; ++kk)
-        Wgmma<T, BN>::run(acc, smem_desc(sa + kk * 32), smem_desc(sb + kk * 32));
-      wgmma_commit();
+      const u32 st = sbase + slot * STAGE_BYTES;
+      wgmma_slab<T, BN>(acc, st + wg * (64 * ROW_BYTES), st + A_BYTES);
       wgmma_wait<1>();  // the slab before has retired: its slot may be refilled
       fence_regs(acc);
       if (last >= 0) mbar_arrive(empty + 8 * last);
@@ -304,6 +309,6 @@ __global__ void __launch_bounds__(256 + 128 * wgmma_conv::GATHER_WGS, 1)
     wgmma_wait<0>();
     fence_regs(acc);
     if (last >= 0) mbar_arrive(empty + 8 * last);
-    store_tile<T, BN>(acc, g, f, q0, m0, bias, has_bias, out);
+    store_tile<T, BN>(acc, g, at.f, at.q0, at.m0, bias, has_bias, out);
   }
 }

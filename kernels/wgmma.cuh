@@ -160,6 +160,23 @@ DP_WGMMA(256, 128)
 #undef DP_WGMMA16
 #undef DP_WGMMA_ASM
 
+// One slab's wgmmas, committed as one group: this warpgroup's rows of the A tile at sa, the
+// B tile at sb (K-major, or with MN both MN-major). The caller waits for the group.
+template <typename T, int BN, bool MN = false>
+__device__ __forceinline__ void wgmma_slab(float (&acc)[BN / 2], u32 sa, u32 sb) {
+  fence_regs(acc);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < ROW_BYTES / 32; ++kk) {
+    if constexpr (MN)  // 16 rows of K per step; an atom is 64 rows of 128 bytes
+      Wgmma<T, BN, true>::run(acc, mn_desc(sa + kk * 2048, 64 * ROW_BYTES),
+                              mn_desc(sb + kk * 2048, 64 * ROW_BYTES));
+    else
+      Wgmma<T, BN>::run(acc, smem_desc(sa + kk * 32), smem_desc(sb + kk * 32));
+  }
+  wgmma_commit();
+}
+
 // The main loop: KT slabs, load(kt, a_tile, b_tile) issuing slab kt's cp.async copies into
 // the two shared tiles (this thread's share; zero-fill outside the matrices). Accumulates
 // into acc, which the caller zeroes. sbase: smem_base() of the dynamic shared memory. MN:
@@ -187,19 +204,8 @@ __device__ __forceinline__ void wgmma_mainloop(float (&acc)[BN / 2], u32 sbase, 
     }
     cp_async_commit();  // always, so the group count stays in step with kt
 
-    const u32 sa = sbase + (kt % STAGES) * STAGE_BYTES + wg * (64 * ROW_BYTES);
-    const u32 sb = sbase + (kt % STAGES) * STAGE_BYTES + A_BYTES;
-    fence_regs(acc);
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < ROW_BYTES / 32; ++kk) {
-      if constexpr (MN)  // 16 rows of K per step; an atom is 64 rows of 128 bytes
-        Wgmma<T, BN, true>::run(acc, mn_desc(sa + kk * 2048, 64 * ROW_BYTES),
-                                mn_desc(sb + kk * 2048, 64 * ROW_BYTES));
-      else
-        Wgmma<T, BN>::run(acc, smem_desc(sa + kk * 32), smem_desc(sb + kk * 32));
-    }
-    wgmma_commit();
+    const u32 st = sbase + (kt % STAGES) * STAGE_BYTES;
+    wgmma_slab<T, BN, MN>(acc, st + wg * (64 * ROW_BYTES), st + A_BYTES);
     wgmma_wait<1>();  // slab kt-1's wgmma has retired: its stage may be refilled
     fence_regs(acc);
   }
@@ -228,13 +234,7 @@ __device__ __forceinline__ void wgmma_mainloop_staged(float (&acc)[BN / 2], u32 
     fence_proxy_async();  // this thread's stores of slab kt, visible to the async proxy
     __syncthreads();      // ... everyone's; every earlier wgmma retired
     const u32 st = sbase + (kt % STAGES) * STAGE_BYTES;
-    fence_regs(acc);
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < ROW_BYTES / 32; ++kk)
-      Wgmma<T, BN>::run(acc, smem_desc(st + wg * (64 * ROW_BYTES) + kk * 32),
-                        smem_desc(st + A_BYTES + kk * 32));
-    wgmma_commit();
+    wgmma_slab<T, BN>(acc, st + wg * (64 * ROW_BYTES), st + A_BYTES);
     // unconditionally (no branch in the pipeline): past the last slab, fetch loads nothing
     // and stash fills a stage no wgmma reads
     const u32 next = sbase + ((kt + 1) % STAGES) * STAGE_BYTES;

@@ -11,7 +11,8 @@ one flat buffer) accumulate into it in place; this keeps the step free of
 per-step allocations whose addresses change, which CUDA-graph capture needs.
 Where such a leaf feeds one op only, that op's backward may add its gradient into
 the ``.grad`` itself (``Function.grad_into``; Linear's split-K reduce and bias sums
-do the add, no separate pass); the sum is the same, grad + g, so the result is too.
+and batch norm's sums kernel do the add, no separate pass); the sum is the same,
+grad + g, so the result is too.
 """
 from __future__ import annotations
 
@@ -77,11 +78,15 @@ class Function:
     def backward(self, gy):
         raise NotImplementedError
 
-    def grad_into(self, i: int):
+    def grad_into(self, i: int, dtype):
         """The ``.grad`` array of input i (a leaf that this op alone uses) that backward may
-        add input i's gradient into, in place, returning that very array; None where it
-        returns a new gradient."""
-        return self.into[i] if i < len(self.into) else None
+        add input i's gradient, of `dtype`, into in place, returning that very array; None
+        where it returns a new gradient. Only a 32- or 64-bit ``.grad`` of the gradient's own
+        dtype: there the add in place gives add_'s bits (into a 16-bit one a kernel would
+        round once where computing and then adding round twice)."""
+        into = self.into[i] if i < len(self.into) else None
+        ok = into is not None and into.dtype == dtype and into.dtype.itemsize >= 4
+        return into if ok else None
 
 
 def _default_dtype(data):

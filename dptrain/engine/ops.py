@@ -297,21 +297,13 @@ class Linear(Function):
         gx = be.matmul(g2, self.w).reshape(self.x_shape) if self.needs_grad[0] else None
         gw = gb = None
         if self.needs_grad[1]:
-            into = self._into(1, g2)
+            into = self.grad_into(1, g2.dtype)
             gw = (be.matmul(g2, self.x2, trans_a=True) if into is None
                   else be.matmul_add_(into, g2, self.x2, trans_a=True))
         if len(self.needs_grad) > 2 and self.needs_grad[2]:
-            into = self._into(2, g2)
+            into = self.grad_into(2, g2.dtype)
             gb = be.bias_grad(g2) if into is None else be.bias_grad_add_(into, g2)
         return gx, gw, gb
-
-    def _into(self, i, g2):
-        """grad_into(i) where the add in place gives add_'s bits: a float32 / float64 .grad
-        of g2's dtype (into a 16-bit one the kernel would round once where the product and
-        then add_ round twice)."""
-        into = self.grad_into(i)
-        ok = into is not None and into.dtype == g2.dtype and into.dtype.itemsize >= 4
-        return into if ok else None
 
 
 # ----------------------------------------------------------------------------- convolution and pooling
@@ -580,11 +572,8 @@ class BatchNorm(Function):
             relu = (self.weight, self.bias)
         # the sums' last kernel adds them into both parameters' .grad where it may (the bits
         # of add_ afterwards); else they are returned: this rank's own sums either way
-        into_b, into_w = self.grad_into(2), self.grad_into(1)
-        add_to = None
-        if (into_w is not None and into_b is not None and self.needs_grad[1]
-                and self.needs_grad[2] and into_w.dtype == into_b.dtype == self.mean.dtype):
-            add_to = (into_b, into_w)
+        into_b, into_w = self.grad_into(2, self.mean.dtype), self.grad_into(1, self.mean.dtype)
+        add_to = (into_b, into_w) if into_b is not None and into_w is not None else None
         sums = be.batch_norm_backward_reduce(gy, self.x, self.mean, self.var, self.eps,
                                              relu=relu, add_to=add_to)
         if add_to is not None:

@@ -63,8 +63,9 @@ WGMMA_CONV = "conv2d_wgmma.cu"
 WGMMA_CONV_ENV = "DPTRAIN_WGMMA_CONV"
 # "1": forward / backward-data on conv2d_wgmma_ws_kernel (persistent, warp-specialized, an
 # mbarrier pipeline), bitwise equal to conv2d_wgmma_kernel. Off: with cp.async gathers it was
-# 1.2-1.6x slower on ResNet-18's passes (H100, 2026-11-25, NOTES-gemm row 34); it is the
-# pipeline a TMA loader would feed.
+# 1.22x slower summed over ResNet-18's forward and backward-data passes, up to 1.57x on the
+# 64-channel ones (H100, 2026-11-25, NOTES-gemm row 34); it is the pipeline a TMA loader
+# would feed.
 WGMMA_WS_ENV = "DPTRAIN_WGMMA_CONV_WS"
 NHWC_ENV = "DPTRAIN_NHWC_CONV"  # "0": backward-weight keeps the NCHW gathers
 WGMMA_BWDW = "conv2d_bwdw_wgmma.cu"
