@@ -47,9 +47,16 @@
 // instantiate: conv2d_wgmma_ws_kernel<__nv_bfloat16, 128>
 // instantiate: conv2d_wgmma_ws_kernel<__half, 32>; conv2d_wgmma_ws_kernel<__half, 64>
 // instantiate: conv2d_wgmma_ws_kernel<__half, 128>
+// instantiate: conv2d_wgmma_tma_kernel<float, 32>; conv2d_wgmma_tma_kernel<float, 64>
+// instantiate: conv2d_wgmma_tma_kernel<float, 128>
+// instantiate: conv2d_wgmma_tma_kernel<__nv_bfloat16, 32>; conv2d_wgmma_tma_kernel<__nv_bfloat16, 64>
+// instantiate: conv2d_wgmma_tma_kernel<__nv_bfloat16, 128>
+// instantiate: conv2d_wgmma_tma_kernel<__half, 32>; conv2d_wgmma_tma_kernel<__half, 64>
+// instantiate: conv2d_wgmma_tma_kernel<__half, 128>
 
 #include "common.cuh"
 #include "conv_geom.cuh"
+#include "tma.cuh"
 #include "wgmma.cuh"
 
 namespace wgmma_conv {
@@ -200,6 +207,42 @@ __device__ __forceinline__ void store_tile(const float (&acc)[BN / 2], const Con
     }
   });
 }
+
+// The multiplying warpgroups of the warp-specialized kernels (threads 0-255, 64 pixel rows
+// each): the block's tiles in turn, each slab taken once full[slot] completes and released
+// through empty[slot] once its wgmmas have retired; then the epilogue.
+template <typename T, int BN>
+__device__ __forceinline__ void multiply_tiles(const ConvGeom& g, int tiles_x, int tiles_y,
+                                               int tiles, u32 sbase, u32 full, u32 empty,
+                                               const T* bias, int has_bias, T* out) {
+  constexpr int S = STAGES, A_BYTES = BM * ROW_BYTES, STAGE_BYTES = (BM + BN) * ROW_BYTES;
+  constexpr int BK = ROW_BYTES / sizeof(T);
+  const int wg = threadIdx.x >> 7;
+  int slot = 0;
+  u32 parity = 0;  // of the slot's current use: flips each time the slots wrap
+  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const Tile at(g, tile, tiles_x, tiles_y, BN);
+    if (at.none) continue;
+    float acc[BN / 2];
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+    int last = -1;  // the slot of the slab before, released once its wgmmas retire
+    for (int kt = 0, KT = (at.f.K + BK - 1) / BK; kt < KT; ++kt) {
+      mbar_wait(full + 8 * slot, parity);
+      const u32 st = sbase + slot * STAGE_BYTES;
+      wgmma_slab<T, BN>(acc, st + wg * (64 * ROW_BYTES), st + A_BYTES);
+      wgmma_wait<1>();  // the slab before has retired: its slot may be refilled
+      fence_regs(acc);
+      if (last >= 0) mbar_arrive(empty + 8 * last);
+      last = slot;
+      if (++slot == S) slot = 0, parity ^= 1;
+    }
+    wgmma_wait<0>();
+    fence_regs(acc);
+    if (last >= 0) mbar_arrive(empty + 8 * last);
+    store_tile<T, BN>(acc, g, at.f, at.q0, at.m0, bias, has_bias, out);
+  }
+}
 }  // namespace wgmma_conv
 
 #define DP_CONV_PARAMS                                                                      \
@@ -228,7 +271,7 @@ __global__ void __launch_bounds__(256, BN <= 64 ? 2 : 1) conv2d_wgmma_kernel(DP_
   store_tile<T, BN>(acc, g, f, q0, m0, bias, has_bias, out);
 }
 
-// Warp-specialized and persistent: warpgroups 0-1 multiply (64 pixel rows each), the
+// Warp-specialized and persistent: warpgroups 0-1 multiply (multiply_tiles), the
 // GATHER_WGS after them gather; the blocks walk the tiles (Tile) with a stride of the grid,
 // so the gathers of a block's next tile overlap the epilogue and the last slabs of its
 // current one. Stage s's slot is handed over by two mbarriers: full[s] (every gathering
@@ -253,62 +296,102 @@ __global__ void __launch_bounds__(256 + 128 * wgmma_conv::GATHER_WGS, 1)
     }
   __syncthreads();
   const ConvGeom g{Nb, M, C, Hs, Ws, Ho, Wo, KH, KW, sh, sw, ph, pw, mode};
-  constexpr int BK = ROW_BYTES / sizeof(T);
-  int slot = 0;
-  u32 parity = 0;  // of the slot's current use: flips each time the slots wrap
-  auto next_slot = [&] {
-    if (++slot == S) slot = 0, parity ^= 1;
-  };
-  if (threadIdx.x >= 256) {  // the gathering warpgroups
-    const int t = threadIdx.x - 256;
-    constexpr int STEP = 16 * GATHER_WGS;  // rows apart
-    Gather<T, BM / STEP, (BN + STEP - 1) / STEP, STEP> ld;
-    int pending = 0;  // slabs issued whose full[] arrival is still owed (at most LAG)
-    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-      const Tile at(g, tile, tiles_x, tiles_y, BN);
-      if (at.none) continue;
-      ld.start(at.f, (long long)Hs * Ws * C, C, at.q0, t >> 3, t & 7);
-      for (int kt = 0, KT = (at.f.K + BK - 1) / BK; kt < KT; ++kt) {
-        mbar_wait(empty + 8 * slot, parity ^ 1);  // the slot's previous slab retired
-        const u32 st = sbase + slot * STAGE_BYTES;
-        ld.load(g, at.f, src, wr, at.m0, st, st + A_BYTES);
-        cp_async_commit();
-        if (pending == LAG) {  // the slab LAG back has landed: hand it over
-          cp_async_wait<LAG>();
-          fence_proxy_async();
-          mbar_arrive(full + 8 * ((slot + S - LAG) % S));
-        } else {
-          ++pending;
-        }
-        next_slot();
-      }
-    }
-    cp_async_wait<0>();
-    fence_proxy_async();
-    for (int i = pending; i > 0; --i) mbar_arrive(full + 8 * ((slot + S - i) % S));
+  if (threadIdx.x < 256) {
+    multiply_tiles<T, BN>(g, tiles_x, tiles_y, tiles, sbase, full, empty, bias, has_bias, out);
     return;
   }
-  const int wg = threadIdx.x >> 7;
+  constexpr int BK = ROW_BYTES / sizeof(T);
+  int slot = 0;
+  u32 parity = 0;
+  const int t = threadIdx.x - 256;
+  constexpr int STEP = 16 * GATHER_WGS;  // rows apart
+  Gather<T, BM / STEP, (BN + STEP - 1) / STEP, STEP> ld;
+  int pending = 0;  // slabs issued whose full[] arrival is still owed (at most LAG)
   for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     const Tile at(g, tile, tiles_x, tiles_y, BN);
     if (at.none) continue;
-    float acc[BN / 2];
-#pragma unroll
-    for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
-    int last = -1;  // the slot of the slab before, released once its wgmmas retire
+    ld.start(at.f, (long long)Hs * Ws * C, C, at.q0, t >> 3, t & 7);
     for (int kt = 0, KT = (at.f.K + BK - 1) / BK; kt < KT; ++kt) {
-      mbar_wait(full + 8 * slot, parity);
+      mbar_wait(empty + 8 * slot, parity ^ 1);  // the slot's previous slab retired
       const u32 st = sbase + slot * STAGE_BYTES;
-      wgmma_slab<T, BN>(acc, st + wg * (64 * ROW_BYTES), st + A_BYTES);
-      wgmma_wait<1>();  // the slab before has retired: its slot may be refilled
-      fence_regs(acc);
-      if (last >= 0) mbar_arrive(empty + 8 * last);
-      last = slot;
-      next_slot();
+      ld.load(g, at.f, src, wr, at.m0, st, st + A_BYTES);
+      cp_async_commit();
+      if (pending == LAG) {  // the slab LAG back has landed: hand it over
+        cp_async_wait<LAG>();
+        fence_proxy_async();
+        mbar_arrive(full + 8 * ((slot + S - LAG) % S));
+      } else {
+        ++pending;
+      }
+      if (++slot == S) slot = 0, parity ^= 1;
     }
-    wgmma_wait<0>();
-    fence_regs(acc);
-    if (last >= 0) mbar_arrive(empty + 8 * last);
-    store_tile<T, BN>(acc, g, at.f, at.q0, at.m0, bias, has_bias, out);
+  }
+  cp_async_wait<0>();
+  fence_proxy_async();
+  for (int i = pending; i > 0; --i) mbar_arrive(full + 8 * ((slot + S - i) % S));
+}
+
+// The warp-specialized kernel fed by the tensor memory accelerator (tma.cuh): one thread of
+// warpgroup 2 issues each slab as two copies, the pixels through the im2col map `pixels`
+// of the channels-last source (128 output pixels' BK channels at one filter tap, the
+// padding zero-filled) and the weights through the tiled map `weights` of wr (BN rows of
+// BK; rows past M zero-filled), and full[s] completes when their bytes have landed. The
+// launcher encodes both maps and checks the one box of base positions fits every phase
+// with taps; a base (bh, bw) plus the tap's offset is the source pixel (conv_tap):
+//   forward: base = o * s - p, offset kh;
+//   backward-data (phases; stride 1 is one): base = i + (r + p - rk) / s - (nk - 1), offset
+//   nk - 1 - t for tap kh = rk + s * t of phase r's nk, i the phase's pixel index.
+template <typename T, int BN>
+__global__ void __launch_bounds__(384, 1)
+    conv2d_wgmma_tma_kernel(const __grid_constant__ wgmma_tiles::TmaMap pixels,
+                            const __grid_constant__ wgmma_tiles::TmaMap weights,
+                            DP_CONV_PARAMS, int tiles_x, int tiles_y, int tiles) {
+  using namespace wgmma_conv;
+  constexpr int S = STAGES;
+  constexpr int A_BYTES = BM * ROW_BYTES, STAGE_BYTES = (BM + BN) * ROW_BYTES;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  __shared__ __align__(8) unsigned long long bars[2 * S];  // full[S], then empty[S]
+  require_smem(smem_bytes<BM, BN>());  // the launcher must pass it
+  const u32 sbase = smem_base(smem_raw);
+  const u32 full = (u32)__cvta_generic_to_shared(bars), empty = full + 8 * S;
+  if (threadIdx.x == 0)
+    for (int s = 0; s < S; ++s) {
+      mbar_init(full + 8 * s, 1);
+      mbar_init(empty + 8 * s, 256);
+    }
+  __syncthreads();
+  const ConvGeom g{Nb, M, C, Hs, Ws, Ho, Wo, KH, KW, sh, sw, ph, pw, mode};
+  if (threadIdx.x < 256) {
+    multiply_tiles<T, BN>(g, tiles_x, tiles_y, tiles, sbase, full, empty, bias, has_bias, out);
+    return;
+  }
+  if (threadIdx.x != 256) return;
+  constexpr int BK = ROW_BYTES / sizeof(T);
+  int slot = 0;
+  u32 parity = 0;
+  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const Tile at(g, tile, tiles_x, tiles_y, BN);
+    if (at.none) continue;
+    const Phase& f = at.f;
+    int n, oy, ox;
+    f.pixel(at.q0, n, oy, ox);
+    const bool fwd = mode == 0;
+    const int bh = fwd ? oy * sh - ph : (oy - f.ry) / f.ps_h + (f.ry + ph - f.rkh) / f.ps_h - (f.nkh - 1);
+    const int bw = fwd ? ox * sw - pw : (ox - f.rx) / f.ps_w + (f.rx + pw - f.rkw) / f.ps_w - (f.nkw - 1);
+    int th = 0, tw = 0, c = 0;
+    for (int kt = 0, KT = (f.K + BK - 1) / BK; kt < KT; ++kt) {
+      mbar_wait(empty + 8 * slot, parity ^ 1);  // the slot's previous slab retired
+      const u32 st = sbase + slot * STAGE_BYTES, bar = full + 8 * slot;
+      mbar_expect_tx(bar, STAGE_BYTES);
+      tma_load_im2col_4d(st, pixels, c, bw, bh, n, fwd ? tw : f.nkw - 1 - tw,
+                         fwd ? th : f.nkh - 1 - th, bar);
+      const int k = ((f.rkh + f.ps_h * th) * KW + f.rkw + f.ps_w * tw) * C + c;
+      tma_load_2d(st + A_BYTES, weights, k, at.m0, bar);
+      if ((c += BK) == C) {
+        c = 0;
+        if (++tw == f.nkw) tw = 0, ++th;
+      }
+      if (++slot == S) slot = 0, parity ^= 1;
+    }
   }
 }

@@ -20,6 +20,7 @@ from dptrain.backend.cuda import conv2d, gemm  # noqa: E402 - after the CuPy che
 
 WGMMA = "conv2d_wgmma_kernel"
 WGMMA_WS = "conv2d_wgmma_ws_kernel"
+WGMMA_TMA = "conv2d_wgmma_tma_kernel"
 WGMMA_BWDW = "conv2d_bwdw_wgmma_kernel"
 WGMMA_BWDW_TF32 = "conv2d_bwdw_wgmma_tf32_kernel"
 
@@ -90,6 +91,57 @@ def test_warp_specialized_kernel_is_bitwise_the_same(cu, dt, xs, ws, stride, pad
     assert ran["forward"] == ran["backward_data"] == WGMMA_WS
     for got, want in zip(passes(cu, dt, x, w, gy, stride, pad)[:2], base):
         assert got.tobytes() == want.tobytes()
+
+
+TMA_CASES = [  # x shape, w shape, stride, padding; channels in whole 128-byte slabs
+    ((2, 64, 6, 6), (128, 64, 3, 3), (1, 1), (1, 1)),  # 72 pixels: one partial tile
+    ((3, 64, 9, 11), (64, 64, 3, 3), (1, 1), (1, 1)),  # rows wrapping mid-tile, 3 images
+    ((2, 64, 10, 10), (128, 64, 3, 3), (2, 2), (1, 1)),  # backward-data: 4 phases, one box
+    ((2, 64, 11, 11), (64, 64, 3, 3), (2, 2), (1, 1)),  # odd: phases of 6 and 5 (no TMA)
+    ((2, 128, 12, 12), (64, 128, 1, 1), (2, 2), (0, 0)),  # a shortcut: phases no tap reaches
+    ((2, 64, 12, 12), (96, 64, 5, 3), (1, 2), (2, 1)),  # non-square filter, uneven stride
+    ((2, 64, 9, 9), (64, 64, 5, 5), (1, 1), (2, 2)),  # padding 2: five taps each way
+    ((64, 64, 24, 24), (64, 64, 3, 3), (1, 1), (1, 1)),  # 288 tiles: each block walks several
+    ((16, 64, 16, 16), (128, 64, 3, 3), (2, 2), (1, 1)),  # phases over several tiles
+]
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+@pytest.mark.parametrize("xs, ws, stride, pad", TMA_CASES)
+def test_tma_fed_kernel_is_bitwise_the_same(cu, dt, xs, ws, stride, pad, monkeypatch):
+    """DPTRAIN_WGMMA_CONV_TMA=1: the TMA-fed kernel loads the same slabs (the im2col map's
+    zero fill standing for the gathers' padding) and multiplies them in the same order as
+    conv2d_wgmma_kernel, so both passes agree to the bit, and with the reference. The
+    forward always takes it here; backward-data where one box serves every phase."""
+    x, w, gy = inputs(dt, xs, ws, stride, pad)
+    base = passes(cu, dt, x, w, gy, stride, pad)[:2]
+    monkeypatch.setenv(conv2d.WGMMA_TMA_ENV, "1")
+    gemm.clear_plans()
+    ran = planned_kernels(cu, x, w, gy, stride, pad)
+    assert ran["forward"] == WGMMA_TMA
+    (n, c, h, wd), (cout, _, kh, kw) = xs, ws
+    box = conv2d._tma_box(1, stride, pad, (kh, kw), gy.shape[2:], (h, wd), cout, dt)
+    assert ran["backward_data"] == (WGMMA_TMA if box else WGMMA)
+    for got, want in zip(passes(cu, dt, x, w, gy, stride, pad)[:2], base):
+        assert got.tobytes() == want.tobytes()
+    passes_match_reference(cu, dt, x, w, gy, stride, pad)
+
+
+def test_tma_box_covers_resnet_passes(monkeypatch):
+    """ResNet-18's passes all fit one box: stride 1 and 2, 3x3 and 1x1, even sizes."""
+    monkeypatch.setenv(conv2d.WGMMA_TMA_ENV, "1")
+    bf16 = np.dtype(np.uint16)
+    box = conv2d._tma_box
+    assert box(0, (1, 1), (1, 1), (3, 3), (48, 48), (48, 48), 64, bf16) == ((-1, -1), (-1, -1),
+                                                                             (1, 1))
+    assert box(0, (2, 2), (1, 1), (3, 3), (48, 48), (24, 24), 64, bf16) == ((-1, -1), (-2, -2),
+                                                                             (2, 2))
+    assert box(1, (2, 2), (1, 1), (3, 3), (24, 24), (48, 48), 128, bf16) == ((0, 0), (0, 0),
+                                                                             (1, 1))
+    assert box(1, (2, 2), (0, 0), (1, 1), (24, 24), (48, 48), 128, bf16) == ((0, 0), (0, 0),
+                                                                             (1, 1))
+    assert box(1, (2, 2), (1, 1), (3, 3), (6, 6), (11, 11), 128, bf16) is None  # odd phases
+    assert box(0, (1, 1), (1, 1), (3, 3), (48, 48), (48, 48), 32, bf16) is None  # half a slab
 
 
 @pytest.mark.parametrize("dt", DTYPES)

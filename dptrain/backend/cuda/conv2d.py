@@ -42,7 +42,7 @@ import os
 
 import numpy as np
 
-from dptrain.backend.cuda import launch
+from dptrain.backend.cuda import launch, tma
 from dptrain.backend.cuda.arrays import fill_
 from dptrain.backend.cuda.gemm import (operand_dtype, output, plan, reducer, sig, split_k,
                                        tile_floats, wgmma_available, wgmma_smem)
@@ -67,6 +67,12 @@ WGMMA_CONV_ENV = "DPTRAIN_WGMMA_CONV"
 # 64-channel ones (H100, 2026-11-25, NOTES-gemm row 34); it is the pipeline a TMA loader
 # would feed.
 WGMMA_WS_ENV = "DPTRAIN_WGMMA_CONV_WS"
+# "1": forward / backward-data on conv2d_wgmma_tma_kernel, the warp-specialized kernel fed by
+# the tensor memory accelerator (an im2col map of the channels-last source, a tiled map of
+# the weight; tma.py), where the summed channels come in whole 128-byte slabs and one box of
+# base pixels serves every phase (_tma_box); bitwise equal to conv2d_wgmma_kernel. Off until
+# measured.
+WGMMA_TMA_ENV = "DPTRAIN_WGMMA_CONV_TMA"
 NHWC_ENV = "DPTRAIN_NHWC_CONV"  # "0": backward-weight keeps the NCHW gathers
 WGMMA_BWDW = "conv2d_bwdw_wgmma.cu"
 WGMMA_BWDW_ENV = "DPTRAIN_WGMMA_BWDW"  # "0": 16-bit backward-weight keeps conv2d_nhwc.cu
@@ -243,15 +249,18 @@ def _plan_implicit(fn_name, mode, out_shape, m, c, hs, ws, ho, wo, kh, kw, strid
     # The kernels' parameters after (wr, src, bias, out, has_bias).
     geom = (i32(nb), i32(m), i32(c), i32(hs), i32(ws), i32(ho), i32(wo), i32(kh), i32(kw),
             i32(sh), i32(sw), i32(ph), i32(pw))
+    box = None
     if _wgmma_conv(dt, c, nb, npix, m):
-        # strided backward-data of a filter wider than 1x1: a phase of the output pixels per
-        # grid z (mode 2, conv2d_wgmma.cu), the grid's x sized for the largest, phase (0, 0)
-        phased = mode == 1 and stride != (1, 1) and kh * kw > 1
+        box = _tma_box(mode, stride, padding, (kh, kw), (hs, ws), (ho, wo), c, dt)
+        # strided backward-data of a filter wider than 1x1 (any filter under TMA, which has
+        # no zero-filled taps): a phase of the output pixels per grid z (mode 2,
+        # conv2d_wgmma.cu), the grid's x sized for the largest, phase (0, 0)
+        phased = mode == 1 and stride != (1, 1) and (kh * kw > 1 or box is not None)
         phases = stride[0] * stride[1] if phased else 1
         first = nb * -(-ho // stride[0]) * -(-wo // stride[1]) if phased else npix
-        name, fn, grid, block, smem = _wgmma_kernel(m, first, dt)
+        name, fn, grid, block, smem = _wgmma_kernel(m, first, dt, box is not None)
         tail = geom + (i32(2 if phased else mode),)
-        if name == "conv2d_wgmma_ws_kernel":  # persistent: a block per SM walks the tiles
+        if name != "conv2d_wgmma_kernel":  # persistent: a block per SM walks the tiles
             tiles = grid[0] * grid[1] * phases
             tail += (i32(grid[0]), i32(grid[1]), i32(tiles))
             grid = (min(tiles, launch.sm_count()),)
@@ -265,6 +274,14 @@ def _plan_implicit(fn_name, mode, out_shape, m, c, hs, ws, ho, wo, kh, kw, strid
         name, fn, grid, block, smem = _mma_kernel(m, npix, dt)
         tail = geom + (i32(k % _chunk(dt) == 0), i32(mode))  # + vec_w
         to_nhwc = kept = None
+    slab = 128 // np.dtype(dt).itemsize  # a 128-byte row of K
+
+    def maps(wr, src):
+        """The TMA kernel's maps: (pixels of src, weights wr), or none for the others."""
+        if box is None:
+            return ()
+        return (tma.im2col(src, (nb, hs, ws, c), *box, channels=slab, pixels=128),
+                tma.tiled(wr, m, k, _rows_tile(m), slab))
 
     def run(w, src, bias, out, workspace=None):
         y = output(fn_name, out, out_shape, dt)
@@ -274,8 +291,8 @@ def _plan_implicit(fn_name, mode, out_shape, m, c, hs, ws, ho, wo, kh, kw, strid
         if to_nhwc:
             src = keep(workspace, kept, src, to_nhwc(src)) if kept else to_nhwc(src)
         has_bias = bias is not None
-        fn(grid, block, (wr, src, bias if has_bias else y, y, np.int32(has_bias)) + tail,
-           shared_mem=smem)
+        fn(grid, block, maps(wr, src) + (wr, src, bias if has_bias else y, y,
+                                          np.int32(has_bias)) + tail, shared_mem=smem)
         return y
 
     run.kernel = name
@@ -291,15 +308,52 @@ def _wgmma_conv(dt, c: int, nb: int, npix: int, m: int) -> bool:
             and -(-m // 128) <= launch.GRID_YZ_MAX)
 
 
-def _wgmma_kernel(m, npix, dt):
+def _wgmma_kernel(m, npix, dt, tma_fed=False):
     """conv2d_wgmma_kernel for m output channels: 32 / 64 / 128 of them per block (the
-    smallest covering m), 128 pixels per block. (name, kernel, grid, block, shared memory)"""
+    smallest covering m), 128 pixels per block; the warp-specialized kernel instead under
+    DPTRAIN_WGMMA_CONV_WS=1, its TMA-fed twin where `tma_fed`. (name, kernel, grid, block,
+    shared memory)"""
     bn = _rows_tile(m)
     smem = wgmma_smem(128, bn)
-    ws = os.environ.get(WGMMA_WS_ENV, "0") == "1"
-    name = "conv2d_wgmma_ws_kernel" if ws else "conv2d_wgmma_kernel"
+    if tma_fed:
+        name, threads = "conv2d_wgmma_tma_kernel", 384
+    elif os.environ.get(WGMMA_WS_ENV, "0") == "1":
+        name, threads = "conv2d_wgmma_ws_kernel", 512
+    else:
+        name, threads = "conv2d_wgmma_kernel", 256
     fn = launch.kernel(WGMMA_CONV, name, launch.ctype(dt), str(bn), smem=smem)
-    return name, fn, (-(-npix // 128), -(-m // bn)), (512 if ws else 256,), smem
+    return name, fn, (-(-npix // 128), -(-m // bn)), (threads,), smem
+
+
+def _tma_box(mode, stride, padding, ksize, src_hw, out_hw, c, dt):
+    """The im2col box of conv2d_wgmma_tma_kernel's pixel map as (lower, upper, strides) per
+    (h, w), or None where that kernel does not apply (DPTRAIN_WGMMA_CONV_TMA not "1", c not
+    in whole 128-byte slabs, phases whose base pixels differ, corners past the map's range).
+    Forward: the bases o * s - p for o < out. Backward-data: per phase, its pixels i plus
+    (r + p - rk) / s - (nk - 1) (conv2d_wgmma.cu), one box for every phase that has taps."""
+    if os.environ.get(WGMMA_TMA_ENV, "0") != "1" or c % (128 // np.dtype(dt).itemsize):
+        return None
+    lower, upper, steps = [], [], []
+    for s, p, k, size, out in zip(stride, padding, ksize, src_hw, out_hw):
+        if k - 1 > tma.OFFSET_MAX:
+            return None
+        if mode == 0:
+            bases = {(-p, out)}
+        else:
+            bases = set()
+            for r in range(s):
+                rk = (r + p) % s
+                nk = -(-(k - rk) // s) if rk < k else 0
+                if nk:
+                    bases.add(((r + p - rk) // s - (nk - 1), -(-(out - r) // s)))
+        if len(bases) != 1:
+            return None
+        (low, count), step = bases.pop(), s if mode == 0 else 1
+        high = low + step * (count - 1) - (size - 1)
+        if not tma.CORNER_MIN <= min(low, high) <= max(low, high) <= tma.CORNER_MAX:
+            return None
+        lower.append(low), upper.append(high), steps.append(step)
+    return tuple(lower), tuple(upper), tuple(steps)
 
 
 def _mma_kernel(m, npix, dt):

@@ -1,0 +1,49 @@
+// tma.cuh: Hopper's tensor memory accelerator (sm_90a): one thread copies a whole box of a
+// global tensor into shared memory, described by a 128-byte tensor map the host encoded
+// (dptrain/backend/cuda/tma.py), zero-filling what lies outside the tensor; completion is
+// counted in bytes on an mbarrier (mbar_expect_tx, then mbar_wait as for any phase).
+// The maps come as `const __grid_constant__ TmaMap` kernel parameters, so their address is
+// the parameter's own (no copy to local memory).
+
+#pragma once
+
+#include "wgmma.cuh"
+
+namespace wgmma_tiles {
+
+struct __align__(64) TmaMap {
+  u64 bits[16];
+};
+
+__device__ __forceinline__ u64 map_address(const TmaMap& m) {
+  return reinterpret_cast<u64>(&m);
+}
+
+// Arrives on `bar` (its count of arrivals) and adds `bytes` to the phase's expected
+// transaction count: the phase completes once those bytes have landed too.
+__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+
+// Box of the 2-D tiled map at element coordinates (x innermost, y) into shared address dst.
+__device__ __forceinline__ void tma_load_2d(u32 dst, const TmaMap& m, int x, int y, u32 bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst), "l"(map_address(m)), "r"(x), "r"(y), "r"(bar)
+      : "memory");
+}
+
+// A column of the 4-D (NHWC) im2col map: its pixels from base position (w, h) of image n
+// on, channels c.., each read at the base plus the filter offset (ow, oh).
+__device__ __forceinline__ void tma_load_im2col_4d(u32 dst, const TmaMap& m, int c, int w,
+                                                   int h, int n, int ow, int oh, u32 bar) {
+  const unsigned short ow16 = (unsigned short)ow, oh16 = (unsigned short)oh;
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.im2col.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4, %5}], [%6], {%7, %8};\n" ::"r"(dst), "l"(map_address(m)),
+      "r"(c), "r"(w), "r"(h), "r"(n), "r"(bar), "h"(ow16), "h"(oh16)
+      : "memory");
+}
+
+}  // namespace wgmma_tiles
