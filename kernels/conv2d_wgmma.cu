@@ -26,12 +26,13 @@
 //  * The output is NCHW, out[n, m, oy, ox] = acc (+ bias[m]), written with `=`: per
 //    accumulator, lanes along the pixels (8 consecutive pixels of one channel per quad).
 //  * Tiles, swizzle and pipeline: wgmma.cuh. conv2d_wgmma_kernel: a tile per block, 256
-//    threads = two warpgroups of 64 pixels that both gather and multiply. The launcher's
-//    default: the measured faster one (NOTES-gemm.md row 34).
-//  * conv2d_wgmma_ws_kernel (DPTRAIN_WGMMA_CONV_WS=1): the same tiles, slabs and wgmmas (so
-//    the same bits), persistent and warp-specialized: two warpgroups multiply, two gather,
-//    handing stages over through mbarriers. With cp.async gathers its gathering warps cannot
-//    keep the tensor cores fed; it is the pipeline a TMA im2col loader would feed.
+//    threads = two warpgroups of 64 pixels that both gather and multiply.
+//  * conv2d_wgmma_tma_kernel, where C fills whole 128-byte slabs: the same tiles, slabs and
+//    wgmmas (so the same bits), persistent and warp-specialized: one thread issues each
+//    slab as two TMA copies (tma.cuh: an im2col map of src, a tiled map of wr, both zero-
+//    filling past their tensors), two warpgroups multiply, and stages are handed over
+//    through mbarriers. 1.3-1.6x the gathering kernel's rate on ResNet-18's passes (H100,
+//    NOTES-gemm.md row 36); the launcher's default where it applies.
 //
 // nvrtc-options: -arch=sm_90a
 // instantiations-per-module: 1  (a run builds only those it uses: a shorter cold start)
@@ -41,12 +42,6 @@
 // instantiate: conv2d_wgmma_kernel<__nv_bfloat16, 128>
 // instantiate: conv2d_wgmma_kernel<__half, 32>; conv2d_wgmma_kernel<__half, 64>
 // instantiate: conv2d_wgmma_kernel<__half, 128>
-// instantiate: conv2d_wgmma_ws_kernel<float, 32>; conv2d_wgmma_ws_kernel<float, 64>
-// instantiate: conv2d_wgmma_ws_kernel<float, 128>
-// instantiate: conv2d_wgmma_ws_kernel<__nv_bfloat16, 32>; conv2d_wgmma_ws_kernel<__nv_bfloat16, 64>
-// instantiate: conv2d_wgmma_ws_kernel<__nv_bfloat16, 128>
-// instantiate: conv2d_wgmma_ws_kernel<__half, 32>; conv2d_wgmma_ws_kernel<__half, 64>
-// instantiate: conv2d_wgmma_ws_kernel<__half, 128>
 // instantiate: conv2d_wgmma_tma_kernel<float, 32>; conv2d_wgmma_tma_kernel<float, 64>
 // instantiate: conv2d_wgmma_tma_kernel<float, 128>
 // instantiate: conv2d_wgmma_tma_kernel<__nv_bfloat16, 32>; conv2d_wgmma_tma_kernel<__nv_bfloat16, 64>
@@ -62,7 +57,6 @@
 namespace wgmma_conv {
 using namespace wgmma_tiles;
 constexpr int BM = 128;
-constexpr int GATHER_WGS = 2;  // gathering warpgroups of the warp-specialized kernel
 
 // A tile's phase: output pixels (ry + ps_h*i, rx + ps_w*j) and the taps (rkh + ps_h*t,
 // rkw + ps_w*u) that reach them (nkh x nkw of them); every pixel and tap unless mode 2.
@@ -164,14 +158,16 @@ struct Gather {
 };
 
 // Tile `tile` of the warp-specialized kernel's walk (pixel tiles fastest, then channel
-// tiles, then phases): its phase and origin; `none` past the phase's pixels (the grid of
-// pixel tiles fits phase 0, the largest).
+// tiles, then phases from the last: with a 3x3 filter, stride 2 and padding 1 it has the
+// most taps, and the blocks, walking with a stride of the grid, end on the light ones):
+// its phase and origin; `none` past the phase's pixels (the grid of pixel tiles fits phase
+// 0, the largest).
 struct Tile {
   Phase f;
   int q0, m0;
   bool none;
   __device__ __forceinline__ Tile(const ConvGeom& g, int tile, int tiles_x, int tiles_y, int bn)
-      : f(g, tile / (tiles_x * tiles_y)),
+      : f(g, g.mode == 2 ? g.sh * g.sw - 1 - tile / (tiles_x * tiles_y) : 0),
         q0(tile % tiles_x * BM),
         m0(tile / tiles_x % tiles_y * bn),
         none(q0 >= f.npix && q0 > 0) {}
@@ -208,7 +204,7 @@ __device__ __forceinline__ void store_tile(const float (&acc)[BN / 2], const Con
   });
 }
 
-// The multiplying warpgroups of the warp-specialized kernels (threads 0-255, 64 pixel rows
+// The multiplying warpgroups of the warp-specialized kernel (threads 0-255, 64 pixel rows
 // each): the block's tiles in turn, each slab taken once full[slot] completes and released
 // through empty[slot] once its wgmmas have retired; then the epilogue.
 template <typename T, int BN>
@@ -271,66 +267,6 @@ __global__ void __launch_bounds__(256, BN <= 64 ? 2 : 1) conv2d_wgmma_kernel(DP_
   store_tile<T, BN>(acc, g, f, q0, m0, bias, has_bias, out);
 }
 
-// Warp-specialized and persistent: warpgroups 0-1 multiply (multiply_tiles), the
-// GATHER_WGS after them gather; the blocks walk the tiles (Tile) with a stride of the grid,
-// so the gathers of a block's next tile overlap the epilogue and the last slabs of its
-// current one. Stage s's slot is handed over by two mbarriers: full[s] (every gathering
-// thread arrives once its copies of the slab have landed and been fenced for the async
-// proxy, LAG slabs after issuing them) and empty[s] (the 256 multiplying threads arrive once
-// the slab's wgmmas have retired).
-template <typename T, int BN>
-__global__ void __launch_bounds__(256 + 128 * wgmma_conv::GATHER_WGS, 1)
-    conv2d_wgmma_ws_kernel(DP_CONV_PARAMS, int tiles_x, int tiles_y, int tiles) {
-  using namespace wgmma_conv;
-  constexpr int S = STAGES, LAG = S - 2;
-  constexpr int A_BYTES = BM * ROW_BYTES, STAGE_BYTES = (BM + BN) * ROW_BYTES;
-  extern __shared__ __align__(1024) unsigned char smem_raw[];
-  __shared__ __align__(8) unsigned long long bars[2 * S];  // full[S], then empty[S]
-  require_smem(smem_bytes<BM, BN>());  // the launcher must pass it
-  const u32 sbase = smem_base(smem_raw);
-  const u32 full = (u32)__cvta_generic_to_shared(bars), empty = full + 8 * S;
-  if (threadIdx.x == 0)
-    for (int s = 0; s < S; ++s) {
-      mbar_init(full + 8 * s, 128 * GATHER_WGS);
-      mbar_init(empty + 8 * s, 256);
-    }
-  __syncthreads();
-  const ConvGeom g{Nb, M, C, Hs, Ws, Ho, Wo, KH, KW, sh, sw, ph, pw, mode};
-  if (threadIdx.x < 256) {
-    multiply_tiles<T, BN>(g, tiles_x, tiles_y, tiles, sbase, full, empty, bias, has_bias, out);
-    return;
-  }
-  constexpr int BK = ROW_BYTES / sizeof(T);
-  int slot = 0;
-  u32 parity = 0;
-  const int t = threadIdx.x - 256;
-  constexpr int STEP = 16 * GATHER_WGS;  // rows apart
-  Gather<T, BM / STEP, (BN + STEP - 1) / STEP, STEP> ld;
-  int pending = 0;  // slabs issued whose full[] arrival is still owed (at most LAG)
-  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    const Tile at(g, tile, tiles_x, tiles_y, BN);
-    if (at.none) continue;
-    ld.start(at.f, (long long)Hs * Ws * C, C, at.q0, t >> 3, t & 7);
-    for (int kt = 0, KT = (at.f.K + BK - 1) / BK; kt < KT; ++kt) {
-      mbar_wait(empty + 8 * slot, parity ^ 1);  // the slot's previous slab retired
-      const u32 st = sbase + slot * STAGE_BYTES;
-      ld.load(g, at.f, src, wr, at.m0, st, st + A_BYTES);
-      cp_async_commit();
-      if (pending == LAG) {  // the slab LAG back has landed: hand it over
-        cp_async_wait<LAG>();
-        fence_proxy_async();
-        mbar_arrive(full + 8 * ((slot + S - LAG) % S));
-      } else {
-        ++pending;
-      }
-      if (++slot == S) slot = 0, parity ^= 1;
-    }
-  }
-  cp_async_wait<0>();
-  fence_proxy_async();
-  for (int i = pending; i > 0; --i) mbar_arrive(full + 8 * ((slot + S - i) % S));
-}
-
 // The warp-specialized kernel fed by the tensor memory accelerator (tma.cuh): one thread of
 // warpgroup 2 issues each slab as two copies, the pixels through the im2col map `pixels`
 // of the channels-last source (128 output pixels' BK channels at one filter tap, the
@@ -341,8 +277,10 @@ __global__ void __launch_bounds__(256 + 128 * wgmma_conv::GATHER_WGS, 1)
 //   forward: base = o * s - p, offset kh;
 //   backward-data (phases; stride 1 is one): base = i + (r + p - rk) / s - (nk - 1), offset
 //   nk - 1 - t for tap kh = rk + s * t of phase r's nk, i the phase's pixel index.
+// Tiles up to 64 channels wide run two blocks per SM (the launcher's grid), so one block's
+// epilogue overlaps the other's wgmmas.
 template <typename T, int BN>
-__global__ void __launch_bounds__(384, 1)
+__global__ void __launch_bounds__(384, BN <= 64 ? 2 : 1)
     conv2d_wgmma_tma_kernel(const __grid_constant__ wgmma_tiles::TmaMap pixels,
                             const __grid_constant__ wgmma_tiles::TmaMap weights,
                             DP_CONV_PARAMS, int tiles_x, int tiles_y, int tiles) {
@@ -366,6 +304,7 @@ __global__ void __launch_bounds__(384, 1)
     return;
   }
   if (threadIdx.x != 256) return;
+  if (mode == 1 && (sh != 1 || sw != 1)) __trap();  // strided backward-data comes by phases
   constexpr int BK = ROW_BYTES / sizeof(T);
   int slot = 0;
   u32 parity = 0;

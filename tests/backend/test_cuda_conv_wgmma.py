@@ -19,7 +19,6 @@ pytestmark = pytest.mark.gpu
 from dptrain.backend.cuda import conv2d, gemm  # noqa: E402 - after the CuPy check
 
 WGMMA = "conv2d_wgmma_kernel"
-WGMMA_WS = "conv2d_wgmma_ws_kernel"
 WGMMA_TMA = "conv2d_wgmma_tma_kernel"
 WGMMA_BWDW = "conv2d_bwdw_wgmma_kernel"
 WGMMA_BWDW_TF32 = "conv2d_bwdw_wgmma_tf32_kernel"
@@ -50,10 +49,11 @@ def cu():
 
 @pytest.fixture(autouse=True)
 def fresh_plans(cu, monkeypatch):
-    """The wgmma kernel on and the direct kernels off (they would take the small-K cases,
-    the 1x1 one included); TF32 for float; plans rebuilt so the switches are read afresh;
-    NaN in the pool."""
+    """The gathering wgmma kernel on (the TMA-fed one where a test asks) and the direct
+    kernels off (they would take the small-K cases, the 1x1 one included); TF32 for float;
+    plans rebuilt so the switches are read afresh; NaN in the pool."""
     monkeypatch.setenv(conv2d.WGMMA_CONV_ENV, "1")
+    monkeypatch.setenv(conv2d.WGMMA_TMA_ENV, "0")  # the gathering kernel (its own tests)
     monkeypatch.setenv(conv2d.WGMMA_BWDW_ENV, "1")
     monkeypatch.setenv(conv2d.WGMMA_BWDW_TF32_ENV, "1")
     monkeypatch.setenv(conv2d.DIRECT_ENV, "0")
@@ -72,37 +72,16 @@ def test_wgmma_passes_match_reference(cu, dt, xs, ws, stride, pad):
     passes_match_reference(cu, dt, x, w, gy, stride, pad)
 
 
-WS_CASES = CASES + [
-    ((64, 64, 24, 24), (32, 64, 3, 3), (1, 1), (1, 1)),  # 288 tiles: each block walks several
-    ((32, 32, 24, 24), (64, 32, 3, 3), (2, 2), (1, 1)),  # backward-data: 4 phases of 36 tiles
-]
-
-
-@pytest.mark.parametrize("dt", DTYPES)
-@pytest.mark.parametrize("xs, ws, stride, pad", WS_CASES)
-def test_warp_specialized_kernel_is_bitwise_the_same(cu, dt, xs, ws, stride, pad, monkeypatch):
-    """DPTRAIN_WGMMA_CONV_WS=1: the persistent warp-specialized kernel multiplies the same
-    slabs in the same order as conv2d_wgmma_kernel, so both passes agree to the bit."""
-    x, w, gy = inputs(dt, xs, ws, stride, pad)
-    base = passes(cu, dt, x, w, gy, stride, pad)[:2]
-    monkeypatch.setenv(conv2d.WGMMA_WS_ENV, "1")
-    gemm.clear_plans()
-    ran = planned_kernels(cu, x, w, gy, stride, pad)
-    assert ran["forward"] == ran["backward_data"] == WGMMA_WS
-    for got, want in zip(passes(cu, dt, x, w, gy, stride, pad)[:2], base):
-        assert got.tobytes() == want.tobytes()
-
-
 TMA_CASES = [  # x shape, w shape, stride, padding; channels in whole 128-byte slabs
     ((2, 64, 6, 6), (128, 64, 3, 3), (1, 1), (1, 1)),  # 72 pixels: one partial tile
     ((3, 64, 9, 11), (64, 64, 3, 3), (1, 1), (1, 1)),  # rows wrapping mid-tile, 3 images
-    ((2, 64, 10, 10), (128, 64, 3, 3), (2, 2), (1, 1)),  # backward-data: 4 phases, one box
-    ((2, 64, 11, 11), (64, 64, 3, 3), (2, 2), (1, 1)),  # odd: phases of 6 and 5 (no TMA)
-    ((2, 128, 12, 12), (64, 128, 1, 1), (2, 2), (0, 0)),  # a shortcut: phases no tap reaches
+    ((2, 128, 10, 10), (128, 128, 3, 3), (2, 2), (1, 1)),  # backward-data: 4 phases, one box
+    ((2, 128, 11, 11), (64, 128, 3, 3), (2, 2), (1, 1)),  # odd: phases of 6 and 5 (no TMA)
+    ((2, 128, 12, 12), (64, 128, 1, 1), (2, 2), (0, 0)),  # a shortcut (forward only)
     ((2, 64, 12, 12), (96, 64, 5, 3), (1, 2), (2, 1)),  # non-square filter, uneven stride
     ((2, 64, 9, 9), (64, 64, 5, 5), (1, 1), (2, 2)),  # padding 2: five taps each way
     ((64, 64, 24, 24), (64, 64, 3, 3), (1, 1), (1, 1)),  # 288 tiles: each block walks several
-    ((16, 64, 16, 16), (128, 64, 3, 3), (2, 2), (1, 1)),  # phases over several tiles
+    ((16, 128, 16, 16), (128, 128, 3, 3), (2, 2), (1, 1)),  # phases over several tiles
 ]
 
 
@@ -120,7 +99,7 @@ def test_tma_fed_kernel_is_bitwise_the_same(cu, dt, xs, ws, stride, pad, monkeyp
     ran = planned_kernels(cu, x, w, gy, stride, pad)
     assert ran["forward"] == WGMMA_TMA
     (n, c, h, wd), (cout, _, kh, kw) = xs, ws
-    box = conv2d._tma_box(1, stride, pad, (kh, kw), gy.shape[2:], (h, wd), cout, dt)
+    box = conv2d._tma_box(1, stride, pad, (kh, kw), gy.shape[2:], (h, wd), cout, c, dt)
     assert ran["backward_data"] == (WGMMA_TMA if box else WGMMA)
     for got, want in zip(passes(cu, dt, x, w, gy, stride, pad)[:2], base):
         assert got.tobytes() == want.tobytes()
@@ -128,20 +107,24 @@ def test_tma_fed_kernel_is_bitwise_the_same(cu, dt, xs, ws, stride, pad, monkeyp
 
 
 def test_tma_box_covers_resnet_passes(monkeypatch):
-    """ResNet-18's passes all fit one box: stride 1 and 2, 3x3 and 1x1, even sizes."""
+    """ResNet-18's passes fit one box (stride 1 and 2, 3x3 and 1x1, even sizes); the strided
+    backward-data of 1x1 filters and into 64 channels stay on the gathering kernel."""
     monkeypatch.setenv(conv2d.WGMMA_TMA_ENV, "1")
     bf16 = np.dtype(np.uint16)
-    box = conv2d._tma_box
-    assert box(0, (1, 1), (1, 1), (3, 3), (48, 48), (48, 48), 64, bf16) == ((-1, -1), (-1, -1),
-                                                                             (1, 1))
-    assert box(0, (2, 2), (1, 1), (3, 3), (48, 48), (24, 24), 64, bf16) == ((-1, -1), (-2, -2),
-                                                                             (2, 2))
-    assert box(1, (2, 2), (1, 1), (3, 3), (24, 24), (48, 48), 128, bf16) == ((0, 0), (0, 0),
-                                                                             (1, 1))
-    assert box(1, (2, 2), (0, 0), (1, 1), (24, 24), (48, 48), 128, bf16) == ((0, 0), (0, 0),
-                                                                             (1, 1))
-    assert box(1, (2, 2), (1, 1), (3, 3), (6, 6), (11, 11), 128, bf16) is None  # odd phases
-    assert box(0, (1, 1), (1, 1), (3, 3), (48, 48), (48, 48), 32, bf16) is None  # half a slab
+
+    def box(mode, stride, pad, k, src, out, c, m):
+        return conv2d._tma_box(mode, stride, pad, k, src, out, c, m, bf16)
+
+    s1, s2, p1, p0, k3, k1 = (1, 1), (2, 2), (1, 1), (0, 0), (3, 3), (1, 1)
+    assert box(0, s1, p1, k3, (48, 48), (48, 48), 64, 64) == ((-1, -1), (-1, -1), (1, 1))
+    assert box(0, s2, p1, k3, (48, 48), (24, 24), 64, 128) == ((-1, -1), (-2, -2), (2, 2))
+    assert box(0, s2, p0, k1, (48, 48), (24, 24), 64, 128) == ((0, 0), (-1, -1), (2, 2))
+    assert box(1, s1, p1, k3, (24, 24), (24, 24), 128, 128) == ((-1, -1), (-1, -1), (1, 1))
+    assert box(1, s2, p1, k3, (12, 12), (24, 24), 256, 128) == ((0, 0), (0, 0), (1, 1))
+    assert box(1, s2, p1, k3, (24, 24), (48, 48), 128, 64) is None  # into 64 channels
+    assert box(1, s2, p0, k1, (12, 12), (24, 24), 256, 128) is None  # phases of zeros
+    assert box(1, s2, p1, k3, (6, 6), (11, 11), 128, 128) is None  # phases of 6 and 5
+    assert box(0, s1, p1, k3, (48, 48), (48, 48), 32, 64) is None  # half a slab
 
 
 @pytest.mark.parametrize("dt", DTYPES)

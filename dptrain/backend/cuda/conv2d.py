@@ -19,7 +19,9 @@ Conventions (the .cu file's header has the kernel side):
   * Forward and backward-data on Hopper (conv2d_wgmma.cu, wgmma with channels-last 16-byte
     gathers; DPTRAIN_WGMMA_CONV=0 turns it off, measured 6-8% faster in the CNN's step): the
     source is copied to NHWC first, and the kernel needs the summed channels in whole 16-byte
-    chunks; otherwise conv2d.cu's mma.sync kernels run.
+    chunks; otherwise conv2d.cu's mma.sync kernels run. Where they fill whole 128-byte slabs
+    (and for backward-data one box serves every phase) the tensor memory accelerator loads
+    the slabs instead (conv2d_wgmma_tma_kernel; DPTRAIN_WGMMA_CONV_TMA=0 turns it off).
   * Backward-weight of 16-bit operands on Hopper (conv2d_bwdw_wgmma.cu, wgmma with both
     operands channels-last; DPTRAIN_WGMMA_BWDW=0 turns it off), and of TF32 ones where
     C_in*KH*KW >= 128 (DPTRAIN_WGMMA_BWDW_TF32: "0" never, "1" always): x and gy are copied
@@ -61,17 +63,13 @@ WGMMA_CONV = "conv2d_wgmma.cu"
 # reference CNN's captured step ran 6-8% faster with it on an H200 (2026-11-24, bench train,
 # TF32 and bf16, batch 256 and 1024; BENCHMARKS.md).
 WGMMA_CONV_ENV = "DPTRAIN_WGMMA_CONV"
-# "1": forward / backward-data on conv2d_wgmma_ws_kernel (persistent, warp-specialized, an
-# mbarrier pipeline), bitwise equal to conv2d_wgmma_kernel. Off: with cp.async gathers it was
-# 1.22x slower summed over ResNet-18's forward and backward-data passes, up to 1.57x on the
-# 64-channel ones (H100, 2026-11-25, NOTES-gemm row 34); it is the pipeline a TMA loader
-# would feed.
-WGMMA_WS_ENV = "DPTRAIN_WGMMA_CONV_WS"
-# "1": forward / backward-data on conv2d_wgmma_tma_kernel, the warp-specialized kernel fed by
-# the tensor memory accelerator (an im2col map of the channels-last source, a tiled map of
-# the weight; tma.py), where the summed channels come in whole 128-byte slabs and one box of
-# base pixels serves every phase (_tma_box); bitwise equal to conv2d_wgmma_kernel. Off until
-# measured.
+# "0": forward / backward-data keep conv2d_wgmma_kernel's cp.async gathers. On by default:
+# conv2d_wgmma_tma_kernel, the warp-specialized kernel fed by the tensor memory accelerator
+# (an im2col map of the channels-last source, a tiled map of the weight; tma.py), takes the
+# passes whose summed channels come in whole 128-byte slabs and where one box of base pixels
+# serves every phase (_tma_box); bitwise equal to conv2d_wgmma_kernel. ResNet-18's step
+# 12.29 -> 10.90 ms in bf16, 23.8 -> 22.1 in TF32; the reference CNN's 0.63 -> 0.60 and
+# 0.95 -> 0.89 (H100, 2026-11-25, BENCHMARKS.md).
 WGMMA_TMA_ENV = "DPTRAIN_WGMMA_CONV_TMA"
 NHWC_ENV = "DPTRAIN_NHWC_CONV"  # "0": backward-weight keeps the NCHW gathers
 WGMMA_BWDW = "conv2d_bwdw_wgmma.cu"
@@ -251,11 +249,10 @@ def _plan_implicit(fn_name, mode, out_shape, m, c, hs, ws, ho, wo, kh, kw, strid
             i32(sh), i32(sw), i32(ph), i32(pw))
     box = None
     if _wgmma_conv(dt, c, nb, npix, m):
-        box = _tma_box(mode, stride, padding, (kh, kw), (hs, ws), (ho, wo), c, dt)
-        # strided backward-data of a filter wider than 1x1 (any filter under TMA, which has
-        # no zero-filled taps): a phase of the output pixels per grid z (mode 2,
-        # conv2d_wgmma.cu), the grid's x sized for the largest, phase (0, 0)
-        phased = mode == 1 and stride != (1, 1) and (kh * kw > 1 or box is not None)
+        box = _tma_box(mode, stride, padding, (kh, kw), (hs, ws), (ho, wo), c, m, dt)
+        # strided backward-data of a filter wider than 1x1: a phase of the output pixels per
+        # grid z (mode 2, conv2d_wgmma.cu), the grid's x sized for the largest, phase (0, 0)
+        phased = mode == 1 and stride != (1, 1) and kh * kw > 1
         phases = stride[0] * stride[1] if phased else 1
         first = nb * -(-ho // stride[0]) * -(-wo // stride[1]) if phased else npix
         name, fn, grid, block, smem = _wgmma_kernel(m, first, dt, box is not None)
@@ -263,7 +260,8 @@ def _plan_implicit(fn_name, mode, out_shape, m, c, hs, ws, ho, wo, kh, kw, strid
         if name != "conv2d_wgmma_kernel":  # persistent: a block per SM walks the tiles
             tiles = grid[0] * grid[1] * phases
             tail += (i32(grid[0]), i32(grid[1]), i32(tiles))
-            grid = (min(tiles, launch.sm_count()),)
+            per_sm = 2 if _rows_tile(m) <= 64 else 1  # its __launch_bounds__
+            grid = (min(tiles, per_sm * launch.sm_count()),)
         else:
             grid = grid + (phases,)
         to_nhwc = _to_nhwc((nb, c, hs, ws), dt)
@@ -310,28 +308,30 @@ def _wgmma_conv(dt, c: int, nb: int, npix: int, m: int) -> bool:
 
 def _wgmma_kernel(m, npix, dt, tma_fed=False):
     """conv2d_wgmma_kernel for m output channels: 32 / 64 / 128 of them per block (the
-    smallest covering m), 128 pixels per block; the warp-specialized kernel instead under
-    DPTRAIN_WGMMA_CONV_WS=1, its TMA-fed twin where `tma_fed`. (name, kernel, grid, block,
-    shared memory)"""
+    smallest covering m), 128 pixels per block; the warp-specialized TMA-fed kernel instead
+    where `tma_fed`. (name, kernel, grid, block, shared memory)"""
     bn = _rows_tile(m)
     smem = wgmma_smem(128, bn)
     if tma_fed:
         name, threads = "conv2d_wgmma_tma_kernel", 384
-    elif os.environ.get(WGMMA_WS_ENV, "0") == "1":
-        name, threads = "conv2d_wgmma_ws_kernel", 512
     else:
         name, threads = "conv2d_wgmma_kernel", 256
     fn = launch.kernel(WGMMA_CONV, name, launch.ctype(dt), str(bn), smem=smem)
     return name, fn, (-(-npix // 128), -(-m // bn)), (threads,), smem
 
 
-def _tma_box(mode, stride, padding, ksize, src_hw, out_hw, c, dt):
+def _tma_box(mode, stride, padding, ksize, src_hw, out_hw, c, m, dt):
     """The im2col box of conv2d_wgmma_tma_kernel's pixel map as (lower, upper, strides) per
-    (h, w), or None where that kernel does not apply (DPTRAIN_WGMMA_CONV_TMA not "1", c not
-    in whole 128-byte slabs, phases whose base pixels differ, corners past the map's range).
+    (h, w), or None where that kernel does not apply: DPTRAIN_WGMMA_CONV_TMA "0", c not
+    in whole 128-byte slabs, phases whose base pixels differ, corners past the map's range,
+    a strided backward-data of a 1x1 filter (its phases are mostly tiles of zeros: 2.4x
+    slower than conv2d_wgmma_kernel's one grid with zero-filled taps) or into at most 64
+    channels (its phases' short K and strided stores: 298 against 257 us on ResNet-18's 64 x
+    48 x 48 one; two blocks an SM of the gathering kernel hide the epilogues better). H100.
     Forward: the bases o * s - p for o < out. Backward-data: per phase, its pixels i plus
     (r + p - rk) / s - (nk - 1) (conv2d_wgmma.cu), one box for every phase that has taps."""
-    if os.environ.get(WGMMA_TMA_ENV, "0") != "1" or c % (128 // np.dtype(dt).itemsize):
+    if (os.environ.get(WGMMA_TMA_ENV, "1") == "0" or c % (128 // np.dtype(dt).itemsize)
+            or (mode == 1 and stride != (1, 1) and (ksize == (1, 1) or m <= 64))):
         return None
     lower, upper, steps = [], [], []
     for s, p, k, size, out in zip(stride, padding, ksize, src_hw, out_hw):

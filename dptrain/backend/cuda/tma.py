@@ -71,13 +71,7 @@ def tiled(a, rows: int, cols: int, box_rows: int, box_cols: int):
     """The map of the row-major (rows, cols) array `a` (contiguous), loaded as boxes of
     box_rows x box_cols elements (box_cols * itemsize == 128: one swizzled 128-byte row per
     box row); rows and columns past the array read as zeros."""
-    item = a.dtype.itemsize
-    return _encode(f"a {rows}x{cols} {a.dtype} array", _driver()[0], _DATA_TYPE[a.dtype], 2,
-                   ctypes.c_void_p(a.data.ptr), _array(ctypes.c_uint64, (cols, rows)),
-                   _array(ctypes.c_uint64, (cols * item,)),
-                   _array(ctypes.c_uint32, (box_cols, box_rows)),
-                   _array(ctypes.c_uint32, (1, 1)), _NO_INTERLEAVE, _SWIZZLE_128B, _L2_256B,
-                   _ZERO_FILL)
+    return _tiled(a.data.ptr, a.dtype, rows, cols, box_rows, box_cols)
 
 
 def im2col(a, shape, lower, upper, strides, channels: int, pixels: int):
@@ -86,11 +80,30 @@ def im2col(a, shape, lower, upper, strides, channels: int, pixels: int):
     box of base positions lower[d] .. size[d] - 1 + upper[d] (d = h, w) with `strides`,
     then the images; a load's filter offset is added to each base, and what falls outside
     the tensor reads as zeros."""
+    return _im2col(a.data.ptr, a.dtype, tuple(shape), tuple(lower), tuple(upper),
+                   tuple(strides), channels, pixels)
+
+
+# A map depends on its arguments alone: eager steps that reuse the pool's addresses (most
+# of them) skip the driver call.
+@functools.lru_cache(maxsize=1024)
+def _tiled(ptr, dtype, rows, cols, box_rows, box_cols):
+    item = dtype.itemsize
+    return _encode(f"a {rows}x{cols} {dtype} array", _driver()[0], _DATA_TYPE[dtype], 2,
+                   ctypes.c_void_p(ptr), _array(ctypes.c_uint64, (cols, rows)),
+                   _array(ctypes.c_uint64, (cols * item,)),
+                   _array(ctypes.c_uint32, (box_cols, box_rows)),
+                   _array(ctypes.c_uint32, (1, 1)), _NO_INTERLEAVE, _SWIZZLE_128B, _L2_256B,
+                   _ZERO_FILL)
+
+
+@functools.lru_cache(maxsize=1024)
+def _im2col(ptr, dtype, shape, lower, upper, strides, channels, pixels):
     n, h, w, c = shape
-    item = a.dtype.itemsize
+    item = dtype.itemsize
     (lh, lw), (uh, uw), (sh, sw) = lower, upper, strides
-    return _encode(f"an NHWC {shape} {a.dtype} array (box {lower}..{upper}, strides {strides})",
-                   _driver()[1], _DATA_TYPE[a.dtype], 4, ctypes.c_void_p(a.data.ptr),
+    return _encode(f"an NHWC {shape} {dtype} array (box {lower}..{upper}, strides {strides})",
+                   _driver()[1], _DATA_TYPE[dtype], 4, ctypes.c_void_p(ptr),
                    _array(ctypes.c_uint64, (c, w, h, n)),
                    _array(ctypes.c_uint64, (c * item, w * c * item, h * w * c * item)),
                    _array(ctypes.c_int32, (lw, lh)), _array(ctypes.c_int32, (uw, uh)),
