@@ -257,7 +257,7 @@ def _plan_implicit(fn_name, mode, out_shape, m, c, hs, ws, ho, wo, kh, kw, strid
         first = nb * -(-ho // stride[0]) * -(-wo // stride[1]) if phased else npix
         name, fn, grid, block, smem = _wgmma_kernel(m, first, dt, box is not None)
         tail = geom + (i32(2 if phased else mode),)
-        if name != "conv2d_wgmma_kernel":  # persistent: a block per SM walks the tiles
+        if name != "conv2d_wgmma_kernel":  # persistent: 1-2 blocks per SM walk the tiles
             tiles = grid[0] * grid[1] * phases
             tail += (i32(grid[0]), i32(grid[1]), i32(tiles))
             per_sm = 2 if _rows_tile(m) <= 64 else 1  # its __launch_bounds__
