@@ -31,8 +31,8 @@
 //    wgmmas (so the same bits), persistent and warp-specialized: one thread issues each
 //    slab as two TMA copies (tma.cuh: an im2col map of src, a tiled map of wr, both zero-
 //    filling past their tensors), two warpgroups multiply, and stages are handed over
-//    through mbarriers. 1.3-1.6x the gathering kernel's rate on ResNet-18's passes (H100,
-//    NOTES-gemm.md row 36); the launcher's default where it applies.
+//    through mbarriers. 1.06-1.66x the gathering kernel's rate on the ResNet-18 passes it
+//    takes (H100, NOTES-gemm.md rows 36-37); the launcher's default where it applies.
 //
 // nvrtc-options: -arch=sm_90a
 // instantiations-per-module: 1  (a run builds only those it uses: a shorter cold start)
@@ -86,13 +86,15 @@ struct Phase {
   }
 };
 
-// The im2col gather of one tile's slabs, as one thread's share: 16-byte chunk lc of pixel
-// rows lrow + STEP*j (j < ROWS) and of weight rows lrow + STEP*j (j < BROWS). Pixel rows'
-// coordinates are worked out once a tile; each row's source pointer once per filter tap (C /
-// BK slabs; between taps only the channel offset moves: the loader is issue-bound).
-template <typename T, int ROWS, int BROWS, int STEP>
+// The im2col gather of one BM x BN tile's slabs, as one of 256 threads' share: 16-byte
+// chunk lc of pixel rows lrow + 32j (j < ROWS) and of weight rows lrow + 32j (j < BROWS).
+// Pixel rows' coordinates are worked out once a tile; each row's source pointer once per
+// filter tap (C / BK slabs; between taps only the channel offset moves: the loader is
+// issue-bound).
+template <typename T, int BN>
 struct Gather {
   static constexpr int BK = ROW_BYTES / sizeof(T), CHUNK = 16 / sizeof(T);  // elements
+  static constexpr int STEP = 32, ROWS = BM / STEP, BROWS = BN / STEP;      // rows apart; rows
   long long pbase[ROWS];  // offset of the pixel's image in src; -1 past the last pixel
   int py[ROWS], px[ROWS];
   const T* row[ROWS];  // the rows' source pixel at channel 0 of the tap; nullptr: zeros
@@ -158,16 +160,14 @@ struct Gather {
 };
 
 // Tile `tile` of the warp-specialized kernel's walk (pixel tiles fastest, then channel
-// tiles, then phases from the last: with a 3x3 filter, stride 2 and padding 1 it has the
-// most taps, and the blocks, walking with a stride of the grid, end on the light ones):
-// its phase and origin; `none` past the phase's pixels (the grid of pixel tiles fits phase
-// 0, the largest).
+// tiles, then phases): its phase and origin; `none` past the phase's pixels (the grid of
+// pixel tiles fits phase 0, the largest).
 struct Tile {
   Phase f;
   int q0, m0;
   bool none;
   __device__ __forceinline__ Tile(const ConvGeom& g, int tile, int tiles_x, int tiles_y, int bn)
-      : f(g, g.mode == 2 ? g.sh * g.sw - 1 - tile / (tiles_x * tiles_y) : 0),
+      : f(g, tile / (tiles_x * tiles_y)),
         q0(tile % tiles_x * BM),
         m0(tile / tiles_x % tiles_y * bn),
         none(q0 >= f.npix && q0 > 0) {}
@@ -257,7 +257,7 @@ __global__ void __launch_bounds__(256, BN <= 64 ? 2 : 1) conv2d_wgmma_kernel(DP_
   const Phase f(g, blockIdx.z);
   const int q0 = blockIdx.x * BM, m0 = blockIdx.y * BN;
   if (q0 >= f.npix && q0 > 0) return;  // past this phase's pixels (the grid fits phase 0)
-  Gather<T, BM / 32, BN / 32, 32> ld;
+  Gather<T, BN> ld;
   ld.start(f, (long long)Hs * Ws * C, C, q0, threadIdx.x >> 3, threadIdx.x & 7);
   float acc[BN / 2];
 #pragma unroll
@@ -315,8 +315,10 @@ __global__ void __launch_bounds__(384, BN <= 64 ? 2 : 1)
     int n, oy, ox;
     f.pixel(at.q0, n, oy, ox);
     const bool fwd = mode == 0;
-    const int bh = fwd ? oy * sh - ph : (oy - f.ry) / f.ps_h + (f.ry + ph - f.rkh) / f.ps_h - (f.nkh - 1);
-    const int bw = fwd ? ox * sw - pw : (ox - f.rx) / f.ps_w + (f.rx + pw - f.rkw) / f.ps_w - (f.nkw - 1);
+    const int bh = fwd ? oy * sh - ph
+                       : (oy - f.ry) / f.ps_h + (f.ry + ph - f.rkh) / f.ps_h - (f.nkh - 1);
+    const int bw = fwd ? ox * sw - pw
+                       : (ox - f.rx) / f.ps_w + (f.rx + pw - f.rkw) / f.ps_w - (f.nkw - 1);
     int th = 0, tw = 0, c = 0;
     for (int kt = 0, KT = (f.K + BK - 1) / BK; kt < KT; ++kt) {
       mbar_wait(empty + 8 * slot, parity ^ 1);  // the slot's previous slab retired

@@ -5,9 +5,9 @@ outside the tensor. Encoded on the host by the driver (cuTensorMapEncodeTiled /
 cuTensorMapEncodeIm2col through ctypes: CuPy does not wrap them), with the 128-byte swizzle
 that kernels/wgmma.cuh's tiles use.
 
-A map holds its tensor's address: a launch encodes the maps of its own arrays (a few
-microseconds on the host), and a captured CUDA graph keeps the values it was captured with,
-which stay right because a captured step reuses its buffers.
+A map holds its tensor's address: a launch encodes the maps of its own arrays on the host
+(cached by their arguments), and a captured CUDA graph keeps the values it was captured
+with, which stay right because a captured step reuses its buffers.
 """
 from __future__ import annotations
 
