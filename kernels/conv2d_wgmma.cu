@@ -23,8 +23,10 @@
 //    reaches writes zeros. A phase's pixels are sw apart in a row, so its stores use a
 //    1/sw of each 32-byte sector: 1x1 filters (mode 1), which gain nothing from phases,
 //    stay in one grid with the zero-filled taps. Forward and stride 1: one phase.
-//  * The output is NCHW, out[n, m, oy, ox] = acc (+ bias[m]), written with `=`: per
-//    accumulator, lanes along the pixels (8 consecutive pixels of one channel per quad).
+//  * The output, written with `=`, is acc (+ bias[m]) either NCHW, out[n, m, oy, ox] (lanes
+//    along the pixels: 8 consecutive pixels of one channel per quad), or channels-last when
+//    `nhwc`, out[n, oy, ox, m] (a quad stores 8 consecutive channels as 4 pairs), which
+//    spares the launcher the copy of a channels-last tensor to NCHW and back.
 //  * Tiles, swizzle and pipeline: wgmma.cuh. conv2d_wgmma_kernel: a tile per block, 256
 //    threads = two warpgroups of 64 pixels that both gather and multiply.
 //  * conv2d_wgmma_tma_kernel, where C fills whole 128-byte slabs: the same tiles, slabs and
@@ -173,13 +175,19 @@ struct Tile {
         none(q0 >= f.npix && q0 > 0) {}
 };
 
-// The epilogue of consumer threads 0..255: out[n, m, oy, ox] = acc (+ bias[m]), NCHW, the
-// thread's two pixel rows (row and row + 8), then each pair of channels.
+// Two adjacent output channels of one pixel as one store (channels-last output).
+template <typename T> struct alignas(2 * sizeof(T)) Pair { T v[2]; };
+
+// The epilogue of consumer threads 0..255: acc (+ bias[m]) written with `=`, the thread's
+// two pixel rows (row and row + 8), then each pair of channels. NCHW: out[n, m, oy, ox];
+// channels-last (`nhwc`): out[n, oy, ox, m], a channel pair per store where M is even.
 template <typename T, int BN>
 __device__ __forceinline__ void store_tile(const float (&acc)[BN / 2], const ConvGeom& g,
                                            const Phase& f, int q0, int m0, const T* bias,
-                                           int has_bias, T* out) {
+                                           int has_bias, int nhwc, T* out) {
   const int hw = g.Ho * g.Wo;
+  const long long mstep = nhwc ? 1 : hw;  // between channels
+  const bool pairs = nhwc && g.M % 2 == 0;
   long long obase[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -187,19 +195,35 @@ __device__ __forceinline__ void store_tile(const float (&acc)[BN / 2], const Con
                   ((threadIdx.x & 31) >> 2) + 8 * h;
     int n, oy, ox;
     f.pixel(q, n, oy, ox);
-    obase[h] = q < f.npix ? (long long)n * g.M * hw + oy * g.Wo + ox : -1;
+    const long long pix = oy * g.Wo + ox;
+    obase[h] = q >= f.npix ? -1 : nhwc ? ((long long)n * hw + pix) * g.M
+                                       : (long long)n * g.M * hw + pix;
   }
   for_each_pair<BN>(acc, [&](int, int col, float x0, float y0, float x1, float y1) {
-    const float v[2][2] = {{x0, y0}, {x1, y1}};
+    float v[2][2] = {{x0, y0}, {x1, y1}};
+    const int m = m0 + col;
+    if (m >= g.M) return;
+    if (has_bias)  // (without one, no + 0.f: a -0 stays -0)
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {  // channel m0 + col + e
-      const int m = m0 + col + e;
-      if (m >= g.M) break;
-      const float b = has_bias ? as<float>(bias[m]) : 0.f;
+      for (int e = 0; e < 2 && m + e < g.M; ++e) {
+        const float b = as<float>(bias[m + e]);
+        v[0][e] += b;
+        v[1][e] += b;
+      }
+    if (pairs) {  // m even, M even: m + 1 < M, and the pair is aligned
 #pragma unroll
       for (int h = 0; h < 2; ++h)
         if (obase[h] >= 0)
-          out[obase[h] + (long long)m * hw] = as<T>(has_bias ? v[h][e] + b : v[h][e]);
+          *reinterpret_cast<Pair<T>*>(out + obase[h] + m) =
+              Pair<T>{{as<T>(v[h][0]), as<T>(v[h][1])}};
+      return;
+    }
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {  // channel m + e
+      if (m + e >= g.M) break;
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        if (obase[h] >= 0) out[obase[h] + (m + e) * mstep] = as<T>(v[h][e]);
     }
   });
 }
@@ -210,7 +234,7 @@ __device__ __forceinline__ void store_tile(const float (&acc)[BN / 2], const Con
 template <typename T, int BN>
 __device__ __forceinline__ void multiply_tiles(const ConvGeom& g, int tiles_x, int tiles_y,
                                                int tiles, u32 sbase, u32 full, u32 empty,
-                                               const T* bias, int has_bias, T* out) {
+                                               const T* bias, int has_bias, int nhwc, T* out) {
   constexpr int S = STAGES, A_BYTES = BM * ROW_BYTES, STAGE_BYTES = (BM + BN) * ROW_BYTES;
   constexpr int BK = ROW_BYTES / sizeof(T);
   const int wg = threadIdx.x >> 7;
@@ -236,7 +260,7 @@ __device__ __forceinline__ void multiply_tiles(const ConvGeom& g, int tiles_x, i
     wgmma_wait<0>();
     fence_regs(acc);
     if (last >= 0) mbar_arrive(empty + 8 * last);
-    store_tile<T, BN>(acc, g, at.f, at.q0, at.m0, bias, has_bias, out);
+    store_tile<T, BN>(acc, g, at.f, at.q0, at.m0, bias, has_bias, nhwc, out);
   }
 }
 }  // namespace wgmma_conv
@@ -244,7 +268,7 @@ __device__ __forceinline__ void multiply_tiles(const ConvGeom& g, int tiles_x, i
 #define DP_CONV_PARAMS                                                                      \
   const T *__restrict__ wr, const T *__restrict__ src, const T *__restrict__ bias,          \
       T *__restrict__ out, int has_bias, int Nb, int M, int C, int Hs, int Ws, int Ho, int Wo, \
-      int KH, int KW, int sh, int sw, int ph, int pw, int mode
+      int KH, int KW, int sh, int sw, int ph, int pw, int mode, int nhwc
 
 // One tile per block, grid (pixel tiles, channel tiles, phases); every thread loads and
 // every warpgroup multiplies (wgmma_mainloop).
@@ -264,7 +288,7 @@ __global__ void __launch_bounds__(256, BN <= 64 ? 2 : 1) conv2d_wgmma_kernel(DP_
   for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
   wgmma_mainloop<T, BM, BN>(acc, smem_base(smem_raw), (f.K + ld.BK - 1) / ld.BK,
                             [&](int, u32 sa, u32 sb) { ld.load(g, f, src, wr, m0, sa, sb); });
-  store_tile<T, BN>(acc, g, f, q0, m0, bias, has_bias, out);
+  store_tile<T, BN>(acc, g, f, q0, m0, bias, has_bias, nhwc, out);
 }
 
 // The warp-specialized kernel fed by the tensor memory accelerator (tma.cuh): one thread of
@@ -300,7 +324,8 @@ __global__ void __launch_bounds__(384, BN <= 64 ? 2 : 1)
   __syncthreads();
   const ConvGeom g{Nb, M, C, Hs, Ws, Ho, Wo, KH, KW, sh, sw, ph, pw, mode};
   if (threadIdx.x < 256) {
-    multiply_tiles<T, BN>(g, tiles_x, tiles_y, tiles, sbase, full, empty, bias, has_bias, out);
+    multiply_tiles<T, BN>(g, tiles_x, tiles_y, tiles, sbase, full, empty, bias, has_bias, nhwc,
+                          out);
     return;
   }
   if (threadIdx.x != 256) return;

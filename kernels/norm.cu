@@ -1,4 +1,5 @@
-// norm.cu: batch normalisation over NCHW, forward, running estimates and backward.
+// norm.cu: batch normalisation over NCHW or channels-last activations, forward, running
+// estimates and backward.
 // Launchers: dptrain/backend/cuda/norm.py. Reference: dptrain/backend/cpu/norm.py.
 //
 // Conventions
@@ -17,7 +18,7 @@
 //    blocks (block y takes [y * chunk, min(N * G, (y + 1) * chunk)); grid-stride over
 //    channels in x), sum in double with the fixed block tree of common.cuh and write one
 //    partial per block to ws[(y * R + r) * C + c] (R sums per channel); the finalize kernels
-//    add the partials in split order. The split depends only on the shape and the GPU:
+//    add the partials in a fixed order (fold_splits). The split depends only on the shape and the GPU:
 //    deterministic run to run, no atomics.
 //  * Statistics: bn_stats_* gives mean and biased variance in one read of x, from sums of
 //    d = x - x[c's first element] and d^2 in double (the shift keeps E[d^2] - E[d]^2 from
@@ -98,16 +99,33 @@ __global__ void bn_stats_partial_kernel(double* ws, const T* x, int N, int C, in
   });
 }
 
-// mean[c], var[c] from the shifted partial sums, added in split order.
+// The finalize kernels' sum of ws[y * n + j] over the splits y, for j = blockIdx.x * 32 +
+// threadIdx.x (blocks of 32 x FOLD_LANES threads): lane threadIdx.y adds the splits y = lane,
+// lane + FOLD_LANES, ... in order, then lane 0 the lanes' sums in order. A fixed order (the
+// bits depend on the split count alone) with enough loads in flight to read hundreds of
+// splits in a few microseconds. Every thread of the block must call it; valid in lane 0.
+constexpr int FOLD_LANES = 32;
+__device__ __forceinline__ double fold_splits(const double* ws, int splits, int n, int j) {
+  __shared__ double lanes[FOLD_LANES][32];
+  double acc = 0.0;
+  if (j < n)
+    for (int y = threadIdx.y; y < splits; y += FOLD_LANES) acc += ws[(long long)y * n + j];
+  lanes[threadIdx.y][threadIdx.x] = acc;
+  __syncthreads();
+  double total = 0.0;
+  if (threadIdx.y == 0)
+    for (int l = 0; l < FOLD_LANES; ++l) total += lanes[l][threadIdx.x];
+  __syncthreads();  // lanes is reused by the caller's next call
+  return total;
+}
+
+// mean[c], var[c] from the shifted partial sums (fold_splits' order), blocks as fold_splits.
 template <typename T, typename P = compute_t<T>>
 __global__ void bn_stats_finalize_kernel(P* mean, P* var, const double* ws, const T* x,
                                          int splits, int C, int S, double count) {
-  GRID_STRIDE_32(c, C) {
-    double s1 = 0.0, s2 = 0.0;
-    for (int y = 0; y < splits; ++y) {
-      s1 += ws[(long long)(y * 2) * C + c];
-      s2 += ws[(long long)(y * 2 + 1) * C + c];
-    }
+  const int c = blockIdx.x * 32 + threadIdx.x;
+  const double s1 = fold_splits(ws, splits, 2 * C, c), s2 = fold_splits(ws, splits, 2 * C, C + c);
+  if (threadIdx.y == 0 && c < C) {
     const double d = s1 / count;
     mean[c] = P(as<double>(x[c * S]) + d);
     var[c] = P(fmax(s2 / count - d * d, 0.0));
@@ -142,15 +160,16 @@ __global__ void bn_var_partial_kernel(double* ws, const T* x, const compute_t<T>
   });
 }
 
-// out[j] = T(sum_y ws[y * n + j] / divisor), the partials added in split order. With add0
-// (n = 2c: batch norm's sums), row 0 is also added into add0 and row 1 into add1 (the bias
-// and weight .grad): the bits of adding the rows afterwards, without those launches.
+// out[j] = T(sum_y ws[y * n + j] / divisor), the partials added in fold_splits' order
+// (blocks as there). With add0 (n = 2c: batch norm's sums), row 0 is also added into add0
+// and row 1 into add1 (the bias and weight .grad): the bits of adding the rows afterwards,
+// without those launches.
 template <typename T>
 __global__ void bn_finalize_kernel(T* out, const double* ws, int splits, int n, double divisor,
                                    T* add0, T* add1, int c) {
-  GRID_STRIDE_32(j, n) {
-    double acc = 0.0;
-    for (int y = 0; y < splits; ++y) acc += ws[(long long)y * n + j];
+  const int j = blockIdx.x * 32 + threadIdx.x;
+  const double acc = fold_splits(ws, splits, n, j);
+  if (threadIdx.y == 0 && j < n) {
     const T v = T(acc / divisor);
     out[j] = v;
     if (add0) {
@@ -263,6 +282,231 @@ __global__ void bn_backward_data_kernel(T* dx, const T* gy, const T* x, const P*
   });
 }
 
+// ---------------------------------------------------------------------------- channels-last
+// x as (rows, C) with the channel last (an NHWC activation, or any (N, C) batch), C a whole
+// number of 16-byte groups and at most CL_MAX_C, every array 16-byte aligned (the launcher
+// checks; else the kernels above run with S = 1). A thread moves one group of V consecutive
+// channels of a row; the block's 256 threads cover RPI = 256 / (C / V) rows at a time.
+// A thread keeps to one channel group, its per-channel constants in registers. The
+// elementwise kernels do the NCHW kernels' arithmetic, per element, so a forward and a
+// backward round alike; the reductions sum a thread's rows in the compute type (below).
+constexpr int CL_THREADS = 256, CL_MAX_C = 512;  // (256 / (C / V) rows at a time)
+
+// The row loop of every channels-last kernel: block y takes rows [y * chunk, min(rows,
+// (y + 1) * chunk)) and thread t the channel group c0 = (t % (C / V)) * V of rows t / (C / V)
+// + RPI * i (so c0, and every per-channel constant, is the thread's own for the whole loop).
+// The groups of the A arrays src[a] (null: not read) are loaded for U rows at a time before
+// f(o, packs) runs on each row in order (o its group's element offset): bytes in flight are
+// what these memory-bound kernels need.
+template <int A, typename T, typename F>
+__device__ __forceinline__ void cl_rows(const T* const (&src)[A], int rows, int C, int chunk,
+                                        F f) {
+  constexpr int V = Group<T>::size, U = 4 / A;
+  const int groups = C / V, rpi = CL_THREADS / groups;
+  const int lr = threadIdx.x / groups, c0 = threadIdx.x % groups * V;
+  const int r0 = blockIdx.y * chunk, r1 = min(rows, r0 + chunk);
+  if (lr >= rpi) return;
+  for (int row = r0 + lr; row < r1; row += U * rpi) {
+    Pack<T, V> raw[U][A];  // as loaded: 16 bytes in 4 registers whatever T
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int a = 0; a < A; ++a)
+        if (row + u * rpi < r1 && src[a])  // rows past r1 are neither read nor passed on
+          raw[u][a] = *reinterpret_cast<const Pack<T, V>*>(
+              src[a] + (long long)(row + u * rpi) * C + c0);
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (row + u * rpi < r1) f((long long)(row + u * rpi) * C + c0, raw[u]);
+  }
+}
+
+// The channel constants of thread t's group (cl_rows' c0).
+__device__ __forceinline__ int cl_channel(int C, int V) { return threadIdx.x % (C / V) * V; }
+
+// The partial sums of the channels-last reductions over cl_rows: add(acc, v) adds one
+// row's groups v[a][k] (channel c0 + k of array a) into acc[r][k]. A thread's sums are in
+// the compute type P (a few hundred rows at most: 3 * SMs splits of rows / RPI; float keeps
+// the registers, and so the loads in flight, of a 16-bit group); the RPI threads of each
+// channel group are then added in double, in row order, through shared memory, and
+// ws[(y * R + r) * C + c] written.
+template <int R, int A, typename Acc, typename T, typename Add>
+__device__ __forceinline__ void cl_partials(double* ws, const T* const (&src)[A], int rows,
+                                            int C, int chunk, Add add) {
+  constexpr int V = Group<T>::size;
+  using P = compute_t<T>;
+  __shared__ double sums[R * CL_THREADS * V];  // [r][row of the block][channel]
+  const int groups = C / V, rpi = CL_THREADS / groups;
+  const int lr = threadIdx.x / groups, c0 = cl_channel(C, V);
+  Acc acc[R][V];
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int k = 0; k < V; ++k) acc[r][k] = Acc(0);
+  cl_rows<A, T>(src, rows, C, chunk, [&](long long, const Pack<T, V> (&raw)[A]) {
+    Acc v[A][V];
+#pragma unroll
+    for (int a = 0; a < A; ++a)
+#pragma unroll
+      for (int k = 0; k < V; ++k) v[a][k] = as<Acc>(raw[a].v[k]);
+    add(acc, v);
+  });
+  if (lr < rpi)
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int k = 0; k < V; ++k) sums[(r * rpi + lr) * C + c0 + k] = (double)acc[r][k];
+  __syncthreads();
+  for (int j = threadIdx.x; j < R * C; j += CL_THREADS) {
+    const int r = j / C, c = j - r * C;
+    double total = 0.0;
+    for (int i = 0; i < rpi; ++i) total += sums[(r * rpi + i) * C + c];
+    ws[((long long)blockIdx.y * R + r) * C + c] = total;
+  }
+}
+
+// bn_stats_partial_kernel's sums (about x's first row) over rows of channels-last x.
+template <typename T>
+__global__ void __launch_bounds__(CL_THREADS) bn_stats_partial_cl_kernel(double* ws, const T* x,
+                                                                         int rows, int C,
+                                                                         int chunk) {
+  constexpr int V = Group<T>::size;
+  using P = compute_t<T>;
+  double shift[V];  // the thread's channels of row 0
+  load_group(shift, x + cl_channel(C, V), V, true);
+  const T* const src[1] = {x};
+  cl_partials<2, 1, double, T>(ws, src, rows, C, chunk, [&](double (&acc)[2][V],
+                                                            double (&v)[1][V]) {
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const double d = v[0][k] - shift[k];
+      acc[0][k] += d;
+      acc[1][k] += d * d;
+    }
+  });
+}
+
+// bn_mean_partial_kernel, channels-last.
+template <typename T>
+__global__ void __launch_bounds__(CL_THREADS) bn_mean_partial_cl_kernel(double* ws, const T* x,
+                                                                        int rows, int C,
+                                                                        int chunk) {
+  constexpr int V = Group<T>::size;
+  using P = compute_t<T>;
+  const T* const src[1] = {x};
+  cl_partials<1, 1, double, T>(ws, src, rows, C, chunk, [&](double (&acc)[1][V],
+                                                            double (&v)[1][V]) {
+#pragma unroll
+    for (int k = 0; k < V; ++k) acc[0][k] += v[0][k];
+  });
+}
+
+// bn_var_partial_kernel, channels-last.
+template <typename T>
+__global__ void __launch_bounds__(CL_THREADS) bn_var_partial_cl_kernel(
+    double* ws, const T* x, const compute_t<T>* mean, int rows, int C, int chunk) {
+  constexpr int V = Group<T>::size;
+  using P = compute_t<T>;
+  double mu[V];
+  load_group(mu, mean + cl_channel(C, V), V, false);
+  const T* const src[1] = {x};
+  cl_partials<1, 1, double, T>(ws, src, rows, C, chunk, [&](double (&acc)[1][V],
+                                                            double (&v)[1][V]) {
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const double d = v[0][k] - mu[k];
+      acc[0][k] += d * d;
+    }
+  });
+}
+
+// bn_backward_partial_kernel, channels-last: the constants of each channel staged once.
+template <typename T, typename P = compute_t<T>>
+__global__ void __launch_bounds__(CL_THREADS) bn_backward_partial_cl_kernel(
+    double* ws, const T* gy, const T* x, const P* mean, const P* var, const P* relu_weight,
+    const P* relu_bias, P eps, int rows, int C, int chunk) {
+  constexpr int V = Group<T>::size;
+  const int c0 = cl_channel(C, V);
+  P mu[V], invstd[V], scale[V], shift[V];  // the thread's channels'
+#pragma unroll
+  for (int k = 0; k < V; ++k) {
+    mu[k] = mean[c0 + k];
+    invstd[k] = inv_std(var[c0 + k], eps);
+    scale[k] = relu_weight ? invstd[k] * relu_weight[c0 + k] : P(0);
+    shift[k] = relu_weight ? relu_bias[c0 + k] : P(0);
+  }
+  const T* const src[2] = {gy, x};
+  cl_partials<2, 2, P, T>(ws, src, rows, C, chunk, [&](P (&acc)[2][V], P (&v)[2][V]) {
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      P g = v[0][k];
+      if (relu_weight && !relu_passed<T>(v[1][k], mu[k], scale[k], shift[k])) g = P(0);
+      acc[0][k] += g;
+      acc[1][k] += g * (v[1][k] - mu[k]) * invstd[k];
+    }
+  });
+}
+
+// bn_forward_kernel over channels-last x (cl_rows; grid (1, blocks), `chunk` rows each).
+template <typename T, typename P = compute_t<T>>
+__global__ void __launch_bounds__(CL_THREADS) bn_forward_cl_kernel(
+    T* y, const T* x, const T* residual, const P* mean, const P* var, const P* weight,
+    const P* bias, P eps, int relu, int rows, int C, int chunk) {
+  constexpr int V = Group<T>::size;
+  const int c0 = cl_channel(C, V);
+  P mu[V], scale[V], shift[V];  // the thread's channels'
+#pragma unroll
+  for (int k = 0; k < V; ++k) {
+    mu[k] = mean[c0 + k];
+    scale[k] = inv_std(var[c0 + k], eps) * weight[c0 + k];
+    shift[k] = bias[c0 + k];
+  }
+  const T* const src[2] = {x, residual};
+  cl_rows<2, T>(src, rows, C, chunk, [&](long long o, const Pack<T, V> (&raw)[2]) {
+    P v[V];
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      v[k] = bn_affine(as<P>(raw[0].v[k]), mu[k], scale[k], shift[k]);
+      if (residual) v[k] = v[k] + as<P>(raw[1].v[k]);
+      if (relu) v[k] = v[k] < P(0) ? P(0) : v[k];
+    }
+    store_group(y + o, v, V, true);
+  });
+}
+
+// bn_backward_data_kernel over channels-last x (cl_rows, as the forward).
+template <typename T, typename P = compute_t<T>>
+__global__ void __launch_bounds__(CL_THREADS) bn_backward_data_cl_kernel(
+    T* dx, const T* gy, const T* x, const P* mean, const P* var, const P* weight,
+    const P* sums, const P* relu_bias, P eps, P inv_count, int rows, int C, int chunk) {
+  constexpr int V = Group<T>::size;
+  const int c0 = cl_channel(C, V);
+  P mu[V], invstd[V], mean_g[V], mean_gx[V], scale[V], shift[V];  // the thread's channels'
+#pragma unroll
+  for (int k = 0; k < V; ++k) {
+    const int c = c0 + k;
+    mu[k] = mean[c];
+    invstd[k] = inv_std(var[c], eps);
+    mean_g[k] = sums[c] * inv_count;
+    mean_gx[k] = sums[C + c] * inv_count;
+    scale[k] = invstd[k] * weight[c];  // the forward's scale, bit for bit
+    shift[k] = relu_bias ? relu_bias[c] : P(0);
+  }
+  const T* const src[2] = {gy, x};
+  cl_rows<2, T>(src, rows, C, chunk, [&](long long o, const Pack<T, V> (&raw)[2]) {
+    P g[V];
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const P v = as<P>(raw[1].v[k]);
+      g[k] = as<P>(raw[0].v[k]);
+      if (relu_bias && !relu_passed<T>(v, mu[k], scale[k], shift[k])) g[k] = P(0);
+      const P xhat = (v - mu[k]) * invstd[k];
+      g[k] = (g[k] - mean_g[k] - xhat * mean_gx[k]) * scale[k];
+    }
+    store_group(dx + o, g, V, true);
+  });
+}
+
 // instantiate: bn_stats_partial_kernel<float>; bn_stats_partial_kernel<double>; bn_stats_finalize_kernel<float>; bn_stats_finalize_kernel<double>
 // instantiate: bn_mean_partial_kernel<float>; bn_mean_partial_kernel<double>; bn_var_partial_kernel<float>; bn_var_partial_kernel<double>
 // instantiate: bn_finalize_kernel<float>; bn_finalize_kernel<double>
@@ -272,3 +516,9 @@ __global__ void bn_backward_data_kernel(T* dx, const T* gy, const T* x, const P*
 // instantiate: bn_update_running_kernel<float>; bn_update_running_kernel<double>
 // instantiate: bn_backward_partial_kernel<float>; bn_backward_partial_kernel<double>
 // instantiate: bn_backward_data_kernel<float>; bn_backward_data_kernel<double>
+// instantiate: bn_stats_partial_cl_kernel<float>; bn_stats_partial_cl_kernel<double>; bn_stats_partial_cl_kernel<__half>; bn_stats_partial_cl_kernel<__nv_bfloat16>
+// instantiate: bn_mean_partial_cl_kernel<float>; bn_mean_partial_cl_kernel<double>; bn_mean_partial_cl_kernel<__half>; bn_mean_partial_cl_kernel<__nv_bfloat16>
+// instantiate: bn_var_partial_cl_kernel<float>; bn_var_partial_cl_kernel<double>; bn_var_partial_cl_kernel<__half>; bn_var_partial_cl_kernel<__nv_bfloat16>
+// instantiate: bn_backward_partial_cl_kernel<float>; bn_backward_partial_cl_kernel<double>; bn_backward_partial_cl_kernel<__half>; bn_backward_partial_cl_kernel<__nv_bfloat16>
+// instantiate: bn_forward_cl_kernel<float>; bn_forward_cl_kernel<double>; bn_forward_cl_kernel<__half>; bn_forward_cl_kernel<__nv_bfloat16>
+// instantiate: bn_backward_data_cl_kernel<float>; bn_backward_data_cl_kernel<double>; bn_backward_data_cl_kernel<__half>; bn_backward_data_cl_kernel<__nv_bfloat16>

@@ -43,15 +43,19 @@ def _linear(x, w, b, **params):
 
 
 def conv2d(x: Tensor, w: Tensor, b: Tensor | None = None, stride=1, padding=0, *,
-           workspace=None) -> Tensor:
+           workspace=None, channels_last=False) -> Tensor:
     """Convolution; `workspace` (``x.be.new_workspace()``) lets the backend reuse memory and
-    work between calls without changing any result (``nn.Conv2d`` keeps one across steps)."""
+    work between calls without changing any result (``nn.Conv2d`` keeps one across steps).
+    `channels_last`: x and the result are (N, H, W, C) (the weight stays (C_out, C_in, kH,
+    kW)), which the GPU's convolution kernels read and write without copies."""
     _check_nchw(x, "conv2d")
-    if x.shape[1] != w.shape[1]:
-        raise ValueError(f"conv2d: input has {x.shape[1]} channels, weight expects {w.shape[1]}")
+    c = x.shape[3] if channels_last else x.shape[1]
+    if c != w.shape[1]:
+        raise ValueError(f"conv2d: input has {c} channels, weight expects {w.shape[1]}")
     stride, padding = _pair(stride, "stride"), _pair(padding, "padding")
     args = (x, w) if b is None else (x, w, b)
-    return ops.Conv2d.apply(*args, stride=stride, padding=padding, workspace=workspace)
+    return ops.Conv2d.apply(*args, stride=stride, padding=padding, workspace=workspace,
+                            channels_last=bool(channels_last))
 
 
 def _pool_args(x, kernel_size, stride, padding, op):
@@ -350,14 +354,21 @@ def self_attention(qkv: Tensor, heads: int, causal: bool = False, key_lengths=No
 
 def batch_norm(x: Tensor, weight: Tensor, bias: Tensor, running=None, training: bool = True,
                momentum: float = 0.1, eps: float = 1e-5, comm=None, residual: Tensor = None,
-               relu: bool = False) -> Tensor:
-    """Batch normalisation over axis 1. ``running``: (mean, var, num_batches_tracked) Tensors,
-    updated in place in training and used in eval; ``comm``: all-reduce the batch statistics
-    over its ranks (sync-BN). ``residual`` (x's shape and dtype) is added and ``relu`` applied
-    in the same pass: relu(bn(x) + residual). See ops.BatchNorm."""
-    if x.ndim < 2 or weight.shape != (x.shape[1],) or bias.shape != (x.shape[1],):
-        raise ValueError(f"batch_norm: input {x.shape} needs a channel axis 1 and weight and "
-                         f"bias of its size, got {weight.shape}, {bias.shape}")
+               relu: bool = False, channels_last: bool = False) -> Tensor:
+    """Batch normalisation over axis 1 (the last axis where `channels_last`). ``running``:
+    (mean, var, num_batches_tracked) Tensors, updated in place in training and used in eval;
+    ``comm``: all-reduce the batch statistics over its ranks (sync-BN). ``residual`` (x's
+    shape and dtype) is added and ``relu`` applied in the same pass: relu(bn(x) + residual).
+    See ops.BatchNorm."""
+    axis = -1 if channels_last else 1
+    if x.ndim < 2 or weight.shape != (x.shape[axis],) or bias.shape != (x.shape[axis],):
+        raise ValueError(f"batch_norm: input {x.shape} needs a channel axis {axis} and weight "
+                         f"and bias of its size, got {weight.shape}, {bias.shape}")
+    if channels_last and x.ndim > 2:  # (..., C) is a batch of rows: the (rows, C) case
+        rows = lambda t: None if t is None else reshape(t, -1, x.shape[-1])
+        y = batch_norm(rows(x), weight, bias, running, training, momentum, eps, comm,
+                       rows(residual), relu)
+        return reshape(y, x.shape)
     if not training and running is None:
         raise ValueError("batch_norm: eval mode needs the running estimates")
     inputs = (x, weight, bias)
@@ -371,13 +382,27 @@ def batch_norm(x: Tensor, weight: Tensor, bias: Tensor, running=None, training: 
                                momentum=momentum, eps=eps, comm=comm, relu=relu)
 
 
-def adaptive_avg_pool2d(x: Tensor, output_size=1) -> Tensor:
-    """Global average pooling (output_size 1 only): the mean over H and W, as (N, C, 1, 1)."""
+def adaptive_avg_pool2d(x: Tensor, output_size=1, *, channels_last=False) -> Tensor:
+    """Global average pooling (output_size 1 only): the mean over H and W, as (N, C, 1, 1),
+    or (N, 1, 1, C) for channels-last x (N, H, W, C)."""
     _check_nchw(x, "adaptive_avg_pool2d")
     if _pair(output_size, "output_size") != (1, 1):
         raise ValueError(f"adaptive_avg_pool2d: only output_size 1 is supported, "
                          f"got {output_size!r}")
-    return mean(x, axis=(2, 3), keepdims=True)
+    return mean(x, axis=(1, 2) if channels_last else (2, 3), keepdims=True)
+
+
+def to_channels_last(x: Tensor) -> Tensor:
+    """NCHW x as (N, H, W, C): a reshape where C is 1 (the same bytes), else a copy."""
+    _check_nchw(x, "to_channels_last")
+    n, c, h, w = x.shape
+    return reshape(x, n, h, w, c) if c == 1 else transpose(x, (0, 2, 3, 1))
+
+
+def to_channels_first(x: Tensor) -> Tensor:
+    """Channels-last x (N, H, W, C) as NCHW (a copy)."""
+    _check_nchw(x, "to_channels_first")
+    return transpose(x, (0, 3, 1, 2))
 
 
 # ----------------------------------------------------------------------------- Tensor methods

@@ -314,25 +314,28 @@ class Conv2d(Function):
     layer that keeps one across steps) is where the backend may reuse memory and work; without
     one, this call makes its own, so its backward can still reuse its forward's work."""
 
-    def forward(self, x, w, b=None, stride=(1, 1), padding=(0, 0), workspace=None):
+    def forward(self, x, w, b=None, stride=(1, 1), padding=(0, 0), workspace=None,
+                channels_last=False):
         self.x, self.w, self.stride, self.padding = x, w, stride, padding
+        self.channels_last = channels_last
         self.workspace = self.be.new_workspace() if workspace is None else workspace
         if self.workspace is not None:  # what the forward keeps serves the weight gradient
             self.workspace.expect_backward(is_grad_enabled() and self.needs_grad[1])
-        return self.be.conv2d_forward(x, w, b, stride, padding, workspace=self.workspace)
+        return self.be.conv2d_forward(x, w, b, stride, padding, channels_last=channels_last,
+                                      workspace=self.workspace)
 
     def backward(self, gy):
         be, x, w, ws = self.be, self.x, self.w, self.workspace
+        geometry = dict(channels_last=self.channels_last, workspace=ws)
         if ws is not None:  # backward-data's copy of gy serves the weight gradient
             ws.expect_backward(self.needs_grad[1])
         gx = gw = gb = None
         if self.needs_grad[0]:
-            gx = be.conv2d_backward_data(gy, w, x.shape, self.stride, self.padding, workspace=ws)
+            gx = be.conv2d_backward_data(gy, w, x.shape, self.stride, self.padding, **geometry)
         if self.needs_grad[1]:
-            gw = be.conv2d_backward_weight(x, gy, w.shape, self.stride, self.padding,
-                                           workspace=ws)
-        if len(self.needs_grad) > 2 and self.needs_grad[2]:
-            gb = be.bias_grad(gy)
+            gw = be.conv2d_backward_weight(x, gy, w.shape, self.stride, self.padding, **geometry)
+        if len(self.needs_grad) > 2 and self.needs_grad[2]:  # a sum over all axes but C's
+            gb = be.bias_grad(gy.reshape(-1, gy.shape[-1]) if self.channels_last else gy)
         self.workspace = None  # not needed any more (a second backward works without it)
         return gx, gw, gb
 

@@ -64,6 +64,11 @@ class Linear(Module):
 
 
 class Conv2d(Module):
+    """torch.nn.Conv2d's parameters and layouts. ``channels_last`` (an attribute, False by
+    default; a model whose activations are channels-last throughout sets it, as ResNet
+    does): the input and output are (N, H, W, C), the weight is (C_out, C_in, kH, kW) all
+    the same."""
+
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, bias=True):
         super().__init__()
         kh, kw = F._pair(kernel_size, "kernel_size")
@@ -72,21 +77,28 @@ class Conv2d(Module):
             self, (out_channels, in_channels, kh, kw), in_channels * kh * kw, bias
         )
         self.workspace = _Workspace()
+        self.channels_last = False
 
     def forward(self, x):
         weight, bias = in_dtype_of(x, self.weight, self.bias)
         return F.conv2d(x, weight, bias, self.stride, self.padding,
-                        workspace=self.workspace(x))
+                        workspace=self.workspace(x), channels_last=self.channels_last)
 
 
 class MaxPool2d(Module):
+    """Max-pooling; a ``channels_last`` one (see Conv2d) pools through an NCHW copy."""
+
     def __init__(self, kernel_size, stride=None, padding=0):
         super().__init__()
         self.args = (kernel_size, stride, padding)
         self.workspace = _Workspace()
+        self.channels_last = False
 
     def forward(self, x):
-        return F.max_pool2d(x, *self.args, workspace=self.workspace(x))
+        if self.channels_last:
+            x = F.to_channels_first(x)
+        y = F.max_pool2d(x, *self.args, workspace=self.workspace(x))
+        return F.to_channels_last(y) if self.channels_last else y
 
 
 class AvgPool2d(Module):

@@ -17,7 +17,8 @@ class BatchNorm2d(Module):
     Parameters ``weight`` (ones) and ``bias`` (zeros); buffers ``running_mean`` (zeros),
     ``running_var`` (ones) and ``num_batches_tracked`` (int64), as torch.nn.BatchNorm2d.
     ``comm``: None for per-rank statistics; a communicator (``sync_batch_norm``) makes the
-    statistics those of all its ranks' batches (sync-BN)."""
+    statistics those of all its ranks' batches (sync-BN). ``channels_last`` (an attribute,
+    False by default; see nn.Conv2d): the input is (N, H, W, C)."""
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float = 0.1):
         super().__init__()
@@ -30,18 +31,19 @@ class BatchNorm2d(Module):
         self.register_buffer("running_var", Tensor(np.ones(num_features, np.float32)))
         self.register_buffer("num_batches_tracked", Tensor(np.zeros((), np.int64)))
         self.comm = None
+        self.channels_last = False
 
     def forward(self, x, residual=None, relu=False):
         """bn(x); with ``residual`` and ``relu``, relu(bn(x) + residual): the layers that
         follow a batch norm in a residual block, in the same pass (nn.fusion; separate ops
         when ``DPTRAIN_FUSE=0``)."""
         if x.ndim != 4:
-            raise ValueError(f"BatchNorm2d expects NCHW input, got shape {x.shape}")
+            raise ValueError(f"BatchNorm2d expects 4-D input, got shape {x.shape}")
         running = (self.running_mean, self.running_var, self.num_batches_tracked)
         fused = fusion.enabled()
         y = F.batch_norm(x, self.weight, self.bias, running, self.training, self.momentum,
                          self.eps, comm=self.comm, residual=residual if fused else None,
-                         relu=relu and fused)
+                         relu=relu and fused, channels_last=self.channels_last)
         if not fused:
             y = y if residual is None else y + residual
             y = F.relu(y) if relu else y

@@ -8,6 +8,13 @@ small-image stem); above, ImageNet's 7x7 stride-2 convolution and 3x3 stride-2 m
 The state_dict names are torchvision's (``conv1.weight``, ``bn1.running_mean``,
 ``layer1.0.conv1.weight``, ..., ``layer2.0.downsample.0.weight``, ``fc.weight``); only
 ``conv1``'s shape depends on the stem and the input channels.
+
+Activations are channels-last inside (``channels_last=True``, the default, as PyTorch's
+``memory_format=torch.channels_last``): the NCHW input is turned (N, H, W, C) once, every
+convolution, batch norm and pooling works on that layout, and the global pooling hands
+(N, C) features to ``fc``. The GPU's convolution kernels read and write it as it is, so no
+layer copies its activations between layouts. Weights, state_dict and results (to rounding)
+are those of the NCHW network.
 """
 from __future__ import annotations
 
@@ -60,7 +67,7 @@ class BasicBlock(Module):
 
 class ResNet(Module):
     def __init__(self, image_shape, num_classes, blocks=(2, 2, 2, 2),
-                 widths=(64, 128, 256, 512)):
+                 widths=(64, 128, 256, 512), channels_last=True):
         super().__init__()
         channels, height, width = image_shape
         self.small_stem = max(height, width) <= SMALL_IMAGE_MAX
@@ -80,8 +87,14 @@ class ResNet(Module):
         self.stages = len(blocks)
         self.avgpool = AdaptiveAvgPool2d(1)
         self.fc = Linear(in_channels, num_classes)
+        self.channels_last = bool(channels_last)
+        for m in self.modules():  # the spatial layers (fc sees the pooled (N, C) alike)
+            if isinstance(m, (Conv2d, BatchNorm2d, MaxPool2d, AdaptiveAvgPool2d)):
+                m.channels_last = self.channels_last
 
     def forward(self, x):
+        if self.channels_last:
+            x = F.to_channels_last(x)
         x = self.bn1(self.conv1(x), relu=True)
         if self.maxpool is not None:
             x = self.maxpool(x)
@@ -90,9 +103,11 @@ class ResNet(Module):
         return self.fc(F.flatten(self.avgpool(x), 1))
 
 
-def resnet18(image_shape=(3, 32, 32), num_classes=10, widths=(64, 128, 256, 512)):
+def resnet18(image_shape=(3, 32, 32), num_classes=10, widths=(64, 128, 256, 512),
+             channels_last=True):
     """ResNet-18 (torchvision's names and layouts); `widths` other than the default are for
-    quick tests only."""
+    quick tests only; ``channels_last=False`` keeps NCHW activations."""
     if len(image_shape) != 3 or min(image_shape) < 1:
         raise ValueError(f"resnet18: image shape must be (C, H, W), got {tuple(image_shape)}")
-    return ResNet(tuple(int(v) for v in image_shape), num_classes, (2, 2, 2, 2), tuple(widths))
+    return ResNet(tuple(int(v) for v in image_shape), num_classes, (2, 2, 2, 2), tuple(widths),
+                  channels_last)

@@ -210,3 +210,54 @@ def test_wgmma_bitwise_repeatable(cu, dt):
                 lambda: cu.conv2d_backward_data(dgy, dw, x.shape, stride, pad),
                 lambda: cu.conv2d_backward_weight(dx, dgy, w.shape, stride, pad)):
         assert cu.to_numpy(run()).tobytes() == cu.to_numpy(run()).tobytes()
+
+
+CL_CASES = CASES + TMA_CASES + [
+    ((2, 16, 8, 8), (21, 16, 3, 3), (1, 1), (1, 1)),  # odd C_out: single-channel stores
+    ((2, 6, 9, 9), (24, 6, 3, 3), (1, 1), (1, 1)),  # 6 channels: the NCHW kernels, copies
+    ((4, 1, 12, 12), (64, 1, 3, 3), (1, 1), (1, 1)),  # a 1-channel stem: direct kernels
+]
+
+
+def _channels_last(a):
+    return np.ascontiguousarray(np.asarray(a).transpose(0, 2, 3, 1))
+
+
+@pytest.mark.parametrize("tma", ["0", "1"])
+@pytest.mark.parametrize("dt", DTYPES)
+@pytest.mark.parametrize("xs, ws, stride, pad", CL_CASES)
+def test_channels_last_passes_equal_nchw_bitwise(cu, dt, xs, ws, stride, pad, tma, monkeypatch):
+    """channels_last=True: the same kernels on the same K order, only the epilogue's stores
+    (or, where no channels-last kernel applies, copies around the NCHW one) differ, so every
+    pass equals the NCHW pass transposed, to the bit, a bias included; and the plan names the
+    NCHW plan's kernel."""
+    monkeypatch.setenv(conv2d.WGMMA_TMA_ENV, tma)
+    monkeypatch.setenv(conv2d.DIRECT_ENV, "1")
+    gemm.clear_plans()
+    x, w, gy = inputs(dt, xs, ws, stride, pad)
+    b = to_dt(np.random.default_rng(7).standard_normal(ws[0]), dt)
+    dx, dw, db, dgy = (cu.asarray(a) for a in (x, w, b, gy))
+    xl, gyl = cu.asarray(_channels_last(x)), cu.asarray(_channels_last(gy))
+    want = (cu.conv2d_forward(dx, dw, db, stride, pad),
+            cu.conv2d_backward_data(dgy, dw, x.shape, stride, pad),
+            cu.conv2d_backward_weight(dx, dgy, w.shape, stride, pad))
+    got = (cu.conv2d_forward(xl, dw, db, stride, pad, channels_last=True),
+           cu.conv2d_backward_data(gyl, dw, xl.shape, stride, pad, channels_last=True),
+           cu.conv2d_backward_weight(xl, gyl, w.shape, stride, pad, channels_last=True))
+    assert got[0].shape == (xs[0],) + gy.shape[2:] + (ws[0],)
+    assert got[1].shape == xl.shape
+    for g, ref, nhwc in zip(got, want, (True, True, False)):
+        ref = cu.to_numpy(ref)
+        assert cu.to_numpy(g).tobytes() == (_channels_last(ref) if nhwc else ref).tobytes()
+    assert (conv2d.conv2d_kernels(xl, dw, gyl, stride, pad, channels_last=True)
+            == conv2d.conv2d_kernels(dx, dw, dgy, stride, pad))
+
+
+def test_channels_last_checks_its_shapes(cu):
+    x = cu.asarray(np.zeros((2, 8, 8, 16), np.float32))
+    w = cu.asarray(np.zeros((32, 16, 3, 3), np.float32))
+    with pytest.raises(ValueError, match="channels"):
+        cu.conv2d_forward(x, w, None, (1, 1), (1, 1))  # NCHW read: 8 channels, not 16
+    gy = cu.asarray(np.zeros((2, 32, 8, 8), np.float32))  # NCHW gy for a channels-last pass
+    with pytest.raises(ValueError, match="gy has shape"):
+        cu.conv2d_backward_data(gy, w, x.shape, (1, 1), (1, 1), channels_last=True)

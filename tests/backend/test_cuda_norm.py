@@ -17,6 +17,11 @@ RTOL = {np.dtype(F32): 1e-5, np.dtype(F64): 1e-11}
 # 4-byte and wider types only (6x6)
 SHAPES = [(5, 3, 7, 9), (3, 17, 1, 1), (2, 64, 13, 11), (7, 5), (1, 33, 31, 3), (300, 2, 9, 7),
           (4, 6, 8, 8), (3, 5, 6, 6)]
+# (rows, C), as channels-last activations come: C in whole 16-byte groups of every dtype
+# (the channels-last kernels; 512 their widest), of 4-byte and wider types only (12), and
+# past the channels-last kernels' limit (1024: the NCHW kernels with S = 1)
+CL_SHAPES = [(2000, 64), (37, 512), (301, 24), (9, 8), (130, 12), (40, 1024)]
+SHAPES += CL_SHAPES
 
 
 def close(cu, got, ref, rtol=None):
@@ -230,3 +235,46 @@ def test_resnet18_graph_replay_equals_eager_bitwise():
     assert int(graph["bn1.num_batches_tracked"]) == 4
     for name, value in eager.items():
         assert np.array_equal(graph[name], value), f"{name} differs after replay"
+
+
+def test_channels_last_kernels_take_rows_of_whole_groups(cu):
+    """The (rows, C) batches the channels-last kernels take: C in whole 16-byte groups of
+    the dtype, at most norm.CL_MAX_C; everything else runs the NCHW kernels."""
+    from dptrain.backend.cuda import norm
+
+    for shape, dtype, takes in [((2000, 64), F32, True), ((130, 12), F32, True),
+                                ((130, 12), np.float16, False), ((40, 1024), F32, False),
+                                ((4, 64, 8, 8), F32, False), ((37, 512), np.float16, True)]:
+        assert norm._cl(cu.asarray(np.zeros(shape, dtype))) is takes, (shape, dtype)
+
+
+def test_resnet18_channels_last_gradients_equal_nchw(cu, rng):
+    """ResNet-18 with channels-last activations (the default) against the NCHW network from
+    the same weights on one batch, in strict fp32 (TF32's rounding would hide a real
+    difference): the same loss and parameter gradients to float rounding (the batch norms'
+    sums run in other orders). Float sums of a channel's statistics failed this at 0.7%:
+    they are kept in double."""
+    import dptrain.engine.functional as F
+    from dptrain.engine.autograd import Tensor
+
+    x = cu.asarray(rng.standard_normal((16, 1, 32, 32)).astype(F32))
+    labels = cu.asarray(rng.integers(0, 5, 16))
+    state = nn.resnet18((1, 32, 32), 5, channels_last=False).state_dict()
+    precision = cu.runtime.precision
+    cu.runtime.set_precision("fp32")
+    try:
+        grads = []
+        for channels_last in (False, True):
+            model = nn.resnet18((1, 32, 32), 5, channels_last=channels_last)
+            model.load_state_dict(state)
+            model.to("cuda")
+            loss = F.cross_entropy(model(Tensor(x)), Tensor(labels))
+            loss.backward()
+            grads.append({n: cu.to_numpy(p.grad.data) for n, p in model.named_parameters()})
+    finally:
+        cu.runtime.set_precision(precision)
+    nchw, cl = grads
+    for name, value in nchw.items():
+        a, b = np.asarray(value, F64), np.asarray(cl[name], F64)
+        err = np.linalg.norm(a - b) / max(np.linalg.norm(a), 1e-30)
+        assert err <= 1e-4, f"{name}: relative difference {err:.2e}"

@@ -92,6 +92,19 @@ def test_conv2d(xs, ws, stride, padding, bias):
     gradcheck(lambda x, w, *b: F.conv2d(x, w, *b, stride=stride, padding=padding), *args)
 
 
+@pytest.mark.parametrize("xs,ws,stride,padding", CONV_CASES[:3] + CONV_CASES[4:5])
+def test_conv2d_channels_last(xs, ws, stride, padding):
+    """channels_last=True: x (N, H, W, C), weight as ever; gradients checked, and the values
+    those of the NCHW convolution transposed."""
+    x, w, b = randn(xs[0], xs[2], xs[3], xs[1]), randn(*ws), randn(ws[0])
+    conv = lambda x, w, b: F.conv2d(x, w, b, stride=stride, padding=padding, channels_last=True)
+    gradcheck(conv, x, w, b)
+    x, w, b = dp.tensor(x), dp.tensor(w), dp.tensor(b)
+    nchw = F.conv2d(F.to_channels_first(x), w, b, stride=stride, padding=padding)
+    np.testing.assert_allclose(conv(x, w, b).numpy(),
+                               F.to_channels_last(nchw).numpy(), rtol=1e-12, atol=1e-12)
+
+
 POOL_CASES = [((2, 3, 6, 6), 2, None, 0), ((1, 2, 7, 5), 3, 2, 1), ((2, 1, 5, 8), (2, 3), (1, 2), (1, 1)),
               ((1, 2, 9, 9), 3, 3, 0), ((1, 1, 4, 7), 2, 1, 0)]
 

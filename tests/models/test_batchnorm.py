@@ -43,6 +43,26 @@ def test_batch_norm_training_gradients(shape, with_running):
               randn(*shape) * 2 + 0.5, randn(c), randn(c))
 
 
+@pytest.mark.parametrize("residual", [False, True])
+def test_channels_last_batch_norm_gradients(residual):
+    """channels_last=True normalises the last axis of (N, H, W, C) (as rows of C), with the
+    fused residual and ReLU; gradients checked, values those of NCHW batch norm."""
+    c = 3
+    x, w, b, r = randn(2, 4, 3, c), randn(c), randn(c), randn(2, 4, 3, c)
+    bn = lambda x, w, b, r: F.batch_norm(x, w, b, _running(c), training=True,
+                                         residual=r if residual else None, relu=residual,
+                                         channels_last=True)
+    if residual:
+        gradcheck(bn, x, w, b, r)
+    else:
+        gradcheck(lambda x, w, b: bn(x, w, b, None), x, w, b)
+    x, w, b, r = (dp.tensor(a) for a in (x, w, b, r))
+    nchw = F.batch_norm(F.to_channels_first(x), w, b, _running(c), training=True,
+                        residual=F.to_channels_first(r) if residual else None, relu=residual)
+    np.testing.assert_allclose(bn(x, w, b, r).numpy(), F.to_channels_last(nchw).numpy(),
+                               rtol=1e-12, atol=1e-12)
+
+
 def test_batch_norm_eval_gradients():
     c = 4
     running = (dp.tensor(randn(c)), dp.tensor(rng.random(c) + 0.5),

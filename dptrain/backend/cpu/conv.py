@@ -69,18 +69,35 @@ def _per_image(cols, n):
     return cols.reshape(cols.shape[0], n, -1).transpose(1, 0, 2)
 
 
+def _nchw(a, channels_last):
+    """An NCHW view of activation `a`: itself, or the (N, H, W, C) array's view."""
+    return a.transpose(0, 3, 1, 2) if channels_last else a
+
+
+def _layout(y, channels_last):
+    """The NCHW result y in the caller's layout: itself, or a channels-last copy."""
+    return np.ascontiguousarray(y.transpose(0, 2, 3, 1)) if channels_last else y
+
+
 @op(fp32_math=True)
-def conv2d_forward(x, w, b, stride, padding, *, workspace=None):
-    """Cross-correlation of NCHW x with w (C_out, C_in, kH, kW), plus b (or None).
+def conv2d_forward(x, w, b, stride, padding, *, channels_last=False, workspace=None):
+    """Cross-correlation of NCHW x with w (C_out, C_in, kH, kW), plus b (or None); x and the
+    result are (N, H, W, C) where `channels_last` (computed through NCHW views).
 
     With a workspace, the im2col matrix of x stays there for conv2d_backward_weight of x.
     """
     workspace = checked(workspace)
+    y = _forward(_nchw(x, channels_last), w, b, stride, padding, workspace, x)
+    return _layout(y, channels_last)
+
+
+def _forward(x, w, b, stride, padding, workspace, source):
+    """conv2d_forward of NCHW x (a view of `source`, which tags the kept columns)."""
     n = x.shape[0]
     cout, _, kh, kw = w.shape
     cols, (ho, wo) = _im2col(x, kh, kw, stride, padding, workspace, "cols")
     if workspace is not None:
-        workspace.remember("cols", x, _cols_key(kh, kw, stride, padding))
+        workspace.remember("cols", source, _cols_key(kh, kw, stride, padding))
     w2 = w.reshape(cout, -1)
     if cols.shape[0] < _PER_IMAGE_K:
         y = np.matmul(w2, _per_image(cols, n))
@@ -98,33 +115,42 @@ def conv2d_forward(x, w, b, stride, padding, *, workspace=None):
     return y
 
 
-def _channels_first(gy, workspace):
+def _channels_first(gy, workspace, source):
     """gy (N, C, Ho, Wo) as the (C, N*Ho*Wo) matrix that matches _im2col's columns.
 
     Backward-data builds it; with a workspace, the backward-weight call that follows on the
-    same gy finds it there.
+    same gy (`source`: gy itself, or the channels-last array gy views) finds it there.
     """
     if workspace is not None:
-        g = workspace.recall("gy_channels_first", gy, None)
+        g = workspace.recall("gy_channels_first", source, None)
         if g is not None:
             return g
     n, c = gy.shape[:2]
     g = scratch(workspace, "gy_channels_first", (c, gy.size // c), gy.dtype)
     np.copyto(g.reshape(c, n, -1), gy.reshape(n, c, -1).transpose(1, 0, 2))
     if workspace is not None:
-        workspace.remember("gy_channels_first", gy, None)
+        workspace.remember("gy_channels_first", source, None)
     return g
 
 
 @op(fp32_math=True)
-def conv2d_backward_data(gy, w, x_shape, stride, padding, *, workspace=None):
-    """Gradient of conv2d_forward with respect to x, of shape x_shape."""
+def conv2d_backward_data(gy, w, x_shape, stride, padding, *, channels_last=False,
+                         workspace=None):
+    """Gradient of conv2d_forward with respect to x, of shape x_shape (gy and x (N, H, W, C)
+    where `channels_last`)."""
     workspace = checked(workspace)
+    n, c, h, wd = (x_shape[0], x_shape[3], x_shape[1], x_shape[2]) if channels_last else x_shape
+    gx = _backward_data(_nchw(gy, channels_last), w, (n, c, h, wd), stride, padding, workspace,
+                        gy)  # an NCHW view: one copy to either layout
+    return _layout(gx, channels_last) if channels_last else np.ascontiguousarray(gx)
+
+
+def _backward_data(gy, w, x_shape, stride, padding, workspace, source):
     n, c, h, wd = x_shape
     cout, _, kh, kw = w.shape
     (sh, sw), (ph, pw) = stride, padding
     ho, wo = gy.shape[2:]
-    g = _channels_first(gy, workspace)
+    g = _channels_first(gy, workspace, source)
     dcols = scratch(workspace, "dcols", (c * kh * kw, g.shape[1]), gy.dtype)
     np.matmul(w.reshape(cout, -1).T, g, out=dcols)
     dcols = dcols.reshape(c, kh, kw, n, ho, wo)
@@ -132,28 +158,32 @@ def conv2d_backward_data(gy, w, x_shape, stride, padding, *, workspace=None):
     dxp = np.zeros((c, n, h + 2 * ph, wd + 2 * pw), dtype=gy.dtype)
     for i, j, (rows, cols) in _offsets(kh, kw, sh, sw, ho, wo):
         dxp[:, :, rows, cols] += dcols[:, i, j]
-    return np.ascontiguousarray(dxp[:, :, ph : ph + h, pw : pw + wd].transpose(1, 0, 2, 3))
+    return dxp[:, :, ph : ph + h, pw : pw + wd].transpose(1, 0, 2, 3)
 
 
 @op(fp32_math=True)
-def conv2d_backward_weight(x, gy, w_shape, stride, padding, *, workspace=None):
-    """Gradient of conv2d_forward with respect to w, of shape w_shape.
+def conv2d_backward_weight(x, gy, w_shape, stride, padding, *, channels_last=False,
+                           workspace=None):
+    """Gradient of conv2d_forward with respect to w, of shape w_shape (x and gy (N, H, W, C)
+    where `channels_last`).
 
     Reuses the im2col matrix that conv2d_forward left in the workspace only if it is that of
     this very x (and kernel, stride, padding); otherwise builds it again.
     """
     workspace = checked(workspace)
+    x_source, gy_source = x, gy
+    x, gy = _nchw(x, channels_last), _nchw(gy, channels_last)
     _, _, kh, kw = w_shape
     cols = None
     if workspace is not None:
-        cols = workspace.recall("cols", x, _cols_key(kh, kw, stride, padding))
+        cols = workspace.recall("cols", x_source, _cols_key(kh, kw, stride, padding))
     if cols is None:  # a different name, so the forward's columns of another input survive
         cols, _ = _im2col(x, kh, kw, stride, padding, workspace, "cols_again")
     if cols.shape[0] < _PER_IMAGE_K:  # per image, straight from NCHW gy, summed over the batch
         n, cout = gy.shape[:2]
         per_image = _per_image(cols, n).transpose(0, 2, 1)
         return np.matmul(gy.reshape(n, cout, -1), per_image).sum(axis=0).reshape(w_shape)
-    dw = _gemm(_channels_first(gy, workspace), cols.T)
+    dw = _gemm(_channels_first(gy, workspace, gy_source), cols.T)
     return np.ascontiguousarray(dw).reshape(w_shape)
 
 

@@ -27,6 +27,10 @@ Conventions (the .cu file's header has the kernel side):
     C_in*KH*KW >= 128 (DPTRAIN_WGMMA_BWDW_TF32: "0" never, "1" always): x and gy are copied
     to NHWC, and C_in and C_out must come in whole 16-byte chunks; its split of the pixels
     over grid z is chosen by a cost model of waves, slabs and the reduce (_bwdw_wgmma_splits).
+  * `channels_last=True`: activations (x, y, gy, gx) are (N, H, W, C). The wgmma kernels read
+    and write them as they are (no copies: their sources are channels-last anyway and their
+    epilogue stores channel pairs), and so does 16-bit / TF32 backward-weight on wgmma; every
+    other pass copies its activations to NCHW and its output back (_via_nchw).
   * `conv2d_kernels` names the kernel each pass's plan runs (tests, benchmarks).
   * Small filters (C_in*KH*KW <= 32, e.g. a first layer on 1-3 channel images) run the
     direct kernels of conv2d_direct.cu instead, forward (<= 128 output channels) and
@@ -50,7 +54,7 @@ from dptrain.backend.cuda.gemm import (operand_dtype, output, plan, reducer, sig
                                        tile_floats, wgmma_available, wgmma_smem)
 from dptrain.backend.cuda.launch import i32
 from dptrain.backend.cuda.runtime import runtime
-from dptrain.backend.cuda.transpose import transposer
+from dptrain.backend.cuda.transpose import strided_copy, transposer
 from dptrain.backend.cuda.workspace import keep, take
 from dptrain.backend.registry import op
 
@@ -119,6 +123,47 @@ def _to_nhwc(shape, dt):
     nb, c, h, w = shape
     transpose = transposer(nb, c, h * w, dt)
     return lambda a: transpose(a).reshape(nb, h, w, c)
+
+
+def _nhwc_shape(shape):
+    """The channels-last (N, H, W, C) shape of NCHW `shape`."""
+    n, c, h, w = shape
+    return (n, h, w, c)
+
+
+def _nchw_shape(shape):
+    """The NCHW shape of channels-last (N, H, W, C) `shape`."""
+    n, h, w, c = shape
+    return (n, c, h, w)
+
+
+def _to_nchw(shape, dt):
+    """run(a) -> a new NCHW copy of the contiguous (N, H, W, C) array a of NCHW `shape`."""
+    nb, c, h, w = shape
+    transpose = transposer(nb, h * w, c, dt)
+    return lambda a: transpose(a).reshape(nb, c, h, w)
+
+
+def _via_nchw(run, fn_name, acts, out_shape, dt):
+    """A channels-last plan from the NCHW plan `run`: the arguments at `acts` (position ->
+    their NCHW shape) copied to NCHW first, and an NCHW output of `out_shape` (None: one that
+    is not an activation) copied to channels-last. For the passes no channels-last kernel
+    takes (direct and mma.sync kernels, non-Hopper GPUs): right, not fast."""
+    to_nchw = {i: _to_nchw(shape, dt) for i, shape in acts.items()}
+    to_nhwc = _to_nhwc(out_shape, dt) if out_shape else None
+
+    def run_cl(*args):  # the plan's inputs, then out and workspace
+        *ins, out, workspace = args
+        ins = [to_nchw[i](a) if i in to_nchw else a for i, a in enumerate(ins)]
+        if to_nhwc is None:
+            return run(*ins, out, workspace)
+        y = to_nhwc(run(*ins, None, workspace))
+        if out is None:
+            return y
+        return strided_copy(output(fn_name, out, y.shape, dt), y, launch.estrides(y))
+
+    run_cl.kernel = run.kernel
+    return run_cl
 
 
 def _direct_geom(x_shape, w_shape, ho, wo, stride, padding):
@@ -228,18 +273,24 @@ def _cols_tile(n: int) -> int:
 
 
 def _plan_implicit(fn_name, mode, out_shape, m, c, hs, ws, ho, wo, kh, kw, stride, padding,
-                   w_sm, w_sc, dt):
+                   w_sm, w_sc, dt, cl=False):
     """Forward (mode 0) or backward-data (mode 1): out[n, m, p] = sum wgt * src (conv2d.cu).
 
     The plan runs two kernels: the weight, reordered to the GEMM's (kh, kw, c) K order, then
     the implicit GEMM. run(w, src, bias, out, workspace) -> out; the wgmma kernel's NHWC
     copy of src is kept in the workspace, as "x" (forward) or "gy" (backward-data).
+    `cl`: src and out are channels-last (out_shape NCHW all the same), which only the wgmma
+    kernels read and write as they are; None where they do not apply.
     """
     nb = out_shape[0]
     npix, k = nb * ho * wo, kh * kw * c
+    if cl:
+        out_shape = _nhwc_shape(out_shape)
     if npix == 0 or m == 0:
         return _empty(lambda w, src, bias, out, workspace=None: output(fn_name, out, out_shape,
                                                                       dt))
+    if cl and not _wgmma_conv(dt, c, nb, npix, m):
+        return None
     reorder = launch.kernel(CONV, "conv2d_weight_reorder_kernel", launch.ctype(dt))
     r_grid = (max(1, min(-(-m * k // 256), launch.sm_count() * 4)),)
     r_tail = (i32(m), i32(c), i32(kh * kw), i32(w_sm), i32(w_sc))
@@ -256,7 +307,7 @@ def _plan_implicit(fn_name, mode, out_shape, m, c, hs, ws, ho, wo, kh, kw, strid
         phases = stride[0] * stride[1] if phased else 1
         first = nb * -(-ho // stride[0]) * -(-wo // stride[1]) if phased else npix
         name, fn, grid, block, smem = _wgmma_kernel(m, first, dt, box is not None)
-        tail = geom + (i32(2 if phased else mode),)
+        tail = geom + (i32(2 if phased else mode), i32(cl))
         if name != "conv2d_wgmma_kernel":  # persistent: 1-2 blocks per SM walk the tiles
             tiles = grid[0] * grid[1] * phases
             tail += (i32(grid[0]), i32(grid[1]), i32(tiles))
@@ -264,7 +315,7 @@ def _plan_implicit(fn_name, mode, out_shape, m, c, hs, ws, ho, wo, kh, kw, strid
             grid = (min(tiles, per_sm * launch.sm_count()),)
         else:
             grid = grid + (phases,)
-        to_nhwc = _to_nhwc((nb, c, hs, ws), dt)
+        to_nhwc = None if cl else _to_nhwc((nb, c, hs, ws), dt)
         # the copy backward-weight reads again: x always (both its channels-last kernels);
         # gy only where the wgmma one runs (the mma.sync one reads gy as it is)
         kept = ("gy" if _wgmma_bwdw(dt, m, c, nb, m * kh * kw) else None) if mode else "x"
@@ -374,25 +425,26 @@ def _mma_kernel(m, npix, dt):
 
 
 @op
-def conv2d_forward(x, w, b, stride, padding, *, out=None, workspace=None):
-    """y[n, co] = sum over (ci, kh, kw) of w[co, ci, kh, kw] * x[n, ci, shifted] (+ b[co])."""
-    return _forward(x, w, b, stride, padding)(w, x, b, out, workspace)
+def conv2d_forward(x, w, b, stride, padding, *, channels_last=False, out=None, workspace=None):
+    """y[n, co] = sum over (ci, kh, kw) of w[co, ci, kh, kw] * x[n, ci, shifted] (+ b[co]);
+    x and y are (N, H, W, C) where `channels_last`."""
+    return _forward(x, w, b, stride, padding, channels_last)(w, x, b, out, workspace)
 
 
-def _forward(x, w, b, stride, padding):
+def _forward(x, w, b, stride, padding, cl=False):
     f = "conv2d_forward"
     key = (f, sig(f, "x", x), sig(f, "w", w), sig(f, "b", b), _key(stride), _key(padding),
-           runtime.precision)
-    return plan(key, lambda: _plan_forward(x, w, b, stride, padding))
+           bool(cl), runtime.precision)
+    return plan(key, lambda: _plan_forward(x, w, b, stride, padding, bool(cl)))
 
 
-def _plan_forward(x, w, b, stride, padding):
+def _plan_forward(x, w, b, stride, padding, cl=False):
     f = "conv2d_forward"
     dt = operand_dtype(f, x)
     launch.check_f32(f, "x", x, 4, dt)
     launch.check_f32(f, "w", w, 4, dt)
     (sh, sw), (ph, pw) = _pair(f, "stride", stride), _pair(f, "padding", padding)
-    n, c, h, wd = x.shape
+    n, c, h, wd = _nchw_shape(x.shape) if cl else x.shape
     cout, cin, kh, kw = w.shape
     if cin != c:
         raise ValueError(f"cuda.{f}: x has {c} channels but w {w.shape} expects {cin}")
@@ -403,75 +455,106 @@ def _plan_forward(x, w, b, stride, padding):
     ho, wo = _out_size(f, h, kh, sh, ph, "H"), _out_size(f, wd, kw, sw, pw, "W")
     kmax = _direct_kmax(cin * kh * kw)
     if kmax and cout <= DIRECT_MAX_M:
-        return _plan_direct_forward(x.shape, w.shape, ho, wo, (sh, sw), (ph, pw), kmax, dt)
-    return _plan_implicit(f, 0, (n, cout, ho, wo), cout, c, h, wd, ho, wo, kh, kw, (sh, sw),
-                          (ph, pw), cin * kh * kw, kh * kw, dt)
+        run = _plan_direct_forward((n, c, h, wd), w.shape, ho, wo, (sh, sw), (ph, pw), kmax, dt)
+    else:
+        implicit = lambda cl: _plan_implicit(f, 0, (n, cout, ho, wo), cout, c, h, wd, ho, wo,
+                                             kh, kw, (sh, sw), (ph, pw), cin * kh * kw,
+                                             kh * kw, dt, cl)
+        run = cl and implicit(True)
+        if run:
+            return run
+        run = implicit(False)
+    return _via_nchw(run, f, {1: (n, c, h, wd)}, (n, cout, ho, wo), dt) if cl else run
 
 
 @op
-def conv2d_backward_data(gy, w, x_shape, stride, padding, *, out=None, workspace=None):
-    """Gradient of conv2d_forward with respect to x, of shape x_shape."""
-    return _backward_data(gy, w, x_shape, stride, padding)(w, gy, None, out, workspace)
+def conv2d_backward_data(gy, w, x_shape, stride, padding, *, channels_last=False, out=None,
+                         workspace=None):
+    """Gradient of conv2d_forward with respect to x, of shape x_shape (both gy and x
+    (N, H, W, C) where `channels_last`)."""
+    return _backward_data(gy, w, x_shape, stride, padding, channels_last)(w, gy, None, out,
+                                                                          workspace)
 
 
-def _backward_data(gy, w, x_shape, stride, padding):
+def _backward_data(gy, w, x_shape, stride, padding, cl=False):
     f = "conv2d_backward_data"
     key = (f, sig(f, "gy", gy), sig(f, "w", w), _key(x_shape), _key(stride), _key(padding),
-           runtime.precision)
-    return plan(key, lambda: _plan_backward_data(gy, w, x_shape, stride, padding))
+           bool(cl), runtime.precision)
+    return plan(key, lambda: _plan_backward_data(gy, w, x_shape, stride, padding, bool(cl)))
 
 
-def _plan_backward_data(gy, w, x_shape, stride, padding):
+def _plan_backward_data(gy, w, x_shape, stride, padding, cl=False):
     f = "conv2d_backward_data"
     dt = operand_dtype(f, gy)
     launch.check_f32(f, "gy", gy, 4, dt)
     launch.check_f32(f, "w", w, 4, dt)
     (sh, sw), (ph, pw) = _pair(f, "stride", stride), _pair(f, "padding", padding)
-    n, c, h, wd = (int(s) for s in x_shape)
+    x_shape = tuple(int(s) for s in x_shape)
+    n, c, h, wd = _nchw_shape(x_shape) if cl else x_shape
     cout, cin, kh, kw = w.shape
     if cin != c:
-        raise ValueError(f"cuda.{f}: x_shape {tuple(x_shape)} has {c} channels, w {w.shape} {cin}")
+        raise ValueError(f"cuda.{f}: x_shape {x_shape} has {c} channels, w {w.shape} {cin}")
     ho, wo = _out_size(f, h, kh, sh, ph, "H"), _out_size(f, wd, kw, sw, pw, "W")
-    if gy.shape != (n, cout, ho, wo):
-        raise ValueError(f"cuda.{f}: gy has shape {gy.shape}, expected {(n, cout, ho, wo)}")
-    return _plan_implicit(f, 1, (n, c, h, wd), c, cout, ho, wo, h, wd, kh, kw, (sh, sw),
-                          (ph, pw), kh * kw, cin * kh * kw, dt)
+    gy_shape = (n, ho, wo, cout) if cl else (n, cout, ho, wo)
+    if gy.shape != gy_shape:
+        raise ValueError(f"cuda.{f}: gy has shape {gy.shape}, expected {gy_shape}")
+    implicit = lambda cl: _plan_implicit(f, 1, (n, c, h, wd), c, cout, ho, wo, h, wd, kh, kw,
+                                         (sh, sw), (ph, pw), kh * kw, cin * kh * kw, dt, cl)
+    run = cl and implicit(True)
+    if run:
+        return run
+    run = implicit(False)
+    return _via_nchw(run, f, {1: (n, cout, ho, wo)}, (n, c, h, wd), dt) if cl else run
 
 
 @op
-def conv2d_backward_weight(x, gy, w_shape, stride, padding, *, out=None, workspace=None):
-    """Gradient of conv2d_forward with respect to w, of shape w_shape; bitwise repeatable."""
-    return _backward_weight(x, gy, w_shape, stride, padding)(x, gy, out, workspace)
+def conv2d_backward_weight(x, gy, w_shape, stride, padding, *, channels_last=False, out=None,
+                           workspace=None):
+    """Gradient of conv2d_forward with respect to w, of shape w_shape; bitwise repeatable.
+    x and gy are (N, H, W, C) where `channels_last`."""
+    return _backward_weight(x, gy, w_shape, stride, padding, channels_last)(x, gy, out,
+                                                                            workspace)
 
 
-def _backward_weight(x, gy, w_shape, stride, padding):
+def _backward_weight(x, gy, w_shape, stride, padding, cl=False):
     f = "conv2d_backward_weight"
     key = (f, sig(f, "x", x), sig(f, "gy", gy), _key(w_shape), _key(stride), _key(padding),
-           runtime.precision)
-    return plan(key, lambda: _plan_backward_weight(x, gy, w_shape, stride, padding))
+           bool(cl), runtime.precision)
+    return plan(key, lambda: _plan_backward_weight(x, gy, w_shape, stride, padding, bool(cl)))
 
 
-def conv2d_kernels(x, w, gy, stride, padding) -> dict[str, str]:
+def conv2d_kernels(x, w, gy, stride, padding, channels_last=False) -> dict[str, str]:
     """The kernel each pass of this convolution runs, as the plans choose it now (for tests
     and benchmarks): {"forward": ..., "backward_data": ..., "backward_weight": ...}."""
-    return {"forward": _forward(x, w, None, stride, padding).kernel,
-            "backward_data": _backward_data(gy, w, x.shape, stride, padding).kernel,
-            "backward_weight": _backward_weight(x, gy, w.shape, stride, padding).kernel}
+    cl = channels_last
+    return {"forward": _forward(x, w, None, stride, padding, cl).kernel,
+            "backward_data": _backward_data(gy, w, x.shape, stride, padding, cl).kernel,
+            "backward_weight": _backward_weight(x, gy, w.shape, stride, padding, cl).kernel}
 
 
-def _plan_backward_weight(x, gy, w_shape, stride, padding):
+def _plan_backward_weight(x, gy, w_shape, stride, padding, cl=False):
     f = "conv2d_backward_weight"
     dt = operand_dtype(f, x)
     launch.check_f32(f, "x", x, 4, dt)
     launch.check_f32(f, "gy", gy, 4, dt)
     (sh, sw), (ph, pw) = _pair(f, "stride", stride), _pair(f, "padding", padding)
-    n, c, h, wd = x.shape
+    n, c, h, wd = _nchw_shape(x.shape) if cl else x.shape
     cout, cin, kh, kw = (int(s) for s in w_shape)
     if cin != c:
         raise ValueError(f"cuda.{f}: x has {c} channels but w_shape {tuple(w_shape)} expects {cin}")
     ho, wo = _out_size(f, h, kh, sh, ph, "H"), _out_size(f, wd, kw, sw, pw, "W")
-    if gy.shape != (n, cout, ho, wo):
-        raise ValueError(f"cuda.{f}: gy has shape {gy.shape}, expected {(n, cout, ho, wo)}")
+    gy_shape = (n, ho, wo, cout) if cl else (n, cout, ho, wo)
+    if gy.shape != gy_shape:
+        raise ValueError(f"cuda.{f}: gy has shape {gy.shape}, expected {gy_shape}")
+    if cl:
+        if (_wgmma_bwdw(dt, cin, cout, n, cin * kh * kw) and not _direct_kmax(cin * kh * kw)
+                and x.data.ptr % 16 == 0 and gy.data.ptr % 16 == 0):
+            return _plan_wgmma_backward_weight((n, c, h, wd), (cout, cin, kh, kw), ho, wo,
+                                               (sh, sw), (ph, pw), dt, cl=True)
+        # the NCHW plan, for operands as their copies will be (new, so 16-byte aligned)
+        xn, gyn = launch.new((n, c, h, wd), dt), launch.new((n, cout, ho, wo), dt)
+        run = _plan_backward_weight(xn, gyn, w_shape, stride, padding)
+        return _via_nchw(run, f, {0: (n, c, h, wd), 1: (n, cout, ho, wo)}, None, dt)
     out_shape = (cout, cin, kh, kw)
     m, ncol, k = cout, cin * kh * kw, n * ho * wo
     if m == 0 or ncol == 0:
@@ -558,9 +641,10 @@ def _bwdw_wgmma_splits(tiles: int, npix: int, outputs: int, per_sm: int) -> tupl
     return best[1], best[2]
 
 
-def _plan_wgmma_backward_weight(x_shape, w_shape, ho, wo, stride, padding, dt):
+def _plan_wgmma_backward_weight(x_shape, w_shape, ho, wo, stride, padding, dt, cl=False):
     """conv2d_bwdw_wgmma.cu: 128 rows of (tap, c) by BN output channels per block (64 / 128 /
-    256, the smallest covering them; 128 in TF32), the pixels split over grid z."""
+    256, the smallest covering them; 128 in TF32), the pixels split over grid z. x_shape is
+    NCHW; `cl`: x and gy come channels-last already (no copies)."""
     f = "conv2d_backward_weight"
     (n, c, h, wd), (cout, _, kh, kw) = x_shape, w_shape
     ncol, npix = c * kh * kw, n * ho * wo
@@ -581,8 +665,8 @@ def _plan_wgmma_backward_weight(x_shape, w_shape, ho, wo, stride, padding, dt):
     tail = (i32(n), i32(cout), i32(c), i32(h), i32(wd), i32(ho), i32(wo), i32(kh), i32(kw),
             i32(stride[0]), i32(stride[1]), i32(padding[0]), i32(padding[1]), i32(splits),
             i32(chunk))
-    x_nhwc = _to_nhwc(x_shape, dt)
-    gy_nhwc = transposer(n, cout, ho * wo, dt)
+    x_nhwc = (lambda a: a) if cl else _to_nhwc(x_shape, dt)
+    gy_nhwc = (lambda a: a) if cl else transposer(n, cout, ho * wo, dt)
     if splits > 1:
         reduce = launch.kernel(WGMMA_BWDW, "conv2d_bwdw_wgmma_reduce_kernel", launch.ctype(dt))
         r_grid = (max(1, min(-(-ncol * cout // 256), launch.sm_count() * 8)),)

@@ -12,6 +12,11 @@ reference with the same signatures):
     they are whole and aligned) and indexes in 32 bits.
   * Outputs are new arrays written with `=`; batch_norm_update_ works in place and adds one
     to the int64 0-d num_batches_tracked on the device (no host sync).
+  * A 2-D x (rows, C), which is how a channels-last activation (N, H, W, C) comes (the
+    engine reshapes it), runs the *_cl kernels where C is a whole number of 16-byte groups,
+    at most CL_MAX_C, and every array is 16-byte aligned: each thread moves a group of
+    channels of a row, coalesced (the NCHW kernels would read it one strided element at a
+    time, S = 1).
   * Host scalars (eps, momentum, count) are cast to the element type; they are constants of a
     layer, so a captured graph that bakes them in stays right.
 """
@@ -25,6 +30,8 @@ from dptrain.backend.cuda import launch
 from dptrain.backend.registry import op
 
 NORM = "norm.cu"
+CL_MAX_C, CL_THREADS = 512, 256  # norm.cu's
+FOLD_BLOCK = (32, 32)  # the finalize kernels' blocks: 32 outputs x FOLD_LANES
 
 
 def stat_dtype(x) -> np.dtype:
@@ -76,6 +83,40 @@ def _channel_sums(name, x, geometry, rows, grouped, args):
     return ws, splits
 
 
+def _cl(x, *arrays) -> bool:
+    """Whether the channels-last kernels take x (and the other activations of its shape)."""
+    c = int(x.shape[-1])
+    return (x.ndim == 2 and 0 < c <= CL_MAX_C and c % launch.group_size(x.dtype) == 0
+            and x.shape[0] > 0 and all(a.data.ptr % 16 == 0 for a in (x, *arrays)))
+
+
+def _cl_grid(x, per_sm):
+    """(rows, C, blocks, chunk) of a channels-last launch over x: about `per_sm` blocks per
+    SM (fewer where the rows run out), each taking a chunk of rows."""
+    rows, c = (int(d) for d in x.shape)
+    per_pass = CL_THREADS // (c // launch.group_size(x.dtype))  # rows a block moves at once
+    blocks = max(1, min(per_sm * launch.sm_count(), -(-rows // per_pass), launch.GRID_YZ_MAX))
+    chunk = -(-rows // blocks)
+    return rows, c, -(-rows // chunk), chunk
+
+
+def _cl_sums(name, x, rows_per_channel, args):
+    """The channels-last twin of _channel_sums: (partials (splits, R, C), splits), block y of
+    grid (1, splits) summing its chunk of x's rows."""
+    rows, c, splits, chunk = _cl_grid(x, 3)
+    ws = launch.new((splits, rows_per_channel, c), np.dtype(np.float64))
+    fn = launch.kernel(NORM, name, launch.ctype(x.dtype))
+    fn((1, splits), (CL_THREADS,), (ws, *args, np.int32(rows), np.int32(c), np.int32(chunk)))
+    return ws, splits
+
+
+def _cl_map(name, x, args):
+    """Launch the channels-last elementwise kernel `name` over x's rows, as _cl_sums."""
+    rows, c, blocks, chunk = _cl_grid(x, 4)
+    fn = launch.kernel(NORM, name, launch.ctype(x.dtype))
+    fn((1, blocks), (CL_THREADS,), args + (np.int32(rows), np.int32(c), np.int32(chunk)))
+
+
 def _groups(op, x):
     """(N, C, S, G) of the elementwise kernels' grid over x (checked by _geometry): N * C
     planes of S elements, G groups each."""
@@ -86,13 +127,13 @@ def _groups(op, x):
 
 
 def _finalize(out, ws, splits, divisor, add_to=None):
-    """out (any shape, R * C values) = the partials' sums in split order / divisor; with
+    """out (any shape, R * C values) = the partials' sums (a fixed order) / divisor; with
     add_to (two (C,) arrays, R = 2), row r is also added into add_to[r]."""
     fn = launch.kernel(NORM, "bn_finalize_kernel", launch.ctype(out.dtype))
     add0, add1 = add_to if add_to is not None else (launch.NULL, launch.NULL)
-    launch.grid_stride(fn, out.size, (out, ws, np.int32(splits), np.int32(out.size),
-                                      np.float64(divisor), add0, add1,
-                                      np.int32(out.shape[-1])))
+    fn((-(-out.size // 32),), FOLD_BLOCK, (out, ws, np.int32(splits), np.int32(out.size),
+                                           np.float64(divisor), add0, add1,
+                                           np.int32(out.shape[-1])))
     return out
 
 
@@ -104,7 +145,10 @@ def batch_norm_mean(x):
     if c:
         if n * s == 0:
             raise ValueError(f"cuda.batch_norm_mean: no elements per channel in {x.shape}")
-        ws, splits = _channel_sums("bn_mean_partial_kernel", x, (n, c, s), 1, (x,), (x,))
+        if _cl(x):
+            ws, splits = _cl_sums("bn_mean_partial_cl_kernel", x, 1, (x,))
+        else:
+            ws, splits = _channel_sums("bn_mean_partial_kernel", x, (n, c, s), 1, (x,), (x,))
         _finalize(mean, ws, splits, n * s)
     return mean
 
@@ -118,7 +162,11 @@ def batch_norm_var(x, mean):
     if c:
         if n * s == 0:
             raise ValueError(f"cuda.batch_norm_var: no elements per channel in {x.shape}")
-        ws, splits = _channel_sums("bn_var_partial_kernel", x, (n, c, s), 1, (x,), (x, mean))
+        if _cl(x):
+            ws, splits = _cl_sums("bn_var_partial_cl_kernel", x, 1, (x, mean))
+        else:
+            ws, splits = _channel_sums("bn_var_partial_kernel", x, (n, c, s), 1, (x,),
+                                       (x, mean))
         _finalize(var, ws, splits, n * s)
     return var
 
@@ -132,10 +180,13 @@ def batch_norm_stats(x):
     if c:
         if n * s == 0:
             raise ValueError(f"cuda.batch_norm_stats: no elements per channel in {x.shape}")
-        ws, splits = _channel_sums("bn_stats_partial_kernel", x, (n, c, s), 2, (x,), (x,))
+        if _cl(x):
+            ws, splits = _cl_sums("bn_stats_partial_cl_kernel", x, 2, (x,))
+        else:
+            ws, splits = _channel_sums("bn_stats_partial_kernel", x, (n, c, s), 2, (x,), (x,))
         fn = launch.kernel(NORM, "bn_stats_finalize_kernel", launch.ctype(x.dtype))
-        launch.grid_stride(fn, c, (mean, var, ws, x, np.int32(splits), np.int32(c),
-                                   np.int32(s), np.float64(n * s)))
+        fn((-(-c // 32),), FOLD_BLOCK, (mean, var, ws, x, np.int32(splits), np.int32(c),
+                                        np.int32(s), np.float64(n * s)))
     return mean, var
 
 
@@ -155,10 +206,13 @@ def batch_norm_forward(x, mean, var, weight, bias, eps, residual=None, relu=Fals
             raise TypeError(f"cuda.{op}: residual must be {x.dtype} like x, got {residual.dtype}")
         grouped = (x, residual)
     y = launch.new(x.shape, x.dtype)
-    if y.size:
-        t = stat_dtype(x).type
+    t = stat_dtype(x).type
+    r = launch.NULL if residual is None else residual
+    if y.size and _cl(x, y, *grouped):
+        _cl_map("bn_forward_cl_kernel", x, (y, x, r, mean, var, weight, bias, t(eps),
+                                            np.int32(bool(relu))))
+    elif y.size:
         fn = launch.kernel(NORM, "bn_forward_kernel", launch.ctype(x.dtype))
-        r = launch.NULL if residual is None else residual
         launch.grid_stride(fn, n * c * g,
                            (y, x, r, mean, var, weight, bias, t(eps), np.int32(n * c),
                             np.int32(c), np.int32(s), np.int32(bool(relu)),
@@ -216,8 +270,12 @@ def batch_norm_backward_reduce(gy, x, mean, var, eps, relu=None, add_to=None):
     masks = _relu_affine(op, c, x, relu)
     sums = launch.new((2, c), stat_dtype(x))
     if c:
-        ws, splits = _channel_sums("bn_backward_partial_kernel", x, (n, c, s), 2, (gy, x),
-                                   (gy, x, mean, var, *masks, stat_dtype(x).type(eps)))
+        args = (gy, x, mean, var, *masks, stat_dtype(x).type(eps))
+        if _cl(x, gy):
+            ws, splits = _cl_sums("bn_backward_partial_cl_kernel", x, 2, args)
+        else:
+            ws, splits = _channel_sums("bn_backward_partial_kernel", x, (n, c, s), 2, (gy, x),
+                                       args)
         _finalize(sums, ws, splits, 1.0, add_to)
     return sums
 
@@ -240,8 +298,11 @@ def batch_norm_backward_data(gy, x, mean, var, weight, sums, eps, count, relu=No
         raise ValueError(f"cuda.{op}: relu's weight must be the weight given")
     relu_bias = _relu_affine(op, c, x, relu)[1]
     dx = launch.new(x.shape, x.dtype)
-    if dx.size:
-        t = stat_dtype(x).type
+    t = stat_dtype(x).type
+    if dx.size and _cl(x, dx, gy):
+        _cl_map("bn_backward_data_cl_kernel", x, (dx, gy, x, mean, var, weight, sums, relu_bias,
+                                                  t(eps), t(1.0 / count)))
+    elif dx.size:
         fn = launch.kernel(NORM, "bn_backward_data_kernel", launch.ctype(x.dtype))
         launch.grid_stride(fn, n * c * g, (dx, gy, x, mean, var, weight, sums, relu_bias,
                                            t(eps), t(1.0 / count), np.int32(n * c),
