@@ -292,6 +292,10 @@ __global__ void bn_backward_data_kernel(T* dx, const T* gy, const T* x, const P*
 // backward round alike; the reductions sum a thread's rows in the compute type (below).
 constexpr int CL_THREADS = 256, CL_MAX_C = 512;  // (256 / (C / V) rows at a time)
 
+// Thread t's channel group in every channels-last kernel: channels c0.. of rows t / (C / V)
+// + RPI * i (cl_rows).
+__device__ __forceinline__ int cl_channel(int C, int V) { return threadIdx.x % (C / V) * V; }
+
 // The row loop of every channels-last kernel: block y takes rows [y * chunk, min(rows,
 // (y + 1) * chunk)) and thread t the channel group c0 = (t % (C / V)) * V of rows t / (C / V)
 // + RPI * i (so c0, and every per-channel constant, is the thread's own for the whole loop).
@@ -303,7 +307,7 @@ __device__ __forceinline__ void cl_rows(const T* const (&src)[A], int rows, int 
                                         F f) {
   constexpr int V = Group<T>::size, U = 4 / A;
   const int groups = C / V, rpi = CL_THREADS / groups;
-  const int lr = threadIdx.x / groups, c0 = threadIdx.x % groups * V;
+  const int lr = threadIdx.x / groups, c0 = cl_channel(C, V);
   const int r0 = blockIdx.y * chunk, r1 = min(rows, r0 + chunk);
   if (lr >= rpi) return;
   for (int row = r0 + lr; row < r1; row += U * rpi) {
@@ -320,9 +324,6 @@ __device__ __forceinline__ void cl_rows(const T* const (&src)[A], int rows, int 
       if (row + u * rpi < r1) f((long long)(row + u * rpi) * C + c0, raw[u]);
   }
 }
-
-// The channel constants of thread t's group (cl_rows' c0).
-__device__ __forceinline__ int cl_channel(int C, int V) { return threadIdx.x % (C / V) * V; }
 
 // The partial sums of the channels-last reductions over cl_rows: add(acc, v) adds one
 // row's groups v[a][k] (channel c0 + k of array a) into acc[r][k]. A thread's sums are in

@@ -326,14 +326,14 @@ class Conv2d(Function):
 
     def backward(self, gy):
         be, x, w, ws = self.be, self.x, self.w, self.workspace
-        geometry = dict(channels_last=self.channels_last, workspace=ws)
+        passes = dict(channels_last=self.channels_last, workspace=ws)  # both passes' options
         if ws is not None:  # backward-data's copy of gy serves the weight gradient
             ws.expect_backward(self.needs_grad[1])
         gx = gw = gb = None
         if self.needs_grad[0]:
-            gx = be.conv2d_backward_data(gy, w, x.shape, self.stride, self.padding, **geometry)
+            gx = be.conv2d_backward_data(gy, w, x.shape, self.stride, self.padding, **passes)
         if self.needs_grad[1]:
-            gw = be.conv2d_backward_weight(x, gy, w.shape, self.stride, self.padding, **geometry)
+            gw = be.conv2d_backward_weight(x, gy, w.shape, self.stride, self.padding, **passes)
         if len(self.needs_grad) > 2 and self.needs_grad[2]:  # a sum over all axes but C's
             gb = be.bias_grad(gy.reshape(-1, gy.shape[-1]) if self.channels_last else gy)
         self.workspace = None  # not needed any more (a second backward works without it)

@@ -315,10 +315,16 @@ def _plan_implicit(fn_name, mode, out_shape, m, c, hs, ws, ho, wo, kh, kw, strid
             grid = (min(tiles, per_sm * launch.sm_count()),)
         else:
             grid = grid + (phases,)
+        # channels-last src needs no copy; else the copy backward-weight reads again: x
+        # always (both its channels-last kernels); gy only where the wgmma one runs (the
+        # mma.sync one reads gy as it is)
         to_nhwc = None if cl else _to_nhwc((nb, c, hs, ws), dt)
-        # the copy backward-weight reads again: x always (both its channels-last kernels);
-        # gy only where the wgmma one runs (the mma.sync one reads gy as it is)
-        kept = ("gy" if _wgmma_bwdw(dt, m, c, nb, m * kh * kw) else None) if mode else "x"
+        if cl:
+            kept = None
+        elif mode:
+            kept = "gy" if _wgmma_bwdw(dt, m, c, nb, m * kh * kw) else None
+        else:
+            kept = "x"
     else:
         name, fn, grid, block, smem = _mma_kernel(m, npix, dt)
         tail = geom + (i32(k % _chunk(dt) == 0), i32(mode))  # + vec_w
