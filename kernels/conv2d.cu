@@ -16,8 +16,8 @@
 //    GEMM view: M = channels of out, N = batch * out pixels, K = KH*KW*C ordered (kh, kw, c),
 //    so when C % BK == 0 a K slab is one filter tap and BK consecutive channels: the gather
 //    then costs one bounds check per slab and a pointer step per element.
-//    The weight operand is first copied by conv2d_weight_reorder_kernel into that K order,
-//    wr[m][(kh*KW + kw)*C + c] (a small M x K matrix), so the GEMM reads it as a dense,
+//    The launcher first copies the weight into that K order, wr[m][(kh*KW + kw)*C + c] (a
+//    small M x K matrix, by tiled transposes: transpose.cu), so the GEMM reads it as a dense,
 //    K-major operand with 16-byte copies (gathering it in place was the slowest part).
 //  * Backward-weight: gw[co, j] with j = (ci, kh, kw), the weight's own layout, =
 //      sum over p = (n, oy, ox) of gy[n, co, oy, ox] * x[n, ci, oy*sh - ph + kh, ox*sw - pw + kw]
@@ -38,7 +38,7 @@
 // instantiate: conv2d_bwdw_fp32_kernel<float, 32, 32>; conv2d_bwdw_fp32_kernel<float, 32, 128>
 // instantiate: conv2d_bwdw_fp32_kernel<float, 64, 32>; conv2d_bwdw_fp32_kernel<float, 64, 128>
 // instantiate: conv2d_bwdw_fp32_kernel<float, 128, 32>; conv2d_bwdw_fp32_kernel<float, 128, 128>
-// instantiate: splitk_reduce_kernel<float>; conv2d_weight_reorder_kernel<float>
+// instantiate: splitk_reduce_kernel<float>
 // instantiate: splitk_reduce_warp_kernel<float>
 // instantiate: conv2d_b16_kernel<__half, 32>; conv2d_b16_kernel<__half, 64>
 // instantiate: conv2d_b16_kernel<__nv_bfloat16, 32>; conv2d_b16_kernel<__nv_bfloat16, 64>
@@ -61,29 +61,15 @@
 // instantiate: conv2d_bwdw_b16_kernel<__nv_bfloat16, 32, 96>
 // instantiate: conv2d_bwdw_b16_kernel<__nv_bfloat16, 64, 96>
 // instantiate: conv2d_bwdw_b16_kernel<__nv_bfloat16, 128, 96>
-// instantiate: splitk_reduce_kernel<__half, float>; conv2d_weight_reorder_kernel<__half>
+// instantiate: splitk_reduce_kernel<__half, float>
 // instantiate: splitk_reduce_kernel<__nv_bfloat16, float>
 // instantiate: splitk_reduce_warp_kernel<__nv_bfloat16, float>
 // instantiate: splitk_reduce_warp_kernel<__half, float>
-// instantiate: conv2d_weight_reorder_kernel<__nv_bfloat16>
 
 #include "conv_geom.cuh"
 #include "gemm_tiles.cuh"
 
 // ----------------------------------------------------------------------------- forward / bwd-data
-
-// wr[m][khw*C + c] = w[m*w_sm + c*w_sc + khw]: the weight in the implicit GEMM's K order.
-// forward: m = c_out, c = c_in (w_sm = C_in*KH*KW, w_sc = KH*KW);
-// bwd-data: m = c_in, c = c_out (w_sm = KH*KW, w_sc = C_in*KH*KW).
-template <typename T>
-__global__ void conv2d_weight_reorder_kernel(const T* __restrict__ w, T* __restrict__ wr, int M,
-                                             int C, int KHW, int w_sm, int w_sc) {
-  const int K = KHW * C;
-  GRID_STRIDE_32(i, M * K) {
-    const int m = i / K, k = i - m * K, khw = k / C, c = k - khw * C;
-    wr[i] = w[m * w_sm + c * w_sc + khw];
-  }
-}
 
 // B operand: src[n, c, tap(p, kh, kw)] for GEMM column p = (n, oy, ox). Lanes run along p, so
 // a warp reads neighbouring pixels; each thread keeps its one column's (n, oy, ox).

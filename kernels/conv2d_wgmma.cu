@@ -13,7 +13,7 @@
 //    chunk (4 floats, 8 16-bit values) every chunk of a pixel's K row is one filter tap's
 //    contiguous channels, so the im2col gather is wgmma's own 16-byte cp.async load with a
 //    per-chunk address (zero-fill outside the image, past K and past the last pixel).
-//  * B (channels x K) is the weight reordered by conv2d_weight_reorder_kernel (conv2d.cu),
+//  * B (channels x K) is the weight as the launcher reorders it (conv2d.cu's header),
 //    wr[m][(kh*KW + kw)*C + c]: dense and K-major, rows past M zero-filled.
 //  * Backward-data with a stride and a filter wider than 1x1 (mode 2; the launcher picks it)
 //    runs one phase per grid z (z = ry * sw + rx): the output

@@ -73,6 +73,34 @@ __global__ void tile_transpose_pairs_kernel(const unsigned short* __restrict__ i
   }
 }
 
+// The same for narrow matrices (a side under 32, e.g. a convolution weight's C_in x 9 taps
+// per output channel, which 32 x 32 tiles would cover a third of): block b moves whole
+// matrices b, b + gridDim.x, ..., each read into shared memory and written out, both
+// contiguous, the reads in 16-byte pieces when `vec` (every matrix 16-byte aligned). Dynamic
+// shared memory of R * C elements (the launcher keeps it within 48 KB).
+template <typename U>
+__global__ void narrow_transpose_kernel(const U* __restrict__ in, U* __restrict__ out, int nb,
+                                        int R, int C, int vec) {
+  extern __shared__ __align__(16) unsigned char narrow_raw[];
+  U* m = reinterpret_cast<U*>(narrow_raw);
+  const int n = R * C;
+  constexpr int PER = 16 / sizeof(U);
+  for (int b = blockIdx.x; b < nb; b += gridDim.x) {
+    const long long base = (long long)b * n;
+    if (vec)
+      for (int i = threadIdx.x; i < n / PER; i += blockDim.x)
+        reinterpret_cast<uint4*>(m)[i] = reinterpret_cast<const uint4*>(in + base)[i];
+    else
+      for (int i = threadIdx.x; i < n; i += blockDim.x) m[i] = in[base + i];
+    __syncthreads();
+    for (int o = threadIdx.x; o < n; o += blockDim.x) {  // o = c * R + r
+      const int c = o / R, r = o - c * R;
+      out[base + o] = m[r * C + c];
+    }
+    __syncthreads();  // m is refilled for the next matrix
+  }
+}
+
 // out[b, :] = in[idx[b] mod M, :], rows of `row` elements.
 template <typename U, typename L>
 __global__ void take_rows_kernel(U* out, const U* in, const L* idx, int B, long long M, long long row) {
@@ -103,3 +131,4 @@ __global__ void index_add_kernel(T* gx, const T* gy, const long long* idx, int m
 // instantiate: index_add_kernel<float>; index_add_kernel<double>
 // instantiate: tile_transpose_kernel<unsigned short>; tile_transpose_kernel<unsigned int>
 // instantiate: tile_transpose_pairs_kernel
+// instantiate: narrow_transpose_kernel<unsigned short>; narrow_transpose_kernel<unsigned int>

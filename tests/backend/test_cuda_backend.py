@@ -925,3 +925,19 @@ def test_launch_shape_override(monkeypatch):
         with launch.launch_shape(threads_per_block=7):
             raise KeyError("restored on the way out")
     assert launch.current_launch_shape() == (None, None)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("nb,rows,cols", [(3, 1, 7), (3, 7, 1), (5, 64, 9), (2, 9, 70),
+                                          (4, 3, 2304), (2, 64, 64), (2, 33, 35),
+                                          (1, 512, 4608), (2, 31, 1000)])
+def test_transposer_turns_every_matrix(cu, nb, rows, cols, dtype):
+    """transposer(nb, rows, cols): each (rows, cols) matrix turned, bit for bit, on every path
+    (a plain copy where a side is 1, whole narrow matrices through shared memory, 32 x 32
+    tiles, 16-bit pairs in 64 x 64 tiles, narrow but too big for shared memory)."""
+    from dptrain.backend.cuda.transpose import transposer
+
+    a = (np.arange(nb * rows * cols) % 2039).reshape(nb, rows, cols).astype(dtype)
+    got = cu.to_numpy(transposer(nb, rows, cols, np.dtype(dtype))(cu.asarray(a)))
+    assert got.tobytes() == np.ascontiguousarray(a.transpose(0, 2, 1)).tobytes()

@@ -216,6 +216,7 @@ CL_CASES = CASES + TMA_CASES + [
     ((2, 16, 8, 8), (21, 16, 3, 3), (1, 1), (1, 1)),  # odd C_out: single-channel stores
     ((2, 6, 9, 9), (24, 6, 3, 3), (1, 1), (1, 1)),  # 6 channels: the NCHW kernels, copies
     ((4, 1, 12, 12), (64, 1, 3, 3), (1, 1), (1, 1)),  # a 1-channel stem: direct kernels
+    ((2, 3, 10, 10), (13, 3, 3, 3), (2, 2), (1, 1)),  # 3 channels, odd C_out: direct, stores
 ]
 
 

@@ -273,7 +273,7 @@ def _cols_tile(n: int) -> int:
 
 
 def _plan_implicit(fn_name, mode, out_shape, m, c, hs, ws, ho, wo, kh, kw, stride, padding,
-                   w_sm, w_sc, dt, cl=False):
+                   dt, cl=False):
     """Forward (mode 0) or backward-data (mode 1): out[n, m, p] = sum wgt * src (conv2d.cu).
 
     The plan runs two kernels: the weight, reordered to the GEMM's (kh, kw, c) K order, then
@@ -291,9 +291,7 @@ def _plan_implicit(fn_name, mode, out_shape, m, c, hs, ws, ho, wo, kh, kw, strid
                                                                       dt))
     if cl and not _wgmma_conv(dt, c, nb, npix, m):
         return None
-    reorder = launch.kernel(CONV, "conv2d_weight_reorder_kernel", launch.ctype(dt))
-    r_grid = (max(1, min(-(-m * k // 256), launch.sm_count() * 4)),)
-    r_tail = (i32(m), i32(c), i32(kh * kw), i32(w_sm), i32(w_sc))
+    reorder = _weight_reorder(mode, m, c, kh * kw, dt)
     (sh, sw), (ph, pw) = stride, padding
     # The kernels' parameters after (wr, src, bias, out, has_bias).
     geom = (i32(nb), i32(m), i32(c), i32(hs), i32(ws), i32(ho), i32(wo), i32(kh), i32(kw),
@@ -340,9 +338,7 @@ def _plan_implicit(fn_name, mode, out_shape, m, c, hs, ws, ho, wo, kh, kw, strid
 
     def run(w, src, bias, out, workspace=None):
         y = output(fn_name, out, out_shape, dt)
-        wr = launch.new((m, k), dt)
-        if k:
-            reorder(r_grid, (256,), (w, wr) + r_tail)
+        wr = reorder(w)
         if to_nhwc:
             src = keep(workspace, kept, src, to_nhwc(src)) if kept else to_nhwc(src)
         has_bias = bias is not None
@@ -352,6 +348,18 @@ def _plan_implicit(fn_name, mode, out_shape, m, c, hs, ws, ho, wo, kh, kw, strid
 
     run.kernel = name
     return run
+
+
+def _weight_reorder(mode, m, c, khw, dt):
+    """run(w) -> a new (m, khw * c) array wr[m][t * c + ci] of the weight w (C_out, C_in, KH,
+    KW): the implicit GEMM's dense, K-major operand (K in (kh, kw, c) order), as one tiled
+    transpose. Forward (m = C_out, c = C_in): each output channel's (C_in, KH*KW) matrix
+    turned; backward-data (m = C_in, c = C_out): w as one (C_out, C_in*KH*KW) matrix turned.
+    Both read and write whole tile rows, where a per-element gather read the weight strided."""
+    if m * c * khw == 0:
+        return lambda w: launch.new((m, khw * c), dt)
+    turn = transposer(m, c, khw, dt) if mode == 0 else transposer(1, c, m * khw, dt)
+    return lambda w: turn(w).reshape(m, khw * c)
 
 
 def _wgmma_conv(dt, c: int, nb: int, npix: int, m: int) -> bool:
@@ -464,8 +472,7 @@ def _plan_forward(x, w, b, stride, padding, cl=False):
         run = _plan_direct_forward((n, c, h, wd), w.shape, ho, wo, (sh, sw), (ph, pw), kmax, dt)
     else:
         implicit = lambda cl: _plan_implicit(f, 0, (n, cout, ho, wo), cout, c, h, wd, ho, wo,
-                                             kh, kw, (sh, sw), (ph, pw), cin * kh * kw,
-                                             kh * kw, dt, cl)
+                                             kh, kw, (sh, sw), (ph, pw), dt, cl)
         run = cl and implicit(True)
         if run:
             return run
@@ -505,7 +512,7 @@ def _plan_backward_data(gy, w, x_shape, stride, padding, cl=False):
     if gy.shape != gy_shape:
         raise ValueError(f"cuda.{f}: gy has shape {gy.shape}, expected {gy_shape}")
     implicit = lambda cl: _plan_implicit(f, 1, (n, c, h, wd), c, cout, ho, wo, h, wd, kh, kw,
-                                         (sh, sw), (ph, pw), kh * kw, cin * kh * kw, dt, cl)
+                                         (sh, sw), (ph, pw), dt, cl)
     run = cl and implicit(True)
     if run:
         return run

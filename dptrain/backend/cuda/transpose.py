@@ -24,6 +24,7 @@ from dptrain.backend.cuda.elementwise import fill_
 from dptrain.backend.registry import op
 
 TR = "transpose.cu"
+NARROW_BYTES = 48 * 1024  # a matrix narrow_transpose_kernel moves whole (static smem limit)
 
 
 def strided_copy(dst, src, src_strides):
@@ -46,6 +47,26 @@ def transposer(nb: int, rows: int, cols: int, dtype):
     """run(a) -> a new contiguous (nb, cols, rows) array holding each of the nb (rows, cols)
     matrices of the contiguous array a transposed (tile_transpose_kernel: both sides
     contiguous). The fast GEMM and convolution paths copy their operands with it."""
+    if rows == 1 or cols == 1:  # the elements stay in order: a plain copy, no tiles
+        def copy_run(a):
+            out = launch.new((nb, cols, rows), dtype)
+            return strided_copy(out, a.reshape(out.shape), launch.estrides(out))
+
+        return copy_run
+    itemsize = np.dtype(dtype).itemsize
+    if min(rows, cols) < 32 and rows * cols * itemsize <= NARROW_BYTES and itemsize in (2, 4):
+        fn_narrow = launch.kernel(TR, "narrow_transpose_kernel", launch.bits(itemsize)[0])
+        blocks, smem = min(nb, 8 * launch.sm_count()), rows * cols * itemsize
+
+        def narrow_run(a):  # whole matrices through shared memory
+            out = launch.new((nb, cols, rows), dtype)
+            if out.size:
+                vec = np.int32(smem % 16 == 0 and a.data.ptr % 16 == 0)
+                fn_narrow((blocks,), (256,), (a, out, np.int32(nb), np.int32(rows),
+                                              np.int32(cols), vec), shared_mem=smem)
+            return out
+
+        return narrow_run
     if nb > launch.GRID_YZ_MAX or -(-rows // 32) > launch.GRID_YZ_MAX:
         raise ValueError(f"cuda.transpose: {nb} matrices of {rows} rows exceed the grid's limit")
     if np.dtype(dtype).itemsize == 2 and rows % 2 == 0 and cols % 2 == 0:
