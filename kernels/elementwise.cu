@@ -87,6 +87,26 @@ __global__ void map2_kernel(T* out, const T* a, const T* b, long long n, compute
   }
 }
 
+// out = ReluBack(y, a + b): ReLU's backward of a gradient that arrived in two parts (a
+// residual block's input feeds two paths), the add and the mask in one pass. Bits of
+// map2<Add> then map2<ReluBack>: the sum rounded once to T, the mask exact.
+template <typename T>
+__global__ void relu_back_sum_kernel(T* out, const T* y, const T* a, const T* b, long long n,
+                                     int vec) {
+  using C = compute_t<T>;
+  constexpr int V = Group<T>::size;
+  GRID_STRIDE(j, (n + V - 1) / V) {
+    const FlatGroup at = flat_group<V>(j, n, vec);
+    C w[V], u[V], v[V];
+    load_group(w, y + at.o, at.m, at.whole);
+    load_group(u, a + at.o, at.m, at.whole);
+    load_group(v, b + at.o, at.m, at.whole);
+#pragma unroll
+    for (int k = 0; k < V; ++k) u[k] = ReluBack()(w[k], Add()(u[k], v[k], C(0), C(0)), C(0), C(0));
+    store_group(out + at.o, u, at.m, at.whole);
+  }
+}
+
 // out (contiguous, n elements) = a op b, a and b read through L (broadcast strides).
 template <typename T, typename Op>
 __global__ void bcast2_kernel(T* out, const T* a, const T* b, int n, Layout L) {
@@ -134,6 +154,8 @@ __global__ void accumulate_kernel(To* dst, const Ti* src, long long n, int vec) 
 // instantiate: map1_kernel<double, Neg>; map1_kernel<double, Exp>; map1_kernel<double, Log>; map1_kernel<double, Sqrt>; map1_kernel<double, Tanh>; map1_kernel<double, Scale>; map1_kernel<double, Pow>; map1_kernel<double, Relu>; map1_kernel<double, Sigmoid>
 // instantiate: map2_kernel<float, Add>; map2_kernel<float, Sub>; map2_kernel<float, Mul>; map2_kernel<float, Div>; map2_kernel<float, ReluBack>; map2_kernel<float, SigmoidBack>; map2_kernel<float, TanhBack>; map2_kernel<float, PowBack>
 // instantiate: map2_kernel<double, Add>; map2_kernel<double, Sub>; map2_kernel<double, Mul>; map2_kernel<double, Div>; map2_kernel<double, ReluBack>; map2_kernel<double, SigmoidBack>; map2_kernel<double, TanhBack>; map2_kernel<double, PowBack>
+// instantiate: relu_back_sum_kernel<float>; relu_back_sum_kernel<double>
+// instantiate: relu_back_sum_kernel<__half>; relu_back_sum_kernel<__nv_bfloat16>
 // instantiate: bcast2_kernel<float, Add>; bcast2_kernel<float, Sub>; bcast2_kernel<float, Mul>; bcast2_kernel<float, Div>
 // instantiate: bcast2_kernel<double, Add>; bcast2_kernel<double, Sub>; bcast2_kernel<double, Mul>; bcast2_kernel<double, Div>
 // instantiate: fill_kernel<unsigned char>; fill_kernel<unsigned short>; fill_kernel<unsigned int>; fill_kernel<unsigned long long>

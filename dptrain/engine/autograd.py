@@ -6,6 +6,10 @@ order; each Function turns its output gradient into input gradients using the
 backend of its inputs. Gradients that reach a tensor along several paths are
 summed, so a value used twice needs no special case.
 
+A tensor's gradient parts are kept apart until its own op's backward runs: an op that can
+add them in its own pass (``Function.takes_grad_sum``: batch norm's residual ReLU) gets them
+as a GradSum; any other gets their sum, added in the order they arrived, as before.
+
 Leaves that already hold a ``.grad`` (parameters, whose gradients are views of
 one flat buffer) accumulate into it in place; this keeps the step free of
 per-step allocations whose addresses change, which CUDA-graph capture needs.
@@ -44,6 +48,26 @@ def is_grad_enabled() -> bool:
     return _grad_enabled
 
 
+class GradSum(tuple):
+    """A gradient that arrived in parts (arrays of one dtype), in arrival order, not yet added."""
+
+    @property
+    def dtype(self):
+        return self[0].dtype
+
+    def total(self, be):
+        """The parts added in order: ((g0 + g1) + g2) ..., the bits of adding as they came."""
+        acc = self[0]
+        for g in self[1:]:
+            acc = be.add(acc, g)
+        return acc
+
+
+def total(g, be):
+    """g itself, or the sum of a GradSum's parts."""
+    return g.total(be) if isinstance(g, GradSum) else g
+
+
 class Function:
     """One differentiable primitive. Subclasses define forward and backward on raw arrays.
 
@@ -58,6 +82,7 @@ class Function:
     needs_grad: tuple = ()
     inputs: tuple = ()
     into: tuple = ()  # per input: the .grad backward may add into (set by Tensor.backward)
+    takes_grad_sum = False  # backward accepts a GradSum as gy (and adds it itself)
 
     @classmethod
     def apply(cls, *tensors: "Tensor", **params) -> "Tensor":
@@ -185,8 +210,10 @@ class Tensor:
             if g is None:
                 continue
             if fn is None:
-                node._accumulate(g)
+                node._accumulate(total(g, be))
                 continue
+            if not fn.takes_grad_sum:
+                g = total(g, be)
             fn.into = tuple(i.grad.data if DIRECT_GRADS and i._ctx is None and i.requires_grad
                             and i.grad is not None and uses[id(i)] == 1 else None
                             for i in fn.inputs)
@@ -197,10 +224,19 @@ class Tensor:
                     added.add(id(inp))
                     continue
                 prev = grads.get(id(inp))
-                if prev is not None and inp.dtype not in (prev.dtype, gi.dtype):
+                if prev is None:  # (a GradSum passed on by a view stays parts)
+                    grads[id(inp)] = gi
+                    continue
+                gi = total(gi, be)  # parts arriving second are added first, as ever
+                if inp.dtype not in (prev.dtype, gi.dtype):
                     # two 16-bit gradients of an fp32 leaf (ops.CastParameter): sum in fp32
-                    prev, gi = (be.astype(v, inp.dtype) for v in (prev, gi))
-                grads[id(inp)] = gi if prev is None else be.add(prev, gi)
+                    grads[id(inp)] = be.add(*(be.astype(v, inp.dtype)
+                                              for v in (total(prev, be), gi)))
+                elif inp._ctx is None or prev.dtype != gi.dtype:  # a leaf's: added now
+                    grads[id(inp)] = be.add(total(prev, be), gi)
+                else:  # parts, for the op that made inp (GradSum)
+                    grads[id(inp)] = GradSum(prev + (gi,) if isinstance(prev, GradSum)
+                                             else (prev, gi))
 
     def _accumulate(self, g):
         # g may be 16-bit for an fp32 leaf (ops.CastParameter): add_ casts as it adds

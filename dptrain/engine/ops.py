@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dptrain.engine.autograd import Function, is_grad_enabled
+from dptrain.engine.autograd import Function, GradSum, is_grad_enabled, total
 from dptrain.engine.rng import data_shard
 
 # ----------------------------------------------------------------------------- elementwise
@@ -177,11 +177,15 @@ class Max(Function):
 
 
 class Reshape(Function):
+    takes_grad_sum = True  # a view: parts pass through it apart (to a channels-last batch norm)
+
     def forward(self, a, shape):
         self.shape = a.shape
         return a.reshape(shape)
 
     def backward(self, gy):
+        if isinstance(gy, GradSum):
+            return (GradSum(g.reshape(self.shape) for g in gy),)
         return (gy.reshape(self.shape),)
 
 
@@ -566,13 +570,19 @@ class BatchNorm(Function):
         self.y = y if relu and residual else None  # without a residual, its mask is recomputed
         return y
 
+    takes_grad_sum = True  # a block's output often feeds two paths: their add joins the ReLU's
+
     def backward(self, gy):
         be = self.be
         relu = None
         if self.relu and self.residual:  # through the ReLU once: the residual's gradient too
-            gy = be.relu_backward(self.y, gy)
+            if isinstance(gy, GradSum):  # the last add joins the mask's pass
+                gy = be.relu_backward_sum(self.y, GradSum(gy[:-1]).total(be), gy[-1])
+            else:
+                gy = be.relu_backward(self.y, total(gy, be))
         elif self.relu:  # the kernels recompute the ReLU's mask from x: no pass of its own
             relu = (self.weight, self.bias)
+        gy = total(gy, be)
         # the sums' last kernel adds them into both parameters' .grad where it may (the bits
         # of add_ afterwards); else they are returned: this rank's own sums either way
         into_b, into_w = self.grad_into(2, self.mean.dtype), self.grad_into(1, self.mean.dtype)

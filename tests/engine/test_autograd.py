@@ -195,3 +195,83 @@ def test_batch_norm_parameter_grads_added_in_place_on_the_gpu(monkeypatch, x_dty
     assert added == 1
     for a, b in zip(direct, after):
         assert a.tobytes() == b.tobytes()
+
+
+def _residual_block_grads(monkeypatch, joined, device="cpu", x_dtype=np.float32, parts=2,
+                          channels_last=False):
+    """Gradients of a batch norm with residual and ReLU whose output feeds `parts` paths (a
+    residual block's feeds two): its gradient arrives in parts, whose last add the batch norm
+    does in its ReLU's pass (relu_backward_sum) when `joined`, else autograd adds them all
+    first. `channels_last`: (N, H, W, C) activations, whose batch norm runs on a reshape to
+    (rows, C): the parts pass the view apart. The grads, and how often the joined kernel ran."""
+    from dptrain.backend import get
+    from dptrain.engine import ops
+
+    monkeypatch.setattr(ops.BatchNorm, "takes_grad_sum", joined)
+    be = get(device)
+    calls, real = [], be.relu_backward_sum
+    monkeypatch.setattr(be, "relu_backward_sum", lambda *a: calls.append(1) or real(*a))
+    rng = np.random.default_rng(11)
+    w, b = (dp.tensor(rng.standard_normal(6).astype(np.float32), requires_grad=True,
+                      device=device) for _ in range(2))
+    shape = (4, 5, 5, 6) if channels_last else (4, 6, 5, 5)
+    x, r = (dp.tensor(rng.standard_normal(shape).astype(np.float32), requires_grad=True,
+                      device=device) for _ in range(2))
+    xs, rs = ((F.cast(t, x_dtype) if x_dtype != np.float32 else t) for t in (x, r))
+    out = F.batch_norm(xs, w, b, residual=rs, relu=True, channels_last=channels_last)
+    uses = [F.cast(out * float(k), np.float32) for k in range(2, 2 + parts)]
+    loss = uses[0]
+    for u in uses[1:]:
+        loss = loss * u
+    loss.sum().backward()
+    return [t.grad.numpy() for t in (w, b, x, r)], len(calls)
+
+
+@pytest.mark.parametrize("parts,channels_last", [(2, False), (3, False), (2, True)])
+def test_gradient_parts_joined_in_the_relu_pass_equal_added_first(monkeypatch, parts,
+                                                                  channels_last):
+    """A tensor's gradient parts reach its op apart (GradSum) where the op adds them itself:
+    batch norm's residual ReLU, one pass for the (last) add and the mask; a reshape passes
+    them on apart. The same bits as autograd adding them first."""
+    joined, calls = _residual_block_grads(monkeypatch, True, parts=parts,
+                                          channels_last=channels_last)
+    first, calls_first = _residual_block_grads(monkeypatch, False, parts=parts,
+                                               channels_last=channels_last)
+    assert calls == 1 and calls_first == 0
+    for a, b in zip(joined, first):
+        assert a.tobytes() == b.tobytes()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("x_dtype", ["float32", "bfloat16"])
+def test_gradient_parts_joined_on_the_gpu(monkeypatch, x_dtype):
+    pytest.importorskip("cupy")
+    from dptrain.backend.bfloat16 import BFLOAT16
+
+    dt = BFLOAT16 if x_dtype == "bfloat16" else np.float32
+    joined, calls = _residual_block_grads(monkeypatch, True, "cuda", dt, channels_last=True)
+    first, _ = _residual_block_grads(monkeypatch, False, "cuda", dt, channels_last=True)
+    assert calls == 1
+    for a, b in zip(joined, first):
+        assert a.tobytes() == b.tobytes()
+
+
+def test_gradient_parts_of_other_ops_arrive_added():
+    """An op that does not take parts gets one array: their sum in arrival order."""
+    from dptrain.engine.autograd import Function, GradSum
+
+    seen = []
+
+    class Probe(Function):
+        def forward(self, a):
+            return a
+
+        def backward(self, gy):
+            seen.append(gy)
+            return (gy,)
+
+    x = dp.tensor([1.0, 2.0], requires_grad=True)
+    y = Probe.apply(x)
+    (y * 2.0 + y * 3.0).sum().backward()
+    assert not isinstance(seen[0], GradSum)
+    np.testing.assert_allclose(x.grad.numpy(), [5.0, 5.0])

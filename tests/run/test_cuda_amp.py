@@ -351,3 +351,20 @@ def test_overflow_on_one_of_two_gpus_skips_that_step_on_both(tmp_path):
     with np.load(tmp_path / "hit.npz") as hit, np.load(tmp_path / "two.npz") as two:
         for name in (n for n in two.files if n != "__meta__"):
             assert np.array_equal(hit[name], two[name]), name
+
+
+@pytest.mark.parametrize("dt", [H, BFLOAT16, np.dtype(np.float32), np.dtype(np.float64)],
+                         ids=["fp16", "bf16", "fp32", "fp64"])
+@pytest.mark.parametrize("n", [1001, 4096])
+def test_relu_backward_sum_is_add_then_relu_backward(cu, dt, n):
+    """relu_backward_sum(y, a, b): bitwise relu_backward(y, add(a, b)), in every dtype, with
+    a partial last group (n = 1001) and an unaligned view (offset by one element)."""
+    rng = np.random.default_rng(9)
+    host = [rng.standard_normal(n + 1) for _ in range(3)]
+    host[0][::3] = 0.0  # y == 0 masks too
+    arrays = [cu.asarray(to16(h, dt) if dt in (H, BFLOAT16) else h.astype(dt)) for h in host]
+    for view in (slice(0, n), slice(1, n + 1)):
+        y, a, b = (arr[view] for arr in arrays)
+        joined = cu.to_numpy(cu.relu_backward_sum(y, a, b))
+        apart = cu.to_numpy(cu.relu_backward(y, cu.add(a, b)))
+        assert joined.dtype == apart.dtype and joined.tobytes() == apart.tobytes()

@@ -212,6 +212,12 @@ def relu_backward(y, gy, *, workspace=None):
 
 
 @op
+def relu_backward_sum(y, ga, gb):
+    """relu_backward(y, ga + gb): ReLU's backward of a gradient that arrived in two parts."""
+    return relu_backward(y, add(ga, gb))
+
+
+@op
 def sigmoid(a):
     # Split by sign so neither branch overflows.
     e = np.exp(-np.abs(a))

@@ -180,6 +180,23 @@ def relu_backward(y, gy, *, workspace=None):
 
 
 @op
+def relu_backward_sum(y, ga, gb):
+    """relu_backward(y, add(ga, gb)) in one pass, the same bits: ReLU's backward of a gradient
+    that arrived in two parts."""
+    op_name = "relu_backward_sum"
+    launch.check_float(op_name, y, ga, gb, half=True)
+    launch.check_contiguous(op_name, y, ga, gb)
+    launch.check_shape(op_name, ga, y.shape)
+    launch.check_shape(op_name, gb, y.shape)
+    out = launch.new(y.shape, y.dtype)
+    if y.size:
+        fn = launch.kernel(EW, "relu_back_sum_kernel", launch.ctype(y.dtype))
+        launch.grid_stride(fn, _groups(y), (out, y, ga, gb, np.int64(y.size),
+                                            launch.aligned(out, y, ga, gb)))
+    return out
+
+
+@op
 def sigmoid(a):
     return _map1("sigmoid", "Sigmoid", a)
 
