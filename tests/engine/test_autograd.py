@@ -96,6 +96,12 @@ def test_shape_errors_name_the_shapes():
         F.cross_entropy(dp.tensor(np.zeros((2, 3))), dp.tensor([0.5, 1.0]))
 
 
+def _assert_same_bits(arrays, others):
+    assert len(arrays) == len(others)
+    for a, b in zip(arrays, others):
+        assert a.tobytes() == b.tobytes()
+
+
 def _mlp_grads(monkeypatch, direct, device="cpu", shared=False):
     """Two backward passes of a small Linear-ReLU-Linear net (parameters with .grad from the
     first on, so the second may add in place), with direct adds on or off; the grads, and the
@@ -132,8 +138,7 @@ def test_gradients_added_in_place_equal_added_after(monkeypatch, shared):
     after, calls_after, added_after = _mlp_grads(monkeypatch, False, shared=shared)
     assert added == (1 if shared else 2) and added_after == 0  # the second pass, each weight
     assert calls == calls_after and len(calls) == 8
-    for a, b in zip(direct, after):
-        assert a.tobytes() == b.tobytes()
+    _assert_same_bits(direct, after)
 
 
 @pytest.mark.gpu
@@ -145,8 +150,7 @@ def test_gradients_added_in_place_on_the_gpu(monkeypatch):
         direct, calls, added = _mlp_grads(monkeypatch, True, device="cuda")
         after, calls_after, _ = _mlp_grads(monkeypatch, False, device="cuda")
     assert added == 2 and calls == calls_after
-    for a, b in zip(direct, after):
-        assert a.tobytes() == b.tobytes()
+    _assert_same_bits(direct, after)
 
 
 def _bn_grads(monkeypatch, direct, device="cpu", x_dtype=np.float32):
@@ -179,8 +183,7 @@ def test_batch_norm_parameter_grads_added_by_the_sums_kernel(monkeypatch):
     direct, added = _bn_grads(monkeypatch, True)
     after, added_after = _bn_grads(monkeypatch, False)
     assert added == 1 and added_after == 0
-    for a, b in zip(direct, after):
-        assert a.tobytes() == b.tobytes()
+    _assert_same_bits(direct, after)
 
 
 @pytest.mark.gpu
@@ -193,8 +196,7 @@ def test_batch_norm_parameter_grads_added_in_place_on_the_gpu(monkeypatch, x_dty
     direct, added = _bn_grads(monkeypatch, True, device="cuda", x_dtype=dt)
     after, _ = _bn_grads(monkeypatch, False, device="cuda", x_dtype=dt)
     assert added == 1
-    for a, b in zip(direct, after):
-        assert a.tobytes() == b.tobytes()
+    _assert_same_bits(direct, after)
 
 
 def _residual_block_grads(monkeypatch, joined, device="cpu", x_dtype=np.float32, parts=2,
@@ -238,8 +240,7 @@ def test_gradient_parts_joined_in_the_relu_pass_equal_added_first(monkeypatch, p
     first, calls_first = _residual_block_grads(monkeypatch, False, parts=parts,
                                                channels_last=channels_last)
     assert calls == 1 and calls_first == 0
-    for a, b in zip(joined, first):
-        assert a.tobytes() == b.tobytes()
+    _assert_same_bits(joined, first)
 
 
 @pytest.mark.gpu
@@ -252,8 +253,7 @@ def test_gradient_parts_joined_on_the_gpu(monkeypatch, x_dtype):
     joined, calls = _residual_block_grads(monkeypatch, True, "cuda", dt, channels_last=True)
     first, _ = _residual_block_grads(monkeypatch, False, "cuda", dt, channels_last=True)
     assert calls == 1
-    for a, b in zip(joined, first):
-        assert a.tobytes() == b.tobytes()
+    _assert_same_bits(joined, first)
 
 
 def test_gradient_parts_of_other_ops_arrive_added():
