@@ -228,15 +228,16 @@ class Tensor:
                     grads[id(inp)] = gi
                     continue
                 gi = total(gi, be)  # parts arriving second are added first, as ever
+                if inp._ctx is not None and inp.dtype == prev.dtype == gi.dtype:
+                    # parts, for the op that made inp
+                    grads[id(inp)] = GradSum((*(prev if isinstance(prev, GradSum) else (prev,)),
+                                              gi))
+                    continue
+                prev = total(prev, be)  # a leaf's, or of mixed dtypes: added now
                 if inp.dtype not in (prev.dtype, gi.dtype):
                     # two 16-bit gradients of an fp32 leaf (ops.CastParameter): sum in fp32
-                    grads[id(inp)] = be.add(*(be.astype(v, inp.dtype)
-                                              for v in (total(prev, be), gi)))
-                elif inp._ctx is None or prev.dtype != gi.dtype:  # a leaf's: added now
-                    grads[id(inp)] = be.add(total(prev, be), gi)
-                else:  # parts, for the op that made inp (GradSum)
-                    grads[id(inp)] = GradSum(prev + (gi,) if isinstance(prev, GradSum)
-                                             else (prev, gi))
+                    prev, gi = (be.astype(v, inp.dtype) for v in (prev, gi))
+                grads[id(inp)] = be.add(prev, gi)
 
     def _accumulate(self, g):
         # g may be 16-bit for an fp32 leaf (ops.CastParameter): add_ casts as it adds

@@ -546,6 +546,8 @@ class BatchNorm(Function):
     sums (the reducer averages them like every gradient); the input gradient is that of the
     sum of all ranks' losses, which the reducer's mean turns into the global batch's."""
 
+    takes_grad_sum = True  # a block's output often feeds two paths: their add joins the ReLU's
+
     def forward(self, x, weight, bias, *residual, running=None, training=True, momentum=0.1,
                 eps=1e-5, comm=None, relu=False):
         be = self.be
@@ -569,8 +571,6 @@ class BatchNorm(Function):
                                   residual=residual[0] if residual else None, relu=relu)
         self.y = y if relu and residual else None  # without a residual, its mask is recomputed
         return y
-
-    takes_grad_sum = True  # a block's output often feeds two paths: their add joins the ReLU's
 
     def backward(self, gy):
         be = self.be

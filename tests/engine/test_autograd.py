@@ -186,19 +186,6 @@ def test_batch_norm_parameter_grads_added_by_the_sums_kernel(monkeypatch):
     _assert_same_bits(direct, after)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("x_dtype", ["float32", "bfloat16"])
-def test_batch_norm_parameter_grads_added_in_place_on_the_gpu(monkeypatch, x_dtype):
-    pytest.importorskip("cupy")
-    from dptrain.backend.bfloat16 import BFLOAT16
-
-    dt = BFLOAT16 if x_dtype == "bfloat16" else np.float32
-    direct, added = _bn_grads(monkeypatch, True, device="cuda", x_dtype=dt)
-    after, _ = _bn_grads(monkeypatch, False, device="cuda", x_dtype=dt)
-    assert added == 1
-    _assert_same_bits(direct, after)
-
-
 def _residual_block_grads(monkeypatch, joined, device="cpu", x_dtype=np.float32, parts=2,
                           channels_last=False):
     """Gradients of a batch norm with residual and ReLU whose output feeds `parts` paths (a
@@ -245,15 +232,22 @@ def test_gradient_parts_joined_in_the_relu_pass_equal_added_first(monkeypatch, p
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("x_dtype", ["float32", "bfloat16"])
-def test_gradient_parts_joined_on_the_gpu(monkeypatch, x_dtype):
+@pytest.mark.parametrize("case", ["batch_norm_parameter_grads", "gradient_parts"])
+def test_fused_gradients_on_the_gpu_equal_added_after(monkeypatch, x_dtype, case):
+    """The two tests above on the GPU: batch norm's parameter grads added into .grad by its
+    sums' kernel, and a channels-last block output's gradient parts joined in the ReLU's
+    pass; each fires once and gives the bits of adding after."""
     pytest.importorskip("cupy")
     from dptrain.backend.bfloat16 import BFLOAT16
 
     dt = BFLOAT16 if x_dtype == "bfloat16" else np.float32
-    joined, calls = _residual_block_grads(monkeypatch, True, "cuda", dt, channels_last=True)
-    first, _ = _residual_block_grads(monkeypatch, False, "cuda", dt, channels_last=True)
-    assert calls == 1
-    _assert_same_bits(joined, first)
+    grads = {"batch_norm_parameter_grads": _bn_grads,
+             "gradient_parts": lambda *a, **k: _residual_block_grads(*a, channels_last=True,
+                                                                     **k)}[case]
+    fused, count = grads(monkeypatch, True, device="cuda", x_dtype=dt)
+    after, _ = grads(monkeypatch, False, device="cuda", x_dtype=dt)
+    assert count == 1
+    _assert_same_bits(fused, after)
 
 
 def test_gradient_parts_of_other_ops_arrive_added():

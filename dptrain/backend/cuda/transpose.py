@@ -48,11 +48,7 @@ def transposer(nb: int, rows: int, cols: int, dtype):
     matrices of the contiguous array a transposed (tile_transpose_kernel: both sides
     contiguous). The fast GEMM and convolution paths copy their operands with it."""
     if rows == 1 or cols == 1:  # the elements stay in order: a plain copy, no tiles
-        def copy_run(a):
-            out = launch.new((nb, cols, rows), dtype)
-            return strided_copy(out, a.reshape(out.shape), launch.estrides(out))
-
-        return copy_run
+        return lambda a: copy(a).reshape(nb, cols, rows)
     itemsize = np.dtype(dtype).itemsize
     if min(rows, cols) < 32 and rows * cols * itemsize <= NARROW_BYTES and itemsize in (2, 4):
         fn_narrow = launch.kernel(TR, "narrow_transpose_kernel", launch.bits(itemsize)[0])
@@ -69,7 +65,7 @@ def transposer(nb: int, rows: int, cols: int, dtype):
         return narrow_run
     if nb > launch.GRID_YZ_MAX or -(-rows // 32) > launch.GRID_YZ_MAX:
         raise ValueError(f"cuda.transpose: {nb} matrices of {rows} rows exceed the grid's limit")
-    if np.dtype(dtype).itemsize == 2 and rows % 2 == 0 and cols % 2 == 0:
+    if itemsize == 2 and rows % 2 == 0 and cols % 2 == 0:
         fn = launch.kernel(TR, "tile_transpose_pairs_kernel")  # 16-bit pairs, 64 x 64 tiles
         tile = 64
     else:
