@@ -27,6 +27,11 @@
 //    along the pixels: 8 consecutive pixels of one channel per quad), or channels-last when
 //    `nhwc`, out[n, oy, ox, m] (a quad stores 8 consecutive channels as 4 pairs), which
 //    spares the launcher the copy of a channels-last tensor to NCHW and back.
+//  * Batch statistics (forward, TMA kernel, `stats` non-null): each tile also writes, per
+//    channel m, the rounded output's shift (the tile's first pixel), sum of d = y - shift
+//    and sum of d^2 over its valid pixels, as floats at stats[(tx * 3 + r) * M + m] (tx the
+//    pixel tile; r = 0, 1, 2): batch norm's statistics without a pass over y (norm.cu's
+//    bn_tile_stats_finalize_kernel merges the tiles in double).
 //  * Tiles, swizzle and pipeline: wgmma.cuh. conv2d_wgmma_kernel: a tile per block, 256
 //    threads = two warpgroups of 64 pixels that both gather and multiply.
 //  * conv2d_wgmma_tma_kernel, where C fills whole 128-byte slabs: the same tiles, slabs and
@@ -228,13 +233,88 @@ __device__ __forceinline__ void store_tile(const float (&acc)[BN / 2], const Con
   });
 }
 
+// Shared memory of tile_stats: the tile's first row, then each warp's column sums.
+template <int BN> struct StatsSmem {
+  float shift[BN];
+  float part[8][2][BN];  // [warp][sum of d, of d^2][column]
+};
+
+// The 256 consumer threads' barrier (the producer warpgroup never joins it).
+__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
+
+// Half of a thread's n values kept (the upper half where `upper`), the other half sent to
+// the partner lane (lane ^ mask) and its half of the same values added: a step of a
+// reduce-scatter over lanes.
+template <int H>
+__device__ __forceinline__ void halve(float* v, int mask) {
+  const bool upper = threadIdx.x & mask;
+#pragma unroll
+  for (int i = 0; i < H; ++i) {
+    const float keep = upper ? v[i + H] : v[i], send = upper ? v[i] : v[i + H];
+    v[i] = keep + __shfl_xor_sync(0xffffffffu, send, mask);
+  }
+}
+
+// This tile's batch statistics (the header's `stats`) of the output as stored (rounded to
+// T, bias-free): per column, d = y - y[first pixel] and d^2 summed over the thread's two
+// rows, over the warp's 16 rows by a reduce-scatter over the 8 lanes that share columns
+// (lane bits 4, 3, 2: 7/8 shuffle per value), then over the 8 warps in order through
+// shared memory. Fixed order: the same bits every run. Every consumer thread calls it.
+template <typename T, int BN>
+__device__ __forceinline__ void tile_stats(const float (&acc)[BN / 2], int M, int npix,
+                                           int q0, int m0, float* stats, StatsSmem<BN>& sm) {
+  constexpr int Q = BN / 2, C4 = BN / 4;  // values a thread sums: C4 columns' (d, d^2)
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const auto rounded = [](float v) { return as<float>(as<T>(v)); };
+  consumers_sync();    // the previous tile's sums have been read
+  if (threadIdx.x < 4)  // the tile's first pixel row: warp 0, lanes 0-3
+    for_each_pair<BN>(acc, [&](int, int col, float x0, float y0, float, float) {
+      sm.shift[col] = rounded(x0);
+      sm.shift[col + 1] = rounded(y0);
+    });
+  consumers_sync();
+  const int row = warp * 16 + (lane >> 2);
+  const bool ok0 = q0 + row < npix, ok1 = q0 + row + 8 < npix;
+  // v[i], i < C4: the sum of d of local column i (column 8 * (i / 2) + 2 * (lane & 3) +
+  // i % 2, for_each_pair's layout); v[C4 + i]: of d^2. Indexed by constants only, so v
+  // stays in registers.
+  float v[Q];
+#pragma unroll
+  for (int i = 0; i < C4; ++i) {
+    const int col = 8 * (i / 2) + 2 * (lane & 3) + i % 2, a = 4 * (i / 2) + i % 2;
+    const float s = sm.shift[col];
+    const float d0 = ok0 ? rounded(acc[a]) - s : 0.f, d1 = ok1 ? rounded(acc[a + 2]) - s : 0.f;
+    v[i] = d0 + d1;
+    v[C4 + i] = d0 * d0 + d1 * d1;
+  }
+  halve<Q / 2>(v, 16);
+  halve<Q / 4>(v, 8);
+  halve<Q / 8>(v, 4);
+  // kept: values (lane >> 2) * Q / 8 + t, the warp's sums over its 16 rows
+#pragma unroll
+  for (int t = 0; t < Q / 8; ++t) {
+    const int i = (lane >> 2) * (Q / 8) + t, r = i / C4, lc = i - r * C4;
+    sm.part[warp][r][8 * (lc / 2) + 2 * (lane & 3) + lc % 2] = v[t];
+  }
+  consumers_sync();
+  const int r = threadIdx.x / BN, col = threadIdx.x % BN, m = m0 + col, tx = q0 / BM;
+  if (threadIdx.x < 2 * BN && m < M) {
+    float total = 0.f;
+#pragma unroll
+    for (int w = 0; w < 8; ++w) total += sm.part[w][r][col];
+    stats[((long long)tx * 3 + 1 + r) * M + m] = total;
+    if (r == 0) stats[(long long)tx * 3 * M + m] = sm.shift[col];
+  }
+}
+
 // The multiplying warpgroups of the warp-specialized kernel (threads 0-255, 64 pixel rows
 // each): the block's tiles in turn, each slab taken once full[slot] completes and released
 // through empty[slot] once its wgmmas have retired; then the epilogue.
 template <typename T, int BN>
 __device__ __forceinline__ void multiply_tiles(const ConvGeom& g, int tiles_x, int tiles_y,
                                                int tiles, u32 sbase, u32 full, u32 empty,
-                                               const T* bias, int has_bias, int nhwc, T* out) {
+                                               const T* bias, int has_bias, int nhwc, T* out,
+                                               float* stats, StatsSmem<BN>& sm) {
   constexpr int S = STAGES, A_BYTES = BM * ROW_BYTES, STAGE_BYTES = (BM + BN) * ROW_BYTES;
   constexpr int BK = ROW_BYTES / sizeof(T);
   const int wg = threadIdx.x >> 7;
@@ -261,6 +341,7 @@ __device__ __forceinline__ void multiply_tiles(const ConvGeom& g, int tiles_x, i
     fence_regs(acc);
     if (last >= 0) mbar_arrive(empty + 8 * last);
     store_tile<T, BN>(acc, g, at.f, at.q0, at.m0, bias, has_bias, nhwc, out);
+    if (stats) tile_stats<T, BN>(acc, g.M, at.f.npix, at.q0, at.m0, stats, sm);
   }
 }
 }  // namespace wgmma_conv
@@ -307,12 +388,14 @@ template <typename T, int BN>
 __global__ void __launch_bounds__(384, BN <= 64 ? 2 : 1)
     conv2d_wgmma_tma_kernel(const __grid_constant__ wgmma_tiles::TmaMap pixels,
                             const __grid_constant__ wgmma_tiles::TmaMap weights,
-                            DP_CONV_PARAMS, int tiles_x, int tiles_y, int tiles) {
+                            DP_CONV_PARAMS, int tiles_x, int tiles_y, int tiles,
+                            float* stats) {
   using namespace wgmma_conv;
   constexpr int S = STAGES;
   constexpr int A_BYTES = BM * ROW_BYTES, STAGE_BYTES = (BM + BN) * ROW_BYTES;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   __shared__ __align__(8) unsigned long long bars[2 * S];  // full[S], then empty[S]
+  __shared__ StatsSmem<BN> stats_smem;
   require_smem(smem_bytes<BM, BN>());  // the launcher must pass it
   const u32 sbase = smem_base(smem_raw);
   const u32 full = (u32)__cvta_generic_to_shared(bars), empty = full + 8 * S;
@@ -325,11 +408,12 @@ __global__ void __launch_bounds__(384, BN <= 64 ? 2 : 1)
   const ConvGeom g{Nb, M, C, Hs, Ws, Ho, Wo, KH, KW, sh, sw, ph, pw, mode};
   if (threadIdx.x < 256) {
     multiply_tiles<T, BN>(g, tiles_x, tiles_y, tiles, sbase, full, empty, bias, has_bias, nhwc,
-                          out);
+                          out, stats, stats_smem);
     return;
   }
   if (threadIdx.x != 256) return;
   if (mode == 1 && (sh != 1 || sw != 1)) __trap();  // strided backward-data comes by phases
+  if (stats && (mode != 0 || has_bias)) __trap();     // statistics of a bias-free forward
   constexpr int BK = ROW_BYTES / sizeof(T);
   int slot = 0;
   u32 parity = 0;

@@ -99,17 +99,12 @@ __global__ void bn_stats_partial_kernel(double* ws, const T* x, int N, int C, in
   });
 }
 
-// The finalize kernels' sum of ws[y * n + j] over the splits y, for j = blockIdx.x * 32 +
-// threadIdx.x (blocks of 32 x FOLD_LANES threads): lane threadIdx.y adds the splits y = lane,
-// lane + FOLD_LANES, ... in order, then lane 0 the lanes' sums in order. A fixed order (the
-// bits depend on the split count alone) with enough loads in flight to read hundreds of
-// splits in a few microseconds. Every thread of the block must call it; valid in lane 0.
 constexpr int FOLD_LANES = 32;
-__device__ __forceinline__ double fold_splits(const double* ws, int splits, int n, int j) {
+
+// The sum of the FOLD_LANES lanes' acc (lane threadIdx.y) of output threadIdx.x, in lane
+// order; valid in lane 0. Every thread of the block must call it.
+__device__ __forceinline__ double fold_lanes(double acc) {
   __shared__ double lanes[FOLD_LANES][32];
-  double acc = 0.0;
-  if (j < n)
-    for (int y = threadIdx.y; y < splits; y += FOLD_LANES) acc += ws[(long long)y * n + j];
   lanes[threadIdx.y][threadIdx.x] = acc;
   __syncthreads();
   double total = 0.0;
@@ -117,6 +112,18 @@ __device__ __forceinline__ double fold_splits(const double* ws, int splits, int 
     for (int l = 0; l < FOLD_LANES; ++l) total += lanes[l][threadIdx.x];
   __syncthreads();  // lanes is reused by the caller's next call
   return total;
+}
+
+// The finalize kernels' sum of ws[y * n + j] over the splits y, for j = blockIdx.x * 32 +
+// threadIdx.x (blocks of 32 x FOLD_LANES threads): lane threadIdx.y adds the splits y = lane,
+// lane + FOLD_LANES, ... in order, then lane 0 the lanes' sums in order. A fixed order (the
+// bits depend on the split count alone) with enough loads in flight to read hundreds of
+// splits in a few microseconds. Every thread of the block must call it; valid in lane 0.
+__device__ __forceinline__ double fold_splits(const double* ws, int splits, int n, int j) {
+  double acc = 0.0;
+  if (j < n)
+    for (int y = threadIdx.y; y < splits; y += FOLD_LANES) acc += ws[(long long)y * n + j];
+  return fold_lanes(acc);
 }
 
 // mean[c], var[c] from the shifted partial sums (fold_splits' order), blocks as fold_splits.
@@ -129,6 +136,37 @@ __global__ void bn_stats_finalize_kernel(P* mean, P* var, const double* ws, cons
     const double d = s1 / count;
     mean[c] = P(as<double>(x[c * S]) + d);
     var[c] = P(fmax(s2 / count - d * d, 0.0));
+  }
+}
+
+// A convolution's per-tile statistics (conv2d_wgmma.cu's `stats`: per pixel tile t of
+// `rows` pixels, the last one count - rows * (tiles - 1), the float shift, sum of d and sum
+// of d^2 at ts[(t * 3 + r) * C + c]) as bn_stats_partial_kernel's partials: each tile's sums
+// moved to tile 0's shift (the first pixel, as there) in double; block y of grid (C / 32,
+// splits) takes tiles [y * chunk, (y + 1) * chunk), its lanes (FOLD_LANES) every
+// FOLD_LANES-th, then fold_lanes. bn_stats_finalize_kernel<float> with x = ts, S = 1 (tile
+// 0's shifts) finishes: the same formula. (T: float, the tiles' sums.)
+template <typename T>
+__global__ void bn_tile_stats_partial_kernel(double* ws, const T* ts, int tiles, int C, int rows,
+                                             double count, int chunk) {
+  const int c = blockIdx.x * 32 + threadIdx.x;
+  const long long n3 = 3LL * C;
+  double s1 = 0.0, s2 = 0.0;
+  if (c < C) {
+    const double shift0 = ts[c];
+    for (int t = blockIdx.y * chunk + threadIdx.y, end = min(tiles, (blockIdx.y + 1) * chunk);
+         t < end; t += FOLD_LANES) {
+      const double n = t < tiles - 1 ? rows : count - (double)rows * (tiles - 1);
+      const double delta = (double)ts[t * n3 + c] - shift0, a = ts[t * n3 + C + c];
+      s1 += a + n * delta;
+      s2 += (double)ts[t * n3 + 2 * C + c] + delta * (2.0 * a + n * delta);
+    }
+  }
+  s1 = fold_lanes(s1);
+  s2 = fold_lanes(s2);
+  if (threadIdx.y == 0 && c < C) {
+    ws[(long long)blockIdx.y * 2 * C + c] = s1;
+    ws[((long long)blockIdx.y * 2 + 1) * C + c] = s2;
   }
 }
 
@@ -523,6 +561,7 @@ __global__ void __launch_bounds__(CL_THREADS) bn_backward_data_cl_kernel(
 // instantiate: bn_stats_partial_kernel<__half>; bn_stats_finalize_kernel<__half>; bn_mean_partial_kernel<__half>; bn_var_partial_kernel<__half>; bn_forward_kernel<__half>; bn_backward_partial_kernel<__half>; bn_backward_data_kernel<__half>
 // instantiate: bn_stats_partial_kernel<__nv_bfloat16>; bn_stats_finalize_kernel<__nv_bfloat16>; bn_mean_partial_kernel<__nv_bfloat16>; bn_var_partial_kernel<__nv_bfloat16>; bn_forward_kernel<__nv_bfloat16>; bn_backward_partial_kernel<__nv_bfloat16>; bn_backward_data_kernel<__nv_bfloat16>
 // instantiate: bn_update_running_kernel<float>; bn_update_running_kernel<double>
+// instantiate: bn_tile_stats_partial_kernel<float>
 // instantiate: bn_backward_partial_kernel<float>; bn_backward_partial_kernel<double>
 // instantiate: bn_backward_data_kernel<float>; bn_backward_data_kernel<double>
 // instantiate: bn_stats_partial_cl_kernel<float>; bn_stats_partial_cl_kernel<double>; bn_stats_partial_cl_kernel<__half>; bn_stats_partial_cl_kernel<__nv_bfloat16>

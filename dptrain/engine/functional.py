@@ -43,19 +43,26 @@ def _linear(x, w, b, **params):
 
 
 def conv2d(x: Tensor, w: Tensor, b: Tensor | None = None, stride=1, padding=0, *,
-           workspace=None, channels_last=False) -> Tensor:
+           workspace=None, channels_last=False, batch_stats=False):
     """Convolution; `workspace` (``x.be.new_workspace()``) lets the backend reuse memory and
     work between calls without changing any result (``nn.Conv2d`` keeps one across steps).
     `channels_last`: x and the result are (N, H, W, C) (the weight stays (C_out, C_in, kH,
-    kW)), which the GPU's convolution kernels read and write without copies."""
+    kW)), which the GPU's convolution kernels read and write without copies.
+    `batch_stats` (b None): returns (y, (mean, var)), the output's per-channel batch mean and
+    biased variance as constant arrays for ``batch_norm(y, ..., batch_stats=)``: the GPU sums
+    them in the convolution's epilogue, sparing batch norm a pass over y."""
+    if batch_stats and b is not None:
+        raise ValueError("conv2d: batch_stats needs a bias-free convolution (b=None)")
     _check_nchw(x, "conv2d")
     c = x.shape[3] if channels_last else x.shape[1]
     if c != w.shape[1]:
         raise ValueError(f"conv2d: input has {c} channels, weight expects {w.shape[1]}")
     stride, padding = _pair(stride, "stride"), _pair(padding, "padding")
     args = (x, w) if b is None else (x, w, b)
-    return ops.Conv2d.apply(*args, stride=stride, padding=padding, workspace=workspace,
-                            channels_last=bool(channels_last))
+    stats = [] if batch_stats else None
+    y = ops.Conv2d.apply(*args, stride=stride, padding=padding, workspace=workspace,
+                         channels_last=bool(channels_last), stats_out=stats)
+    return (y, tuple(stats)) if batch_stats else y
 
 
 def _pool_args(x, kernel_size, stride, padding, op):
@@ -354,12 +361,17 @@ def self_attention(qkv: Tensor, heads: int, causal: bool = False, key_lengths=No
 
 def batch_norm(x: Tensor, weight: Tensor, bias: Tensor, running=None, training: bool = True,
                momentum: float = 0.1, eps: float = 1e-5, comm=None, residual: Tensor = None,
-               relu: bool = False, channels_last: bool = False) -> Tensor:
+               relu: bool = False, channels_last: bool = False, batch_stats=None) -> Tensor:
     """Batch normalisation over axis 1 (the last axis where `channels_last`). ``running``:
     (mean, var, num_batches_tracked) Tensors, updated in place in training and used in eval;
     ``comm``: all-reduce the batch statistics over its ranks (sync-BN). ``residual`` (x's
     shape and dtype) is added and ``relu`` applied in the same pass: relu(bn(x) + residual).
-    See ops.BatchNorm."""
+    ``batch_stats``: x's (mean, var) as ``conv2d(..., batch_stats=True)`` returned them,
+    used instead of computing them (training with per-rank statistics only). See
+    ops.BatchNorm."""
+    if batch_stats is not None and (not training or (comm is not None and comm.size > 1)):
+        raise ValueError("batch_norm: batch_stats are for training with per-rank statistics "
+                         "(not eval, not sync-BN)")
     axis = -1 if channels_last else 1
     if x.ndim < 2 or weight.shape != (x.shape[axis],) or bias.shape != (x.shape[axis],):
         raise ValueError(f"batch_norm: input {x.shape} needs a channel axis {axis} and weight "
@@ -367,7 +379,7 @@ def batch_norm(x: Tensor, weight: Tensor, bias: Tensor, running=None, training: 
     if channels_last and x.ndim > 2:  # (..., C) is a batch of rows: the (rows, C) case
         rows = lambda t: None if t is None else reshape(t, -1, x.shape[-1])
         y = batch_norm(rows(x), weight, bias, running, training, momentum, eps, comm,
-                       rows(residual), relu)
+                       rows(residual), relu, batch_stats=batch_stats)
         return reshape(y, x.shape)
     if not training and running is None:
         raise ValueError("batch_norm: eval mode needs the running estimates")
@@ -379,7 +391,8 @@ def batch_norm(x: Tensor, weight: Tensor, bias: Tensor, running=None, training: 
         inputs += (residual,)
     arrays = None if running is None else tuple(t.data for t in running)
     return ops.BatchNorm.apply(*inputs, running=arrays, training=training,
-                               momentum=momentum, eps=eps, comm=comm, relu=relu)
+                               momentum=momentum, eps=eps, comm=comm, relu=relu,
+                               stats=batch_stats)
 
 
 def adaptive_avg_pool2d(x: Tensor, output_size=1, *, channels_last=False) -> Tensor:

@@ -319,12 +319,20 @@ class Conv2d(Function):
     one, this call makes its own, so its backward can still reuse its forward's work."""
 
     def forward(self, x, w, b=None, stride=(1, 1), padding=(0, 0), workspace=None,
-                channels_last=False):
+                channels_last=False, stats_out=None):
+        """`stats_out`: a list to append the output's per-channel batch (mean, var) to (a
+        bias-free convolution feeding a batch norm; the backend may sum them in its pass)."""
         self.x, self.w, self.stride, self.padding = x, w, stride, padding
         self.channels_last = channels_last
         self.workspace = self.be.new_workspace() if workspace is None else workspace
         if self.workspace is not None:  # what the forward keeps serves the weight gradient
             self.workspace.expect_backward(is_grad_enabled() and self.needs_grad[1])
+        if stats_out is not None:
+            y, mean, var = self.be.conv2d_forward_stats(x, w, stride, padding,
+                                                        channels_last=channels_last,
+                                                        workspace=self.workspace)
+            stats_out.extend((mean, var))
+            return y
         return self.be.conv2d_forward(x, w, b, stride, padding, channels_last=channels_last,
                                       workspace=self.workspace)
 
@@ -549,12 +557,14 @@ class BatchNorm(Function):
     takes_grad_sum = True  # a block's output often feeds two paths: their add joins the ReLU's
 
     def forward(self, x, weight, bias, *residual, running=None, training=True, momentum=0.1,
-                eps=1e-5, comm=None, relu=False):
+                eps=1e-5, comm=None, relu=False, stats=None):
         be = self.be
         self.comm = comm if comm is not None and comm.size > 1 else None
         self.count = (x.size // x.shape[1]) * (self.comm.size if self.comm else 1)
         self.training, self.eps, self.relu = training, eps, relu
-        if training and not self.comm:
+        if training and not self.comm and stats is not None:
+            mean, var = stats  # the producing convolution's (F.conv2d's batch_stats)
+        elif training and not self.comm:
             mean, var = be.batch_norm_stats(x)  # one read of x
         elif training:
             mean = be.batch_norm_mean(x)

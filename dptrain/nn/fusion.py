@@ -10,7 +10,9 @@ for a Linear's parameters); a second layer with pre-hooks is never fused (its ho
 between the two).
 
 Outside a Sequential a model asks for a fused call itself: ResNet's blocks call
-``bn(x, residual=..., relu=True)`` (BatchNorm2d runs relu(bn(x) + residual) in one pass).
+``bn(x, residual=..., relu=True)`` (BatchNorm2d runs relu(bn(x) + residual) in one pass), and
+``conv_batch_norm(conv, bn, x)``, where the convolution hands the batch norm its output's
+batch statistics (the GPU sums them in the convolution's epilogue).
 
 ``DPTRAIN_FUSE=0`` in the environment turns all of it off (to measure what it gives).
 """
@@ -49,3 +51,15 @@ def _after_hooks(layer, call):
             hook(layer)
         return call(x)
     return run
+
+
+def conv_batch_norm(conv, bn, x, residual=None, relu=False):
+    """bn(conv(x), residual=residual, relu=relu), both modules called (their hooks run). In
+    training with per-rank statistics and a bias-free convolution, the convolution also
+    returns its output's batch statistics, which the batch norm then uses instead of a pass
+    of its own over the activations (the same values to rounding: the GPU sums each tile in
+    the convolution's epilogue)."""
+    if enabled() and bn.training and bn.comm is None and conv.bias is None:
+        y, stats = conv(x, batch_stats=True)
+        return bn(y, residual=residual, relu=relu, batch_stats=stats)
+    return bn(conv(x), residual=residual, relu=relu)

@@ -79,10 +79,13 @@ class Conv2d(Module):
         self.workspace = _Workspace()
         self.channels_last = False
 
-    def forward(self, x):
+    def forward(self, x, batch_stats=False):
+        """conv(x); with `batch_stats` (no bias), (conv(x), its batch statistics): see
+        F.conv2d and nn.fusion.conv_batch_norm."""
         weight, bias = in_dtype_of(x, self.weight, self.bias)
         return F.conv2d(x, weight, bias, self.stride, self.padding,
-                        workspace=self.workspace(x), channels_last=self.channels_last)
+                        workspace=self.workspace(x), channels_last=self.channels_last,
+                        batch_stats=batch_stats)
 
 
 class MaxPool2d(Module):

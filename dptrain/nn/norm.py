@@ -33,17 +33,19 @@ class BatchNorm2d(Module):
         self.comm = None
         self.channels_last = False
 
-    def forward(self, x, residual=None, relu=False):
+    def forward(self, x, residual=None, relu=False, batch_stats=None):
         """bn(x); with ``residual`` and ``relu``, relu(bn(x) + residual): the layers that
         follow a batch norm in a residual block, in the same pass (nn.fusion; separate ops
-        when ``DPTRAIN_FUSE=0``)."""
+        when ``DPTRAIN_FUSE=0``). ``batch_stats``: x's batch statistics from the convolution
+        that made it (nn.fusion.conv_batch_norm)."""
         if x.ndim != 4:
             raise ValueError(f"BatchNorm2d expects 4-D input, got shape {x.shape}")
         running = (self.running_mean, self.running_var, self.num_batches_tracked)
         fused = fusion.enabled()
         y = F.batch_norm(x, self.weight, self.bias, running, self.training, self.momentum,
                          self.eps, comm=self.comm, residual=residual if fused else None,
-                         relu=relu and fused, channels_last=self.channels_last)
+                         relu=relu and fused, channels_last=self.channels_last,
+                         batch_stats=batch_stats)
         if not fused:
             y = y if residual is None else y + residual
             y = F.relu(y) if relu else y

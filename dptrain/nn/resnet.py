@@ -23,6 +23,7 @@ import math
 import numpy as np
 
 from dptrain.engine import functional as F
+from dptrain.nn.fusion import conv_batch_norm
 from dptrain.nn.layers import Conv2d, Linear, MaxPool2d, Sequential
 from dptrain.nn.module import Module, Parameter
 from dptrain.nn.norm import BatchNorm2d
@@ -59,10 +60,11 @@ class BasicBlock(Module):
                                          BatchNorm2d(channels))
 
     def forward(self, x):
-        out = self.bn1(self.conv1(x), relu=True)  # relu(bn1(.)) in one pass
-        shortcut = x if self.downsample is None else self.downsample(x)
+        # each convolution hands its batch norm the batch statistics (nn.fusion)
+        out = conv_batch_norm(self.conv1, self.bn1, x, relu=True)  # relu(bn1(.)) in one pass
+        shortcut = x if self.downsample is None else conv_batch_norm(*self.downsample, x)
         # relu(bn2(.) + shortcut) in one pass: the addition's gradient reaches both paths
-        return self.bn2(self.conv2(out), residual=shortcut, relu=True)
+        return conv_batch_norm(self.conv2, self.bn2, out, residual=shortcut, relu=True)
 
 
 class ResNet(Module):
@@ -95,7 +97,7 @@ class ResNet(Module):
     def forward(self, x):
         if self.channels_last:
             x = F.to_channels_last(x)
-        x = self.bn1(self.conv1(x), relu=True)
+        x = conv_batch_norm(self.conv1, self.bn1, x, relu=True)
         if self.maxpool is not None:
             x = self.maxpool(x)
         for stage in range(self.stages):

@@ -24,6 +24,10 @@ WGMMA_BWDW = "conv2d_bwdw_wgmma_kernel"
 WGMMA_BWDW_TF32 = "conv2d_bwdw_wgmma_tf32_kernel"
 
 
+def _channels_last(a):
+    return np.ascontiguousarray(np.asarray(a).transpose(0, 2, 3, 1))
+
+
 def bwdw_kernel(dt):
     return WGMMA_BWDW if np.dtype(dt).itemsize == 2 else WGMMA_BWDW_TF32
 CASES = [  # x shape, w shape, stride, padding
@@ -104,6 +108,57 @@ def test_tma_fed_kernel_is_bitwise_the_same(cu, dt, xs, ws, stride, pad, monkeyp
     for got, want in zip(passes(cu, dt, x, w, gy, stride, pad)[:2], base):
         assert got.tobytes() == want.tobytes()
     passes_match_reference(cu, dt, x, w, gy, stride, pad)
+
+
+STATS_CASES = [  # x shape, w shape, stride, padding, offset of x; forward on the TMA kernel
+    ((2, 64, 6, 6), (128, 64, 3, 3), (1, 1), (1, 1), 0),  # 72 pixels: one partial tile
+    ((3, 64, 9, 11), (96, 64, 3, 3), (1, 1), (1, 1), 3),  # 96 of a 128 tile; means >> spread
+    ((64, 64, 24, 24), (64, 64, 3, 3), (1, 1), (1, 1), 0),  # 288 tiles, two blocks an SM
+    ((8, 64, 12, 12), (32, 64, 1, 1), (2, 2), (0, 0), 1),  # a 32 tile: a strided shortcut
+    ((16, 128, 16, 16), (256, 128, 3, 3), (2, 2), (1, 1), 0),  # two channel tiles
+]
+
+
+@pytest.mark.parametrize("cl", [False, True], ids=["nchw", "channels_last"])
+@pytest.mark.parametrize("dt", DTYPES[1:])
+@pytest.mark.parametrize("xs, ws, stride, pad, offset", STATS_CASES)
+def test_forward_statistics_from_the_epilogue(cu, dt, xs, ws, stride, pad, offset, cl,
+                                               monkeypatch):
+    """conv2d_forward_stats on the TMA-fed 16-bit forward: y is conv2d_forward's, to the bit;
+    mean and variance (each tile's float sums about its first pixel, merged in double) are
+    the float64 statistics of y as stored within 1e-5 of its spread (the variance within
+    2e-5 of itself), as close as batch_norm_stats' (one read of y) are. By default only
+    tiles up to 64 channels sum them ("all": every width, as tested here). With
+    DPTRAIN_CONV_STATS=0 they are batch_norm_stats' bits."""
+    monkeypatch.setenv(conv2d.WGMMA_TMA_ENV, "1")
+    gemm.clear_plans()
+    x, w, _ = inputs(dt, xs, ws, stride, pad)
+    x = to_dt(to_f32(x, dt) + offset, dt)
+    dx, dw = cu.asarray(_channels_last(x) if cl else x), cu.asarray(w)
+    run = conv2d._forward(dx, dw, None, stride, pad, cl)
+    assert run.kernel == WGMMA_TMA and (run.stat_tiles is not None) == (ws[0] <= 64)
+    monkeypatch.setenv(conv2d.CONV_STATS_ENV, "all")  # 128-channel tiles too
+    gemm.clear_plans()
+    assert conv2d._forward(dx, dw, None, stride, pad, cl).stat_tiles is not None
+    y, mean, var = cu.conv2d_forward_stats(dx, dw, stride, pad, channels_last=cl)
+    plain = cu.conv2d_forward(dx, dw, None, stride, pad, channels_last=cl)
+    assert cu.to_numpy(y).tobytes() == cu.to_numpy(plain).tobytes()
+    rows = y.reshape(-1, ws[0]) if cl else y
+    y64 = to_f32(cu.to_numpy(y), dt).astype(np.float64)
+    y64 = y64.reshape(-1, ws[0]) if cl else y64.transpose(0, 2, 3, 1).reshape(-1, ws[0])
+    ref_mean, ref_var = y64.mean(axis=0), y64.var(axis=0)
+    spread = np.sqrt(ref_var) + 1e-30
+    for got_mean, got_var in ((mean, var), cu.batch_norm_stats(rows)):
+        got_mean, got_var = cu.to_numpy(got_mean), cu.to_numpy(got_var)
+        assert got_mean.dtype == got_var.dtype == np.float32
+        assert np.all(np.abs(got_mean - ref_mean) <= 1e-5 * spread)
+        assert np.all(np.abs(got_var - ref_var) <= 2e-5 * ref_var + 1e-30)
+    monkeypatch.setenv(conv2d.CONV_STATS_ENV, "0")
+    gemm.clear_plans()
+    assert conv2d._forward(dx, dw, None, stride, pad, cl).stat_tiles is None
+    _, mean0, var0 = cu.conv2d_forward_stats(dx, dw, stride, pad, channels_last=cl)
+    for got, want in zip((mean0, var0), cu.batch_norm_stats(rows)):
+        assert cu.to_numpy(got).tobytes() == cu.to_numpy(want).tobytes()
 
 
 def test_tma_box_covers_resnet_passes(monkeypatch):
@@ -218,10 +273,6 @@ CL_CASES = CASES + TMA_CASES + [
     ((4, 1, 12, 12), (64, 1, 3, 3), (1, 1), (1, 1)),  # a 1-channel stem: direct kernels
     ((2, 3, 10, 10), (13, 3, 3, 3), (2, 2), (1, 1)),  # 3 channels, odd C_out: direct, stores
 ]
-
-
-def _channels_last(a):
-    return np.ascontiguousarray(np.asarray(a).transpose(0, 2, 3, 1))
 
 
 @pytest.mark.parametrize("tma", ["0", "1"])

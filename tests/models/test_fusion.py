@@ -98,3 +98,56 @@ def test_fused_resnet_equals_unfused_bitwise(monkeypatch):
     (uo, ux, up), ub = unfused
     for a, b in zip([fo, fx, *fp, *fb], [uo, ux, *up, *ub]):
         assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_conv2d_hands_on_its_batch_statistics(channels_last):
+    """F.conv2d(batch_stats=True): y as without, and (mean, var) those batch_norm computes
+    of y (here the same ops: the same bits); batch_norm then uses them as they are."""
+    rng = np.random.default_rng(5)
+    x = Tensor(rng.standard_normal((2, 5, 5, 3) if channels_last else (2, 3, 5, 5))
+               .astype(np.float32))
+    w = Tensor(rng.standard_normal((4, 3, 3, 3)).astype(np.float32))
+    y, (mean, var) = F.conv2d(x, w, None, 1, 1, channels_last=channels_last, batch_stats=True)
+    plain = F.conv2d(x, w, None, 1, 1, channels_last=channels_last)
+    assert np.array_equal(y.numpy(), plain.numpy())
+    rows = plain.numpy().reshape(-1, 4) if channels_last else plain.numpy()
+    for got, want in zip((mean, var), cpu.batch_norm_stats(rows)):
+        assert np.array_equal(got, want)
+    weight, bias = Tensor(np.ones(4, np.float32)), Tensor(np.zeros(4, np.float32))
+    given = F.batch_norm(y, weight, bias, channels_last=channels_last, batch_stats=(mean, var))
+    computed = F.batch_norm(plain, weight, bias, channels_last=channels_last)
+    assert np.array_equal(given.numpy(), computed.numpy())
+
+
+def test_batch_statistics_are_refused_where_they_cannot_apply():
+    x = Tensor(np.zeros((1, 2, 3, 3), np.float32))
+    w, b = Tensor(np.zeros((2, 2, 1, 1), np.float32)), Tensor(np.zeros(2, np.float32))
+    with pytest.raises(ValueError, match="bias-free"):
+        F.conv2d(x, w, b, batch_stats=True)
+    stats = (np.zeros(2, np.float32), np.ones(2, np.float32))
+    running = tuple(Tensor(a) for a in (*stats, np.zeros((), np.int64)))
+    with pytest.raises(ValueError, match="not eval"):
+        F.batch_norm(x, b, b, running, training=False, batch_stats=stats)
+
+
+def test_conv_batch_norm_falls_back_to_the_two_layers(monkeypatch):
+    """conv_batch_norm asks for statistics only where batch norm would compute its own:
+    training, per-rank statistics, a bias-free convolution, fusion on."""
+    from dptrain.nn import BatchNorm2d, Conv2d
+    asked = []
+    real = F.conv2d
+    monkeypatch.setattr(F, "conv2d", lambda *a, **k: asked.append(k["batch_stats"]) or
+                        real(*a, **k))
+    x = Tensor(np.random.default_rng(0).standard_normal((2, 2, 4, 4)).astype(np.float32))
+    conv, bn = Conv2d(2, 3, 3, padding=1, bias=False), BatchNorm2d(3)
+    want = bn(real(x, conv.weight, None, 1, 1)).numpy()
+    bn.running_mean.data[:], bn.running_var.data[:] = 0, 1
+    bn.num_batches_tracked.data[...] = 0
+    assert np.array_equal(fusion.conv_batch_norm(conv, bn, x).numpy(), want)
+    bn.eval()
+    fusion.conv_batch_norm(conv, bn, x)
+    bn.train()
+    monkeypatch.setenv(fusion.FUSE_ENV, "0")
+    fusion.conv_batch_norm(conv, bn, x)
+    assert asked == [True, False, False]

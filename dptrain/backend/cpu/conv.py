@@ -91,6 +91,17 @@ def conv2d_forward(x, w, b, stride, padding, *, channels_last=False, workspace=N
     return _layout(y, channels_last)
 
 
+@op
+def conv2d_forward_stats(x, w, stride, padding, *, channels_last=False, workspace=None):
+    """(y, mean, var): the bias-free conv2d_forward y and batch_norm_stats of it per output
+    channel (over the batch and the pixels): a convolution feeding a batch norm in training.
+    Here the two ops as they are (the GPU sums the statistics in the convolution's epilogue)."""
+    from dptrain.backend import cpu  # the ops as the package offers them (16-bit in fp32)
+    y = cpu.conv2d_forward(x, w, None, stride, padding, channels_last=channels_last,
+                           workspace=workspace)
+    return (y, *cpu.batch_norm_stats(y.reshape(-1, y.shape[-1]) if channels_last else y))
+
+
 def _forward(x, w, b, stride, padding, workspace, source):
     """conv2d_forward of NCHW x (a view of `source`, which tags the kept columns)."""
     n = x.shape[0]

@@ -53,6 +53,7 @@ from dptrain.backend.cuda.arrays import fill_
 from dptrain.backend.cuda.gemm import (operand_dtype, output, plan, reducer, sig, split_k,
                                        tile_floats, wgmma_available, wgmma_smem)
 from dptrain.backend.cuda.launch import i32
+from dptrain.backend.cuda.norm import batch_norm_stats, batch_norm_tile_stats
 from dptrain.backend.cuda.runtime import runtime
 from dptrain.backend.cuda.transpose import strided_copy, transposer
 from dptrain.backend.cuda.workspace import keep, take
@@ -76,6 +77,7 @@ WGMMA_CONV_ENV = "DPTRAIN_WGMMA_CONV"
 # 0.95 -> 0.89 (H100, 2026-11-25, BENCHMARKS.md).
 WGMMA_TMA_ENV = "DPTRAIN_WGMMA_CONV_TMA"
 NHWC_ENV = "DPTRAIN_NHWC_CONV"  # "0": backward-weight keeps the NCHW gathers
+CONV_STATS_ENV = "DPTRAIN_CONV_STATS"  # see _epilogue_stats
 WGMMA_BWDW = "conv2d_bwdw_wgmma.cu"
 WGMMA_BWDW_ENV = "DPTRAIN_WGMMA_BWDW"  # "0": 16-bit backward-weight keeps conv2d_nhwc.cu
 # TF32 backward-weight on wgmma (conv2d_bwdw_wgmma_tf32_kernel): by default where C_in*KH*KW
@@ -296,7 +298,7 @@ def _plan_implicit(fn_name, mode, out_shape, m, c, hs, ws, ho, wo, kh, kw, strid
     # The kernels' parameters after (wr, src, bias, out, has_bias).
     geom = (i32(nb), i32(m), i32(c), i32(hs), i32(ws), i32(ho), i32(wo), i32(kh), i32(kw),
             i32(sh), i32(sw), i32(ph), i32(pw))
-    box = None
+    box = stat_tiles = None
     if _wgmma_conv(dt, c, nb, npix, m):
         box = _tma_box(mode, stride, padding, (kh, kw), (hs, ws), (ho, wo), c, m, dt)
         # strided backward-data of a filter wider than 1x1: a phase of the output pixels per
@@ -309,6 +311,8 @@ def _plan_implicit(fn_name, mode, out_shape, m, c, hs, ws, ho, wo, kh, kw, strid
         if name != "conv2d_wgmma_kernel":  # persistent: 1-2 blocks per SM walk the tiles
             tiles = grid[0] * grid[1] * phases
             tail += (i32(grid[0]), i32(grid[1]), i32(tiles))
+            if mode == 0 and _epilogue_stats(dt, m):
+                stat_tiles = grid[0]
             per_sm = 2 if _rows_tile(m) <= 64 else 1  # its __launch_bounds__
             grid = (min(tiles, per_sm * launch.sm_count()),)
         else:
@@ -336,18 +340,32 @@ def _plan_implicit(fn_name, mode, out_shape, m, c, hs, ws, ho, wo, kh, kw, strid
         return (tma.im2col(src, (nb, hs, ws, c), *box, channels=slab, pixels=128),
                 tma.tiled(wr, m, k, _rows_tile(m), slab))
 
-    def run(w, src, bias, out, workspace=None):
+    def run(w, src, bias, out, workspace=None, stats=None):
         y = output(fn_name, out, out_shape, dt)
         wr = reorder(w)
         if to_nhwc:
             src = keep(workspace, kept, src, to_nhwc(src)) if kept else to_nhwc(src)
         has_bias = bias is not None
+        extra = () if box is None else (launch.NULL if stats is None else stats,)
         fn(grid, block, maps(wr, src) + (wr, src, bias if has_bias else y, y,
-                                          np.int32(has_bias)) + tail, shared_mem=smem)
+                                          np.int32(has_bias)) + tail + extra, shared_mem=smem)
         return y
 
     run.kernel = name
+    run.stat_tiles = stat_tiles  # the pixel tiles whose statistics `stats=` takes, or None
     return run
+
+
+def _epilogue_stats(dt, m) -> bool:
+    """Whether the TMA-fed forward of `dt` into m channels sums batch statistics in its
+    epilogue (conv2d_forward_stats): 16-bit outputs (a tile's 128 pixels summed in float),
+    and by default tiles of at most 64 channels, two blocks an SM, where one block's epilogue
+    overlaps the other's wgmmas. With one block an SM the tensor cores wait for it: ResNet-18's
+    128-channel convolutions took 13-20 us longer (+15%) than the 19 us of the statistics
+    pass they spared, its 64-channel ones 1.5-6.6 us (H100, batch 256, 48x48).
+    DPTRAIN_CONV_STATS: "0" never, "all" every tile width."""
+    mode = os.environ.get(CONV_STATS_ENV, "1")
+    return mode != "0" and dt in launch.HALVES and (mode == "all" or _rows_tile(m) <= 64)
 
 
 def _weight_reorder(mode, m, c, khw, dt):
@@ -478,6 +496,23 @@ def _plan_forward(x, w, b, stride, padding, cl=False):
             return run
         run = implicit(False)
     return _via_nchw(run, f, {1: (n, c, h, wd)}, (n, cout, ho, wo), dt) if cl else run
+
+
+@op
+def conv2d_forward_stats(x, w, stride, padding, *, channels_last=False, out=None,
+                         workspace=None):
+    """(y, mean, var): the bias-free conv2d_forward y and batch_norm_stats of it per output
+    channel (over the batch and the pixels), for a batch norm that follows in training. Where
+    the TMA-fed kernel runs a 16-bit forward, its epilogue sums each tile's statistics and one
+    small kernel merges them (batch_norm_tile_stats): no pass over y. Else the two ops."""
+    run = _forward(x, w, None, stride, padding, channels_last)
+    tiles = getattr(run, "stat_tiles", None)
+    if tiles is None:
+        y = run(w, x, None, out, workspace)
+        return (y, *batch_norm_stats(y.reshape(-1, y.shape[-1]) if channels_last else y))
+    ws = launch.new((tiles, 3, w.shape[0]), np.dtype(np.float32))
+    y = run(w, x, None, out, workspace, stats=ws)
+    return (y, *batch_norm_tile_stats(ws, y.size // w.shape[0]))
 
 
 @op

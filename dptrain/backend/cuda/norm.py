@@ -32,6 +32,7 @@ from dptrain.backend.registry import op
 NORM = "norm.cu"
 CL_MAX_C, CL_THREADS = 512, 256  # norm.cu's
 FOLD_BLOCK = (32, 32)  # the finalize kernels' blocks: 32 outputs x FOLD_LANES
+TILE_PIXELS = 128  # the pixels of a convolution tile (batch_norm_tile_stats)
 
 
 def stat_dtype(x) -> np.dtype:
@@ -187,6 +188,28 @@ def batch_norm_stats(x):
         fn = launch.kernel(NORM, "bn_stats_finalize_kernel", launch.ctype(x.dtype))
         fn((-(-c // 32),), FOLD_BLOCK, (mean, var, ws, x, np.int32(splits), np.int32(c),
                                         np.int32(s), np.float64(n * s)))
+    return mean, var
+
+
+def batch_norm_tile_stats(ts, count):
+    """(mean, var) (float32) from a convolution's per-tile statistics ts (tiles, 3, C) of
+    `count` pixels (conv2d_wgmma.cu's `stats`; tiles of 128 pixels but the last): what
+    batch_norm_stats of its output gives, to rounding. The tiles are split over enough
+    blocks to fill the GPU, then finalized as batch_norm_stats' partials are."""
+    tiles, _, c = ts.shape
+    mean, var = launch.new((c,), np.dtype(np.float32)), launch.new((c,), np.dtype(np.float32))
+    groups = -(-c // 32)
+    splits = max(1, min(-(-tiles // (4 * FOLD_BLOCK[1])),
+                        launch.sm_count() * launch.BLOCKS_PER_SM // groups, launch.GRID_YZ_MAX))
+    chunk = -(-tiles // splits)
+    splits = -(-tiles // chunk)
+    ws = launch.new((splits, 2, c), np.dtype(np.float64))
+    fn = launch.kernel(NORM, "bn_tile_stats_partial_kernel", "float")
+    fn((groups, splits), FOLD_BLOCK, (ws, ts, np.int32(tiles), np.int32(c),
+                                      np.int32(TILE_PIXELS), np.float64(count), np.int32(chunk)))
+    fn = launch.kernel(NORM, "bn_stats_finalize_kernel", "float")
+    fn((groups,), FOLD_BLOCK, (mean, var, ws, ts, np.int32(splits), np.int32(c), np.int32(1),
+                               np.float64(count)))
     return mean, var
 
 
