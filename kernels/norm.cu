@@ -32,7 +32,8 @@
 //    gradient costs no pass over the activations of its own.
 //  * update_running: running = keep * running + momentum * batch (keep = 1 - momentum, rounded
 //    on the host; var made unbiased by count / (count - 1)), in place; one thread also adds 1
-//    to the int64 batch counter.
+//    to the int64 batch counter. The forward kernels do the same update where given the
+//    running arrays (Running<P>, passed by value: rm null for none).
 
 #include "common.cuh"
 
@@ -45,6 +46,20 @@ template <typename T> __device__ __forceinline__ T inv_std(T var, T eps) {
 template <typename P> __device__ __forceinline__ P bn_affine(P x, P mu, P scale, P bias) {
   return fma(x - mu, scale, bias);
 }
+
+// The running estimates' update of channel c: running = keep * running + momentum * batch
+// (var made unbiased). bn_update_running_kernel, and the forward kernels where the launcher
+// hands them the running arrays (rm non-null): one launch fewer a layer, the same bits.
+template <typename P>
+struct Running {
+  P *rm, *rv;
+  long long* batches;
+  P keep, momentum, unbias;
+  __device__ __forceinline__ void update(const P* mean, const P* var, int c) const {
+    rm[c] = keep * rm[c] + momentum * mean[c];
+    rv[c] = keep * rv[c] + momentum * (var[c] * unbias);
+  }
+};
 
 // Whether relu(bn(x)) was positive, as the forward rounded it to T: where the ReLU's
 // gradient passes. Recomputed from x, so the backward needs neither the output nor a pass
@@ -238,8 +253,12 @@ __device__ __forceinline__ void for_each_group(int planes, int C, int S, F&& f) 
 template <typename T, typename P = compute_t<T>>
 __global__ void bn_forward_kernel(T* y, const T* x, const T* residual, const P* mean,
                                   const P* var, const P* weight, const P* bias, P eps,
-                                  int planes, int C, int S, int relu, int vec) {
+                                  int planes, int C, int S, int relu, int vec, Running<P> run) {
   constexpr int V = Group<T>::size;
+  if (run.rm && blockIdx.x == 0) {  // block 0 also updates the running estimates
+    for (int c = threadIdx.x; c < C; c += blockDim.x) run.update(mean, var, c);
+    if (threadIdx.x == 0) run.batches[0] += 1;
+  }
   for_each_group<T>(planes, C, S, [&](const GroupAt& at) {
     const P scale = inv_std(var[at.c], eps) * weight[at.c], mu = mean[at.c], b = bias[at.c];
     P v[V], r[V];
@@ -256,14 +275,9 @@ __global__ void bn_forward_kernel(T* y, const T* x, const T* residual, const P* 
 }
 
 template <typename T>
-__global__ void bn_update_running_kernel(T* running_mean, T* running_var, long long* batches,
-                                         const T* mean, const T* var, T keep, T momentum, T unbias,
-                                         int C) {
-  GRID_STRIDE_32(c, C) {
-    running_mean[c] = keep * running_mean[c] + momentum * mean[c];
-    running_var[c] = keep * running_var[c] + momentum * (var[c] * unbias);
-  }
-  if (blockIdx.x == 0 && threadIdx.x == 0) batches[0] += 1;
+__global__ void bn_update_running_kernel(Running<T> run, const T* mean, const T* var, int C) {
+  GRID_STRIDE_32(c, C) { run.update(mean, var, c); }
+  if (blockIdx.x == 0 && threadIdx.x == 0) run.batches[0] += 1;
 }
 
 // ws[(y * 2) * C + c] = sum over block y's part of channel c of gy, ws[(y * 2 + 1) * C + c]
@@ -498,9 +512,14 @@ __global__ void __launch_bounds__(CL_THREADS) bn_backward_partial_cl_kernel(
 template <typename T, typename P = compute_t<T>>
 __global__ void __launch_bounds__(CL_THREADS) bn_forward_cl_kernel(
     T* y, const T* x, const T* residual, const P* mean, const P* var, const P* weight,
-    const P* bias, P eps, int relu, int rows, int C, int chunk) {
+    const P* bias, P eps, int relu, Running<P> run, int rows, int C, int chunk) {
   constexpr int V = Group<T>::size;
   const int c0 = cl_channel(C, V);
+  if (run.rm && blockIdx.y == 0 && threadIdx.x < C / V) {  // also the running estimates
+#pragma unroll
+    for (int k = 0; k < V; ++k) run.update(mean, var, c0 + k);
+    if (threadIdx.x == 0) run.batches[0] += 1;
+  }
   P mu[V], scale[V], shift[V];  // the thread's channels'
 #pragma unroll
   for (int k = 0; k < V; ++k) {

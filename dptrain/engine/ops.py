@@ -573,12 +573,13 @@ class BatchNorm(Function):
             self.comm.all_reduce(var, "mean")
         else:
             mean, var = running[0], running[1]
-        if training and running is not None:
-            be.batch_norm_update_(*running, mean, var, momentum, self.count)
+        # the running estimates are updated by the forward's launch
+        update = (*running, momentum, self.count) if training and running is not None else None
         self.x, self.weight, self.bias, self.mean, self.var = x, weight, bias, mean, var
         self.residual = bool(residual)
         y = be.batch_norm_forward(x, mean, var, weight, bias, eps,
-                                  residual=residual[0] if residual else None, relu=relu)
+                                  residual=residual[0] if residual else None, relu=relu,
+                                  update=update)
         self.y = y if relu and residual else None  # without a residual, its mask is recomputed
         return y
 

@@ -278,3 +278,27 @@ def test_resnet18_channels_last_gradients_equal_nchw(cu, rng):
         a, b = np.asarray(value, F64), np.asarray(cl[name], F64)
         err = np.linalg.norm(a - b) / max(np.linalg.norm(a), 1e-30)
         assert err <= 1e-4, f"{name}: relative difference {err:.2e}"
+
+
+@pytest.mark.parametrize("shape", [(4, 16, 5, 5), (300, 16), (3, 700)], ids=str)
+@pytest.mark.parametrize("dtype", [F32, "bf16"])
+def test_the_forward_updates_the_running_estimates_as_the_update_op(cu, rng, dtype, shape):
+    """batch_norm_forward(update=...) (NCHW, the channels-last rows, a C past one block's
+    threads): y as without it, the running estimates and counter the bits of
+    batch_norm_update_ with the same statistics."""
+    from dptrain.backend.bfloat16 import to_bfloat16
+    x = rng.standard_normal(shape).astype(F32)
+    x = cu.asarray(to_bfloat16(x) if dtype == "bf16" else x)
+    c = shape[1]
+    mean, var = cu.batch_norm_stats(x)
+    w, b = (cu.asarray(rng.standard_normal(c).astype(F32)) for _ in range(2))
+    start = (rng.standard_normal(c).astype(F32), rng.uniform(0.5, 2, c).astype(F32),
+             np.array(7, np.int64))
+    fused, apart = ([cu.asarray(a) for a in start] for _ in range(2))
+    y = cu.batch_norm_forward(x, mean, var, w, b, 1e-5, relu=True, update=(*fused, 0.1, 99))
+    cu.batch_norm_update_(*apart, mean, var, 0.1, 99)
+    plain = cu.batch_norm_forward(x, mean, var, w, b, 1e-5, relu=True)
+    assert cu.to_numpy(y).tobytes() == cu.to_numpy(plain).tobytes()
+    for got, want in zip(fused, apart):
+        assert cu.to_numpy(got).tobytes() == cu.to_numpy(want).tobytes()
+    assert int(cu.to_numpy(fused[2])) == 8

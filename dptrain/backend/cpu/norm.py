@@ -74,9 +74,14 @@ def batch_norm_stats(x):
 
 
 @op
-def batch_norm_forward(x, mean, var, weight, bias, eps, residual=None, relu=False):
+def batch_norm_forward(x, mean, var, weight, bias, eps, residual=None, relu=False,
+                       update=None):
     """y = (x - mean) / sqrt(var + eps) * weight + bias, per channel; plus `residual` (x's
-    shape and dtype) where given, then max(y, 0) when `relu`: one pass, rounded once."""
+    shape and dtype) where given, then max(y, 0) when `relu`: one pass, rounded once.
+    `update`: (running_mean, running_var, num_batches_tracked, momentum, count), updated as
+    batch_norm_update_ with mean and var (the GPU does it in the same launch)."""
+    if update is not None:
+        batch_norm_update_(*update[:3], mean, var, *update[3:])
     scale = _invstd(var, eps) * weight
     y = (_compute(x, x) - _channel(mean, x)) * _channel(scale, x) + _channel(bias, x)
     if residual is not None:

@@ -214,12 +214,16 @@ def batch_norm_tile_stats(ts, count):
 
 
 @op
-def batch_norm_forward(x, mean, var, weight, bias, eps, residual=None, relu=False):
+def batch_norm_forward(x, mean, var, weight, bias, eps, residual=None, relu=False,
+                       update=None):
     """y = (x - mean) / sqrt(var + eps) * weight + bias, per channel; plus `residual` (x's
-    shape and dtype) where given, then max(y, 0) when `relu`: one pass, rounded once."""
+    shape and dtype) where given, then max(y, 0) when `relu`: one pass, rounded once.
+    `update`: (running_mean, running_var, num_batches_tracked, momentum, count), updated as
+    batch_norm_update_ with mean and var would, by the same launch."""
     op = "batch_norm_forward"
     n, c, s, g = _groups(op, x)
     _per_channel(op, c, x, mean=mean, var=var, weight=weight, bias=bias)
+    run = _running(op, c, x, mean, var, *update) if update is not None else _no_running(x)
     grouped = (x,)
     if residual is not None:
         launch.check_arrays(op, residual)
@@ -233,14 +237,46 @@ def batch_norm_forward(x, mean, var, weight, bias, eps, residual=None, relu=Fals
     r = launch.NULL if residual is None else residual
     if y.size and _cl(x, y, *grouped):
         _cl_map("bn_forward_cl_kernel", x, (y, x, r, mean, var, weight, bias, t(eps),
-                                            np.int32(bool(relu))))
+                                            np.int32(bool(relu)), run))
     elif y.size:
         fn = launch.kernel(NORM, "bn_forward_kernel", launch.ctype(x.dtype))
         launch.grid_stride(fn, n * c * g,
                            (y, x, r, mean, var, weight, bias, t(eps), np.int32(n * c),
                             np.int32(c), np.int32(s), np.int32(bool(relu)),
-                            launch.whole_groups(s, y, *grouped)))
+                            launch.whole_groups(s, y, *grouped), run))
+    elif update is not None:  # no elements, still the update
+        batch_norm_update_(*update[:3], mean, var, *update[3:])
     return y
+
+
+def _running_dtype(p) -> np.dtype:
+    """struct Running<P> (norm.cu): three pointers, then keep, momentum and unbias in P."""
+    return np.dtype([("rm", np.uint64), ("rv", np.uint64), ("batches", np.uint64),
+                     ("keep", p), ("momentum", p), ("unbias", p)], align=True)
+
+
+def _no_running(x):
+    """A Running<P> argument that updates nothing."""
+    return launch.struct(_running_dtype(stat_dtype(x)))
+
+
+def _running(op, c, x, mean, var, running_mean, running_var, num_batches_tracked, momentum,
+             count):
+    """The Running<P> argument of an update of these running estimates with mean and var,
+    checked (batch_norm_update_'s contract)."""
+    if running_mean.ndim != 1 or running_mean.shape[0] != c:
+        raise ValueError(f"cuda.{op}: running_mean must be ({c},), got {running_mean.shape}")
+    _per_channel(op, c, x, running_mean=running_mean, running_var=running_var, mean=mean,
+                 var=var)
+    launch.check_arrays(op, num_batches_tracked)
+    if num_batches_tracked.dtype != np.int64 or num_batches_tracked.size != 1:
+        raise ValueError(f"cuda.{op}: num_batches_tracked must be one int64, got "
+                         f"{num_batches_tracked.dtype} {num_batches_tracked.shape}")
+    t = running_mean.dtype.type
+    return launch.struct(_running_dtype(running_mean.dtype), rm=running_mean.data.ptr,
+                         rv=running_var.data.ptr, batches=num_batches_tracked.data.ptr,
+                         keep=t(1 - momentum), momentum=t(momentum),
+                         unbias=t(count / max(count - 1, 1)))
 
 
 @op
@@ -249,19 +285,13 @@ def batch_norm_update_(running_mean, running_var, num_batches_tracked, mean, var
     """running = (1 - momentum) * running + momentum * batch (var unbiased over `count`),
     in place; num_batches_tracked (int64, 0-d) += 1."""
     op = "batch_norm_update_"
-    c = int(running_mean.shape[0]) if running_mean.ndim == 1 else -1
-    if c < 0:
+    if running_mean.ndim != 1:
         raise ValueError(f"cuda.{op}: running_mean must be (C,), got {running_mean.shape}")
-    _per_channel(op, c, running_mean, running_var=running_var, mean=mean, var=var)
-    launch.check_arrays(op, num_batches_tracked)
-    if num_batches_tracked.dtype != np.int64 or num_batches_tracked.size != 1:
-        raise ValueError(f"cuda.{op}: num_batches_tracked must be one int64, got "
-                         f"{num_batches_tracked.dtype} {num_batches_tracked.shape}")
-    t = running_mean.dtype.type
+    c = int(running_mean.shape[0])
+    run = _running(op, c, running_mean, mean, var, running_mean, running_var,
+                   num_batches_tracked, momentum, count)
     fn = launch.kernel(NORM, "bn_update_running_kernel", launch.ctype(running_mean.dtype))
-    launch.grid_stride(fn, max(c, 1), (running_mean, running_var, num_batches_tracked, mean, var,
-                                       t(1 - momentum), t(momentum),
-                                       t(count / max(count - 1, 1)), np.int32(c)))
+    launch.grid_stride(fn, max(c, 1), (run, mean, var, np.int32(c)))
     return running_mean
 
 
