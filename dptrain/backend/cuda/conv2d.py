@@ -31,6 +31,9 @@ Conventions (the .cu file's header has the kernel side):
     and write them as they are (no copies: their sources are channels-last anyway and their
     epilogue stores channel pairs), and so does 16-bit / TF32 backward-weight on wgmma; every
     other pass copies its activations to NCHW and its output back (_via_nchw).
+  * conv2d_forward_stats: a bias-free forward plus its output's batch statistics for the batch
+    norm that follows; the TMA-fed kernel sums them in its epilogue where _epilogue_stats
+    says (per-tile sums merged by norm.batch_norm_tile_stats), else batch_norm_stats reads y.
   * `conv2d_kernels` names the kernel each pass's plan runs (tests, benchmarks).
   * Small filters (C_in*KH*KW <= 32, e.g. a first layer on 1-3 channel images) run the
     direct kernels of conv2d_direct.cu instead, forward (<= 128 output channels) and
@@ -361,8 +364,9 @@ def _epilogue_stats(dt, m) -> bool:
     epilogue (conv2d_forward_stats): 16-bit outputs (a tile's 128 pixels summed in float),
     and by default tiles of at most 64 channels, two blocks an SM, where one block's epilogue
     overlaps the other's wgmmas. With one block an SM the tensor cores wait for it: ResNet-18's
-    128-channel convolutions took 13-20 us longer (+15%) than the 19 us of the statistics
-    pass they spared, its 64-channel ones 1.5-6.6 us (H100, batch 256, 48x48).
+    layer2 convolutions took 13-20 us longer (+15%), which with the merge's 6 us outweighs
+    the 19 us statistics pass they spared; its 64-channel ones 1.5-6.6 us longer against 37
+    (H100, batch 256, 48x48; BENCHMARKS.md).
     DPTRAIN_CONV_STATS: "0" never, "all" every tile width."""
     mode = os.environ.get(CONV_STATS_ENV, "1")
     return mode != "0" and dt in launch.HALVES and (mode == "all" or _rows_tile(m) <= 64)
