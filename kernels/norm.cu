@@ -387,7 +387,6 @@ template <int R, int A, typename Acc, typename T, typename Add>
 __device__ __forceinline__ void cl_partials(double* ws, const T* const (&src)[A], int rows,
                                             int C, int chunk, Add add) {
   constexpr int V = Group<T>::size;
-  using P = compute_t<T>;
   __shared__ double sums[R * CL_THREADS * V];  // [r][row of the block][channel]
   const int groups = C / V, rpi = CL_THREADS / groups;
   const int lr = threadIdx.x / groups, c0 = cl_channel(C, V);
@@ -453,7 +452,6 @@ __global__ void __launch_bounds__(CL_THREADS) bn_mean_partial_cl_kernel(double* 
                                                                         int rows, int C,
                                                                         int chunk) {
   constexpr int V = Group<T>::size;
-  using P = compute_t<T>;
   const T* const src[1] = {x};
   cl_partials<1, 1, double, T>(ws, src, rows, C, chunk, [&](double (&acc)[1][V],
                                                             double (&v)[1][V]) {
@@ -467,7 +465,6 @@ template <typename T>
 __global__ void __launch_bounds__(CL_THREADS) bn_var_partial_cl_kernel(
     double* ws, const T* x, const compute_t<T>* mean, int rows, int C, int chunk) {
   constexpr int V = Group<T>::size;
-  using P = compute_t<T>;
   double mu[V];
   load_group(mu, mean + cl_channel(C, V), V, false);
   const T* const src[1] = {x};

@@ -590,7 +590,7 @@ class BatchNorm(Function):
             if isinstance(gy, GradSum):  # the last add joins the mask's pass
                 gy = be.relu_backward_sum(self.y, GradSum(gy[:-1]).total(be), gy[-1])
             else:
-                gy = be.relu_backward(self.y, total(gy, be))
+                gy = be.relu_backward(self.y, gy)
         elif self.relu:  # the kernels recompute the ReLU's mask from x: no pass of its own
             relu = (self.weight, self.bias)
         gy = total(gy, be)

@@ -153,7 +153,7 @@ def conv2d_backward_data(gy, w, x_shape, stride, padding, *, channels_last=False
     n, c, h, wd = (x_shape[0], x_shape[3], x_shape[1], x_shape[2]) if channels_last else x_shape
     gx = _backward_data(_nchw(gy, channels_last), w, (n, c, h, wd), stride, padding, workspace,
                         gy)  # an NCHW view: one copy to either layout
-    return _layout(gx, channels_last) if channels_last else np.ascontiguousarray(gx)
+    return np.ascontiguousarray(_layout(gx, channels_last))
 
 
 def _backward_data(gy, w, x_shape, stride, padding, workspace, source):

@@ -22,6 +22,7 @@ reference with the same signatures):
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -249,6 +250,7 @@ def batch_norm_forward(x, mean, var, weight, bias, eps, residual=None, relu=Fals
     return y
 
 
+@functools.lru_cache(maxsize=None)
 def _running_dtype(p) -> np.dtype:
     """struct Running<P> (norm.cu): three pointers, then keep, momentum and unbias in P."""
     return np.dtype([("rm", np.uint64), ("rv", np.uint64), ("batches", np.uint64),
