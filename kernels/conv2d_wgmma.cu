@@ -35,11 +35,13 @@
 //  * Tiles, swizzle and pipeline: wgmma.cuh. conv2d_wgmma_kernel: a tile per block, 256
 //    threads = two warpgroups of 64 pixels that both gather and multiply.
 //  * conv2d_wgmma_tma_kernel, where C fills whole 128-byte slabs: the same tiles, slabs and
-//    wgmmas (so the same bits), persistent and warp-specialized: one thread issues each
-//    slab as two TMA copies (tma.cuh: an im2col map of src, a tiled map of wr, both zero-
-//    filling past their tensors), two warpgroups multiply, and stages are handed over
-//    through mbarriers. 1.06-1.66x the gathering kernel's rate on the ResNet-18 passes it
-//    takes (H100, NOTES-gemm.md rows 36-37); the launcher's default where it applies.
+//    wgmma shapes (so the same bits), persistent and warp-specialized: one thread issues
+//    each slab as two TMA copies (tma.cuh: an im2col map of src, a tiled map of wr, both
+//    zero-filling past their tensors), and stages are handed over through mbarriers. Its
+//    two multiplying warpgroups take whole tiles in turn (ping-pong), so one's epilogue
+//    runs while the other's wgmmas keep the tensor cores busy; 16-bit channels-last tiles
+//    of 64 or 128 channels are stored through shared memory by TMA. The launcher's default
+//    where it applies (NOTES-gemm.md rows 36-39).
 //
 // nvrtc-options: -arch=sm_90a
 // instantiations-per-module: 1  (a run builds only those it uses: a shorter cold start)
@@ -183,9 +185,10 @@ struct Tile {
 // Two adjacent output channels of one pixel as one store (channels-last output).
 template <typename T> struct alignas(2 * sizeof(T)) Pair { T v[2]; };
 
-// The epilogue of consumer threads 0..255: acc (+ bias[m]) written with `=`, the thread's
-// two pixel rows (row and row + 8), then each pair of channels. NCHW: out[n, m, oy, ox];
-// channels-last (`nhwc`): out[n, oy, ox, m], a channel pair per store where M is even.
+// The epilogue of a warpgroup's 64 pixel rows q0.. of the tile: acc (+ bias[m]) written with
+// `=`, the thread's two pixel rows (row and row + 8), then each pair of channels. NCHW:
+// out[n, m, oy, ox]; channels-last (`nhwc`): out[n, oy, ox, m], a channel pair per store
+// where M is even.
 template <typename T, int BN>
 __device__ __forceinline__ void store_tile(const float (&acc)[BN / 2], const ConvGeom& g,
                                            const Phase& f, int q0, int m0, const T* bias,
@@ -196,8 +199,7 @@ __device__ __forceinline__ void store_tile(const float (&acc)[BN / 2], const Con
   long long obase[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int q = q0 + (threadIdx.x >> 7) * 64 + ((threadIdx.x >> 5) & 3) * 16 +
-                  ((threadIdx.x & 31) >> 2) + 8 * h;
+    const int q = q0 + ((threadIdx.x >> 5) & 3) * 16 + ((threadIdx.x & 31) >> 2) + 8 * h;
     int n, oy, ox;
     f.pixel(q, n, oy, ox);
     const long long pix = oy * g.Wo + ox;
@@ -233,14 +235,17 @@ __device__ __forceinline__ void store_tile(const float (&acc)[BN / 2], const Con
   });
 }
 
-// Shared memory of tile_stats: the tile's first row, then each warp's column sums.
+// Shared memory of a warpgroup's tile_stats: the tile's first row, then each warp's column
+// sums.
 template <int BN> struct StatsSmem {
   float shift[BN];
-  float part[8][2][BN];  // [warp][sum of d, of d^2][column]
+  float part[4][2][BN];  // [warp][sum of d, of d^2][column]
 };
 
-// The 256 consumer threads' barrier (the producer warpgroup never joins it).
-__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
+// Warpgroup wg's barrier (named barrier 1 + wg, its 128 threads; 0 is __syncthreads).
+__device__ __forceinline__ void warpgroup_sync(int wg) {
+  asm volatile("bar.sync %0, 128;" ::"r"(1 + wg) : "memory");
+}
 
 // Half of a thread's n values kept (the upper half where `upper`), the other half sent to
 // the partner lane (lane ^ mask) and its half of the same values added: a step of a
@@ -255,26 +260,32 @@ __device__ __forceinline__ void halve(float* v, int mask) {
   }
 }
 
-// This tile's batch statistics (the header's `stats`) of the output as stored (rounded to
-// T, bias-free): per column, d = y - y[first pixel] and d^2 summed over the thread's two
-// rows, over the warp's 16 rows by a reduce-scatter over the 8 lanes that share columns
-// (lane bits 4, 3, 2: 7/8 shuffle per value), then over the 8 warps in order through
-// shared memory. Fixed order: the same bits every run. Every consumer thread calls it.
+// The batch statistics (the header's `stats`) of warpgroup wg's tile, its 128 rows in acc[0]
+// (rows 0-63) and acc[1] (64-127), of the output as stored (rounded to T, bias-free): per
+// column, d = y - y[first pixel] and d^2 summed over the thread's four rows, over the warp's
+// rows by a reduce-scatter over the 8 lanes that share columns (lane bits 4, 3, 2: 7/8
+// shuffle per value), then over the 4 warps in order through shared memory. Fixed order:
+// the same bits every run. Every thread of the warpgroup calls it.
 template <typename T, int BN>
-__device__ __forceinline__ void tile_stats(const float (&acc)[BN / 2], int M, int npix,
-                                           int q0, int m0, float* stats, StatsSmem<BN>& sm) {
+__device__ __forceinline__ void tile_stats(const float (&acc)[2][BN / 2], int wg, int M,
+                                           int npix, int q0, int m0, float* stats,
+                                           StatsSmem<BN>& sm) {
   constexpr int Q = BN / 2, C4 = BN / 4;  // values a thread sums: C4 columns' (d, d^2)
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int tid = threadIdx.x & 127, warp = tid >> 5, lane = threadIdx.x & 31;
   const auto rounded = [](float v) { return as<float>(as<T>(v)); };
-  consumers_sync();    // the previous tile's sums have been read
-  if (threadIdx.x < 4)  // the tile's first pixel row: warp 0, lanes 0-3
-    for_each_pair<BN>(acc, [&](int, int col, float x0, float y0, float, float) {
+  warpgroup_sync(wg);  // the previous tile's sums have been read
+  if (tid < 4)  // the tile's first pixel row: warp 0, lanes 0-3
+    for_each_pair<BN>(acc[0], [&](int, int col, float x0, float y0, float, float) {
       sm.shift[col] = rounded(x0);
       sm.shift[col + 1] = rounded(y0);
     });
-  consumers_sync();
+  warpgroup_sync(wg);
   const int row = warp * 16 + (lane >> 2);
-  const bool ok0 = q0 + row < npix, ok1 = q0 + row + 8 < npix;
+  bool ok[2][2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) ok[h][e] = q0 + 64 * h + row + 8 * e < npix;
   // v[i], i < C4: the sum of d of local column i (column 8 * (i / 2) + 2 * (lane & 3) +
   // i % 2, for_each_pair's layout); v[C4 + i]: of d^2. Indexed by constants only, so v
   // stays in registers.
@@ -283,66 +294,214 @@ __device__ __forceinline__ void tile_stats(const float (&acc)[BN / 2], int M, in
   for (int i = 0; i < C4; ++i) {
     const int col = 8 * (i / 2) + 2 * (lane & 3) + i % 2, a = 4 * (i / 2) + i % 2;
     const float s = sm.shift[col];
-    const float d0 = ok0 ? rounded(acc[a]) - s : 0.f, d1 = ok1 ? rounded(acc[a + 2]) - s : 0.f;
-    v[i] = d0 + d1;
-    v[C4 + i] = d0 * d0 + d1 * d1;
+    float sum = 0.f, sq = 0.f;
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float d = ok[h][e] ? rounded(acc[h][a + 2 * e]) - s : 0.f;
+        sum += d;
+        sq += d * d;
+      }
+    v[i] = sum;
+    v[C4 + i] = sq;
   }
   halve<Q / 2>(v, 16);
   halve<Q / 4>(v, 8);
   halve<Q / 8>(v, 4);
-  // kept: values (lane >> 2) * Q / 8 + t, the warp's sums over its 16 rows
+  // kept: values (lane >> 2) * Q / 8 + t, the warp's sums over its 32 rows
 #pragma unroll
   for (int t = 0; t < Q / 8; ++t) {
     const int i = (lane >> 2) * (Q / 8) + t, r = i / C4, lc = i - r * C4;
     sm.part[warp][r][8 * (lc / 2) + 2 * (lane & 3) + lc % 2] = v[t];
   }
-  consumers_sync();
-  const int r = threadIdx.x / BN, col = threadIdx.x % BN, m = m0 + col, tx = q0 / BM;
-  if (threadIdx.x < 2 * BN && m < M) {
+  warpgroup_sync(wg);
+  const int tx = q0 / BM;
+  for (int o = tid; o < 2 * BN; o += 128) {
+    const int r = o / BN, col = o % BN, m = m0 + col;
+    if (m >= M) continue;
     float total = 0.f;
 #pragma unroll
-    for (int w = 0; w < 8; ++w) total += sm.part[w][r][col];
+    for (int w = 0; w < 4; ++w) total += sm.part[w][r][col];
     stats[((long long)tx * 3 + 1 + r) * M + m] = total;
     if (r == 0) stats[(long long)tx * 3 * M + m] = sm.shift[col];
   }
 }
 
-// The multiplying warpgroups of the warp-specialized kernel (threads 0-255, 64 pixel rows
-// each): the block's tiles in turn, each slab taken once full[slot] completes and released
-// through empty[slot] once its wgmmas have retired; then the epilogue.
+// The TMA kernel's shared memory: its ring of stages, then, for 16-bit tiles of 64 or 128
+// channels (`staged`), each multiplying warpgroup's output tile as BN / 64 boxes of 128
+// rows x 128 bytes, swizzled as the loads (stage_tile), which TMA stores. The ring takes as
+// many stages as fit in 192 KB beside them, at most 8 (launcher: conv2d.py's _tma_smem).
+template <typename T, int BN>
+__host__ __device__ constexpr bool staged() { return sizeof(T) == 2 && BN >= 64; }
+template <typename T, int BN>
+__host__ __device__ constexpr int staging_bytes() { return staged<T, BN>() ? BM * BN * 2 : 0; }
+template <typename T, int BN>
+__host__ __device__ constexpr int tma_stages() {
+  return (192 * 1024 - 2 * staging_bytes<T, BN>()) / ((BM + BN) * ROW_BYTES) < 8
+             ? (192 * 1024 - 2 * staging_bytes<T, BN>()) / ((BM + BN) * ROW_BYTES)
+             : 8;
+}
+template <typename T, int BN>
+__host__ __device__ constexpr int tma_smem_bytes() {
+  return tma_stages<T, BN>() * (BM + BN) * ROW_BYTES + 2 * staging_bytes<T, BN>() + 1024;
+}
+
+// A warpgroup's 128 x BN tile acc (+ bias[m]) rounded to T into its staging at `sout`
+// (generic address; 1024-aligned): rows r and r + 8 of each channel pair, 4 bytes a store,
+// the 8 rows a store instruction spans in 8 different 16-byte chunks (no bank conflicts).
+template <typename T, int BN>
+__device__ __forceinline__ void stage_tile(const float (&acc)[2][BN / 2], unsigned char* sout,
+                                           int m0, int M, const T* bias, int has_bias) {
+  const int row = ((threadIdx.x >> 5) & 3) * 16 + ((threadIdx.x & 31) >> 2);
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+    for_each_pair<BN>(acc[h], [&](int, int col, float x0, float y0, float x1, float y1) {
+      float v[2][2] = {{x0, y0}, {x1, y1}};
+      const int m = m0 + col;
+      if (has_bias)  // (without one, no + 0.f: a -0 stays -0)
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+          if (m + e < M) {
+            const float b = as<float>(bias[m + e]);
+            v[0][e] += b;
+            v[1][e] += b;
+          }
+      const int box = col / 64, c = col % 64;
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {  // rows r and r + 8
+        const int r = 64 * h + row + 8 * e;
+        *reinterpret_cast<Pair<T>*>(sout + box * (BM * ROW_BYTES) + r * ROW_BYTES +
+                                    (((c >> 3) ^ (r & 7)) << 4) + (c & 7) * 2) =
+            Pair<T>{{as<T>(v[e][0]), as<T>(v[e][1])}};
+      }
+    });
+}
+
+// A warpgroup's staged tile (stage_tile) into out by a rolled loop, where no TMA store
+// applies (NCHW, the phases' strided pixels, rows not in 16-byte multiples): each thread
+// works out its row's offset in out once (rowbase, 128 entries; -1 past the pixels), then
+// the elements go out in the order that keeps a warp's stores together: down the pixels of
+// a channel (NCHW) or along the channels of a pixel (channels-last: 16-byte chunks of 8
+// channels where M and out allow).
+template <typename T, int BN>
+__device__ __forceinline__ void store_staged(const unsigned char* sout, long long* rowbase,
+                                             const ConvGeom& g, const Phase& f, int q0,
+                                             int m0, int nhwc, T* out, int wg) {
+  const int tid = threadIdx.x & 127, hw = g.Ho * g.Wo;
+  {
+    int n, oy, ox;
+    const int q = q0 + tid;
+    f.pixel(q, n, oy, ox);
+    const long long pix = oy * g.Wo + ox;
+    rowbase[tid] = q >= f.npix ? -1 : nhwc ? ((long long)n * hw + pix) * g.M
+                                           : (long long)n * g.M * hw + pix;
+  }
+  warpgroup_sync(wg);
+  if (nhwc && g.M % 8 == 0 && ((unsigned long long)out & 15) == 0) {
+    constexpr int CH = BN / 8;  // chunks a row
+#pragma unroll 1
+    for (int e = tid; e < BM * CH; e += 128) {
+      const int row = e / CH, ch = e % CH, m = m0 + 8 * ch;
+      const long long base = rowbase[row];
+      if (base < 0 || m >= g.M) continue;
+      *reinterpret_cast<uint4*>(out + base + m) = *reinterpret_cast<const uint4*>(
+          sout + ch / 8 * (BM * ROW_BYTES) + row * ROW_BYTES + (((ch & 7) ^ (row & 7)) << 4));
+    }
+    return;
+  }
+  const long long mstep = nhwc ? 1 : hw;  // between channels
+#pragma unroll 1
+  for (int e = tid; e < BM * BN; e += 128) {
+    const int row = nhwc ? e / BN : e % BM, col = nhwc ? e % BN : e / BM;
+    const long long base = rowbase[row];
+    if (base < 0 || m0 + col >= g.M) continue;
+    const int c = col % 64;
+    out[base + (m0 + col) * mstep] = *reinterpret_cast<const T*>(
+        sout + col / 64 * (BM * ROW_BYTES) + row * ROW_BYTES + (((c >> 3) ^ (row & 7)) << 4) +
+        (c & 7) * 2);
+  }
+}
+
+// The multiplying warpgroups of the warp-specialized kernel (threads 0-255), ping-pong:
+// warpgroup w takes every other tile of the block's walk (w = the tile's turn % 2), all 128
+// of its pixel rows (two m64 wgmmas a step, acc[0] and acc[1]), so one warpgroup's epilogue
+// runs while the other's wgmmas keep the tensor cores busy. The producer fills the ring in
+// walk order; the ring position `pos` (slabs of the walk so far) moves on past the other
+// warpgroup's slabs. A slab is taken once full[slot] completes and released through
+// empty[slot] once its wgmmas have retired.
+// Turns are handed over through order[w]: a warpgroup starts waiting for its tile's slabs
+// only once the other has seen every slab of the tile before land. Without that, it could
+// wait on a slot two uses ahead of the barrier, whose parity the use before it shares: a
+// parity wait cannot tell them apart.
 template <typename T, int BN>
 __device__ __forceinline__ void multiply_tiles(const ConvGeom& g, int tiles_x, int tiles_y,
                                                int tiles, u32 sbase, u32 full, u32 empty,
-                                               const T* bias, int has_bias, int nhwc, T* out,
-                                               float* stats, StatsSmem<BN>& sm) {
-  constexpr int S = STAGES, A_BYTES = BM * ROW_BYTES, STAGE_BYTES = (BM + BN) * ROW_BYTES;
-  constexpr int BK = ROW_BYTES / sizeof(T);
+                                               u32 order, const T* bias, int has_bias,
+                                               int nhwc, T* out, float* stats,
+                                               StatsSmem<BN>& sm, const TmaMap& outputs,
+                                               int tma_store, unsigned char* sout,
+                                               long long* rowbase) {
+  constexpr int S = tma_stages<T, BN>(), A_BYTES = BM * ROW_BYTES;
+  constexpr int STAGE_BYTES = (BM + BN) * ROW_BYTES, BK = ROW_BYTES / sizeof(T);
   const int wg = threadIdx.x >> 7;
-  int slot = 0;
-  u32 parity = 0;  // of the slot's current use: flips each time the slots wrap
+  const bool leader = (threadIdx.x & 127) == 0;  // hands the turn over
+  int pos = 0, turn = 0, waits = 0;
   for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     const Tile at(g, tile, tiles_x, tiles_y, BN);
     if (at.none) continue;
-    float acc[BN / 2];
+    const int KT = (at.f.K + BK - 1) / BK;
+    if ((turn++ & 1) != wg) {  // the other warpgroup's tile
+      pos += KT;
+      continue;
+    }
+    if (turn > 1) mbar_wait(order + 8 * wg, waits++ & 1);  // the tile before has landed
+    if (KT == 0 && leader) mbar_arrive(order + 8 * (wg ^ 1));
+    float acc[2][BN / 2];
 #pragma unroll
-    for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int i = 0; i < BN / 2; ++i) acc[h][i] = 0.f;
     int last = -1;  // the slot of the slab before, released once its wgmmas retire
-    for (int kt = 0, KT = (at.f.K + BK - 1) / BK; kt < KT; ++kt) {
-      mbar_wait(full + 8 * slot, parity);
+    for (int kt = 0; kt < KT; ++kt, ++pos) {
+      const int slot = pos % S;
+      mbar_wait(full + 8 * slot, (pos / S) & 1);
+      if (kt == KT - 1 && leader) mbar_arrive(order + 8 * (wg ^ 1));  // the next turn
       const u32 st = sbase + slot * STAGE_BYTES;
-      wgmma_slab<T, BN>(acc, st + wg * (64 * ROW_BYTES), st + A_BYTES);
+      wgmma_slab_pair<T, BN>(acc[0], acc[1], st, st + 64 * ROW_BYTES, st + A_BYTES);
       wgmma_wait<1>();  // the slab before has retired: its slot may be refilled
-      fence_regs(acc);
+      fence_regs(acc[0]);
+      fence_regs(acc[1]);
       if (last >= 0) mbar_arrive(empty + 8 * last);
       last = slot;
-      if (++slot == S) slot = 0, parity ^= 1;
     }
     wgmma_wait<0>();
-    fence_regs(acc);
+    fence_regs(acc[0]);
+    fence_regs(acc[1]);
     if (last >= 0) mbar_arrive(empty + 8 * last);
-    store_tile<T, BN>(acc, g, at.f, at.q0, at.m0, bias, has_bias, nhwc, out);
-    if (stats) tile_stats<T, BN>(acc, g.M, at.f.npix, at.q0, at.m0, stats, sm);
+    if constexpr (staged<T, BN>()) {  // through shared memory: BN / 64 box stores, or rolled
+      if (leader) bulk_wait_read<0>();  // the previous tile's boxes have been read
+      warpgroup_sync(wg);               // ... and its rolled stores done
+      stage_tile<T, BN>(acc, sout, at.m0, g.M, bias, has_bias);
+      fence_proxy_async();  // the staged tile, visible to the TMA unit
+      warpgroup_sync(wg);
+      if (!tma_store) {
+        store_staged<T, BN>(sout, rowbase, g, at.f, at.q0, at.m0, nhwc, out, wg);
+      } else if (leader) {
+        const u32 at_smem = (u32)__cvta_generic_to_shared(sout);
+#pragma unroll
+        for (int b = 0; b < BN / 64; ++b)
+          tma_store_2d(outputs, at_smem + b * BM * ROW_BYTES, at.m0 + 64 * b, at.q0);
+        bulk_commit();
+      }
+    } else {
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        store_tile<T, BN>(acc[h], g, at.f, at.q0 + 64 * h, at.m0, bias, has_bias, nhwc, out);
+    }
+    if (stats) tile_stats<T, BN>(acc, wg, g.M, at.f.npix, at.q0, at.m0, stats, sm);
   }
+  if (staged<T, BN>() && tma_store && leader) bulk_wait<0>();  // written before the block ends
 }
 }  // namespace wgmma_conv
 
@@ -369,7 +528,7 @@ __global__ void __launch_bounds__(256, BN <= 64 ? 2 : 1) conv2d_wgmma_kernel(DP_
   for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
   wgmma_mainloop<T, BM, BN>(acc, smem_base(smem_raw), (f.K + ld.BK - 1) / ld.BK,
                             [&](int, u32 sa, u32 sb) { ld.load(g, f, src, wr, m0, sa, sb); });
-  store_tile<T, BN>(acc, g, f, q0, m0, bias, has_bias, nhwc, out);
+  store_tile<T, BN>(acc, g, f, q0 + (threadIdx.x >> 7) * 64, m0, bias, has_bias, nhwc, out);
 }
 
 // The warp-specialized kernel fed by the tensor memory accelerator (tma.cuh): one thread of
@@ -382,38 +541,53 @@ __global__ void __launch_bounds__(256, BN <= 64 ? 2 : 1) conv2d_wgmma_kernel(DP_
 //   forward: base = o * s - p, offset kh;
 //   backward-data (phases; stride 1 is one): base = i + (r + p - rk) / s - (nk - 1), offset
 //   nk - 1 - t for tap kh = rk + s * t of phase r's nk, i the phase's pixel index.
-// Tiles up to 64 channels wide run two blocks per SM (the launcher's grid), so one block's
-// epilogue overlaps the other's wgmmas.
+// One block an SM; the loading warpgroup gives registers to the multiplying ones (each
+// thread of those holds two 64 x BN accumulators). Where `tma_store` (the launcher:
+// channels-last, consecutive pixels, M a multiple of 8), the 16-bit tiles go out through
+// the tiled map `outputs` of out as (pixels, M), boxes of 128 pixels x 64 channels.
 template <typename T, int BN>
-__global__ void __launch_bounds__(384, BN <= 64 ? 2 : 1)
+__global__ void __launch_bounds__(384, 1)
     conv2d_wgmma_tma_kernel(const __grid_constant__ wgmma_tiles::TmaMap pixels,
                             const __grid_constant__ wgmma_tiles::TmaMap weights,
+                            const __grid_constant__ wgmma_tiles::TmaMap outputs,
                             DP_CONV_PARAMS, int tiles_x, int tiles_y, int tiles,
-                            float* stats) {
+                            int tma_store, float* stats) {
   using namespace wgmma_conv;
-  constexpr int S = STAGES;
+  constexpr int S = tma_stages<T, BN>();
   constexpr int A_BYTES = BM * ROW_BYTES, STAGE_BYTES = (BM + BN) * ROW_BYTES;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  __shared__ __align__(8) unsigned long long bars[2 * S];  // full[S], then empty[S]
-  __shared__ StatsSmem<BN> stats_smem;
-  require_smem(smem_bytes<BM, BN>());  // the launcher must pass it
+  __shared__ __align__(8) unsigned long long bars[2 * S + 2];  // full[S], empty[S], order[2]
+  __shared__ StatsSmem<BN> stats_smem[2];                    // a multiplying warpgroup's each
+  __shared__ long long rowbase[2][BM];                          // store_staged's, likewise
+  require_smem(tma_smem_bytes<T, BN>());  // the launcher must pass it
   const u32 sbase = smem_base(smem_raw);
   const u32 full = (u32)__cvta_generic_to_shared(bars), empty = full + 8 * S;
-  if (threadIdx.x == 0)
+  const u32 order = empty + 8 * S;
+  if (threadIdx.x == 0) {
     for (int s = 0; s < S; ++s) {
       mbar_init(full + 8 * s, 1);
-      mbar_init(empty + 8 * s, 256);
+      mbar_init(empty + 8 * s, 128);  // one warpgroup takes a slab
     }
+    mbar_init(order, 1);
+    mbar_init(order + 8, 1);
+  }
   __syncthreads();
   const ConvGeom g{Nb, M, C, Hs, Ws, Ho, Wo, KH, KW, sh, sw, ph, pw, mode};
+  // registers moved to the multiplying warpgroups (2 x 64 x BN accumulators a thread)
   if (threadIdx.x < 256) {
-    multiply_tiles<T, BN>(g, tiles_x, tiles_y, tiles, sbase, full, empty, bias, has_bias, nhwc,
-                          out, stats, stats_smem);
+    setmaxnreg_inc<232>();
+    unsigned char* sout = smem_raw + (sbase - (u32)__cvta_generic_to_shared(smem_raw)) +
+                          S * STAGE_BYTES + (threadIdx.x >> 7) * staging_bytes<T, BN>();
+    multiply_tiles<T, BN>(g, tiles_x, tiles_y, tiles, sbase, full, empty, order, bias,
+                          has_bias, nhwc, out, stats, stats_smem[threadIdx.x >> 7], outputs,
+                          tma_store, sout, rowbase[threadIdx.x >> 7]);
     return;
   }
+  setmaxnreg_dec<40>();
   if (threadIdx.x != 256) return;
   if (mode == 1 && (sh != 1 || sw != 1)) __trap();  // strided backward-data comes by phases
   if (stats && (mode != 0 || has_bias)) __trap();     // statistics of a bias-free forward
+  if (tma_store && (!nhwc || mode == 2)) __trap();    // boxes of consecutive pixels' channels
   constexpr int BK = ROW_BYTES / sizeof(T);
   int slot = 0;
   u32 parity = 0;

@@ -46,4 +46,26 @@ __device__ __forceinline__ void tma_load_im2col_4d(u32 dst, const TmaMap& m, int
       : "memory");
 }
 
+// Shared address src, laid out as the 2-D tiled map's box (swizzled as it says), into the
+// box at element coordinates (x innermost, y); what falls outside the tensor is not
+// written. Tracked as a bulk group: bulk_commit, then bulk_wait_read / bulk_wait.
+__device__ __forceinline__ void tma_store_2d(const TmaMap& m, u32 src, int x, int y) {
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];\n"
+               ::"l"(map_address(m)), "r"(src), "r"(x), "r"(y)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit() {
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+// This thread's bulk groups but the newest N have read their shared memory (it may be
+// written again) / have completed.
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void bulk_wait() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
 }  // namespace wgmma_tiles

@@ -177,6 +177,34 @@ __device__ __forceinline__ void wgmma_slab(float (&acc)[BN / 2], u32 sa, u32 sb)
   wgmma_commit();
 }
 
+// One slab's wgmmas for a warpgroup's 128 rows, committed as one group: rows 0-63 of the A
+// tile at sa0 into acc0, rows 64-127 at sa1 into acc1, the B tile at sb (K-major).
+template <typename T, int BN>
+__device__ __forceinline__ void wgmma_slab_pair(float (&acc0)[BN / 2], float (&acc1)[BN / 2],
+                                                u32 sa0, u32 sa1, u32 sb) {
+  fence_regs(acc0);
+  fence_regs(acc1);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < ROW_BYTES / 32; ++kk) {
+    Wgmma<T, BN>::run(acc0, smem_desc(sa0 + kk * 32), smem_desc(sb + kk * 32));
+    Wgmma<T, BN>::run(acc1, smem_desc(sa1 + kk * 32), smem_desc(sb + kk * 32));
+  }
+  wgmma_commit();
+}
+
+// Registers per thread of the executing warpgroup raised (inc) or lowered (dec) to N, a
+// multiple of 8: warp-specialized kernels move them from the loading warpgroup to the
+// multiplying ones.
+template <int N>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+
 // The main loop: KT slabs, load(kt, a_tile, b_tile) issuing slab kt's cp.async copies into
 // the two shared tiles (this thread's share; zero-fill outside the matrices). Accumulates
 // into acc, which the caller zeroes. sbase: smem_base() of the dynamic shared memory. MN:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from convcheck import (DTYPES, close, cpu, fresh_conv_plans, inputs, passes,
-                       passes_match_reference, planned_kernels, to_dt, to_f32)
+                       passes_match_reference, planned_kernels, reference, to_dt, to_f32)
 from dptrain import backend
 
 cp = pytest.importorskip("cupy")
@@ -110,10 +110,47 @@ def test_tma_fed_kernel_is_bitwise_the_same(cu, dt, xs, ws, stride, pad, monkeyp
     passes_match_reference(cu, dt, x, w, gy, stride, pad)
 
 
+STORE_CASES = [  # x shape, w shape, stride, padding: channels-last outputs of the TMA kernel
+    ((2, 64, 6, 6), (128, 64, 3, 3), (1, 1), (1, 1)),  # 72 pixels: one partial tile, two boxes
+    ((3, 64, 9, 11), (96, 64, 3, 3), (1, 1), (1, 1)),  # 96 of 128 channels: the second box clipped
+    ((2, 128, 7, 7), (72, 128, 3, 3), (1, 1), (1, 1)),  # 72: a box of 8 channels
+    ((2, 64, 8, 8), (68, 64, 3, 3), (1, 1), (1, 1)),  # 68: rows not in 16 bytes (stored as pairs)
+    ((64, 64, 24, 24), (64, 64, 3, 3), (1, 1), (1, 1)),  # 288 tiles: staging reused per turn
+    ((8, 128, 12, 12), (256, 128, 1, 1), (2, 2), (0, 0)),  # a strided shortcut, two channel tiles
+    ((4, 128, 12, 12), (128, 128, 3, 3), (2, 2), (1, 1)),  # backward-data by phases: rolled stores
+]
+
+
+@pytest.mark.parametrize("dt", DTYPES)
+@pytest.mark.parametrize("xs, ws, stride, pad", STORE_CASES)
+def test_tma_stores_equal_the_register_stores(cu, dt, xs, ws, stride, pad, monkeypatch):
+    """16-bit tiles of 64 or 128 channels leave the TMA kernel through shared memory: by a
+    TMA store where channels-last boxes of 128 pixels x 64 channels fit (clipped at the
+    tensor's edges), else by a rolled loop (NCHW, phases, rows not in 16 bytes); other tiles
+    straight from the registers. All hold the same accumulators, so the forward (with a bias)
+    and backward-data agree to the bit, channels-last against NCHW, whichever store ran."""
+    monkeypatch.setenv(conv2d.WGMMA_TMA_ENV, "1")
+    gemm.clear_plans()
+    x, w, gy = inputs(dt, xs, ws, stride, pad)
+    b = to_dt(np.linspace(-1, 1, ws[0], dtype=np.float32), dt)
+    dx, dw, db, dgy = cu.asarray(x), cu.asarray(w), cu.asarray(b), cu.asarray(gy)
+    xl, gyl = cu.asarray(_channels_last(x)), cu.asarray(_channels_last(gy))
+    y = cu.to_numpy(cu.conv2d_forward(dx, dw, db, stride, pad))
+    yl = cu.to_numpy(cu.conv2d_forward(xl, dw, db, stride, pad, channels_last=True))
+    assert conv2d._forward(xl, dw, db, stride, pad, True).kernel == WGMMA_TMA
+    assert _channels_last(y).tobytes() == yl.tobytes()
+    nhwc = (xs[0], xs[2], xs[3], xs[1])
+    gx = cu.to_numpy(cu.conv2d_backward_data(dgy, dw, xs, stride, pad))
+    gxl = cu.to_numpy(cu.conv2d_backward_data(gyl, dw, nhwc, stride, pad, channels_last=True))
+    assert _channels_last(gx).tobytes() == gxl.tobytes()
+    close(to_f32(y, dt), reference(dt, x, w, gy, stride, pad)[0] + to_f32(b, dt)[:, None, None],
+          dt)
+
+
 STATS_CASES = [  # x shape, w shape, stride, padding, offset of x; forward on the TMA kernel
     ((2, 64, 6, 6), (128, 64, 3, 3), (1, 1), (1, 1), 0),  # 72 pixels: one partial tile
     ((3, 64, 9, 11), (96, 64, 3, 3), (1, 1), (1, 1), 3),  # 96 of a 128 tile; means >> spread
-    ((64, 64, 24, 24), (64, 64, 3, 3), (1, 1), (1, 1), 0),  # 288 tiles, two blocks an SM
+    ((64, 64, 24, 24), (64, 64, 3, 3), (1, 1), (1, 1), 0),  # 288 tiles: both warpgroups, turns
     ((8, 64, 12, 12), (32, 64, 1, 1), (2, 2), (0, 0), 1),  # a 32 tile: a strided shortcut
     ((16, 128, 16, 16), (256, 128, 3, 3), (2, 2), (1, 1), 0),  # two channel tiles
 ]
@@ -127,19 +164,15 @@ def test_forward_statistics_from_the_epilogue(cu, dt, xs, ws, stride, pad, offse
     """conv2d_forward_stats on the TMA-fed 16-bit forward: y is conv2d_forward's, to the bit;
     mean and variance (each tile's float sums about its first pixel, merged in double) are
     the float64 statistics of y as stored within 1e-5 of its spread (the variance within
-    2e-5 of itself), as close as batch_norm_stats' (one read of y) are. By default only
-    tiles up to 64 channels sum them ("all": every width, as tested here). With
-    DPTRAIN_CONV_STATS=0 they are batch_norm_stats' bits."""
+    2e-5 of itself), as close as batch_norm_stats' (one read of y) are; tiles of every
+    width sum them. With DPTRAIN_CONV_STATS=0 they are batch_norm_stats' bits."""
     monkeypatch.setenv(conv2d.WGMMA_TMA_ENV, "1")
     gemm.clear_plans()
     x, w, _ = inputs(dt, xs, ws, stride, pad)
     x = to_dt(to_f32(x, dt) + offset, dt)
     dx, dw = cu.asarray(_channels_last(x) if cl else x), cu.asarray(w)
     run = conv2d._forward(dx, dw, None, stride, pad, cl)
-    assert run.kernel == WGMMA_TMA and (run.stat_tiles is not None) == (ws[0] <= 64)
-    monkeypatch.setenv(conv2d.CONV_STATS_ENV, "all")  # 128-channel tiles too
-    gemm.clear_plans()
-    assert conv2d._forward(dx, dw, None, stride, pad, cl).stat_tiles is not None
+    assert run.kernel == WGMMA_TMA and run.stat_tiles is not None
     y, mean, var = cu.conv2d_forward_stats(dx, dw, stride, pad, channels_last=cl)
     plain = cu.conv2d_forward(dx, dw, None, stride, pad, channels_last=cl)
     assert cu.to_numpy(y).tobytes() == cu.to_numpy(plain).tobytes()

@@ -302,6 +302,7 @@ def _plan_implicit(fn_name, mode, out_shape, m, c, hs, ws, ho, wo, kh, kw, strid
     geom = (i32(nb), i32(m), i32(c), i32(hs), i32(ws), i32(ho), i32(wo), i32(kh), i32(kw),
             i32(sh), i32(sw), i32(ph), i32(pw))
     box = stat_tiles = None
+    tma_store = False
     if _wgmma_conv(dt, c, nb, npix, m):
         box = _tma_box(mode, stride, padding, (kh, kw), (hs, ws), (ho, wo), c, m, dt)
         # strided backward-data of a filter wider than 1x1: a phase of the output pixels per
@@ -311,13 +312,15 @@ def _plan_implicit(fn_name, mode, out_shape, m, c, hs, ws, ho, wo, kh, kw, strid
         first = nb * -(-ho // stride[0]) * -(-wo // stride[1]) if phased else npix
         name, fn, grid, block, smem = _wgmma_kernel(m, first, dt, box is not None)
         tail = geom + (i32(2 if phased else mode), i32(cl))
-        if name != "conv2d_wgmma_kernel":  # persistent: 1-2 blocks per SM walk the tiles
+        # its tiles stored by TMA: boxes of consecutive pixels, rows of 16-byte multiples
+        tma_store = (box is not None and cl and not phased and m % 8 == 0
+                     and _tma_staging(dt, _rows_tile(m)) > 0)
+        if name != "conv2d_wgmma_kernel":  # persistent: a block per SM walks the tiles
             tiles = grid[0] * grid[1] * phases
             tail += (i32(grid[0]), i32(grid[1]), i32(tiles))
-            if mode == 0 and _epilogue_stats(dt, m):
+            if mode == 0 and _epilogue_stats(dt):
                 stat_tiles = grid[0]
-            per_sm = 2 if _rows_tile(m) <= 64 else 1  # its __launch_bounds__
-            grid = (min(tiles, per_sm * launch.sm_count()),)
+            grid = (min(tiles, launch.sm_count()),)  # one block an SM
         else:
             grid = grid + (phases,)
         # channels-last src needs no copy; else the copy backward-weight reads again: x
@@ -336,12 +339,14 @@ def _plan_implicit(fn_name, mode, out_shape, m, c, hs, ws, ho, wo, kh, kw, strid
         to_nhwc = kept = None
     slab = 128 // np.dtype(dt).itemsize  # a 128-byte row of K
 
-    def maps(wr, src):
-        """The TMA kernel's maps: (pixels of src, weights wr), or none for the others."""
+    def maps(wr, src, y, store):
+        """The TMA kernel's maps: (pixels of src, weights wr, outputs y: the weights' again
+        where `store` is off), or none for the others."""
         if box is None:
             return ()
-        return (tma.im2col(src, (nb, hs, ws, c), *box, channels=slab, pixels=128),
-                tma.tiled(wr, m, k, _rows_tile(m), slab))
+        weights = tma.tiled(wr, m, k, _rows_tile(m), slab)
+        return (tma.im2col(src, (nb, hs, ws, c), *box, channels=slab, pixels=128), weights,
+                tma.tiled(y, npix, m, 128, slab) if store else weights)
 
     def run(w, src, bias, out, workspace=None, stats=None):
         y = output(fn_name, out, out_shape, dt)
@@ -349,8 +354,9 @@ def _plan_implicit(fn_name, mode, out_shape, m, c, hs, ws, ho, wo, kh, kw, strid
         if to_nhwc:
             src = keep(workspace, kept, src, to_nhwc(src)) if kept else to_nhwc(src)
         has_bias = bias is not None
-        extra = () if box is None else (launch.NULL if stats is None else stats,)
-        fn(grid, block, maps(wr, src) + (wr, src, bias if has_bias else y, y,
+        store = tma_store and y.data.ptr % 16 == 0  # a map's base is 16-byte aligned
+        extra = () if box is None else (i32(store), launch.NULL if stats is None else stats)
+        fn(grid, block, maps(wr, src, y, store) + (wr, src, bias if has_bias else y, y,
                                           np.int32(has_bias)) + tail + extra, shared_mem=smem)
         return y
 
@@ -359,17 +365,14 @@ def _plan_implicit(fn_name, mode, out_shape, m, c, hs, ws, ho, wo, kh, kw, strid
     return run
 
 
-def _epilogue_stats(dt, m) -> bool:
-    """Whether the TMA-fed forward of `dt` into m channels sums batch statistics in its
-    epilogue (conv2d_forward_stats): 16-bit outputs (a tile's 128 pixels summed in float),
-    and by default tiles of at most 64 channels, two blocks an SM, where one block's epilogue
-    overlaps the other's wgmmas. With one block an SM the tensor cores wait for it: ResNet-18's
-    layer2 convolutions took 13-20 us longer (+15%), which with the merge's 6 us outweighs
-    the 19 us statistics pass they spared; its 64-channel ones 1.5-6.6 us longer against 37
-    (H100, batch 256, 48x48; BENCHMARKS.md).
-    DPTRAIN_CONV_STATS: "0" never, "all" every tile width."""
-    mode = os.environ.get(CONV_STATS_ENV, "1")
-    return mode != "0" and dt in launch.HALVES and (mode == "all" or _rows_tile(m) <= 64)
+def _epilogue_stats(dt) -> bool:
+    """Whether the TMA-fed forward of `dt` sums batch statistics in its epilogue
+    (conv2d_forward_stats): 16-bit outputs (a tile's 128 pixels summed in float), unless
+    DPTRAIN_CONV_STATS is "0". Its warpgroups take turns (ping-pong), so one's epilogue runs
+    while the other multiplies: on ResNet-18's 3x3 layers the sums cost 2.7-10 us a
+    convolution against the 12-37 us statistics pass they spare (H100, batch 256, 48x48;
+    BENCHMARKS.md)."""
+    return os.environ.get(CONV_STATS_ENV, "1") != "0" and dt in launch.HALVES
 
 
 def _weight_reorder(mode, m, c, khw, dt):
@@ -398,13 +401,27 @@ def _wgmma_kernel(m, npix, dt, tma_fed=False):
     smallest covering m), 128 pixels per block; the warp-specialized TMA-fed kernel instead
     where `tma_fed`. (name, kernel, grid, block, shared memory)"""
     bn = _rows_tile(m)
-    smem = wgmma_smem(128, bn)
     if tma_fed:
         name, threads = "conv2d_wgmma_tma_kernel", 384
+        smem = _tma_smem(dt, bn)
     else:
         name, threads = "conv2d_wgmma_kernel", 256
+        smem = wgmma_smem(128, bn)
     fn = launch.kernel(WGMMA_CONV, name, launch.ctype(dt), str(bn), smem=smem)
     return name, fn, (-(-npix // 128), -(-m // bn)), (threads,), smem
+
+
+def _tma_staging(dt, bn: int) -> int:
+    """Bytes of a multiplying warpgroup's output staging in conv2d_wgmma_tma_kernel (its
+    staging_bytes<T, BN>): 16-bit tiles of 64 or 128 channels, stored by TMA."""
+    return 128 * bn * 2 if dt in launch.HALVES and bn >= 64 else 0
+
+
+def _tma_smem(dt, bn: int) -> int:
+    """conv2d_wgmma_tma_kernel's dynamic shared memory (its tma_smem_bytes<T, BN>): as many
+    stages as fit in 192 KB beside the two staging tiles, at most 8, + slack to align."""
+    stage, staging = (128 + bn) * 128, 2 * _tma_staging(dt, bn)
+    return min(8, (192 * 1024 - staging) // stage) * stage + staging + 1024
 
 
 def _tma_box(mode, stride, padding, ksize, src_hw, out_hw, c, m, dt):
