@@ -103,7 +103,7 @@ def test_tma_fed_kernel_is_bitwise_the_same(cu, dt, xs, ws, stride, pad, monkeyp
     ran = planned_kernels(cu, x, w, gy, stride, pad)
     assert ran["forward"] == WGMMA_TMA
     (n, c, h, wd), (cout, _, kh, kw) = xs, ws
-    box = conv2d._tma_box(1, stride, pad, (kh, kw), gy.shape[2:], (h, wd), cout, c, dt)
+    box = conv2d._tma_box(1, stride, pad, (kh, kw), gy.shape[2:], (h, wd), cout, dt)
     assert ran["backward_data"] == (WGMMA_TMA if box else WGMMA)
     for got, want in zip(passes(cu, dt, x, w, gy, stride, pad)[:2], base):
         assert got.tobytes() == want.tobytes()
@@ -195,24 +195,24 @@ def test_forward_statistics_from_the_epilogue(cu, dt, xs, ws, stride, pad, offse
 
 
 def test_tma_box_covers_resnet_passes(monkeypatch):
-    """ResNet-18's passes fit one box (stride 1 and 2, 3x3 and 1x1, even sizes); the strided
-    backward-data of 1x1 filters and into 64 channels stay on the gathering kernel."""
+    """ResNet-18's passes fit one box (stride 1 and 2, 3x3 and 1x1, even sizes, into 64
+    channels too); the strided backward-data of 1x1 filters stays on the gathering kernel."""
     monkeypatch.setenv(conv2d.WGMMA_TMA_ENV, "1")
     bf16 = np.dtype(np.uint16)
 
-    def box(mode, stride, pad, k, src, out, c, m):
-        return conv2d._tma_box(mode, stride, pad, k, src, out, c, m, bf16)
+    def box(mode, stride, pad, k, src, out, c):
+        return conv2d._tma_box(mode, stride, pad, k, src, out, c, bf16)
 
     s1, s2, p1, p0, k3, k1 = (1, 1), (2, 2), (1, 1), (0, 0), (3, 3), (1, 1)
-    assert box(0, s1, p1, k3, (48, 48), (48, 48), 64, 64) == ((-1, -1), (-1, -1), (1, 1))
-    assert box(0, s2, p1, k3, (48, 48), (24, 24), 64, 128) == ((-1, -1), (-2, -2), (2, 2))
-    assert box(0, s2, p0, k1, (48, 48), (24, 24), 64, 128) == ((0, 0), (-1, -1), (2, 2))
-    assert box(1, s1, p1, k3, (24, 24), (24, 24), 128, 128) == ((-1, -1), (-1, -1), (1, 1))
-    assert box(1, s2, p1, k3, (12, 12), (24, 24), 256, 128) == ((0, 0), (0, 0), (1, 1))
-    assert box(1, s2, p1, k3, (24, 24), (48, 48), 128, 64) is None  # into 64 channels
-    assert box(1, s2, p0, k1, (12, 12), (24, 24), 256, 128) is None  # phases of zeros
-    assert box(1, s2, p1, k3, (6, 6), (11, 11), 128, 128) is None  # phases of 6 and 5
-    assert box(0, s1, p1, k3, (48, 48), (48, 48), 32, 64) is None  # half a slab
+    assert box(0, s1, p1, k3, (48, 48), (48, 48), 64) == ((-1, -1), (-1, -1), (1, 1))
+    assert box(0, s2, p1, k3, (48, 48), (24, 24), 64) == ((-1, -1), (-2, -2), (2, 2))
+    assert box(0, s2, p0, k1, (48, 48), (24, 24), 64) == ((0, 0), (-1, -1), (2, 2))
+    assert box(1, s1, p1, k3, (24, 24), (24, 24), 128) == ((-1, -1), (-1, -1), (1, 1))
+    assert box(1, s2, p1, k3, (12, 12), (24, 24), 256) == ((0, 0), (0, 0), (1, 1))
+    assert box(1, s2, p1, k3, (24, 24), (48, 48), 128) == ((0, 0), (0, 0), (1, 1))  # into 64
+    assert box(1, s2, p0, k1, (12, 12), (24, 24), 256) is None  # phases of zeros
+    assert box(1, s2, p1, k3, (6, 6), (11, 11), 128) is None  # phases of 6 and 5
+    assert box(0, s1, p1, k3, (48, 48), (48, 48), 32) is None  # half a slab
 
 
 @pytest.mark.parametrize("dt", DTYPES)

@@ -304,7 +304,7 @@ def _plan_implicit(fn_name, mode, out_shape, m, c, hs, ws, ho, wo, kh, kw, strid
     box = stat_tiles = None
     tma_store = False
     if _wgmma_conv(dt, c, nb, npix, m):
-        box = _tma_box(mode, stride, padding, (kh, kw), (hs, ws), (ho, wo), c, m, dt)
+        box = _tma_box(mode, stride, padding, (kh, kw), (hs, ws), (ho, wo), c, dt)
         # strided backward-data of a filter wider than 1x1: a phase of the output pixels per
         # grid z (mode 2, conv2d_wgmma.cu), the grid's x sized for the largest, phase (0, 0)
         phased = mode == 1 and stride != (1, 1) and kh * kw > 1
@@ -424,18 +424,23 @@ def _tma_smem(dt, bn: int) -> int:
     return min(8, (192 * 1024 - staging) // stage) * stage + staging + 1024
 
 
-def _tma_box(mode, stride, padding, ksize, src_hw, out_hw, c, m, dt):
+def _tma_slower(mode, stride, ksize) -> bool:
+    """Where conv2d_wgmma_kernel beats the TMA kernel: a strided backward-data of a 1x1
+    filter, whose phases are mostly tiles of zeros (2.4x slower on TMA than the gathering
+    kernel's one grid with zero-filled taps, H100, before the TMA kernel's ping-pong)."""
+    return mode == 1 and stride != (1, 1) and ksize == (1, 1)
+
+
+def _tma_box(mode, stride, padding, ksize, src_hw, out_hw, c, dt):
     """The im2col box of conv2d_wgmma_tma_kernel's pixel map as (lower, upper, strides) per
     (h, w), or None where that kernel does not apply: DPTRAIN_WGMMA_CONV_TMA "0", c not
     in whole 128-byte slabs, phases whose base pixels differ, corners past the map's range,
-    a strided backward-data of a 1x1 filter (its phases are mostly tiles of zeros: 2.4x
-    slower than conv2d_wgmma_kernel's one grid with zero-filled taps) or into at most 64
-    channels (its phases' short K and strided stores: 298 against 257 us on ResNet-18's 64 x
-    48 x 48 one; two blocks an SM of the gathering kernel hide the epilogues better). H100.
+    or where the gathering kernel is faster (_tma_slower).
     Forward: the bases o * s - p for o < out. Backward-data: per phase, its pixels i plus
-    (r + p - rk) / s - (nk - 1) (conv2d_wgmma.cu), one box for every phase that has taps."""
+    (r + p - rk) / s - (nk - 1) (conv2d_wgmma.cu), one box for every phase that has taps.
+    (ResNet-18's strided backward-data into 64 channels: 169 us gathering, 95 us here.)"""
     if (os.environ.get(WGMMA_TMA_ENV, "1") == "0" or c % (128 // np.dtype(dt).itemsize)
-            or (mode == 1 and stride != (1, 1) and (ksize == (1, 1) or m <= 64))):
+            or _tma_slower(mode, stride, ksize)):
         return None
     lower, upper, steps = [], [], []
     for s, p, k, size, out in zip(stride, padding, ksize, src_hw, out_hw):
