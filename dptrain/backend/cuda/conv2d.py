@@ -369,7 +369,7 @@ def _epilogue_stats(dt) -> bool:
     """Whether the TMA-fed forward of `dt` sums batch statistics in its epilogue
     (conv2d_forward_stats): 16-bit outputs (a tile's 128 pixels summed in float), unless
     DPTRAIN_CONV_STATS is "0". Its warpgroups take turns (ping-pong), so one's epilogue runs
-    while the other multiplies: on ResNet-18's 3x3 layers the sums cost 2.7-10 us a
+    while the other multiplies: on ResNet-18's 3x3 layers the sums cost 0.8-10 us a
     convolution against the 12-37 us statistics pass they spare (H100, batch 256, 48x48;
     BENCHMARKS.md)."""
     return os.environ.get(CONV_STATS_ENV, "1") != "0" and dt in launch.HALVES
@@ -425,9 +425,11 @@ def _tma_smem(dt, bn: int) -> int:
 
 
 def _tma_slower(mode, stride, ksize) -> bool:
-    """Where conv2d_wgmma_kernel beats the TMA kernel: a strided backward-data of a 1x1
-    filter, whose phases are mostly tiles of zeros (2.4x slower on TMA than the gathering
-    kernel's one grid with zero-filled taps, H100, before the TMA kernel's ping-pong)."""
+    """Where conv2d_wgmma_kernel takes a pass the TMA kernel could: a strided backward-data
+    of a 1x1 filter, whose phases are mostly tiles of zeros (2.4x slower on TMA than the
+    gathering kernel's one grid with zero-filled taps, H100, before the TMA kernel's
+    ping-pong). Needed as well as faster: such a pass gets no phases (_plan_implicit's
+    `phased`), and the TMA kernel traps on a strided backward-data without them."""
     return mode == 1 and stride != (1, 1) and ksize == (1, 1)
 
 
