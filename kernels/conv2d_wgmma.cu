@@ -185,6 +185,21 @@ struct Tile {
 // Two adjacent output channels of one pixel as one store (channels-last output).
 template <typename T> struct alignas(2 * sizeof(T)) Pair { T v[2]; };
 
+// v[row][e] += bias[m + e] for the channels m, m + 1 below M; without a bias nothing is
+// added (not + 0.f: a -0 stays -0).
+template <typename T>
+__device__ __forceinline__ void add_bias(float (&v)[2][2], int m, int M, const T* bias,
+                                         int has_bias) {
+  if (!has_bias) return;
+#pragma unroll
+  for (int e = 0; e < 2; ++e)
+    if (m + e < M) {
+      const float b = as<float>(bias[m + e]);
+      v[0][e] += b;
+      v[1][e] += b;
+    }
+}
+
 // The epilogue of a warpgroup's 64 pixel rows q0.. of the tile: acc (+ bias[m]) written with
 // `=`, the thread's two pixel rows (row and row + 8), then each pair of channels. NCHW:
 // out[n, m, oy, ox]; channels-last (`nhwc`): out[n, oy, ox, m], a channel pair per store
@@ -210,13 +225,7 @@ __device__ __forceinline__ void store_tile(const float (&acc)[BN / 2], const Con
     float v[2][2] = {{x0, y0}, {x1, y1}};
     const int m = m0 + col;
     if (m >= g.M) return;
-    if (has_bias)  // (without one, no + 0.f: a -0 stays -0)
-#pragma unroll
-      for (int e = 0; e < 2 && m + e < g.M; ++e) {
-        const float b = as<float>(bias[m + e]);
-        v[0][e] += b;
-        v[1][e] += b;
-      }
+    add_bias(v, m, g.M, bias, has_bias);
     if (pairs) {  // m even, M even: m + 1 < M, and the pair is aligned
 #pragma unroll
       for (int h = 0; h < 2; ++h)
@@ -338,9 +347,8 @@ template <typename T, int BN>
 __host__ __device__ constexpr int staging_bytes() { return staged<T, BN>() ? BM * BN * 2 : 0; }
 template <typename T, int BN>
 __host__ __device__ constexpr int tma_stages() {
-  return (192 * 1024 - 2 * staging_bytes<T, BN>()) / ((BM + BN) * ROW_BYTES) < 8
-             ? (192 * 1024 - 2 * staging_bytes<T, BN>()) / ((BM + BN) * ROW_BYTES)
-             : 8;
+  constexpr int fit = (192 * 1024 - 2 * staging_bytes<T, BN>()) / ((BM + BN) * ROW_BYTES);
+  return fit < 8 ? fit : 8;
 }
 template <typename T, int BN>
 __host__ __device__ constexpr int tma_smem_bytes() {
@@ -359,14 +367,7 @@ __device__ __forceinline__ void stage_tile(const float (&acc)[2][BN / 2], unsign
     for_each_pair<BN>(acc[h], [&](int, int col, float x0, float y0, float x1, float y1) {
       float v[2][2] = {{x0, y0}, {x1, y1}};
       const int m = m0 + col;
-      if (has_bias)  // (without one, no + 0.f: a -0 stays -0)
-#pragma unroll
-        for (int e = 0; e < 2; ++e)
-          if (m + e < M) {
-            const float b = as<float>(bias[m + e]);
-            v[0][e] += b;
-            v[1][e] += b;
-          }
+      add_bias(v, m, M, bias, has_bias);
       const int box = col / 64, c = col % 64;
 #pragma unroll
       for (int e = 0; e < 2; ++e) {  // rows r and r + 8

@@ -362,6 +362,7 @@ def _plan_implicit(fn_name, mode, out_shape, m, c, hs, ws, ho, wo, kh, kw, strid
 
     run.kernel = name
     run.stat_tiles = stat_tiles  # the pixel tiles whose statistics `stats=` takes, or None
+    run.tma_store = tma_store  # its tiles leave by TMA stores (where y is 16-byte aligned)
     return run
 
 
@@ -516,14 +517,22 @@ def _plan_forward(x, w, b, stride, padding, cl=False):
     kmax = _direct_kmax(cin * kh * kw)
     if kmax and cout <= DIRECT_MAX_M:
         run = _plan_direct_forward((n, c, h, wd), w.shape, ho, wo, (sh, sw), (ph, pw), kmax, dt)
-    else:
-        implicit = lambda cl: _plan_implicit(f, 0, (n, cout, ho, wo), cout, c, h, wd, ho, wo,
-                                             kh, kw, (sh, sw), (ph, pw), dt, cl)
-        run = cl and implicit(True)
-        if run:
-            return run
-        run = implicit(False)
-    return _via_nchw(run, f, {1: (n, c, h, wd)}, (n, cout, ho, wo), dt) if cl else run
+        return _via_nchw(run, f, {1: (n, c, h, wd)}, (n, cout, ho, wo), dt) if cl else run
+    return _implicit_in_layout(
+        lambda cl: _plan_implicit(f, 0, (n, cout, ho, wo), cout, c, h, wd, ho, wo, kh, kw,
+                                  (sh, sw), (ph, pw), dt, cl),
+        cl, f, (n, c, h, wd), (n, cout, ho, wo), dt)
+
+
+def _implicit_in_layout(implicit, cl, f, src_shape, out_shape, dt):
+    """The implicit-GEMM plan `implicit(cl)` of a pass whose source (argument 1) and output
+    have the NCHW shapes `src_shape` and `out_shape`: channels-last where a kernel reads that
+    layout (`cl` and implicit(True) plans one), else the NCHW plan, through copies if `cl`."""
+    run = cl and implicit(True)
+    if run:
+        return run
+    run = implicit(False)
+    return _via_nchw(run, f, {1: src_shape}, out_shape, dt) if cl else run
 
 
 @op
@@ -574,13 +583,10 @@ def _plan_backward_data(gy, w, x_shape, stride, padding, cl=False):
     gy_shape = (n, ho, wo, cout) if cl else (n, cout, ho, wo)
     if gy.shape != gy_shape:
         raise ValueError(f"cuda.{f}: gy has shape {gy.shape}, expected {gy_shape}")
-    implicit = lambda cl: _plan_implicit(f, 1, (n, c, h, wd), c, cout, ho, wo, h, wd, kh, kw,
-                                         (sh, sw), (ph, pw), dt, cl)
-    run = cl and implicit(True)
-    if run:
-        return run
-    run = implicit(False)
-    return _via_nchw(run, f, {1: (n, cout, ho, wo)}, (n, c, h, wd), dt) if cl else run
+    return _implicit_in_layout(
+        lambda cl: _plan_implicit(f, 1, (n, c, h, wd), c, cout, ho, wo, h, wd, kh, kw,
+                                  (sh, sw), (ph, pw), dt, cl),
+        cl, f, (n, cout, ho, wo), (n, c, h, wd), dt)
 
 
 @op
