@@ -75,6 +75,9 @@ The runtime (``be.runtime``), with the CPU's trivial meaning in brackets:
   ``upload_(dst, host)``                    copy a host array into device array ``dst`` (same
                                              size), asynchronously on the current stream; the
                                              host array may be reused at once [a copy]
+  ``clone(a) -> copy``                      a copy of device array ``a`` by the copy engine,
+                                             no kernel (real inside a kernel recording) [a
+                                             copy]
   ``PRECISIONS``, ``precision``,            the precision policy: which arithmetic the matrix
   ``set_precision(name)``,                  ops (matmul, conv2d) use; ``set_precision("auto")``
   ``precision_scope(name)``                 picks the device's best [fp32 only]
@@ -100,7 +103,7 @@ import importlib
 RUNTIME = (
     "current_stream", "comm_stream", "on", "record", "wait", "order", "synchronize",
     "stamp", "stamp_seconds", "prepare", "capture", "records_graphs", "comm_timer", "upload_",
-    "PRECISIONS", "precision", "set_precision", "precision_scope", "mixed_precisions",
+    "clone", "PRECISIONS", "precision", "set_precision", "precision_scope", "mixed_precisions",
     "manual_seed", "rng_state", "get_rng_state", "set_rng_state",
     "device_count", "select_device", "memory_info", "communicator",
 )

@@ -220,10 +220,15 @@ def _trace(ddp, input_shapes):
     be = ddp.be
 
     def trace():
-        comms = {id(m.comm): None for m in ddp.model.modules()
-                 if getattr(m, "comm", None) is not None}
+        memo = {id(m.comm): None for m in ddp.model.modules()
+                if getattr(m, "comm", None) is not None}
+        # the twin's arrays copied by the copy engine (a CuPy copy compiles a kernel first)
+        for t in [*ddp.model.parameters(), *ddp.model.buffers()]:
+            for a in (getattr(t, "data", None), getattr(t.grad, "data", None)):
+                if a is not None and id(a) not in memo:
+                    memo[id(a)] = be.runtime.clone(a)
         twin = copy.copy(ddp)
-        twin.model = copy.deepcopy(ddp.model, comms)
+        twin.model = copy.deepcopy(ddp.model, memo)
         for i, shape in enumerate(shapes):
             twin.model.train(i == 0)
             with contextlib.nullcontext() if i == 0 else no_grad():

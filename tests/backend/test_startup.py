@@ -418,3 +418,37 @@ def test_recording_names_the_kernels_and_launches_none(monkeypatch):
     files = {f for f, _ in used}
     assert "gemm.cu" in files and all(name for _, name in used)
     np.testing.assert_allclose(be.to_numpy(be.matmul(da, db)), a @ b, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_builds_start_before_and_during_the_trace(monkeypatch):
+    """prepare hands the step's own kernels to the builders before its trace runs and each
+    heavy main loop (a file built one instantiation a module) the moment the trace records
+    it, so they compile beside the trace; what the trace records is built by the end."""
+    import numpy as np
+
+    from dptrain.backend.cuda import loader as cuda_loader
+
+    be = backend.get("cuda")
+    submitted, during = [], []
+    real = cuda_loader.Builds.submit
+
+    def spy(self, units):
+        units = list(units)
+        submitted.append(units)
+        return real(self, units)
+
+    monkeypatch.setattr(cuda_loader.Builds, "submit", spy)
+    a, b = be.asarray(np.ones((67, 45), np.float32)), be.asarray(np.ones((45, 33), np.float32))
+
+    def trace():
+        before = len(submitted)
+        be.matmul(a, b)  # a gemm.cu main loop: one a module
+        during.extend(submitted[before:])
+
+    report = be.runtime.prepare((np.float32,), trace)
+    assert submitted[0] == cuda_loader.step_units(("main",))
+    assert during and all(f == "gemm.cu" and len(held) == 1 for batch in during
+                          for f, held in batch)
+    assert report["traced"] >= 1
+    assert be.to_numpy(be.matmul(a, b)).tolist() == np.full((67, 33), 45.0).tolist()

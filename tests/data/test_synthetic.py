@@ -172,6 +172,14 @@ def test_dataset_attributes_and_subset():
         SyntheticDataset("train", 0, cache=False)
 
 
+def test_default_normalization_is_the_rendered_one():
+    """The default spec's (mean, std) is a constant, so no run renders its sample; it must
+    stay what the sample gives (a change to the renderer changes it). Other specs render."""
+    assert S.normalization() == S.rendered_normalization(S.DEFAULT_SPEC)
+    plain = dataclasses.replace(S.DEFAULT_SPEC, distractors=0)
+    assert S.normalization(plain) == S.rendered_normalization(plain)
+
+
 def test_cache_round_trip(tmp_path):
     first = SyntheticDataset("train", 600, seed=1, cache_dir=str(tmp_path))
     assert not first.from_cache

@@ -104,6 +104,9 @@ class Runtime(RuntimeBase):
         dst.reshape(-1)[...] = host.reshape(-1)
         return dst
 
+    def clone(self, a):
+        return np.array(a, copy=True)
+
     # -- precision: NumPy computes in the arrays' own dtype
     @staticmethod
     def mixed_precisions() -> tuple:

@@ -83,7 +83,11 @@ def kernel(filename: str, name: str, *targs: str, smem: int = 0):
     `smem` bytes of dynamic shared memory (above 48 KB a kernel must opt in). Inside
     ``recording()``: a stand-in that launches nothing, the kernel noted instead."""
     if _recorded is not None:
-        _recorded.add((filename, f"{name}<{', '.join(targs)}>" if targs else name))
+        seen = (filename, f"{name}<{', '.join(targs)}>" if targs else name)
+        if seen not in _recorded:
+            _recorded.add(seen)
+            if _on_record is not None:
+                _on_record(*seen)
         return _NOT_LAUNCHED
     return _kernel(filename, name, *targs, smem=smem)
 
@@ -100,6 +104,7 @@ def _kernel(filename: str, name: str, *targs: str, smem: int = 0):
 # A training step reads no device value on the host (see dptrain.run.step), so the kernels
 # it launches depend on shapes and dtypes only: one pass with stand-ins names them all.
 _recorded: set | None = None
+_on_record = None
 
 
 class _NotLaunched:
@@ -113,18 +118,19 @@ _NOT_LAUNCHED = _NotLaunched()
 
 
 @contextlib.contextmanager
-def recording():
+def recording(on_record=None):
     """Context: kernels requested inside are not built and their launches do nothing, so
-    outputs hold garbage; yields the set of (file, instantiation) requested. Plans made
-    inside (which hold the stand-ins) are not kept."""
-    global _recorded
+    outputs hold garbage; yields the set of (file, instantiation) requested, and calls
+    ``on_record(file, instantiation)`` at each one's first request (to start its build).
+    Plans made inside (which hold the stand-ins) are not kept."""
+    global _recorded, _on_record
     if _recorded is not None:
         raise RuntimeError("cuda: kernel recordings do not nest")
-    _recorded = set()
+    _recorded, _on_record = set(), on_record
     try:
         yield _recorded
     finally:
-        _recorded = None
+        _recorded = _on_record = None
 
 
 def is_recording() -> bool:

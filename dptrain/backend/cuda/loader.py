@@ -18,7 +18,9 @@ file this GPU can run that the run's dtypes need ahead of the first step, one th
 (a float32 / TF32 run skips the 16-bit and double families, a bf16 run the float16 and double
 ones). Given the kernels a run launches (a trace), it builds modules of exactly those
 instantiations instead (``groups()``, ``module_of()``): a whole part is up to eight kernels
-the run may never launch, and every one costs compile time. Threads, not processes, because
+the run may never launch, and every one costs compile time. ``Builds`` takes such units as
+they become known (the step's own before the trace, each heavy main loop as the trace
+records it), so the compile runs beside the trace instead of after it. Threads, not processes, because
 CuPy's binding calls ``nvrtcCompileProgram`` with the GIL released (``with nogil`` in
 cupy_backends/cuda/libs/nvrtc.pyx; the installed binary brackets the call with
 PyEval_SaveThread / PyEval_RestoreThread), NVRTC is documented thread-safe, and a thread's
@@ -51,7 +53,11 @@ KERNEL_DIR_ENV = "DPTRAIN_KERNEL_DIR"
 
 def kernel_dir() -> Path:
     """Where the .cu files are: beside the package in a source tree, inside it in a wheel."""
-    override = os.environ.get(KERNEL_DIR_ENV)
+    return _kernel_dir(os.environ.get(KERNEL_DIR_ENV))
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_dir(override) -> Path:  # found once per $DPTRAIN_KERNEL_DIR: every build asks
     candidates = [Path(override)] if override else []
     here = Path(__file__).resolve().parents[2]  # dptrain/
     candidates += [here / "kernels", here.parent / "kernels"]
@@ -66,8 +72,14 @@ def kernel_dir() -> Path:
 
 def cuda_include_dir() -> Path:
     """The toolkit's include directory, so <mma.h> and <cuda_bf16.h> compile under NVRTC."""
-    roots = [os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME")]
-    nvcc = shutil.which("nvcc")
+    return _cuda_include_dir(os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"),
+                             os.environ.get("PATH"))
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_include_dir(cuda_path, cuda_home, path) -> Path:  # found once per environment
+    roots = [cuda_path, cuda_home]
+    nvcc = shutil.which("nvcc", path=path)
     if nvcc:
         roots.append(str(Path(nvcc).resolve().parent.parent))
     roots.append("/usr/local/cuda")
@@ -300,20 +312,36 @@ STEP_KERNELS = {
 }
 
 
-def traced_units(recorded, families=PARTS) -> list:
-    """The build units of a traced run: modules of exactly the (file, instantiation) pairs
-    `recorded` and the STEP_KERNELS (for the 16-bit `families`), and the STEP_FILES' parts of
-    `families`."""
-    wanted = collections.defaultdict(set)
-    for f, name in recorded:
-        wanted[f].add(name)
+def step_units(families=PARTS) -> list:
+    """The build units of the step's own kernels, known before any trace: modules of the
+    STEP_KERNELS (for the 16-bit `families`) and the STEP_FILES' parts of `families`."""
     half = [t for t in PARTS[2:] if t in families]  # the 16-bit families are their C types
+    units = []
     for f, names in STEP_KERNELS.items():
-        for n in names:
-            wanted[f].update([n.format(t=t) for t in half] if "{t}" in n else [n])
-    units = [(f, group) for f, names in sorted(wanted.items()) for group in groups(f, names)]
+        named = [m for n in names for m in ([n.format(t=t) for t in half] if "{t}" in n
+                                             else [n])]
+        units += [(f, group) for group in groups(f, named)]
     return units + [(f, part) for f in STEP_FILES for part in parts(f)
                     if part.split(".")[0] in families]
+
+
+def traced_units(recorded, families=PARTS) -> list:
+    """The build units of a traced run: step_units(families), then modules of exactly the
+    (file, instantiation) pairs `recorded` that those do not hold."""
+    units = step_units(families)
+    held = {(f, n) for f, unit in units for n in _unit_names((f, unit))}
+    wanted = collections.defaultdict(set)
+    for f, name in recorded:
+        if (f, name) not in held and f not in STEP_FILES:
+            wanted[f].add(name)
+    return units + [(f, group) for f, names in sorted(wanted.items())
+                    for group in groups(f, names)]
+
+
+def alone(filename: str, name: str):
+    """The build unit of instantiation `name` where its file builds one per module (the
+    heavy main loops: known the moment a trace records it), else None."""
+    return (filename, (name,)) if _per_module(source_and_options(filename)[0]) == 1 else None
 
 
 def _unit_names(unit) -> list[str]:
@@ -350,53 +378,71 @@ def _per_module(source: str) -> int:
     return max(1, int(asked.group(1))) if asked else CHUNK
 
 
+class Builds:
+    """Modules built on `workers` threads (default: $DPTRAIN_COMPILE_WORKERS, else one a
+    core) while the caller goes on: ``submit(units)`` as they become known (a unit asked
+    for again is not built again; each batch most work first), ``wait()`` for all of them.
+    Units are (file, part), or (file, names) for a module of exactly those instantiations
+    (see groups())."""
+
+    def __init__(self, workers: int | None = None):
+        import cupy
+
+        self.device = cupy.cuda.Device().id
+        env = os.environ.get(WORKERS_ENV, "")
+        if not workers and env:
+            if not env.isdigit() or int(env) < 1:
+                raise ValueError(f"{WORKERS_ENV}={env!r}: expected a positive integer")
+            workers = int(env)
+        self.workers = workers or max(1, os.cpu_count() or 1)
+        self.pool = concurrent.futures.ThreadPoolExecutor(self.workers, "dptrain-nvrtc")
+        self.futures, self.took = {}, {}
+        self.before, self.start = builds, time.perf_counter()
+
+    def submit(self, units) -> None:
+        for unit in _build_order([u for u in dict.fromkeys(units) if u not in self.futures]):
+            self.futures[unit] = self.pool.submit(self._build, unit)
+
+    def _build(self, unit):
+        # The current device is per thread in CUDA; setting it also makes its primary context
+        # current here (CUDA >= 12), which loading the compiled module needs.
+        import cupy
+
+        cupy.cuda.runtime.setDevice(self.device)
+        began = time.perf_counter()
+        _build_unit(unit)
+        self.took[unit] = time.perf_counter() - began
+
+    def wait(self) -> dict:
+        """Once every unit is built: {"files", "built" (modules), "seconds" (since this
+        started), "workers", "slowest": [[file, part, seconds], ...] (the five longest)}.
+        Re-raises the first compile error."""
+        try:
+            for future in list(self.futures.values()):
+                future.result()
+        finally:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+        slowest = sorted(self.took.items(), key=lambda kv: -kv[1])[:5]
+        return {"files": len({f for f, _ in self.futures}), "built": builds - self.before,
+                "seconds": time.perf_counter() - self.start, "workers": self.workers,
+                "slowest": [[u[0], _label(u), round(t, 3)] for u, t in slowest]}
+
+
 def compile_all(workers: int | None = None, families=PARTS, units=None) -> dict:
     """Build the `families` parts (default: all) of every kernel file the current GPU can
     run, or only the `units` given ((file, part), or (file, names) for a module of exactly
     those instantiations, see groups()), `workers` at a time (default:
-    $DPTRAIN_COMPILE_WORKERS, else one thread per part, at most the host's cores). Returns
-    {"files", "built" (modules), "seconds", "workers", "slowest": [[file, part, seconds],
-    ...] (the five longest builds)}."""
-    import cupy
-
-    device, arch = cupy.cuda.Device().id, device_arch()
+    $DPTRAIN_COMPILE_WORKERS, else one thread per core, at most one per unit), the most work
+    first. Returns Builds.wait()'s report."""
     if units is None:
-        files = kernel_files(arch)
-        units = [(f, part) for f in files for part in parts(f)
+        arch = device_arch()
+        units = [(f, part) for f in kernel_files(arch) for part in parts(f)
                  if part.split(".")[0] in families]
-    else:
-        units = list(dict.fromkeys(units))
-        files = sorted({f for f, _ in units})
-    units = _build_order(units)  # the most work first, so no big one starts last
-    env = os.environ.get(WORKERS_ENV, "")
-    if not workers and env:
-        if not env.isdigit() or int(env) < 1:
-            raise ValueError(f"{WORKERS_ENV}={env!r}: expected a positive integer")
-        workers = int(env)
-    workers = workers or max(1, min(len(units), os.cpu_count() or 1))
-    before, start = builds, time.perf_counter()
-
-    took = {}
-
-    def build(unit):
-        # The current device is per thread in CUDA; setting it also makes its primary context
-        # current here (CUDA >= 12), which loading the compiled module needs.
-        cupy.cuda.runtime.setDevice(device)
-        began = time.perf_counter()
-        _build_unit(unit)
-        took[unit] = time.perf_counter() - began
-
-    if workers == 1:
-        for unit in units:
-            build(unit)
-    else:
-        with concurrent.futures.ThreadPoolExecutor(workers, "dptrain-nvrtc") as pool:
-            for future in [pool.submit(build, unit) for unit in units]:
-                future.result()  # re-raises a compile error
-    slowest = sorted(took.items(), key=lambda kv: -kv[1])[:5]
-    return {"files": len(files), "built": builds - before,
-            "seconds": time.perf_counter() - start, "workers": workers,
-            "slowest": [[u[0], _label(u), round(s, 3)] for u, s in slowest]}
+    units = list(dict.fromkeys(units))
+    building = Builds(workers or (None if os.environ.get(WORKERS_ENV) else
+                                  max(1, min(len(units), os.cpu_count() or 1))))
+    building.submit(units)
+    return building.wait()
 
 
 @functools.lru_cache(maxsize=None)

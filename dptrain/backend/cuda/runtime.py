@@ -10,7 +10,7 @@
   convolution launchers read ``runtime.precision`` and keep it in their plan keys.
 * ``prepare()`` compiles the kernels ahead of the first step (loader.compile_all): every
   kernel file's, or those a trace of the model launches (launch.recording), the step's own
-  (loader.STEP_KERNELS, loader.STEP_FILES).
+  (loader.STEP_KERNELS, loader.STEP_FILES), each built from the moment it is known.
 * Random numbers: ``rng_state`` is a device uint64 array [seed, offset] that the dropout
   kernels read and advance on the device, so a replayed graph draws fresh numbers. It is
   created on first use, on the device current then (after ``select_device``); until then
@@ -158,8 +158,9 @@ class Runtime(RuntimeBase):
         file this GPU runs, or, given `trace` (a callable running the model as the step
         will, on arrays of the step's shapes), only the kernels `trace()` launches, recorded
         without launching them, and the step's own (loader.traced_units), in modules of
-        those kernels alone. {"files", "built", "seconds",
-        "workers", "slowest", "traced" (kernels recorded, or None: every kernel built)}."""
+        those kernels alone, their builds started as they become known (loader.Builds).
+        {"files", "built", "seconds", "workers", "slowest", "traced" (kernels recorded, or
+        None: every kernel built)}."""
         from dptrain.backend.cuda import launch, loader
 
         families = loader.PARTS
@@ -167,17 +168,26 @@ class Runtime(RuntimeBase):
             names = {"bfloat16" if np.dtype(d) == BFLOAT16 else np.dtype(d).name
                      for d in dtypes}
             families = tuple(loader.FAMILY_OF_DTYPE[n] for n in names)
-        recorded = None
-        if trace is not None:
-            try:
-                with launch.recording() as recorded:
-                    trace()
-            except Exception:  # noqa: BLE001 - a model the trace cannot run: build them all
-                recorded = None
-        if recorded is None:
+        if trace is None:
             return {**loader.compile_all(families=families), "traced": None}
-        units = loader.traced_units(recorded, families)
-        return {**loader.compile_all(units=units), "traced": len(recorded)}
+        # Builds start before and during the trace: the step's own kernels first, then each
+        # heavy main loop the moment the trace records it; the rest once it is done.
+        building = loader.Builds()
+        building.submit(loader.step_units(families))
+
+        def started(filename, name):
+            unit = loader.alone(filename, name)
+            if unit is not None:
+                building.submit([unit])
+
+        try:
+            with launch.recording(started) as recorded:
+                trace()
+        except Exception:  # noqa: BLE001 - a model the trace cannot run: build them all
+            building.wait()
+            return {**loader.compile_all(families=families), "traced": None}
+        building.submit(loader.traced_units(recorded, families))
+        return {**building.wait(), "traced": len(recorded)}
 
     # -- capture and replay of a step
     records_graphs = True
@@ -200,6 +210,16 @@ class Runtime(RuntimeBase):
         if dst.size:
             dst.set(host.reshape(dst.shape), stream=cupy.cuda.get_current_stream())
         return dst
+
+    def clone(self, a):
+        """A copy of `a` by cudaMemcpyAsync on the current stream: no kernel, so it is real
+        inside launch.recording() (CuPy's own copy would compile a kernel of its own)."""
+        if not a.flags.c_contiguous:
+            return a.copy()
+        out = cupy.empty_like(a)
+        if a.nbytes:
+            out.data.copy_from_device_async(a.data, a.nbytes, cupy.cuda.get_current_stream())
+        return out
 
     # -- precision of matmul and conv2d
     @staticmethod
