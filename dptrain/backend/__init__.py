@@ -58,6 +58,10 @@ The runtime (``be.runtime``), with the CPU's trivial meaning in brackets:
                                              recorded without launching, and the step's
                                              own; {"files", "built", "seconds", "traced",
                                              ...}; others build on first use [nothing]
+  ``prebuild(dtypes)``                      start building the step's own kernels for
+                                             `dtypes` in the background, before the model
+                                             is known; the next prepare() takes them over
+                                             [nothing]
   ``capture(step, warmup=2) -> run``        ``run()`` calls ``step()`` eagerly ``warmup``
                                              times, then records it once as a CUDA graph and
                                              replays that; ``step`` takes no arguments, its
@@ -102,7 +106,7 @@ import importlib
 
 RUNTIME = (
     "current_stream", "comm_stream", "on", "record", "wait", "order", "synchronize",
-    "stamp", "stamp_seconds", "prepare", "capture", "records_graphs", "comm_timer", "upload_",
+    "stamp", "stamp_seconds", "prebuild", "prepare", "capture", "records_graphs", "comm_timer", "upload_",
     "clone", "PRECISIONS", "precision", "set_precision", "precision_scope", "mixed_precisions",
     "manual_seed", "rng_state", "get_rng_state", "set_rng_state",
     "device_count", "select_device", "memory_info", "communicator",

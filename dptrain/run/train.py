@@ -9,6 +9,8 @@ import functools
 import sys
 from dataclasses import asdict
 
+import numpy as np
+
 from dptrain import backend, dist
 from dptrain.checkpoints import Checkpointing
 from dptrain.checkpoints.weights import load_weights, save_weights, weights_metadata
@@ -60,6 +62,8 @@ def _setup(cfg: TrainConfig):
         device = backend.resolve_device(cfg.device)
         be = backend.get(device)
         world = dist.init(be)  # selects this rank's device before anything is allocated
+        if world.local_rank == 0:  # the step's float32 kernels build while data and model load
+            be.runtime.prebuild([np.float32])
         cfg = defaults_for(cfg, device)
         # --save, --log-dir, --checkpoint-dir: writable and nobody else's, before training
         notes = check_outputs(cfg) if world.is_root else []
@@ -81,6 +85,8 @@ def _setup(cfg: TrainConfig):
         cfg.precision = amp.resolve(cfg.precision, be.runtime, model)
         amp.check_runtime(cfg.precision, be.runtime)
         amp.check_model(model, cfg.precision)
+        if world.local_rank == 0:  # ... and its 16-bit ones, once the precision is known
+            be.runtime.prebuild([np.float32, amp.compute_dtype(cfg.precision)])
         if cfg.batch_size * world.size > len(train_set.labels):
             raise ValueError(f"--batch-size {cfg.batch_size} x {world.size} ranks is larger than "
                              f"the {len(train_set.labels)} training images")

@@ -452,3 +452,21 @@ def test_builds_start_before_and_during_the_trace(monkeypatch):
                           for f, held in batch)
     assert report["traced"] >= 1
     assert be.to_numpy(be.matmul(a, b)).tolist() == np.full((67, 33), 45.0).tolist()
+
+
+@pytest.mark.gpu
+def test_prebuild_hands_its_builds_to_prepare(monkeypatch):
+    """prebuild starts the step's own kernels before any model exists (train calls it right
+    after choosing the device); the next prepare takes those builds over, not a new set."""
+    import numpy as np
+
+    from dptrain.backend.cuda import loader as cuda_loader
+
+    be = backend.get("cuda")
+    be.runtime.prebuild([np.float32])
+    early = cuda_loader._early
+    assert early is not None and set(early.futures) == set(cuda_loader.step_units(("main",)))
+    taken, real = [], cuda_loader.take
+    monkeypatch.setattr(cuda_loader, "take", lambda: taken.append(real()) or taken[-1])
+    report = be.runtime.prepare((np.float32,), lambda: None)
+    assert taken == [early] and cuda_loader._early is None and report["traced"] == 0

@@ -85,6 +85,9 @@ class Runtime(RuntimeBase):
         return [s - stamps[0] for s in stamps] if stamps else []
 
     # -- cold start: nothing to compile
+    def prebuild(self, dtypes) -> None:
+        pass
+
     def prepare(self, dtypes=None, trace=None) -> dict:
         return {"files": 0, "built": 0, "seconds": 0.0, "workers": 0, "traced": None}
 

@@ -20,7 +20,9 @@ ones). Given the kernels a run launches (a trace), it builds modules of exactly 
 instantiations instead (``groups()``, ``module_of()``): a whole part is up to eight kernels
 the run may never launch, and every one costs compile time. ``Builds`` takes such units as
 they become known (the step's own before the trace, each heavy main loop as the trace
-records it), so the compile runs beside the trace instead of after it. Threads, not processes, because
+records it), so the compile runs beside the trace instead of after it; ``begin()`` starts
+the step's own earlier still, while the run loads its data and builds its model, and the
+next ``take()`` (prepare's) carries those builds on. Threads, not processes, because
 CuPy's binding calls ``nvrtcCompileProgram`` with the GIL released (``with nogil`` in
 cupy_backends/cuda/libs/nvrtc.pyx; the installed binary brackets the call with
 PyEval_SaveThread / PyEval_RestoreThread), NVRTC is documented thread-safe, and a thread's
@@ -428,17 +430,41 @@ class Builds:
                 "slowest": [[u[0], _label(u), round(t, 3)] for u, t in slowest]}
 
 
+# The builds begin() started before the run knew its model, taken over by the next take().
+_early: Builds | None = None
+
+
+def begin(families) -> None:
+    """Start building the step's own kernels of `families` (step_units) in the background,
+    before the model, its precision and its trace are known (the CPUs are idle meanwhile);
+    the next take() hands on those builds. Called again, it adds what is new."""
+    global _early
+    if _early is None:
+        _early = Builds()
+    _early.submit(step_units(families))
+
+
+def take() -> Builds:
+    """The Builds begin() started, its units building on, else a new one."""
+    global _early
+    building, _early = _early or Builds(), None
+    return building
+
+
+def every_unit(families=PARTS) -> list:
+    """The (file, part) build units of every kernel file the current GPU runs, for the
+    `families` given."""
+    return [(f, part) for f in kernel_files(device_arch()) for part in parts(f)
+            if part.split(".")[0] in families]
+
+
 def compile_all(workers: int | None = None, families=PARTS, units=None) -> dict:
     """Build the `families` parts (default: all) of every kernel file the current GPU can
     run, or only the `units` given ((file, part), or (file, names) for a module of exactly
     those instantiations, see groups()), `workers` at a time (default:
     $DPTRAIN_COMPILE_WORKERS, else one thread per core, at most one per unit), the most work
     first. Returns Builds.wait()'s report."""
-    if units is None:
-        arch = device_arch()
-        units = [(f, part) for f in kernel_files(arch) for part in parts(f)
-                 if part.split(".")[0] in families]
-    units = list(dict.fromkeys(units))
+    units = list(dict.fromkeys(every_unit(families) if units is None else units))
     building = Builds(workers or (None if os.environ.get(WORKERS_ENV) else
                                   max(1, min(len(units), os.cpu_count() or 1))))
     building.submit(units)

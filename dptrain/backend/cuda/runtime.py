@@ -102,6 +102,14 @@ class CommTimer:
         return cupy.cuda.get_elapsed_time(self.events["begin"], self.events["end"]) / 1e3
 
 
+def _families(dtypes) -> tuple:
+    """The kernel families (loader.PARTS) of arrays of `dtypes`."""
+    from dptrain.backend.cuda import loader
+
+    names = {"bfloat16" if np.dtype(d) == BFLOAT16 else np.dtype(d).name for d in dtypes}
+    return tuple(loader.FAMILY_OF_DTYPE[n] for n in names)
+
+
 class Runtime(RuntimeBase):
     name = "cuda"
     PRECISIONS = PRECISIONS
@@ -163,16 +171,14 @@ class Runtime(RuntimeBase):
         None: every kernel built)}."""
         from dptrain.backend.cuda import launch, loader
 
-        families = loader.PARTS
-        if dtypes is not None:
-            names = {"bfloat16" if np.dtype(d) == BFLOAT16 else np.dtype(d).name
-                     for d in dtypes}
-            families = tuple(loader.FAMILY_OF_DTYPE[n] for n in names)
+        families = loader.PARTS if dtypes is None else _families(dtypes)
+        # Builds start before and during the trace: the step's own kernels first (or since
+        # prebuild()), then each heavy main loop the moment the trace records it; the rest
+        # once it is done.
+        building = loader.take()
         if trace is None:
-            return {**loader.compile_all(families=families), "traced": None}
-        # Builds start before and during the trace: the step's own kernels first, then each
-        # heavy main loop the moment the trace records it; the rest once it is done.
-        building = loader.Builds()
+            building.submit(loader.every_unit(families))
+            return {**building.wait(), "traced": None}
         building.submit(loader.step_units(families))
 
         def started(filename, name):
@@ -184,10 +190,18 @@ class Runtime(RuntimeBase):
             with launch.recording(started) as recorded:
                 trace()
         except Exception:  # noqa: BLE001 - a model the trace cannot run: build them all
-            building.wait()
-            return {**loader.compile_all(families=families), "traced": None}
+            building.submit(loader.every_unit(families))
+            return {**building.wait(), "traced": None}
         building.submit(loader.traced_units(recorded, families))
         return {**building.wait(), "traced": len(recorded)}
+
+    def prebuild(self, dtypes) -> None:
+        """Start building the step's own kernels for arrays of `dtypes` in background
+        threads (loader.begin), before the model is known; the next prepare() takes them
+        over. On the first rank of a host only (prepare builds for its host)."""
+        from dptrain.backend.cuda import loader
+
+        loader.begin(_families(dtypes))
 
     # -- capture and replay of a step
     records_graphs = True
