@@ -8,9 +8,10 @@
 * ``comm_timer()`` times the compute stream's wait for communication with two CUDA events.
 * Precision of the matrix kernels: "tf32" (compute capability >= 8.0) or "fp32"; the GEMM and
   convolution launchers read ``runtime.precision`` and keep it in their plan keys.
-* ``prepare()`` compiles the kernels ahead of the first step (loader.compile_all): every
+* ``prepare()`` compiles the kernels ahead of the first step (loader.Builds): every
   kernel file's, or those a trace of the model launches (launch.recording), the step's own
-  (loader.STEP_KERNELS, loader.STEP_FILES), each built from the moment it is known.
+  (loader.STEP_KERNELS, loader.STEP_FILES), each built from the moment it is known;
+  ``prebuild()`` starts the step's own before the model exists.
 * Random numbers: ``rng_state`` is a device uint64 array [seed, offset] that the dropout
   kernels read and advance on the device, so a replayed graph draws fresh numbers. It is
   created on first use, on the device current then (after ``select_device``); until then
