@@ -13,9 +13,9 @@ and only the modules a run uses are built on demand. Later requests reuse the mo
 caches the compiled binary on disk (``$CUPY_CACHE_DIR``, default ~/.cupy/kernel_cache), so a
 second process start skips NVRTC.
 
-Cold start: ``compile_all()`` (what ``runtime.prepare()`` calls) builds the parts of every
-file this GPU can run that the run's dtypes need ahead of the first step, one thread per part
-(a float32 / TF32 run skips the 16-bit and double families, a bf16 run the float16 and double
+Cold start: ``runtime.prepare()`` builds the parts of every file this GPU can run that the
+run's dtypes need ahead of the first step (``every_unit()``), one thread per part (a
+float32 / TF32 run skips the 16-bit and double families, a bf16 run the float16 and double
 ones). Given the kernels a run launches (a trace), it builds modules of exactly those
 instantiations instead (``groups()``, ``module_of()``): a whole part is up to eight kernels
 the run may never launch, and every one costs compile time. ``Builds`` takes such units as
@@ -123,7 +123,7 @@ def name_expressions(source: str) -> list[str]:
 
 # The element families a file's modules split by: float32 (and the type-free kernels), double
 # (the tests' float64 references), and the two 16-bit types. A run builds the families of the
-# dtypes it computes in (``compile_all(families=...)``); any other kernel is built on first use.
+# dtypes it computes in (``every_unit(families)``); any other kernel is built on first use.
 PARTS = ("main", "double", "__half", "__nv_bfloat16")
 FAMILY_OF_DTYPE = {"float32": "main", "float64": "double", "float16": "__half",
                    "bfloat16": "__nv_bfloat16"}
@@ -220,7 +220,7 @@ def device_arch() -> str:
 
 
 # Modules built in this process, by cache_key; `builds` counts them (compiled by NVRTC or
-# loaded from CuPy's disk cache): after compile_all(), a training step builds none. `_home`
+# loaded from CuPy's disk cache): after runtime.prepare(), a training step builds none. `_home`
 # names the module that holds each (file, instantiation) built so far.
 _modules: dict[str, object] = {}
 _home: dict[tuple[str, str], object] = {}
@@ -456,19 +456,6 @@ def every_unit(families=PARTS) -> list:
     `families` given."""
     return [(f, part) for f in kernel_files(device_arch()) for part in parts(f)
             if part.split(".")[0] in families]
-
-
-def compile_all(workers: int | None = None, families=PARTS, units=None) -> dict:
-    """Build the `families` parts (default: all) of every kernel file the current GPU can
-    run, or only the `units` given ((file, part), or (file, names) for a module of exactly
-    those instantiations, see groups()), `workers` at a time (default:
-    $DPTRAIN_COMPILE_WORKERS, else one thread per core, at most one per unit), the most work
-    first. Returns Builds.wait()'s report."""
-    units = list(dict.fromkeys(every_unit(families) if units is None else units))
-    building = Builds(workers or (None if os.environ.get(WORKERS_ENV) else
-                                  max(1, min(len(units), os.cpu_count() or 1))))
-    building.submit(units)
-    return building.wait()
 
 
 @functools.lru_cache(maxsize=None)
