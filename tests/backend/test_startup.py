@@ -175,6 +175,13 @@ def test_traced_units_add_the_step_kernels_of_the_run_dtypes(monkeypatch):
                      if p.split(".")[0] in ("main", "__nv_bfloat16")}
     assert not {f for f, _ in whole} & {"elementwise.cu", "reduce.cu"}
     assert loader._build_order(units)[0] == ("gemm.cu", (gemm,))  # the heaviest first
+    # A step file's kernel of a family the run did not name (a float64 dropout mask) brings
+    # the part holding it, once; a traced main loop is one module of its own.
+    traced |= {("data.cu", "dropout_mask_kernel<double>"), ("optim.cu", "sgd_kernel<float>")}
+    more = loader.traced_units(traced, ("main", "__nv_bfloat16"))
+    assert more == units[:-2] + [("data.cu", "double")] + units[-2:]
+    assert loader.alone("gemm.cu", gemm) == ("gemm.cu", (gemm,))
+    assert loader.alone("norm.cu", "bn_forward_kernel<float>") is None
 
 
 def test_cache_key_follows_sources_and_headers(monkeypatch, tmp_path):

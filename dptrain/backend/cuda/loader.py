@@ -329,21 +329,32 @@ def step_units(families=PARTS) -> list:
 
 def traced_units(recorded, families=PARTS) -> list:
     """The build units of a traced run: step_units(families), then modules of exactly the
-    (file, instantiation) pairs `recorded` that those do not hold."""
+    (file, instantiation) pairs `recorded` that those do not hold (of a STEP_FILE, the part
+    holding it)."""
     units = step_units(families)
     held = {(f, n) for f, unit in units for n in _unit_names((f, unit))}
     wanted = collections.defaultdict(set)
     for f, name in recorded:
-        if (f, name) not in held and f not in STEP_FILES:
+        if (f, name) in held:
+            continue
+        if f in STEP_FILES:  # built whole, as step_units builds them: the part holding it
+            units.append((f, part_holding(f, name)))
+        else:
             wanted[f].add(name)
-    return units + [(f, group) for f, names in sorted(wanted.items())
-                    for group in groups(f, names)]
+    return list(dict.fromkeys(units)) + [(f, group) for f, names in sorted(wanted.items())
+                                         for group in groups(f, names)]
 
 
 def alone(filename: str, name: str):
     """The build unit of instantiation `name` where its file builds one per module (the
     heavy main loops: known the moment a trace records it), else None."""
-    return (filename, (name,)) if _per_module(source_and_options(filename)[0]) == 1 else None
+    return (filename, (name,)) if _one_per_module(kernel_dir(), filename) else None
+
+
+@functools.lru_cache(maxsize=None)
+def _one_per_module(directory: Path, filename: str) -> bool:
+    # A trace asks for each kernel it records: read the file once, not its headers each time.
+    return _per_module((directory / filename).read_text()) == 1
 
 
 def _unit_names(unit) -> list[str]:
