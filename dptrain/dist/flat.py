@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dptrain.engine.autograd import Tensor
+from dptrain.engine.autograd import Tensor, grads_zeroed
 
 ALIGN = 64  # elements: each parameter and shard starts on a 256-byte boundary (float32)
 
@@ -91,6 +91,7 @@ class FlatParameters:
 
     def zero_grad(self):
         self.be.fill_(self.grad, 0.0)
+        grads_zeroed(self.params)  # so a gradient may be written into its .grad, not added
 
     def cast_shadow(self, segments=None):
         """shadow[start:stop] = data[start:stop] in 16 bits, one cast per [start, stop) of

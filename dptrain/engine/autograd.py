@@ -16,12 +16,16 @@ per-step allocations whose addresses change, which CUDA-graph capture needs.
 Where such a leaf feeds one op only, that op's backward may add its gradient into
 the ``.grad`` itself (``Function.grad_into``; Linear's split-K reduce and bias sums
 and batch norm's sums kernel do the add, no separate pass); the sum is the same,
-grad + g, so the result is too.
+grad + g, so the result is too. Where that ``.grad`` holds zeros (``grads_zeroed``: the
+optimizer's zero_grad says so, and nothing has added into it since), the op may write its
+gradient instead (``Function.grad_is_zero``; Linear's weight product stores into the .grad,
+no add pass): 0 + g is g.
 """
 from __future__ import annotations
 
 import collections
 import contextlib
+import weakref
 
 import numpy as np
 
@@ -30,6 +34,15 @@ from dptrain.backend.bfloat16 import BFLOAT16, from_bfloat16
 
 _grad_enabled = True
 DIRECT_GRADS = True  # ops may add a leaf's gradient into its .grad (False: to compare)
+# Leaves whose .grad holds zeros: set by grads_zeroed, cleared by the first gradient added.
+_zeroed: "weakref.WeakSet[Tensor]" = weakref.WeakSet()
+
+
+def grads_zeroed(leaves) -> None:
+    """Say that these leaves' .grad arrays were just filled with zeros (an optimizer's
+    zero_grad), so the first gradient that reaches each may be written rather than added.
+    Whoever changes a .grad otherwise between this and backward must not call it."""
+    _zeroed.update(t for t in leaves if t.grad is not None)
 
 
 class no_grad(contextlib.ContextDecorator):
@@ -82,6 +95,7 @@ class Function:
     needs_grad: tuple = ()
     inputs: tuple = ()
     into: tuple = ()  # per input: the .grad backward may add into (set by Tensor.backward)
+    zeroed: tuple = ()  # per input: whether that .grad holds zeros (set with `into`)
     takes_grad_sum = False  # backward accepts a GradSum as gy (and adds it itself)
 
     @classmethod
@@ -112,6 +126,11 @@ class Function:
         into = self.into[i] if i < len(self.into) else None
         ok = into is not None and into.dtype == dtype and into.dtype.itemsize >= 4
         return into if ok else None
+
+    def grad_is_zero(self, i: int) -> bool:
+        """Whether the .grad that grad_into(i, ...) offers holds zeros, so backward may write
+        input i's gradient into it rather than add it (the same result)."""
+        return i < len(self.zeroed) and self.zeroed[i]
 
 
 def _default_dtype(data):
@@ -217,11 +236,14 @@ class Tensor:
             fn.into = tuple(i.grad.data if DIRECT_GRADS and i._ctx is None and i.requires_grad
                             and i.grad is not None and uses[id(i)] == 1 else None
                             for i in fn.inputs)
+            fn.zeroed = tuple(into is not None and i in _zeroed
+                              for i, into in zip(fn.inputs, fn.into))
             for inp, gi, need, into in zip(fn.inputs, fn.backward(g), fn.needs_grad, fn.into):
                 if gi is None or not need:
                     continue
                 if into is not None and gi is into:
                     added.add(id(inp))
+                    _zeroed.discard(inp)
                     continue
                 prev = grads.get(id(inp))
                 if prev is None:  # (a GradSum passed on by a view stays parts)
@@ -241,6 +263,7 @@ class Tensor:
 
     def _accumulate(self, g):
         # g may be 16-bit for an fp32 leaf (ops.CastParameter): add_ casts as it adds
+        _zeroed.discard(self)
         if self.grad is None:
             self.grad = Tensor(self.be.astype(g, self.dtype) if g.dtype != self.dtype
                                else self.be.copy(g))

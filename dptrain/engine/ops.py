@@ -303,6 +303,7 @@ class Linear(Function):
         if self.needs_grad[1]:
             into = self.grad_into(1, g2.dtype)
             gw = (be.matmul(g2, self.x2, trans_a=True) if into is None
+                  else be.matmul_into_(into, g2, self.x2, trans_a=True) if self.grad_is_zero(1)
                   else be.matmul_add_(into, g2, self.x2, trans_a=True))
         if len(self.needs_grad) > 2 and self.needs_grad[2]:
             into = self.grad_into(2, g2.dtype)

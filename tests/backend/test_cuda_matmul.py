@@ -491,6 +491,21 @@ def test_matmul_add_equals_matmul_then_add(cm, prec, m, n, k, ta):
         cm.matmul_add_(c.astype(np.float16), a.astype(np.float16), b.astype(np.float16), ta)
 
 
+@pytest.mark.parametrize("m,n,k,ta", [(65, 33, 129, False), (512, 2304, 256, True),
+                                      (8, 16, 3000, False), (7, 256, 256, True),
+                                      (1408, 3072, 64, False)])
+def test_matmul_into_writes_matmul_into_c(cm, prec, m, n, k, ta):
+    """c = op(a) @ b into c itself (split-K's reduce with beta 0, or the tiles' stores):
+    matmul's bits, c's old contents (NaN) never read."""
+    a = cp.asarray(rand(*((k, m) if ta else (m, k))))
+    b = cp.asarray(rand(k, n))
+    c = cp.full((m, n), np.nan, np.float32)
+    assert cm.matmul_into_(c, a, b, ta) is c
+    assert cp.array_equal(c, cm.matmul(a, b, ta))
+    with pytest.raises(ValueError, match="out has shape"):
+        cm.matmul_into_(cp.zeros((m, n + 1), np.float32), a, b, ta)
+
+
 @pytest.mark.parametrize("shape", [(256, 512), (5000, 64), (3, 8, 5, 5), (0, 4), (6, 9000)],
                          ids=str)
 def test_bias_grad_add_equals_bias_grad_then_add(cm, shape):

@@ -153,6 +153,70 @@ def test_gradients_added_in_place_on_the_gpu(monkeypatch):
     _assert_same_bits(direct, after)
 
 
+def _zeroed_mlp_grads(monkeypatch, direct, device="cpu", passes=2):
+    """Backward passes of a Linear-ReLU-Linear net whose parameters live in one flat buffer,
+    zeroed once before them (as an optimizer's zero_grad does), with direct gradients on or
+    off: the grads after each pass, and the weight products written (matmul_into_) and
+    added (matmul_add_) into their .grad."""
+    from dptrain.backend import get
+    from dptrain.dist.flat import FlatParameters
+    from dptrain.engine import autograd
+
+    monkeypatch.setattr(autograd, "DIRECT_GRADS", direct)
+    be, calls = get(device), []
+    for name in ("matmul_into_", "matmul_add_"):
+        real = getattr(be, name)
+        monkeypatch.setattr(be, name, lambda *a, _n=name, _r=real, **k: calls.append(_n)
+                            or _r(*a, **k))
+    rng = np.random.default_rng(4)
+    ws = [dp.tensor(rng.standard_normal(s).astype(np.float32), requires_grad=True,
+                    device=device) for s in [(16, 12), (16,), (5, 16), (5,)]]
+    flat = FlatParameters(ws)
+    be.fill_(flat.grad, 7.0)  # whatever was there: zero_grad clears it
+    flat.zero_grad()
+    x = dp.tensor(rng.standard_normal((7, 12)).astype(np.float32), device=device)
+    grads = []
+    for _ in range(passes):
+        out = F.linear(F.linear_relu(x, ws[0], ws[1]), ws[2], ws[3])
+        (out * out).sum().backward()
+        grads.append([w.grad.numpy().copy() for w in ws])
+    return grads, calls
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_zeroed_grads_take_the_weight_products_written(monkeypatch, device):
+    """After zero_grad, a weight's first gradient is stored into its .grad by the product
+    (matmul_into_: no add pass), the same bits as adding it to the zeros; a second backward
+    without zero_grad adds (gradient accumulation)."""
+    from dptrain.backend import get
+
+    if device == "cuda":
+        pytest.importorskip("cupy")
+    with get(device).runtime.precision_scope("tf32" if device == "cuda" else "fp32"):
+        direct, calls = _zeroed_mlp_grads(monkeypatch, True, device)
+        after, calls_after = _zeroed_mlp_grads(monkeypatch, False, device)
+    assert calls == ["matmul_into_"] * 2 + ["matmul_add_"] * 2 and calls_after == []
+    for got, want in zip(direct, after):
+        _assert_same_bits(got, want)
+    np.testing.assert_allclose(direct[1][0], 2 * direct[0][0], rtol=1e-6)
+
+
+def test_a_grad_changed_after_zero_grad_is_added_to():
+    """Only zero_grad marks a .grad as zeros: a leaf whose .grad got a gradient since (here
+    through a second use in the same graph) is added to, not overwritten."""
+    from dptrain.dist.flat import FlatParameters
+
+    rng = np.random.default_rng(6)
+    w = dp.tensor(rng.standard_normal((3, 4)).astype(np.float32), requires_grad=True)
+    flat = FlatParameters([w])
+    flat.zero_grad()
+    x = dp.tensor(rng.standard_normal((2, 4)).astype(np.float32))
+    F.linear(x, w).sum().backward()
+    first = w.grad.numpy().copy()
+    (F.linear(x, w).sum() + (w * w).sum()).backward()  # w used twice: summed, then added
+    np.testing.assert_allclose(w.grad.numpy(), 2 * first + 2 * w.numpy(), rtol=1e-6)
+
+
 def _bn_grads(monkeypatch, direct, device="cpu", x_dtype=np.float32):
     """Two backward passes of batch norm (+ ReLU) over x, weight and bias leaves with .grad
     from the first pass on; direct adds on or off: the grads and how often the sums' kernel

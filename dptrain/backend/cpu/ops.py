@@ -298,6 +298,17 @@ def matmul_add_(c, a, b, trans_a=False, trans_b=False):
     return add_(c, matmul(a, b, trans_a, trans_b))
 
 
+@op
+def matmul_into_(c, a, b, trans_a=False, trans_b=False):
+    """c = op(a) @ op(b), written into c (a weight's gradient into a .grad that holds zeros).
+    Returns c."""
+    product = matmul(a, b, trans_a, trans_b)
+    if c.shape != product.shape or c.dtype != product.dtype:
+        raise ValueError(f"cpu.matmul_into_: c {c.dtype} {c.shape} does not take the product "
+                         f"{product.dtype} {product.shape}")
+    return copy_(c, product)
+
+
 @op(fp32_math=True)
 def linear(x, w, b=None, relu=False):
     """x @ w^T (+ b), then ReLU if `relu`: Linear's forward as one op (a 16-bit result is

@@ -273,6 +273,17 @@ def matmul_add_(c, a, b, trans_a=False, trans_b=False):
     return _matmul_plan(a, b, trans_a, trans_b, None, accumulate=True)(a, b, None, c)
 
 
+@op
+def matmul_into_(c, a, b, trans_a=False, trans_b=False):
+    """c = op(a) @ op(b), written into c by the product's own stores, for 2-D operands: a
+    weight's gradient into a .grad that holds zeros (autograd.grads_zeroed), where
+    matmul_add_ would run a product without split-K as a matmul and an add pass. Returns c."""
+    if a.ndim != 2 or b.ndim != 2:
+        raise ValueError(f"cuda.matmul_into_: 2-D operands only, got {a.ndim}-D, {b.ndim}-D")
+    launch.check_contiguous("matmul_into_", c)
+    return _matmul_plan(a, b, trans_a, trans_b, None)(a, b, None, c)
+
+
 def _plan_matmul(a, b, ta, tb, bias, relu=False, accumulate=False):
     dt = operand_dtype("matmul", a)
     launch.check_f32("matmul", "a", a, dtype=dt)
