@@ -379,7 +379,9 @@ def test_wgmma_other_layouts(hopper, batch_a, batch_b, m, n, k, ta, tb):
     (2000, 4096, 256, False, True, "M not a multiple of 128"),
     (2048, 4000, 256, False, True, "N not a multiple of 256"),
     (2048, 4096, 260, False, True, "K not a multiple of 32"),
-    (1024, 2048, 256, False, True, "64 tiles: fewer than the SMs"),
+    (512, 1024, 256, False, True, "16 tiles: under a quarter of the SMs"),
+    (16384, 256, 256, True, False, "128 tiles, but an A^T as large as C to transpose"),
+    (512, 2304, 64, True, False, "36 tiles, K 64 with an operand to transpose"),
     (256, 256, 4608, False, True, "the CNN's fc1 forward at batch 256"),
 ])
 def test_wgmma_unsupported_shapes_fall_back(hopper, m, n, k, ta, tb, why):
@@ -389,6 +391,32 @@ def test_wgmma_unsupported_shapes_fall_back(hopper, m, n, k, ta, tb, why):
     out = nan_like((m, n))
     hopper.matmul(ga, gb, ta, tb, out=out)
     check(out, cpu.matmul(a.astype(np.float64), b.astype(np.float64), ta, tb), "tf32")
+
+
+@pytest.mark.parametrize("m,n,k,ta,tb,bf16", [
+    (512, 2304, 256, True, False, False),   # the MLP's first weight gradient
+    (9472, 256, 64, False, True, False),    # the ViT's MLP up-projection: nothing to transpose
+    (1024, 2048, 256, False, True, False),
+    (9472, 256, 1024, True, False, True),   # 16 bits: from K 1024 on
+])
+def test_wgmma_takes_products_that_fill_a_quarter_of_the_sms(hopper, m, n, k, ta, tb, bf16):
+    """33-131 tiles of 128 x 256 (132 SMs) where wgmma measured faster than split-K; the same
+    product 256 rows high (under a quarter of the SMs) stays on split-K."""
+    from dptrain.backend.bfloat16 import BFLOAT16
+
+    if 4 * (m // 128) * (n // 256) < gemm.launch.sm_count():
+        pytest.skip("fewer SMs than an H100 / H200: these shapes fill under a quarter")
+    a, b = _operands((), (), m, n, k, ta, tb)
+    ga, gb = cp.asarray(a), cp.asarray(b)
+    if bf16:
+        ga, gb = hopper.astype(ga, BFLOAT16), hopper.astype(gb, BFLOAT16)
+    assert hopper.matmul_kernel(ga, gb, ta, tb) == WGMMA
+    low = cp.asarray(_operands((), (), 256, n, k, ta, tb)[0])
+    assert hopper.matmul_kernel(hopper.astype(low, ga.dtype), gb, ta, tb) != WGMMA
+    if not bf16:
+        out = nan_like((m, n))
+        hopper.matmul(ga, gb, ta, tb, out=out)
+        check(out, cpu.matmul(a.astype(np.float64), b.astype(np.float64), ta, tb), "tf32")
 
 
 def test_wgmma_falls_back_when_misaligned_or_fp32(hopper):

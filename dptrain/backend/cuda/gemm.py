@@ -216,9 +216,31 @@ def _wgmma_fits(a, b, ta, tb, m, n, k, nb) -> bool:
             and wgmma_available()
             and m % _WGMMA_BM == 0 and n % _WGMMA_BN == 0 and k % bk == 0 and k > 0
             and (ta or a.data.ptr % 16 == 0) and (not tb or b.data.ptr % 16 == 0)
-            and nb * (m // _WGMMA_BM) * (n // _WGMMA_BN) >= launch.sm_count()
+            and _wgmma_faster(a.dtype, ta, tb, m, n, k, nb * (m // _WGMMA_BM) * (n // _WGMMA_BN))
             and (m // _WGMMA_BM) * (n // _WGMMA_BN) <= launch.INT32_MAX
             and nb <= launch.GRID_YZ_MAX)
+
+
+def _wgmma_faster(dtype, ta, tb, m, n, k, tiles) -> bool:
+    """Whether gemm_wgmma.cu (no split of K; an MN-major operand transposed to scratch first)
+    beats gemm.cu's kernels (which split K to fill the SMs) on an m x n x k product of `tiles`
+    128 x 256 tiles: where they fill the SMs; where they fill a quarter of them or more, for
+    K >= 1024, and in TF32 also with no operand to transpose, or for K >= 256 with fewer
+    elements to transpose than C holds. Measured on an H200 (BENCHMARKS.md, 2026-11-27) at
+    33-128 tiles: TF32 at K >= 256 1.2-3.4x faster, but 0.90x where a 16384 x 256 A^T (as
+    large as C) was transposed first, and 0.83-0.97x at K 64 with a transpose; 16 bits
+    1.2-2.8x from K 1024 on, while below it the 16-bit mma.sync kernel was up to 2.2x faster."""
+    sms = launch.sm_count()
+    if tiles >= sms:
+        return True
+    if 4 * tiles < sms:
+        return False
+    if k >= 1024:
+        return True
+    if dtype in launch.HALVES:
+        return False
+    transposed = (m * k if ta else 0) + (0 if tb else n * k)
+    return transposed == 0 or (k >= 256 and transposed < m * n)
 
 
 def _matmul_plan(a, b, trans_a, trans_b, bias, relu=False, accumulate=False):
