@@ -24,8 +24,9 @@ Hopper fast path (gemm_wgmma.cu, wgmma.mma_async, sm_90a): a "tf32" float32 matm
 bfloat16 / float16 one, runs there when the device is compute capability 9.0, the
 environment does not set DPTRAIN_WGMMA=0 (read when a plan is built), and the call has its
 shape: M % 128 == 0, N % 256 == 0, K a multiple of one 128-byte row (32 floats, 64 16-bit
-values), and at least as many 128 x 256 output tiles as SMs (smaller problems keep the
-split-K kernel). The kernel reads both operands K-major (a @ b^T, a and b 16-byte aligned);
+values), and as many 128 x 256 output tiles as SMs, or a quarter of that where it measured
+faster than split-K (``_wgmma_faster``: long K, or little to transpose; smaller problems keep
+the split-K kernel). The kernel reads both operands K-major (a @ b^T, a and b 16-byte aligned);
 the other layouts first copy the operand that is MN-major to a K-major scratch with the tiled
 transpose (2 x its bytes of traffic, 10-25% of the product's time at the sizes that qualify,
 against 2.5-3x from wgmma). `matmul_kernel` names the kernel a call uses.
@@ -227,9 +228,9 @@ def _wgmma_faster(dtype, ta, tb, m, n, k, tiles) -> bool:
     128 x 256 tiles: where they fill the SMs; where they fill a quarter of them or more, for
     K >= 1024, and in TF32 also with no operand to transpose, or for K >= 256 with fewer
     elements to transpose than C holds. Measured on an H200 (BENCHMARKS.md, 2026-11-27) at
-    33-128 tiles: TF32 at K >= 256 1.2-3.4x faster, but 0.90x where a 16384 x 256 A^T (as
-    large as C) was transposed first, and 0.83-0.97x at K 64 with a transpose; 16 bits
-    1.2-2.8x from K 1024 on, while below it the 16-bit mma.sync kernel was up to 2.2x faster."""
+    33-128 tiles: TF32 at K >= 256 1.18-3.4x faster, but 0.90x where a 16384 x 256 A^T (as
+    large as C) was transposed first, and 0.83-1.51x at K 64 with a transpose; 16 bits
+    1.19-2.8x from K 1024 on, while below it the 16-bit mma.sync kernel was up to 2.2x faster."""
     sms = launch.sm_count()
     if tiles >= sms:
         return True
