@@ -16,6 +16,11 @@
 //  * `=`: C is written, never read. bias_mode 1 adds bias[n] to every row; + 4 then applies
 //    ReLU (v < 0 -> 0, NaN kept), as gemm_tiles.cuh's EPI_RELU.
 //  * Batch in grid z: matrix b starts at A + b*sA (B, C likewise); stride 0 broadcasts.
+//  * Split-K (splits > 1): grid z = batch * splits; split s walks the slabs [s*kt_split,
+//    (s+1)*kt_split) of K and writes its raw float partial product to ws[s][b] (dense M x N,
+//    no bias, no ReLU); gemm.cu's splitk_reduce_kernel then sums the splits in order and
+//    applies bias and ReLU. For products of few tiles and long K, which one block per tile
+//    would walk alone.
 //
 // Design: block tile 128 x 256 x one 128-byte slab of K, 256 threads = two warpgroups,
 // each owning 64 rows x 256 columns: wgmma.cuh's main loop (swizzled K-major tiles, 4
@@ -54,7 +59,8 @@ template <typename T>
 __global__ void __launch_bounds__(wgmma_gemm::THREADS, 1)
     gemm_wgmma_kernel(const T* __restrict__ A, const T* __restrict__ B, T* C,
                       const T* __restrict__ bias, int M, int N, int K, long long sA,
-                      long long sB, long long sC, int bias_mode) {
+                      long long sB, long long sC, int bias_mode, float* ws, int splits,
+                      int kt_split) {
   using namespace wgmma_gemm;
   constexpr int BK = ROW_BYTES / sizeof(T), CHUNK = 16 / sizeof(T);  // elements
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -69,9 +75,10 @@ __global__ void __launch_bounds__(wgmma_gemm::THREADS, 1)
   const int tm = first_m + (pid % per_group) % gsize;
   const int tn = (pid % per_group) / gsize;
   const int m0 = tm * BM, n0 = tn * BN;
-  const int b = blockIdx.z;
-  A += b * sA;
-  B += b * sB;
+  const int b = blockIdx.z / splits, s = blockIdx.z - b * splits;
+  const int kt0 = s * kt_split, KT = min(K / BK - kt0, kt_split);  // this split's slabs
+  A += b * sA + kt0 * BK;
+  B += b * sB + kt0 * BK;
   C += b * sC;
 
   // Loader: 16-byte chunk c = tid % 8 of rows tid / 8 + 32 j (A: j < 4, B: j < 8).
@@ -84,7 +91,7 @@ __global__ void __launch_bounds__(wgmma_gemm::THREADS, 1)
   float acc[BN / 2];
 #pragma unroll
   for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
-  wgmma_mainloop<T, BM, BN>(acc, smem_base(smem_raw), K / BK, [&](int kt, u32 sa, u32 sb) {
+  wgmma_mainloop<T, BM, BN>(acc, smem_base(smem_raw), KT, [&](int kt, u32 sa, u32 sb) {
     const T* pa = a_src + kt * BK;
     const T* pb = b_src + kt * BK;
 #pragma unroll
@@ -93,6 +100,15 @@ __global__ void __launch_bounds__(wgmma_gemm::THREADS, 1)
     for (int j = 0; j < BN / 32; ++j) cp_async16(sb + l_off + j * 4096, pb + j * a_step);
   });
 
+  if (splits > 1) {  // the raw partial, rounded by the reduce only
+    float* w = ws + ((long long)s * (gridDim.z / splits) + b) * M * N;
+    for_each_pair<BN>(acc, [&](int r, int c, float x0, float y0, float x1, float y1) {
+      float* p = w + (long long)(m0 + r) * N + n0 + c;
+      store2(p, x0, y0);
+      store2(p + 8LL * N, x1, y1);
+    });
+    return;
+  }
   for_each_pair<BN>(acc, [&](int r, int c, float x0, float y0, float x1, float y1) {
     const int col = n0 + c;
     float bx = 0.f, by = 0.f;

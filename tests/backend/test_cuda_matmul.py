@@ -382,7 +382,6 @@ def test_wgmma_other_layouts(hopper, batch_a, batch_b, m, n, k, ta, tb):
     (512, 1024, 256, False, True, "16 tiles: under a quarter of the SMs"),
     (16384, 256, 256, True, False, "128 tiles, but an A^T as large as C to transpose"),
     (512, 2304, 64, True, False, "36 tiles, K 64 with an operand to transpose"),
-    (256, 256, 4608, False, True, "the CNN's fc1 forward at batch 256"),
 ])
 def test_wgmma_unsupported_shapes_fall_back(hopper, m, n, k, ta, tb, why):
     a, b = _operands((), (), m, n, k, ta, tb)
@@ -417,6 +416,42 @@ def test_wgmma_takes_products_that_fill_a_quarter_of_the_sms(hopper, m, n, k, ta
         out = nan_like((m, n))
         hopper.matmul(ga, gb, ta, tb, out=out)
         check(out, cpu.matmul(a.astype(np.float64), b.astype(np.float64), ta, tb), "tf32")
+
+
+@pytest.mark.parametrize("batch,m,n,k,ta,tb,bias", [
+    ((), 256, 512, 2304, False, True, "relu"),   # the MLP's first layer: bias, ReLU in the reduce
+    ((), 256, 256, 4608, False, True, "bias"),   # the CNN's fc1 forward
+    ((), 128, 256, 2336, False, False, None),     # B transposed first; 73 slabs
+    ((2,), 128, 512, 1024, False, False, None),   # batched: partials per matrix
+])
+def test_wgmma_split_k_matches_reference(hopper, monkeypatch, batch, m, n, k, ta, tb, bias):
+    """Products of too few 128 x 256 tiles and K >= 1024 split K on wgmma (float partials,
+    gemm.cu's reduce adding bias and ReLU); $DPTRAIN_WGMMA_SPLITK=0 keeps gemm.cu's kernels."""
+    a, b = _operands(batch, batch, m, n, k, ta, tb)
+    ga, gb = cp.asarray(a), cp.asarray(b)
+    gbias = cp.asarray(rand(n)) if bias else None
+    relu = bias == "relu"
+    plan = gemm._matmul_plan(ga, gb, ta, tb, gbias, relu)
+    assert plan.kernel == WGMMA and plan.splits > 1
+    out = nan_like(batch + (m, n))
+    assert plan(ga, gb, gbias, out) is out
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    ref = np.matmul(np.swapaxes(a64, -1, -2) if ta else a64, np.swapaxes(b64, -1, -2) if tb else b64)
+    if bias:
+        ref = ref + cp.asnumpy(gbias)
+    check(out, np.maximum(ref, 0) if relu else ref, "tf32")
+    monkeypatch.setenv(gemm.WGMMA_SPLIT_ENV, "0")
+    gemm.clear_plans()
+    assert hopper.matmul_kernel(ga, gb, ta, tb, bias=gbias) == "gemm_tf32_kernel"
+
+
+@pytest.mark.parametrize("m,n,k,ta,tb,why", [
+    (128, 256, 2304, True, False, "A transposed first"),
+    (256, 512, 512, False, False, "K under 1024"),
+])
+def test_wgmma_split_k_only_where_measured_faster(hopper, m, n, k, ta, tb, why):
+    a, b = _operands((), (), m, n, k, ta, tb)
+    assert hopper.matmul_kernel(cp.asarray(a), cp.asarray(b), ta, tb) == "gemm_tf32_kernel", why
 
 
 def test_wgmma_falls_back_when_misaligned_or_fp32(hopper):

@@ -25,8 +25,9 @@ bfloat16 / float16 one, runs there when the device is compute capability 9.0, th
 environment does not set DPTRAIN_WGMMA=0 (read when a plan is built), and the call has its
 shape: M % 128 == 0, N % 256 == 0, K a multiple of one 128-byte row (32 floats, 64 16-bit
 values), and as many 128 x 256 output tiles as SMs, or a quarter of that where it measured
-faster than split-K (``_wgmma_faster``: long K, or little to transpose; smaller problems keep
-the split-K kernel). The kernel reads both operands K-major (a @ b^T, a and b 16-byte aligned);
+faster than split-K (``_wgmma_faster``: long K, or little to transpose). Fewer tiles keep
+gemm.cu's split-K kernels, but for TF32 products with K >= 1024 and A K-major, which split K
+on wgmma itself (``_wgmma_split_k``; float partials summed by gemm.cu's reduce). The kernel reads both operands K-major (a @ b^T, a and b 16-byte aligned);
 the other layouts first copy the operand that is MN-major to a K-major scratch with the tiled
 transpose (2 x its bytes of traffic, 10-25% of the product's time at the sizes that qualify,
 against 2.5-3x from wgmma). `matmul_kernel` names the kernel a call uses.
@@ -209,17 +210,24 @@ def wgmma_available() -> bool:
     return _wgmma_enabled() and _is_sm90(cupy.cuda.Device().id)
 
 
-def _wgmma_fits(a, b, ta, tb, m, n, k, nb) -> bool:
-    """True when gemm_wgmma.cu may compute this product (see the module docstring); an
-    operand that is transposed into a scratch copy first needs no alignment of its own."""
+def _wgmma_splits(a, b, ta, tb, m, n, k, nb) -> int:
+    """How gemm_wgmma.cu takes this product (see the module docstring): 0 not at all, 1 with
+    K whole, s > 1 with K split s ways. An operand that is transposed into a scratch copy
+    first needs no alignment of its own."""
     bk = _WGMMA_ROW // a.itemsize  # K elements in one 128-byte row
-    return ((a.dtype in launch.HALVES or runtime.precision == "tf32")
+    fits = ((a.dtype in launch.HALVES or runtime.precision == "tf32")
             and wgmma_available()
             and m % _WGMMA_BM == 0 and n % _WGMMA_BN == 0 and k % bk == 0 and k > 0
             and (ta or a.data.ptr % 16 == 0) and (not tb or b.data.ptr % 16 == 0)
-            and _wgmma_faster(a.dtype, ta, tb, m, n, k, nb * (m // _WGMMA_BM) * (n // _WGMMA_BN))
             and (m // _WGMMA_BM) * (n // _WGMMA_BN) <= launch.INT32_MAX
             and nb <= launch.GRID_YZ_MAX)
+    if not fits:
+        return 0
+    tiles = nb * (m // _WGMMA_BM) * (n // _WGMMA_BN)
+    if _wgmma_faster(a.dtype, ta, tb, m, n, k, tiles):
+        return 1
+    splits = _wgmma_split_k(a.dtype, ta, k, k // bk, tiles)
+    return splits if nb * splits <= launch.GRID_YZ_MAX else 0
 
 
 def _wgmma_faster(dtype, ta, tb, m, n, k, tiles) -> bool:
@@ -242,6 +250,25 @@ def _wgmma_faster(dtype, ta, tb, m, n, k, tiles) -> bool:
         return False
     transposed = (m * k if ta else 0) + (0 if tb else n * k)
     return transposed == 0 or (k >= 256 and transposed < m * n)
+
+
+WGMMA_SPLIT_ENV = "DPTRAIN_WGMMA_SPLITK"  # "0": no split of K on wgmma
+_WGMMA_MIN_SLABS = 4  # slabs of K per split at the least
+
+
+def _wgmma_split_k(dtype, ta, k: int, slabs: int, tiles: int) -> int:
+    """Splits of K for a TF32 product of too few 128 x 256 tiles for _wgmma_faster (under a
+    quarter of the SMs): as many as fill the SMs once, each at least _WGMMA_MIN_SLABS slabs,
+    where K >= 1024 and A needs no transpose; else 0 (gemm.cu's split-K kernels), as for
+    16-bit products or with $DPTRAIN_WGMMA_SPLITK=0. Measured on an H200 (BENCHMARKS.md,
+    2026-11-27) against gemm.cu's split K: 1.06-1.87x faster on five such products from K
+    1024 (the MLP's first layer 15.5 -> 12.1 us, the CNN's fc1 15.8 -> 12.2), slower below K
+    1024 or with A transposed first (0.75-0.84x on three)."""
+    if (os.environ.get(WGMMA_SPLIT_ENV, "1").strip() == "0" or dtype in launch.HALVES
+            or ta or k < 1024):
+        return 0
+    splits = min(-(-launch.sm_count() // max(tiles, 1)), slabs // _WGMMA_MIN_SLABS)
+    return splits if splits > 1 else 0
 
 
 def _matmul_plan(a, b, trans_a, trans_b, bias, relu=False, accumulate=False):
@@ -341,8 +368,10 @@ def _plan_matmul(a, b, ta, tb, bias, relu=False, accumulate=False):
         m, nb, s_a = m * nb, 1, 0  # (batch, M, K) @ (K, N) is one (batch*M, K) @ (K, N)
     lda, ldb, ldc, s_c = a.shape[-1], b.shape[-1], n, m * n
     beta = 1.0 if accumulate else 0.0  # the wgmma kernel only writes C
-    if not accumulate and _wgmma_fits(a, b, ta, tb, m, n, k, nb):
-        return _plan_wgmma(m, n, k, nb, s_a, s_b, bias_mode, out_shape, dt, ta, tb)
+    wgmma_splits = 0 if accumulate else _wgmma_splits(a, b, ta, tb, m, n, k, nb)
+    if wgmma_splits:
+        return _plan_wgmma(m, n, k, nb, s_a, s_b, bias_mode, out_shape, dt, ta, tb,
+                           wgmma_splits)
     if m > 128 * launch.GRID_YZ_MAX:
         raise ValueError(f"cuda.matmul: M = {m} exceeds the grid's limit of "
                          f"{128 * launch.GRID_YZ_MAX}")
@@ -406,30 +435,41 @@ def _plan_matmul(a, b, ta, tb, bias, relu=False, accumulate=False):
     return run
 
 
-def _plan_wgmma(m, n, k, nb, s_a, s_b, bias_mode, out_shape, dt, ta=False, tb=True):
-    """C = A @ B^T by gemm_wgmma.cu: one block per 128 x 256 tile, batch in grid z. A stored
-    (K, M) (ta) or B stored (K, N) (not tb) is first transposed to K-major scratch, each
-    matrix of its batch (one where its batch stride is 0)."""
+def _plan_wgmma(m, n, k, nb, s_a, s_b, bias_mode, out_shape, dt, ta=False, tb=True,
+                splits=1):
+    """C = A @ B^T by gemm_wgmma.cu: one block per 128 x 256 tile (and split of K), batch in
+    grid z. A stored (K, M) (ta) or B stored (K, N) (not tb) is first transposed to K-major
+    scratch, each matrix of its batch (one where its batch stride is 0). Split K: float
+    partials, then gemm.cu's reduce (bias and ReLU there)."""
     fn = launch.kernel("gemm_wgmma.cu", "gemm_wgmma_kernel", launch.ctype(dt), smem=_WGMMA_SMEM)
     a_to_kmajor = transposer(nb if s_a else 1, k, m, dt) if ta else None
     b_to_kmajor = transposer(nb if s_b else 1, k, n, dt) if not tb else None
     pair = 2 * dt.itemsize  # the kernel stores pairs of elements
-    grid = ((m // _WGMMA_BM) * (n // _WGMMA_BN), 1, nb)
+    slabs = k // (_WGMMA_ROW // dt.itemsize)
+    kt_split = -(-slabs // splits)
+    splits = -(-slabs // kt_split)  # none left empty
+    grid = ((m // _WGMMA_BM) * (n // _WGMMA_BN), 1, nb * splits)
     tail = (i32(m), i32(n), i32(k), np.int64(s_a), np.int64(s_b), np.int64(m * n), i32(bias_mode))
+    reduce = (reducer("gemm.cu", splits, nb, m, n, n, m * n, bias_mode, dt)
+              if splits > 1 else None)
 
     def run(a, b, bias, out):
         c = output("matmul", out, out_shape, dt)
         # The kernel stores pairs: an `out=` view at an odd element offset gets a copy.
-        dst = c if c.data.ptr % pair == 0 else launch.new(out_shape, dt)
+        dst = c if reduce or c.data.ptr % pair == 0 else launch.new(out_shape, dt)
         if a_to_kmajor:
             a = a_to_kmajor(a)
         if b_to_kmajor:
             b = b_to_kmajor(b)
-        fn(grid, (256,), (a, b, dst, dst if bias is None else bias) + tail,
+        bias = dst if bias is None else bias
+        ws = launch.new((splits, nb, m, n), np.float32) if reduce else dst
+        fn(grid, (256,), (a, b, dst, bias) + tail + (ws, i32(splits), i32(kt_split)),
            shared_mem=_WGMMA_SMEM)
+        if reduce:
+            reduce(ws, dst, bias)
         if dst is not c:
             c[...] = dst
         return c
 
-    run.kernel = "gemm_wgmma_kernel"
+    run.kernel, run.splits = "gemm_wgmma_kernel", splits
     return run
