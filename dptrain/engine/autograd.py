@@ -95,7 +95,6 @@ class Function:
     needs_grad: tuple = ()
     inputs: tuple = ()
     into: tuple = ()  # per input: the .grad backward may add into (set by Tensor.backward)
-    zeroed: tuple = ()  # per input: whether that .grad holds zeros (set with `into`)
     takes_grad_sum = False  # backward accepts a GradSum as gy (and adds it itself)
 
     @classmethod
@@ -130,7 +129,7 @@ class Function:
     def grad_is_zero(self, i: int) -> bool:
         """Whether the .grad that grad_into(i, ...) offers holds zeros, so backward may write
         input i's gradient into it rather than add it (the same result)."""
-        return i < len(self.zeroed) and self.zeroed[i]
+        return i < len(self.into) and self.into[i] is not None and self.inputs[i] in _zeroed
 
 
 def _default_dtype(data):
@@ -236,8 +235,6 @@ class Tensor:
             fn.into = tuple(i.grad.data if DIRECT_GRADS and i._ctx is None and i.requires_grad
                             and i.grad is not None and uses[id(i)] == 1 else None
                             for i in fn.inputs)
-            fn.zeroed = tuple(into is not None and i in _zeroed
-                              for i, into in zip(fn.inputs, fn.into))
             for inp, gi, need, into in zip(fn.inputs, fn.backward(g), fn.needs_grad, fn.into):
                 if gi is None or not need:
                     continue

@@ -27,8 +27,8 @@ shape: M % 128 == 0, N % 256 == 0, K a multiple of one 128-byte row (32 floats, 
 values), and as many 128 x 256 output tiles as SMs, or a quarter of that where it measured
 faster than split-K (``_wgmma_faster``: long K, or little to transpose). Fewer tiles keep
 gemm.cu's split-K kernels, but for TF32 products with K >= 1024 and A K-major, which split K
-on wgmma itself (``_wgmma_split_k``; float partials summed by gemm.cu's reduce). The kernel reads both operands K-major (a @ b^T, a and b 16-byte aligned);
-the other layouts first copy the operand that is MN-major to a K-major scratch with the tiled
+on wgmma itself (``_wgmma_split_k``; float partials summed by gemm.cu's reduce). The kernel
+reads both operands K-major (a @ b^T, a and b 16-byte aligned); the other layouts first copy the operand that is MN-major to a K-major scratch with the tiled
 transpose (2 x its bytes of traffic, 10-25% of the product's time at the sizes that qualify,
 against 2.5-3x from wgmma). `matmul_kernel` names the kernel a call uses.
 """
@@ -123,9 +123,9 @@ def _aligned(a, ld: int, stride: int) -> bool:
     return ld % v == 0 and stride % v == 0 and a.data.ptr % 16 == 0
 
 
-def _chunks(k: int, splits: int) -> tuple[int, int]:
-    """(splits, chunk): chunk a multiple of 32 (every tile's BK), no split left empty."""
-    chunk = -(-(-(-k // splits)) // 32) * 32
+def _chunks(k: int, splits: int, unit: int = 32) -> tuple[int, int]:
+    """(splits, chunk): chunk a multiple of `unit` (every tile's BK), no split left empty."""
+    chunk = -(-(-(-k // splits)) // unit) * unit
     return -(-k // chunk), chunk
 
 
@@ -226,7 +226,7 @@ def _wgmma_splits(a, b, ta, tb, m, n, k, nb) -> int:
     tiles = nb * (m // _WGMMA_BM) * (n // _WGMMA_BN)
     if _wgmma_faster(a.dtype, ta, tb, m, n, k, tiles):
         return 1
-    splits = _wgmma_split_k(a.dtype, ta, k, k // bk, tiles)
+    splits = _wgmma_split_k(a.dtype, ta, k, bk, tiles)
     return splits if nb * splits <= launch.GRID_YZ_MAX else 0
 
 
@@ -256,18 +256,18 @@ WGMMA_SPLIT_ENV = "DPTRAIN_WGMMA_SPLITK"  # "0": no split of K on wgmma
 _WGMMA_MIN_SLABS = 4  # slabs of K per split at the least
 
 
-def _wgmma_split_k(dtype, ta, k: int, slabs: int, tiles: int) -> int:
+def _wgmma_split_k(dtype, ta, k: int, bk: int, tiles: int) -> int:
     """Splits of K for a TF32 product of too few 128 x 256 tiles for _wgmma_faster (under a
-    quarter of the SMs): as many as fill the SMs once, each at least _WGMMA_MIN_SLABS slabs,
-    where K >= 1024 and A needs no transpose; else 0 (gemm.cu's split-K kernels), as for
-    16-bit products or with $DPTRAIN_WGMMA_SPLITK=0. Measured on an H200 (BENCHMARKS.md,
+    quarter of the SMs): as many as fill the SMs once, each at least _WGMMA_MIN_SLABS slabs
+    of bk, where K >= 1024 and A needs no transpose; else 0 (gemm.cu's split-K kernels), as
+    for 16-bit products or with $DPTRAIN_WGMMA_SPLITK=0. Measured on an H200 (BENCHMARKS.md,
     2026-11-27) against gemm.cu's split K: 1.06-1.87x faster on five such products from K
     1024 (the MLP's first layer 15.5 -> 12.1 us, the CNN's fc1 15.8 -> 12.2), slower below K
     1024 or with A transposed first (0.75-0.84x on three)."""
     if (os.environ.get(WGMMA_SPLIT_ENV, "1").strip() == "0" or dtype in launch.HALVES
             or ta or k < 1024):
         return 0
-    splits = min(-(-launch.sm_count() // max(tiles, 1)), slabs // _WGMMA_MIN_SLABS)
+    splits = min(-(-launch.sm_count() // max(tiles, 1)), k // bk // _WGMMA_MIN_SLABS)
     return splits if splits > 1 else 0
 
 
@@ -445,9 +445,9 @@ def _plan_wgmma(m, n, k, nb, s_a, s_b, bias_mode, out_shape, dt, ta=False, tb=Tr
     a_to_kmajor = transposer(nb if s_a else 1, k, m, dt) if ta else None
     b_to_kmajor = transposer(nb if s_b else 1, k, n, dt) if not tb else None
     pair = 2 * dt.itemsize  # the kernel stores pairs of elements
-    slabs = k // (_WGMMA_ROW // dt.itemsize)
-    kt_split = -(-slabs // splits)
-    splits = -(-slabs // kt_split)  # none left empty
+    bk = _WGMMA_ROW // dt.itemsize
+    splits, chunk = _chunks(k, splits, bk)
+    kt_split = chunk // bk  # slabs a split
     grid = ((m // _WGMMA_BM) * (n // _WGMMA_BN), 1, nb * splits)
     tail = (i32(m), i32(n), i32(k), np.int64(s_a), np.int64(s_b), np.int64(m * n), i32(bias_mode))
     reduce = (reducer("gemm.cu", splits, nb, m, n, n, m * n, bias_mode, dt)
