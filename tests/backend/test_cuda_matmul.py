@@ -536,14 +536,77 @@ def test_wgmma_linear_relu(hopper):
     check(hopper.linear(x, w, b, relu=True), ref, "tf32")
 
 
+# ----------------------------------------------------------------------------- thin products
+
+THIN_CASES = [  # (m, n, k, ta, tb, kernel): a classifier head's products in every layout
+    (256, 7, 256, False, True, "gemm_thin_n_kernel"),   # x @ W^T: a warp per row
+    (64, 10, 256, True, False, "gemm_thin_n_kernel"),
+    (300, 16, 33, False, False, "gemm_thin_n_kernel"),  # the 16-column instantiation
+    (256, 256, 7, False, False, "gemm_thin_k_kernel"),  # dY @ W: a thread per output
+    (33, 1000, 16, True, True, "gemm_thin_k_kernel"),
+]
+
+
+@pytest.mark.parametrize("m,n,k,ta,tb,kernel", THIN_CASES)
+def test_thin_products_match_reference(cm, prec, m, n, k, ta, tb, kernel):
+    """Products with N or K at most 16 run gemm_thin.cu's kernels in float (no TF32 rounding:
+    fp32's tolerance in both precisions), bias and ReLU in the store, bitwise repeatable."""
+    a, b = _operands((), (), m, n, k, ta, tb)
+    ga, gb = cp.asarray(a), cp.asarray(b)
+    assert cm.matmul_kernel(ga, gb, ta, tb) == kernel
+    ref = cpu.matmul(a.astype(np.float64), b.astype(np.float64), ta, tb)
+    out = nan_like((m, n))
+    check(cm.matmul(ga, gb, ta, tb, out=out), ref, "fp32")
+    assert cp.array_equal(out, cm.matmul(ga, gb, ta, tb))
+    bias = cp.asarray(rand(n))
+    relu = gemm._matmul_plan(ga, gb, ta, tb, bias, relu=True)(ga, gb, bias, None)
+    check(relu, np.maximum(ref + cp.asnumpy(bias), 0), "fp32")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("m,n,k,ta,tb,kernel", THIN_CASES[:5:2])
+def test_thin_products_in_16_bits(cm, dtype, m, n, k, ta, tb, kernel):
+    """16-bit operands: float sums, the result rounded once (1e-2 of the float64 reference
+    of the rounded operands)."""
+    a, b = (_as(dtype, x) for x in _operands((), (), m, n, k, ta, tb))
+    assert cm.matmul_kernel(a, b, ta, tb) == kernel
+    got = _values(cm.matmul(a, b, ta, tb)).astype(np.float64)
+    ref = cpu.matmul(_values(a).astype(np.float64), _values(b).astype(np.float64), ta, tb)
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) <= 1e-2
+
+
+@pytest.mark.parametrize("m,n,k,ta,tb,why", [
+    (7, 256, 256, True, False, "M small (dY^T @ X): a block per 32 columns measured slower"),
+    (256, 7, 512, False, True, "N small, but K over 256"),
+    (4096, 1024, 8, False, False, "over THIN_MACS multiply-adds"),
+    (2, 8, 4, False, False, "a batch of products"),
+])
+def test_thin_kernels_only_where_measured_faster(cm, m, n, k, ta, tb, why):
+    batch = (3,) if "batch" in why else ()
+    a, b = (cp.asarray(x) for x in _operands(batch, batch, m, n, k, ta, tb))
+    assert "thin" not in cm.matmul_kernel(a, b, ta, tb), why
+
+
+def test_thin_products_switched_off_by_environment(cm, monkeypatch):
+    a, b = cp.asarray(rand(256, 256)), cp.asarray(rand(7, 256))
+    monkeypatch.setenv(gemm.THIN_ENV, "0")
+    gemm.clear_plans()
+    assert "thin" not in cm.matmul_kernel(a, b, False, True)
+    monkeypatch.delenv(gemm.THIN_ENV)
+    gemm.clear_plans()
+    assert cm.matmul_kernel(a, b, False, True) == "gemm_thin_n_kernel"
+
+
 # ----------------------------------------------------------------------------- adds in place
 
 @pytest.mark.parametrize("m,n,k,ta", [(65, 33, 129, False), (512, 2304, 256, True),
                                       (8, 16, 3000, False), (7, 256, 256, True),
-                                      (16, 12, 7, True), (1408, 3072, 64, False)])
+                                      (16, 12, 7, True), (256, 256, 7, False),
+                                      (1408, 3072, 64, False)])
 def test_matmul_add_equals_matmul_then_add(cm, prec, m, n, k, ta):
-    """c += op(a) @ b, by split-K's reduce where the product splits K, else matmul and add_:
-    the bits of matmul then add_ either way."""
+    """c += op(a) @ b, by split-K's reduce where the product splits K or the thin kernels'
+    store (a dimension of at most 16), else matmul and add_: the bits of matmul then add_
+    either way."""
     a = cp.asarray(rand(*((k, m) if ta else (m, k))))
     b, c = cp.asarray(rand(k, n)), cp.asarray(rand(m, n))
     want = cm.add_(c.copy(), cm.matmul(a, b, ta))

@@ -15,7 +15,7 @@ beside its .cu file and headed by that layer's conventions:
     pool.py         pool.cu: max and average pooling
     optim.py        optim.cu: SGD and AdamW over flat buffers
     data.py         data.cu: gather_normalize, augment_crop_flip, dropout_mask
-    gemm.py         gemm.cu, gemm_wgmma.cu: matmul (and the plans conv2d shares)
+    gemm.py         gemm.cu, gemm_wgmma.cu, gemm_thin.cu: matmul (and the plans conv2d shares)
     conv2d.py       conv2d.cu: implicit-GEMM convolutions
     norm.py         norm.cu: batch normalisation (statistics, forward, running estimates, backward)
     guard.py        guard.cu: the non-finite check and fp16 loss scaling

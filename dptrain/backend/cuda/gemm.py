@@ -31,6 +31,10 @@ on wgmma itself (``_wgmma_split_k``; float partials summed by gemm.cu's reduce).
 reads both operands K-major (a @ b^T, a and b 16-byte aligned); the other layouts first copy the operand that is MN-major to a K-major scratch with the tiled
 transpose (2 x its bytes of traffic, 10-25% of the product's time at the sizes that qualify,
 against 2.5-3x from wgmma). `matmul_kernel` names the kernel a call uses.
+
+Thin products (gemm_thin.cu): one matrix with N or K at most THIN (16) and few multiply-adds,
+as a classifier's few classes make them (``_thin_kernel``), run on CUDA cores in float, each operand read once and C written once,
+no split of K and no second pass ($DPTRAIN_GEMM_THIN=0 sends them to the tiled kernels).
 """
 from __future__ import annotations
 
@@ -271,6 +275,54 @@ def _wgmma_split_k(dtype, ta, k: int, bk: int, tiles: int) -> int:
     return splits if splits > 1 else 0
 
 
+THIN = 16  # gemm_thin.cu's small dimension, at most
+THIN_ENV = "DPTRAIN_GEMM_THIN"  # "0": thin products keep the tiled kernels
+THIN_MACS = 1 << 21  # larger thin products keep the tiled kernels (and int offsets suffice)
+
+
+def _thin_enabled() -> bool:
+    return os.environ.get(THIN_ENV, "1").strip() != "0"
+
+
+def _thin_kernel(m: int, n: int, k: int, nb: int):
+    """gemm_thin.cu's kernel for an m x n x k product (one matrix, at most THIN_MACS
+    multiply-adds) with K at most THIN (a thread per output), or N at most THIN and K at
+    most 256 (a warp per row), else None. Measured on an H200 against the tiled kernels
+    (BENCHMARKS.md, 2026-11-27): K 7 2.0-3.2 us against 6.3-6.7 (with 256-512 columns, up to
+    1024 rows), but 26 against 11 us at 4096 x 1024 x 8; N 7 and K 256 4.4-4.7 us against
+    5.9-6.6, but from K 512 on 7.4-28 us against 6.9-12.6. M small (the weight gradient dY^T
+    @ X) stays tiled: a block per 32 columns left most SMs idle (9.7 against 6.3 us)."""
+    if nb != 1 or m * n * k > THIN_MACS:
+        return None
+    if k <= THIN:
+        return "gemm_thin_k_kernel"
+    if n <= THIN and k <= 256:
+        return "gemm_thin_n_kernel"
+    return None
+
+
+def _plan_thin(name, m, n, k, a_strides, b_strides, bias_mode, beta, out_shape, dt):
+    """C = A @ B (+ bias, ReLU) (+ beta * C) by gemm_thin.cu's kernel `name`, on CUDA cores in
+    float (operands as they are, no TF32 rounding), no workspace and no second pass."""
+    if name == "gemm_thin_n_kernel":  # its sums unrolled up to 8 or 16 columns
+        fn = launch.kernel("gemm_thin.cu", name, launch.ctype(dt), "8" if n <= 8 else "16")
+        block, threads = 64, 32 * m
+    else:
+        fn = launch.kernel("gemm_thin.cu", name, launch.ctype(dt))
+        block, threads = 256, m * n
+    grid = (max(1, min(-(-threads // block), launch.sm_count() * 32)),)
+    tail = tuple(i32(v) for v in (m, n, k, *a_strides, *b_strides, n)) + (
+        np.float32(beta), i32(bias_mode))
+
+    def run(a, b, bias, out):
+        c = output("matmul", out, out_shape, dt)
+        fn(grid, (block,), (a, b, c, c if bias is None else bias) + tail)
+        return c
+
+    run.kernel, run.splits, run.accumulates = name, 1, True
+    return run
+
+
 def _matmul_plan(a, b, trans_a, trans_b, bias, relu=False, accumulate=False):
     ta, tb, relu, accumulate = bool(trans_a), bool(trans_b), bool(relu), bool(accumulate)
     key = ("matmul", sig("matmul", "a", a), sig("matmul", "b", b), ta, tb,
@@ -308,7 +360,7 @@ def linear(x, w, b=None, relu=False):
 @op
 def matmul_add_(c, a, b, trans_a=False, trans_b=False):
     """c += op(a) @ op(b), in place, for 2-D operands: a weight's gradient added into its
-    .grad by split-K's reduce (beta 1). float32 only: there the sum is matmul's result added
+    .grad by split-K's reduce or a thin product's store (beta 1). float32 only: there the sum is matmul's result added
     to c, as add_ would (one rounding), so the bits are matmul's then add_'s. A product
     without split-K runs as those two: the tiles' read-modify-write epilogue (rolled) measured
     slower than their staged stores and a separate add (MLP and CNN TF32 steps 1-4%), and
@@ -318,7 +370,7 @@ def matmul_add_(c, a, b, trans_a=False, trans_b=False):
                          f"{a.ndim}-D, {b.ndim}-D operands")
     launch.check_contiguous("matmul_add_", c)
     product = _matmul_plan(a, b, trans_a, trans_b, None)
-    if getattr(product, "splits", 1) == 1:
+    if not product.accumulates:
         return add_(c, product(a, b, None, None))
     return _matmul_plan(a, b, trans_a, trans_b, None, accumulate=True)(a, b, None, c)
 
@@ -359,7 +411,7 @@ def _plan_matmul(a, b, ta, tb, bias, relu=False, accumulate=False):
     bias_mode |= EPI_RELU if relu else 0
     if nb == 0 or m == 0 or n == 0:
         empty = lambda a, b, bias, out: output("matmul", out, out_shape, dt)  # noqa: E731
-        empty.kernel = "none"
+        empty.kernel, empty.splits, empty.accumulates = "none", 1, False
         return empty
 
     s_a = m * k if a.ndim > 2 and math.prod(a.shape[:-2]) == nb and nb > 1 else 0
@@ -368,6 +420,12 @@ def _plan_matmul(a, b, ta, tb, bias, relu=False, accumulate=False):
         m, nb, s_a = m * nb, 1, 0  # (batch, M, K) @ (K, N) is one (batch*M, K) @ (K, N)
     lda, ldb, ldc, s_c = a.shape[-1], b.shape[-1], n, m * n
     beta = 1.0 if accumulate else 0.0  # the wgmma kernel only writes C
+    thin = _thin_kernel(m, n, k, nb) if _thin_enabled() else None
+    if thin:
+        # element strides of A[m, k] and B[k, n]: a transposed operand swaps its own
+        a_strides = (1, lda) if ta else (lda, 1)
+        b_strides = (1, ldb) if tb else (ldb, 1)
+        return _plan_thin(thin, m, n, k, a_strides, b_strides, bias_mode, beta, out_shape, dt)
     wgmma_splits = 0 if accumulate else _wgmma_splits(a, b, ta, tb, m, n, k, nb)
     if wgmma_splits:
         return _plan_wgmma(m, n, k, nb, s_a, s_b, bias_mode, out_shape, dt, ta, tb,
@@ -431,7 +489,7 @@ def _plan_matmul(a, b, ta, tb, bias, relu=False, accumulate=False):
             reduce(ws, c, bias)
         return c
 
-    run.kernel, run.splits = kernel_name, splits
+    run.kernel, run.splits, run.accumulates = kernel_name, splits, splits > 1
     return run
 
 
@@ -471,5 +529,5 @@ def _plan_wgmma(m, n, k, nb, s_a, s_b, bias_mode, out_shape, dt, ta=False, tb=Tr
             c[...] = dst
         return c
 
-    run.kernel, run.splits = "gemm_wgmma_kernel", splits
+    run.kernel, run.splits, run.accumulates = "gemm_wgmma_kernel", splits, splits > 1
     return run
