@@ -20,6 +20,21 @@ __device__ __forceinline__ bool dp_nonfinite(double v) {
          0x7ff0000000000000ull;
 }
 
+// Block-wide: flag[0] = 1 where any thread `found` a non-finite value; block 0 also turns
+// any non-zero old flag (NaN included: it compares unequal to 0) into 1.
+template <typename T>
+__device__ __forceinline__ void or_into_flag(T* flag, int found) {
+  found = __syncthreads_or(found);
+  if (threadIdx.x == 0) {
+    if (found) {
+      flag[0] = T(1);
+    } else if (blockIdx.x == 0) {
+      const T old = flag[0];
+      if (!(old == T(0))) flag[0] = T(1);
+    }
+  }
+}
+
 // flag[0] = 1 if flag[0] != 0 or any of x[0..n) is NaN or infinite; else flag is left at 0.
 // n may be 0 (then only the flag is normalised); the launcher starts at least one block.
 template <typename T>
@@ -28,37 +43,48 @@ __global__ void nonfinite_flag_kernel(T* flag, const T* x, long long n) {
   GRID_STRIDE(i, n) {
     if (dp_nonfinite(x[i])) found = 1;
   }
-  found = __syncthreads_or(found);
-  if (threadIdx.x == 0) {
-    if (found) {
-      flag[0] = T(1);
-    } else if (blockIdx.x == 0) {
-      const T old = flag[0];
-      if (!(old == T(0))) flag[0] = T(1);  // NaN compares unequal to 0: it becomes 1 too
-    }
-  }
+  or_into_flag(flag, found);
 }
 
 // instantiate: nonfinite_flag_kernel<float>; nonfinite_flag_kernel<double>
 
-// ----------------------------------------------------------------------------- loss scaling
-// fp16 mixed precision (dptrain/amp.py): the backward starts from the loss scale, so small
-// gradients stay representable in 16 bits; these two kernels undo the scale on the gradient
-// and adapt it, reading only device values (the step stays capturable).
+// ----------------------------------------------------------------------------- the guard's step
+// dptrain/run/nonfinite.py's checks and decision in two kernels around the flags' all-reduce
+// (it took up to nine launches). fp16 mixed precision (dptrain/run/amp.py) scales the loss,
+// so small gradients stay representable in 16 bits; these kernels undo the scale on the
+// gradient and adapt it, reading only device values (the step stays capturable).
 
-// x[i] /= scale[0] (a power of two in practice, so the division is exact).
+// Before the all-reduce: flag as nonfinite_flag_kernel's over x as it is (the scaled
+// gradient: dividing by a scale under 1 could overflow a finite value), then x /= scale[0]
+// (a power of two, so the division is exact).
 template <typename T>
-__global__ void unscale_kernel(T* x, const float* scale, long long n) {
+__global__ void unscale_check_kernel(T* x, const float* scale, T* flag, long long n) {
   const T s = T(scale[0]);
-  GRID_STRIDE(i, n) x[i] = x[i] / s;
+  int found = 0;
+  GRID_STRIDE(i, n) {
+    const T v = x[i];
+    if (dp_nonfinite(v)) found = 1;
+    x[i] = v / s;
+  }
+  or_into_flag(flag, found);
 }
 
-// state = [scale, good steps, overflow steps]. One thread: an overflow (flag non-zero) halves
-// the scale, restarts the good-step count and counts the overflow; `interval` good steps in a
-// row double the scale.
-__global__ void loss_scale_update_kernel(float* state, const float* overflow, float interval) {
+// After it, one thread: d = flags[0] (+ decision[0] when sticky) as 0 or 1 (NaN: 1) into
+// decision, count += d. With a loss scale (`scaled`, state = [scale, good steps, overflow
+// steps]): o = flags[1] as 0 or 1; an overflow halves the scale, restarts the good-step count
+// and counts itself, `interval` good steps in a row double the scale; skip = d + o. Without
+// one, decision is the optimizer's skip slot itself and state and skip are not read.
+template <typename T>
+__global__ void nonfinite_decide_kernel(const T* flags, T* decision, T* count, int sticky,
+                                        int scaled, float* state, T* skip, float interval) {
   if (blockIdx.x != 0 || threadIdx.x != 0) return;
-  if (overflow[0] != 0.f) {
+  const T sum = sticky ? decision[0] + flags[0] : flags[0];
+  const T d = sum == T(0) ? T(0) : T(1);
+  decision[0] = d;
+  count[0] += d;
+  if (!scaled) return;
+  const T o = flags[1] == T(0) ? T(0) : T(1);
+  if (o != T(0)) {
     state[0] *= 0.5f;
     state[1] = 0.f;
     state[2] += 1.f;
@@ -68,6 +94,8 @@ __global__ void loss_scale_update_kernel(float* state, const float* overflow, fl
   } else {
     state[1] += 1.f;
   }
+  skip[0] = d + o;
 }
 
-// instantiate: unscale_kernel<float>; unscale_kernel<double>; loss_scale_update_kernel
+// instantiate: unscale_check_kernel<float>; unscale_check_kernel<double>
+// instantiate: nonfinite_decide_kernel<float>; nonfinite_decide_kernel<double>

@@ -118,7 +118,9 @@ def supports(model_name: str, image_shape=(1, 48, 48)) -> bool:
 
 
 class LossScaler:
-    """The dynamic loss scale as a device array ``state`` = [scale, good steps, overflows]."""
+    """The dynamic loss scale as a device array ``state`` = [scale, good steps, overflows]:
+    the non-finite guard (dptrain.run.nonfinite) unscales the gradient by it and updates it
+    each step (halved on an overflow, doubled after ``interval`` good steps in a row)."""
 
     def __init__(self, be, init_scale: float = INIT_SCALE, interval: int = INTERVAL):
         if not init_scale > 0 or interval < 1:
@@ -132,15 +134,6 @@ class LossScaler:
     def seed(self) -> Tensor:
         """What the backward starts from: the scale, as a 0-d fp32 tensor."""
         return Tensor(self.scale.reshape(()))
-
-    def unscale_(self, grad, segments):
-        """Divide the gradient shard by the scale this step's backward used."""
-        for start, stop in segments:
-            self.be.unscale_(grad[start:stop], self.scale)
-
-    def update_(self, overflow):
-        """Halve the scale if `overflow` (one device value, 0 or 1), else count a good step."""
-        self.be.loss_scale_update_(self.state, overflow, self.interval)
 
     def read(self, step: int) -> tuple[float, int]:
         """Host side (synchronises): (the scale now, overflows since the last read). Raises

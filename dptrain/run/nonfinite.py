@@ -36,7 +36,6 @@ class NonFiniteGuard:
         self.sticky = self.skip_budget == 0
         self.flags = be.zeros((2,), dtype)  # [bad loss (or gradient), overflowed gradient]
         self.flag, self.overflow = self.flags[0:1], self.flags[1:2]
-        self.empty = be.zeros((0,), dtype)
         self.count = be.zeros((1,), dtype)
         self.skip = optimizer.hyper[SKIP_SLOT : SKIP_SLOT + 1]
         # the guard's own (sticky) decision: the skip slot itself, unless overflows join it
@@ -44,26 +43,23 @@ class NonFiniteGuard:
         self.skipped = 0  # steps skipped so far (host count, updated at reads)
 
     def __call__(self, loss):
-        """Device work only: decide whether this step's update is applied (see above)."""
+        """Device work only: decide whether this step's update is applied (see above). With
+        a loss scale the gradient is unscaled in the pass that checks it, and the decision,
+        the count and the scale's update take one launch after the all-reduce."""
         be, grad, segments = self.be, self.opt.flat.grad, self.opt.segments
         be.fill_(self.flags, 0.0)
         be.nonfinite_flag_(self.flag, loss)
-        grad_flag = self.flag if self.scaler is None else self.overflow
         for start, stop in segments:
-            be.nonfinite_flag_(grad_flag, grad[start:stop])
+            if self.scaler is None:
+                be.nonfinite_flag_(self.flag, grad[start:stop])
+            else:  # overflow read on the scaled values, then divided by the scale used
+                be.unscale_check_(grad[start:stop], self.scaler.scale, self.overflow)
         self.comm.all_reduce(self.flags, "sum")  # a bad value on any rank skips on every rank
-        if self.sticky:
-            be.add_(self.decision, self.flag)
-        else:
-            be.copy_(self.decision, self.flag)
-        be.nonfinite_flag_(self.decision, self.empty)  # back to 0 or 1
-        be.add_(self.count, self.decision)
-        if self.scaler is not None:
-            be.nonfinite_flag_(self.overflow, self.empty)
-            self.scaler.unscale_(grad, segments)  # by the scale this backward used ...
-            self.scaler.update_(self.overflow)  # ... then halve it on overflow
-            be.copy_(self.skip, self.decision)
-            be.add_(self.skip, self.overflow)  # skip on a failure or an overflow
+        if self.scaler is None:
+            be.nonfinite_decide_(self.flags, self.decision, self.count, self.sticky)
+        else:  # skip on a failure or an overflow; an overflow halves the scale
+            be.nonfinite_decide_(self.flags, self.decision, self.count, self.sticky,
+                                 self.scaler.state, self.skip, self.scaler.interval)
 
     def read(self, step: int) -> int:
         """Host side (synchronises): the steps skipped since the last read, up to `step`.

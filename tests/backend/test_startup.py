@@ -119,7 +119,7 @@ def test_files_split_into_modules_by_element_family(monkeypatch):
     assert all(p.split(".")[0] == loader.part_of(n) for n, p in table.items())
     assert loader.part_of("map1_kernel<__half, Relu>") == "__half"
     assert loader.part_of("convert_kernel<float, __nv_bfloat16>") == "__nv_bfloat16"
-    assert loader.part_of("loss_scale_update_kernel") == "main"
+    assert loader.part_of("rng_advance_kernel") == "main"
     assert loader.part_of("map2_kernel<double, Add>") == "double"
     # a float kernel that reads double partial sums is float32's (a TF32 run needs it)
     assert loader.part_of("reduce_kernel<double, double, float, SumOp>") == "main"

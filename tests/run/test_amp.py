@@ -78,20 +78,32 @@ def test_layers_compute_in_their_inputs_dtype_with_fp32_gradients(layer, shape):
     assert all(p.grad is not None and p.grad.dtype == np.float32 for p in m.parameters())
 
 
+def _decide(scaler, overflow, flags_dtype=np.float32):
+    """One guard decision on a finite loss with (overflow 1) or without an overflowed
+    gradient: the scale's update. Returns (decision, count, skip)."""
+    flags = np.array([0.0, overflow], flags_dtype)
+    decision, count, skip = (np.zeros(1, flags_dtype) for _ in range(3))
+    cpu.nonfinite_decide_(flags, decision, count, True, scaler.state, skip, scaler.interval)
+    return decision[0], count[0], skip[0]
+
+
 def test_scaler_halves_on_overflow_and_doubles_after_the_interval():
     scaler = amp.LossScaler(cpu, init_scale=8.0, interval=3)
-    ok, bad = np.zeros(1, np.float32), np.ones(1, np.float32)
-    scaler.update_(bad)
+    assert _decide(scaler, 1.0) == (0.0, 0.0, 1.0)  # an overflow skips, uncounted
     assert scaler.state.tolist() == [4.0, 0.0, 1.0]
     for _ in range(2):
-        scaler.update_(ok)
+        assert _decide(scaler, 0.0) == (0.0, 0.0, 0.0)
     assert scaler.state[0] == 4.0
-    scaler.update_(ok)  # third good step in a row
+    _decide(scaler, 0.0)  # third good step in a row
     assert scaler.state.tolist() == [8.0, 0.0, 1.0]
     assert scaler.read(5) == (8.0, 1) and scaler.read(6) == (8.0, 0)
-    g = np.full(6, 24.0, np.float32)
-    scaler.unscale_(g, [(0, 2), (4, 6)])
-    assert g.tolist() == [3.0, 3.0, 24.0, 24.0, 3.0, 3.0]
+    g, flag = np.full(6, 24.0, np.float32), np.zeros(1, np.float32)
+    cpu.unscale_check_(g[0:2], scaler.scale, flag)
+    cpu.unscale_check_(g[4:6], scaler.scale, flag)
+    assert g.tolist() == [3.0, 3.0, 24.0, 24.0, 3.0, 3.0] and flag[0] == 0.0
+    g[2] = np.inf
+    cpu.unscale_check_(g, scaler.scale, flag)
+    assert flag[0] == 1.0
     again = amp.LossScaler(cpu)
     again.load_state_dict(scaler.state_dict())
     assert again.state.tolist() == [8.0, 0.0, 0.0]
@@ -99,7 +111,7 @@ def test_scaler_halves_on_overflow_and_doubles_after_the_interval():
 
 def test_scaler_stops_a_run_whose_scale_collapsed():
     scaler = amp.LossScaler(cpu, init_scale=amp.MIN_SCALE)
-    scaler.update_(np.ones(1, np.float32))
+    _decide(scaler, 1.0)
     with pytest.raises(NonFiniteError, match="loss scale"):
         scaler.read(7)
 

@@ -8,6 +8,7 @@ Tolerance: a 16-bit result is an fp32 sum rounded once, a relative step of 2^-11
 2^-8 (bfloat16); ours and the reference may round a value near a boundary to neighbouring
 16-bit values, and summation orders differ. Results are compared norm-wise against about four
 such steps: |ours - ref| / |ref| <= 2e-3 (float16), 1.6e-2 (bfloat16)."""
+import itertools
 import json
 import subprocess
 import sys
@@ -234,15 +235,34 @@ def test_pooling_16bit(cu, dt):
     close(*both(cu, dt, "avg_pool2d_forward", x, (2, 2), (2, 2), (0, 0)), dt)
 
 
-def test_loss_scale_ops_match_cpu(cu):
-    g = np.random.default_rng(19).standard_normal(1000).astype(np.float32) * 1024
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_guard_ops_match_cpu(cu, dtype):
+    """unscale_check_ and nonfinite_decide_ bit for bit as the CPU backend's: every flag state
+    (0, 1, a sum over ranks, NaN), sticky or not, with and without a loss scale."""
+    g = np.random.default_rng(19).standard_normal(1000).astype(dtype) * 1024
     scale = np.array([512.0], np.float32)
-    got = cu.to_numpy(cu.unscale_(cu.asarray(g), cu.asarray(scale)))
-    assert np.array_equal(got, cpu.unscale_(g.copy(), scale))
-    for flag in (0.0, 1.0):
-        state, over = np.array([64.0, 2.0, 0.0], np.float32), np.array([flag], np.float32)
-        got = cu.to_numpy(cu.loss_scale_update_(cu.asarray(state), cu.asarray(over), 3))
-        assert np.array_equal(got, cpu.loss_scale_update_(state.copy(), over, 3)), flag
+    for bad, start in ((None, 0.0), (np.inf, 0.0), (None, 2.0), (np.nan, np.nan)):
+        x = g.copy()
+        if bad is not None:
+            x[123] = bad
+        ref_flag, flag = np.array([start], dtype), cu.asarray(np.array([start], dtype))
+        got = cu.to_numpy(cu.unscale_check_(cu.asarray(x), cu.asarray(scale), flag))
+        ref = cpu.unscale_check_(x.copy(), scale, ref_flag)
+        assert np.array_equal(got, ref, equal_nan=True)
+        assert cu.to_numpy(flag)[0] == ref_flag[0], (bad, start)
+    for f0, f1, prior, sticky, scaled in itertools.product(
+            (0.0, 1.0, 2.0, np.nan), (0.0, 1.0, 2.0), (0.0, 1.0), (True, False), (True, False)):
+        host = dict(flags=np.array([f0, f1], dtype), decision=np.array([prior], dtype),
+                    count=np.array([3.0], dtype), skip=np.array([5.0], dtype),
+                    state=np.array([64.0, 2.0, 1.0], np.float32))
+        dev = {k: cu.asarray(v) for k, v in host.items()}
+        extra = lambda a: (a["state"], a["skip"], 3) if scaled else ()  # noqa: E731
+        cpu.nonfinite_decide_(host["flags"], host["decision"], host["count"], sticky,
+                              *extra(host))
+        cu.nonfinite_decide_(dev["flags"], dev["decision"], dev["count"], sticky, *extra(dev))
+        for k in host:  # flags keep their NaN
+            assert np.array_equal(cu.to_numpy(dev[k]), host[k], equal_nan=True), (
+                k, f0, f1, prior, sticky, scaled)
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])

@@ -458,27 +458,41 @@ def nonfinite_flag_(flag, x):
 
 
 @op
-def unscale_(x, scale):
-    """x /= scale[0], in place (scale: one float32 element; fp16 loss scaling)."""
+def unscale_check_(x, scale, flag):
+    """flag as nonfinite_flag_(flag, x) on x as it is (scaled), then x /= scale[0], in place
+    (scale: one float32 element; fp16 loss scaling)."""
+    nonfinite_flag_(flag, x)
     np.divide(x, x.dtype.type(scale.reshape(-1)[0]), out=x)
     return x
 
 
 @op
-def loss_scale_update_(state, overflow, interval):
-    """state = [scale, good steps, overflow steps] (float32), in place: an overflow
-    (overflow[0] != 0) halves the scale, restarts the good-step count and counts itself;
-    `interval` good steps in a row double the scale."""
-    if overflow.reshape(-1)[0] != 0:
-        state[0] *= np.float32(0.5)
-        state[1] = 0
-        state[2] += 1
-    elif state[1] + 1 >= interval:
-        state[0] *= np.float32(2)
-        state[1] = 0
-    else:
-        state[1] += 1
-    return state
+def nonfinite_decide_(flags, decision, count, sticky, state=None, skip=None, interval=1):
+    """The non-finite guard's decision after its flags' all-reduce (dptrain.run.nonfinite), in
+    place on one-element arrays: d = flags[0] (+ decision[0] if `sticky`) as 0 or 1 (NaN: 1)
+    into decision; count += d. With a loss scale ``state`` = [scale, good steps, overflow
+    steps] (float32): o = flags[1] as 0 or 1; an overflow halves the scale, restarts the
+    good-step count and counts itself, `interval` good steps in a row double the scale; and
+    skip = d + o. Returns decision."""
+    flat = flags.reshape(-1)
+    t = decision.dtype.type
+    total = decision.reshape(-1)[0] + flat[0] if sticky else flat[0]
+    d = t(0) if total == 0 else t(1)
+    decision.reshape(-1)[0] = d
+    count.reshape(-1)[0] += d
+    if state is not None:
+        o = t(0) if flat[1] == 0 else t(1)
+        if o:
+            state[0] *= np.float32(0.5)
+            state[1] = 0
+            state[2] += 1
+        elif state[1] + 1 >= interval:
+            state[0] *= np.float32(2)
+            state[1] = 0
+        else:
+            state[1] += 1
+        skip.reshape(-1)[0] = d + o
+    return decision
 
 
 # ----------------------------------------------------------------------------- data

@@ -2,7 +2,10 @@
 
 ``nonfinite_flag_(flag, x)``: flag (one element, x's dtype, on the device) becomes 1 if it
 was non-zero or if x holds a NaN or an infinity, else stays 0. An empty x only normalises
-the flag. In place, no host sync, deterministic (no atomics): safe inside a captured step.
+the flag. ``unscale_check_`` does the same on a scaled gradient and divides it by the loss
+scale in the same pass; ``nonfinite_decide_`` turns the all-reduced flags into the step's
+decision (and the loss scale's update) in one thread. In place, no host sync, deterministic
+(no atomics): safe inside a captured step.
 """
 from __future__ import annotations
 
@@ -26,27 +29,35 @@ def nonfinite_flag_(flag, x):
 
 
 @op
-def unscale_(x, scale):
-    """x /= scale[0] in place (scale: a one-element float32 device array)."""
-    launch.check_float("unscale_", x)
-    launch.check_contiguous("unscale_", x, scale)
-    if scale.size != 1 or scale.dtype != np.float32:
-        raise ValueError(f"cuda.unscale_: scale must be one float32 element, got {scale.size} "
-                         f"of {scale.dtype}")
-    if x.size:
-        launch.grid_stride(launch.kernel(GUARD, "unscale_kernel", launch.ctype(x.dtype)),
-                           x.size, (x, scale, np.int64(x.size)))
+def unscale_check_(x, scale, flag):
+    """flag as nonfinite_flag_(flag, x) on x as it is, then x /= scale[0], in one pass (scale:
+    a one-element float32 device array)."""
+    launch.check_float("unscale_check_", x, flag)
+    launch.check_contiguous("unscale_check_", x, scale, flag)
+    if scale.size != 1 or scale.dtype != np.float32 or flag.size != 1:
+        raise ValueError(f"cuda.unscale_check_: scale must be one float32 element and flag "
+                         f"one element, got {scale.size} of {scale.dtype} and {flag.size}")
+    launch.grid_stride(launch.kernel(GUARD, "unscale_check_kernel", launch.ctype(x.dtype)),
+                       x.size, (x, scale, flag, np.int64(x.size)))
     return x
 
 
 @op
-def loss_scale_update_(state, overflow, interval):
-    """state = [scale, good steps, overflow steps] (float32): halve on overflow[0] != 0, double
-    after `interval` good steps in a row. One thread; in place."""
-    launch.check_contiguous("loss_scale_update_", state, overflow)
-    if state.size != 3 or state.dtype != np.float32 or overflow.dtype != np.float32:
-        raise ValueError("cuda.loss_scale_update_: state must be 3 float32 values and the "
-                         "overflow flag float32")
-    fn = launch.kernel(GUARD, "loss_scale_update_kernel")
-    fn((1,), (32,), (state, overflow, np.float32(interval)))
-    return state
+def nonfinite_decide_(flags, decision, count, sticky, state=None, skip=None, interval=1):
+    """The guard's decision after the flags' all-reduce, one thread (the CPU backend's
+    docstring has the rules). flags: two elements; decision, count, skip: one each, flags'
+    dtype; state: 3 float32 values or None."""
+    launch.check_float("nonfinite_decide_", flags, decision, count)
+    if flags.size != 2 or decision.size != 1 or count.size != 1:
+        raise ValueError("cuda.nonfinite_decide_: flags must have two elements, decision "
+                         "and count one")
+    if state is not None and (state.size != 3 or state.dtype != np.float32 or skip is None
+                              or skip.size != 1 or skip.dtype != flags.dtype):
+        raise ValueError("cuda.nonfinite_decide_: a loss scale state is 3 float32 values, "
+                         "with a one-element skip of the flags' dtype")
+    fn = launch.kernel(GUARD, "nonfinite_decide_kernel", launch.ctype(flags.dtype))
+    scaled = state is not None  # else count stands in for the pointers the kernel skips
+    fn((1,), (32,), (flags, decision, count, np.int32(bool(sticky)), np.int32(scaled),
+                     state if scaled else count, skip if scaled else count,
+                     np.float32(interval)))
+    return decision
