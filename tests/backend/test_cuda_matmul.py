@@ -579,6 +579,7 @@ def test_thin_products_in_16_bits(cm, dtype, m, n, k, ta, tb, kernel):
     (7, 256, 256, True, False, "M small (dY^T @ X): a block per 32 columns measured slower"),
     (256, 7, 512, False, True, "N small, but K over 256"),
     (4096, 1024, 8, False, False, "over THIN_MACS multiply-adds"),
+    (4096, 1024, 0, False, False, "K 0, but as many outputs as THIN_MACS allows products"),
     (2, 8, 4, False, False, "a batch of products"),
 ])
 def test_thin_kernels_only_where_measured_faster(cm, m, n, k, ta, tb, why):

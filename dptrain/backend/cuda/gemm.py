@@ -292,7 +292,7 @@ def _thin_kernel(m: int, n: int, k: int, nb: int):
     1024 rows), but 26 against 11 us at 4096 x 1024 x 8; N 7 and K 256 4.4-4.7 us against
     5.9-6.6, but from K 512 on 7.4-28 us against 6.9-12.6. M small (the weight gradient dY^T
     @ X) stays tiled: a block per 32 columns left most SMs idle (9.7 against 6.3 us)."""
-    if nb != 1 or m * n * k > THIN_MACS:
+    if nb != 1 or m * n * max(k, 1) > THIN_MACS:  # K 0 still writes m * n outputs
         return None
     if k <= THIN:
         return "gemm_thin_k_kernel"
