@@ -14,6 +14,7 @@
 //    order (bitwise repeatable), rounded once; float operands are not rounded to TF32.
 //  * bias_mode and beta as gemm.cu's: bias_mode 1 adds bias[n], 2 bias[m], + EPI_RELU (4)
 //    then ReLU; beta != 0 adds beta * C (the gradient accumulation), C is read only then.
+//  * Each output is stored by gemm_tiles.cuh's splitk_store, as split-K's reduce stores.
 //
 // instantiate: gemm_thin_k_kernel<float>; gemm_thin_n_kernel<float, 8>
 // instantiate: gemm_thin_n_kernel<float, 16>; gemm_thin_k_kernel<__half>
@@ -33,15 +34,6 @@ constexpr int THIN = 16;  // the small dimension, at most
       int M, int N, int K, int sam, int sak, int sbk, int sbn, int ldc, float beta,     \
       int bias_mode
 
-template <typename T>
-__device__ __forceinline__ void thin_store(T* C, int ldc, const T* bias, int bias_mode,
-                                           float beta, int m, int n, float acc) {
-  float v = epilogue_value(acc, 1.f, bias, bias_mode, m, n);
-  T* c = C + m * ldc + n;
-  if (beta != 0.f) v += beta * as<float>(*c);
-  *c = as<T>(v);
-}
-
 // K <= THIN: a thread per output, consecutive threads along n (B's rows and C's rows are
 // read and written along n), the few products in k order.
 template <typename T>
@@ -51,14 +43,15 @@ __global__ void __launch_bounds__(256) gemm_thin_k_kernel(THIN_PARAMS) {
     float acc = 0.f;
     for (int k = 0; k < K; ++k)
       acc += as<float>(A[m * sam + k * sak]) * as<float>(B[k * sbk + n * sbn]);
-    thin_store(C, ldc, bias, bias_mode, beta, m, n, acc);
+    splitk_store<T, float>(C, bias, acc, 0, m, n, ldc, 0, 1.f, beta, bias_mode);
   }
 }
 
 // N <= NMAX (8 or 16): a warp per row m, lanes along k (A's row read once, coalesced where
-// sak is 1), each lane's partial sums then added across the warp (column_sums). Each lane loads THIN_UNROLL values of k before it adds any. Blocks of two
-// warps: a product of 256 rows spreads over 128 SMs, not 32 (blocks of 8 warps measured
-// 1.2x slower than the tiled kernel and its split-K reduce).
+// sak is 1), each lane's partial sums then added across the warp (column_sums). Each lane
+// loads THIN_UNROLL values of k before it adds any. Blocks of two warps: a product of 256
+// rows spreads over 128 SMs, not 32 (blocks of 8 warps measured 1.2x slower than the tiled
+// kernel and its split-K reduce).
 constexpr int THIN_UNROLL = 8;
 
 template <typename T, int NMAX>
@@ -111,6 +104,7 @@ __global__ void __launch_bounds__(64) gemm_thin_n_kernel(THIN_PARAMS) {
     for (; k < K; k += 32) thin_n_step(acc, as<float>(a_row[k * sak]), B + k * sbk, N, sbn);
     const float sum = column_sums(acc, lane);
     const int group = 32 / NMAX, n = lane / group;
-    if (lane % group == 0 && n < N) thin_store(C, ldc, bias, bias_mode, beta, m, n, sum);
+    if (lane % group == 0 && n < N)
+      splitk_store<T, float>(C, bias, sum, 0, m, n, ldc, 0, 1.f, beta, bias_mode);
   }
 }

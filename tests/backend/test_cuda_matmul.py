@@ -370,7 +370,8 @@ def test_wgmma_other_layouts(hopper, batch_a, batch_b, m, n, k, ta, tb):
     out = nan_like(shape)
     assert hopper.matmul(ga, gb, ta, tb, out=out) is out
     a64, b64 = a.astype(np.float64), b.astype(np.float64)
-    ref = np.matmul(np.swapaxes(a64, -1, -2) if ta else a64, np.swapaxes(b64, -1, -2) if tb else b64)
+    ref = np.matmul(np.swapaxes(a64, -1, -2) if ta else a64,
+                    np.swapaxes(b64, -1, -2) if tb else b64)
     check(out, ref, "tf32")
     assert np.array_equal(cp.asnumpy(ga), a) and np.array_equal(cp.asnumpy(gb), b)  # untouched
 
@@ -436,7 +437,8 @@ def test_wgmma_split_k_matches_reference(hopper, monkeypatch, batch, m, n, k, ta
     out = nan_like(batch + (m, n))
     assert plan(ga, gb, gbias, out) is out
     a64, b64 = a.astype(np.float64), b.astype(np.float64)
-    ref = np.matmul(np.swapaxes(a64, -1, -2) if ta else a64, np.swapaxes(b64, -1, -2) if tb else b64)
+    ref = np.matmul(np.swapaxes(a64, -1, -2) if ta else a64,
+                    np.swapaxes(b64, -1, -2) if tb else b64)
     if bias:
         ref = ref + cp.asnumpy(gbias)
     check(out, np.maximum(ref, 0) if relu else ref, "tf32")

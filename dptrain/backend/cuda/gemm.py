@@ -28,13 +28,14 @@ values), and as many 128 x 256 output tiles as SMs, or a quarter of that where i
 faster than split-K (``_wgmma_faster``: long K, or little to transpose). Fewer tiles keep
 gemm.cu's split-K kernels, but for TF32 products with K >= 1024 and A K-major, which split K
 on wgmma itself (``_wgmma_split_k``; float partials summed by gemm.cu's reduce). The kernel
-reads both operands K-major (a @ b^T, a and b 16-byte aligned); the other layouts first copy the operand that is MN-major to a K-major scratch with the tiled
-transpose (2 x its bytes of traffic, 10-25% of the product's time at the sizes that qualify,
-against 2.5-3x from wgmma). `matmul_kernel` names the kernel a call uses.
+reads both operands K-major (a @ b^T, a and b 16-byte aligned); the other layouts first copy
+the operand that is MN-major to a K-major scratch with the tiled transpose (2 x its bytes of
+traffic, 10-25% of the product's time at the sizes that qualify, against 2.5-3x from wgmma). `matmul_kernel` names the kernel a call uses.
 
 Thin products (gemm_thin.cu): one matrix with N or K at most THIN (16) and few multiply-adds,
-as a classifier's few classes make them (``_thin_kernel``), run on CUDA cores in float, each operand read once and C written once,
-no split of K and no second pass ($DPTRAIN_GEMM_THIN=0 sends them to the tiled kernels).
+as a classifier's few classes make them (``_thin_kernel``), run on CUDA cores in float, each
+operand read once and C written once, no split of K and no second pass
+($DPTRAIN_GEMM_THIN=0 sends them to the tiled kernels).
 """
 from __future__ import annotations
 
@@ -360,11 +361,11 @@ def linear(x, w, b=None, relu=False):
 @op
 def matmul_add_(c, a, b, trans_a=False, trans_b=False):
     """c += op(a) @ op(b), in place, for 2-D operands: a weight's gradient added into its
-    .grad by split-K's reduce or a thin product's store (beta 1). float32 only: there the sum is matmul's result added
-    to c, as add_ would (one rounding), so the bits are matmul's then add_'s. A product
-    without split-K runs as those two: the tiles' read-modify-write epilogue (rolled) measured
-    slower than their staged stores and a separate add (MLP and CNN TF32 steps 1-4%), and
-    the wgmma kernel only writes. Returns c."""
+    .grad by split-K's reduce or a thin product's store (beta 1). float32 only: there the
+    sum is matmul's result added to c, as add_ would (one rounding), so the bits are
+    matmul's then add_'s. A product that does neither runs as those two: the tiles'
+    read-modify-write epilogue (rolled) measured slower than their staged stores and a
+    separate add (MLP and CNN TF32 steps 1-4%), and the wgmma kernel only writes. Returns c."""
     if c.dtype != np.float32 or a.ndim != 2 or b.ndim != 2:
         raise ValueError(f"cuda.matmul_add_: float32 2-D operands only, got c {c.dtype} and "
                          f"{a.ndim}-D, {b.ndim}-D operands")
@@ -379,7 +380,8 @@ def matmul_add_(c, a, b, trans_a=False, trans_b=False):
 def matmul_into_(c, a, b, trans_a=False, trans_b=False):
     """c = op(a) @ op(b), written into c by the product's own stores, for 2-D operands: a
     weight's gradient into a .grad that holds zeros (autograd.grads_zeroed), where
-    matmul_add_ would run a product without split-K as a matmul and an add pass. Returns c."""
+    matmul_add_ would run a product that does not accumulate itself as a matmul and an add
+    pass. Returns c."""
     if a.ndim != 2 or b.ndim != 2:
         raise ValueError(f"cuda.matmul_into_: 2-D operands only, got {a.ndim}-D, {b.ndim}-D")
     launch.check_contiguous("matmul_into_", c)
