@@ -27,6 +27,10 @@
 // instantiations-per-module: 1  (each takes seconds to build: more threads at a cold start)
 // instantiate: gemm_fp32_kernel<float, false, false>; gemm_fp32_kernel<float, false, true>
 // instantiate: gemm_fp32_kernel<float, true, false>; gemm_fp32_kernel<float, true, true>
+// instantiate: gemm_fp32_kernel<float, false, false, 64, 64>
+// instantiate: gemm_fp32_kernel<float, false, true, 64, 64>
+// instantiate: gemm_fp32_kernel<float, true, false, 64, 64>
+// instantiate: gemm_fp32_kernel<float, true, true, 64, 64>
 // instantiate: gemm_tf32_kernel<float, false, false>; gemm_tf32_kernel<float, false, true>
 // instantiate: gemm_tf32_kernel<float, true, false>; gemm_tf32_kernel<float, true, true>
 // instantiate: gemm_tf32_kernel<float, false, false, 64>; gemm_tf32_kernel<float, false, true, 64>
@@ -253,10 +257,12 @@ __global__ void __launch_bounds__(128, 2) gemm_b16_kernel(GEMM_PARAMS) {
   }
 }
 
-template <typename T, bool TA, bool TB>
+template <typename T, bool TA, bool TB, int BM = 128, int BN = 128>
 __global__ void __launch_bounds__(256, 2) gemm_fp32_kernel(GEMM_PARAMS) {
   static_assert(sizeof(T) == 4, "float only for now");
-  using Cfg = SimtCfg<128, 128, 16, 3>;  // BK 16, 3 stages: 5% faster than BK 8, 4 stages
+  // BK 16, 3 stages: 5% faster than BK 8, 4 stages. 64 x 64 (4 x 4 per thread): four times
+  // the blocks for products whose 128 x 128 tiles leave SMs idle (a ViT's 64-wide layers).
+  using Cfg = SimtCfg<BM, BN, 16, 3>;
   // Both tiles [k][mn] for vector reads along m and n; a K-major source is transposed by
   // 4-byte copies (8 lanes along k, 4 rows: conflict-free with the +4 padding).
   using LayA = TileLayout<Cfg::BM, Cfg::BK, false, 4>;
@@ -273,22 +279,28 @@ __global__ void __launch_bounds__(256, 2) gemm_fp32_kernel(GEMM_PARAMS) {
   const GemmEpilogue<> epi =
       gemm_epilogue(C, ws, bias, M, N, ldc, sC, batch, splits, b, s, alpha, beta, bias_mode);
   const SimtCoords<Cfg> at;
-  // Four consecutive columns per store where the whole row segment is in bounds and aligned.
-  const bool vec_c = splits > 1 ? (N % 4 == 0) : (ldc % 4 == 0 && sC % 4 == 0 &&
-                                                  (reinterpret_cast<unsigned long long>(C) & 15) == 0);
+  // V consecutive columns (a thread's half-row) per store where the whole segment is in
+  // bounds and aligned.
+  constexpr int V = Cfg::TN / 2 < 4 ? Cfg::TN / 2 : 4;
+  const bool vec_c = splits > 1 ? (N % V == 0) : (ldc % V == 0 && sC % V == 0 &&
+                                                  (reinterpret_cast<unsigned long long>(C) & (4 * V - 1)) == 0);
 #pragma unroll
   for (int i = 0; i < Cfg::TM; ++i) {
     const int m = m0 + at.row(i);
 #pragma unroll
-    for (int j = 0; j < Cfg::TN; j += 4) {
+    for (int j = 0; j < Cfg::TN; j += V) {
       const int n = n0 + at.col(j);
-      if (vec_c && m < M && n + 3 < N && epi.beta == 0.f && epi.bias_mode == 0) {
+      if (vec_c && m < M && n + V - 1 < N && epi.beta == 0.f && epi.bias_mode == 0) {
         const float a = epi.alpha;
-        *reinterpret_cast<float4*>(epi.c + (long long)m * epi.ldc + n) =
-            make_float4(a * acc[i][j], a * acc[i][j + 1], a * acc[i][j + 2], a * acc[i][j + 3]);
+        float* c = epi.c + (long long)m * epi.ldc + n;
+        if constexpr (V == 4)
+          *reinterpret_cast<float4*>(c) =
+              make_float4(a * acc[i][j], a * acc[i][j + 1], a * acc[i][j + 2], a * acc[i][j + 3]);
+        else
+          *reinterpret_cast<float2*>(c) = make_float2(a * acc[i][j], a * acc[i][j + 1]);
       } else {
 #pragma unroll
-        for (int q = 0; q < 4; ++q) epi.store(m, n + q, acc[i][j + q]);
+        for (int q = 0; q < V; ++q) epi.store(m, n + q, acc[i][j + q]);
       }
     }
   }

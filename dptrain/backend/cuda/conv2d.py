@@ -92,7 +92,6 @@ TF32_BWDW_MIN_ROWS = 128
 DIRECT_MAX_K, DIRECT_MAX_M = 32, 128  # C_in*KH*KW; output channels (forward)
 _DIRECT_MG = {4: 8, 8: 4, 12: 4, 16: 4, 20: 2, 24: 2, 28: 2, 32: 2}  # KMAX -> channels/thread
 
-
 def _direct_kmax(k: int):
     """The direct kernels' tap count for K = C_in*KH*KW, or None where they do not apply."""
     if os.environ.get(DIRECT_ENV, "1") == "0" or not 0 < k <= DIRECT_MAX_K:
@@ -479,7 +478,7 @@ def _mma_kernel(m, npix, dt):
         smem = 3 * 4 * (tile_floats(bm, 32, True, 4) + tile_floats(128, 32, False, 8))
         name, ctype, block = "conv2d_tf32_kernel", "float", (128,)
     else:
-        smem = 4 * 4 * (tile_floats(bm, 8, False, 4) + tile_floats(128, 8, False, 4))
+        smem = 3 * 4 * (tile_floats(bm, 16, False, 4) + tile_floats(128, 16, False, 4))
         name, ctype, block = "conv2d_fp32_kernel", "float", (256,)
     fn = launch.kernel(CONV, name, ctype, str(bm), smem=smem)
     return name, fn, (-(-npix // 128), -(-m // bm)), block, smem
@@ -654,6 +653,7 @@ def _plan_backward_weight(x, gy, w_shape, stride, padding, cl=False):
     splits, chunk = split_k(-(-m // bm) * -(-ncol // bn), k, 512, 1024)
     # The chunks of gy need 16-byte alignment (part of the plan's key).
     nhwc = _nhwc(dt, cin, n) and (ho * wo) % _chunk(dt) == 0 and gy.data.ptr % 16 == 0
+    slab = ()  # the K slab's width where a kernel takes it
     if dt in launch.HALVES:
         smem = 3 * 2 * (tile_floats(bm, 32, True, 8) + tile_floats(bn, 32, True, 8))
         name = "conv2d_bwdw_b16_kernel"
@@ -661,9 +661,12 @@ def _plan_backward_weight(x, gy, w_shape, stride, padding, cl=False):
         smem = 3 * 4 * (tile_floats(bm, 32, True, 4) + tile_floats(bn, 32, True, 4))
         name = "conv2d_bwdw_tf32_kernel"
     else:
-        smem = 4 * 4 * (tile_floats(bm, 8, False, 4) + tile_floats(bn, 8, False, 4))
-        name = "conv2d_bwdw_fp32_kernel"
-    fn = launch.kernel(CONV, name, launch.ctype(dt), str(bm), str(bn), smem=smem)
+        # 16-wide K slabs with 32- or 64-row tiles, 8-wide with 128 (measured: the kernel)
+        bk = 16 if bm < 128 else 8
+        smem = (3 if bk == 16 else 4) * 4 * (tile_floats(bm, bk, False, 4)
+                                            + tile_floats(bn, bk, False, 4))
+        name, slab = "conv2d_bwdw_fp32_kernel", (("16",) if bk == 16 else ())
+    fn = launch.kernel(CONV, name, launch.ctype(dt), str(bm), str(bn), *slab, smem=smem)
     if nhwc:
         pad = 8 if dt in launch.HALVES else 4
         smem_cl = 3 * dt.itemsize * (tile_floats(bm, 32, True, pad) + tile_floats(bn, 32, False, 8))

@@ -439,13 +439,15 @@ def _plan_matmul(a, b, ta, tb, bias, relu=False, accumulate=False):
     tf32 = runtime.precision == "tf32"
     # Tensor-core products whose 128 x 128 tiles leave SMs idle (the FC layers at small
     # batches) take 64-row tiles: twice the blocks before any split of K.
-    bm = 64 if ((dt in launch.HALVES or tf32)
-                and -(-m // 128) * -(-n // 128) * nb < launch.sm_count()) else 128
+    few = -(-m // 128) * -(-n // 128) * nb < launch.sm_count()
+    bm = 64 if few else 128
+    # FFMA products take 64 x 64 tiles there (bn 64 too: its threads' 4 x 4 tiles).
+    bn = 64 if few and not (dt in launch.HALVES or tf32) else 128
     # A product of very few tiles (a classifier's weight gradient: 7 x 256 @ 256 x 64) splits
     # K into chunks down to one 32-wide slab: one block would otherwise walk all of K alone,
     # and these products wait on latency (32 measured 4% faster than 64 on the MLP's TF32
     # step, 1% on the CNN's bf16 step; 128 or more slower).
-    tiles = -(-m // bm) * -(-n // 128) * nb
+    tiles = -(-m // bm) * -(-n // bn) * nb
     splits, chunk = split_k(tiles, k, 32 if 4 * tiles <= launch.sm_count() else 256, 64)
     if nb * splits > launch.GRID_YZ_MAX:
         if nb > launch.GRID_YZ_MAX:
@@ -467,10 +469,11 @@ def _plan_matmul(a, b, ta, tb, bias, relu=False, accumulate=False):
         fn = launch.kernel("gemm.cu", "gemm_tf32_kernel", "float", *flags, *tail64, smem=smem)
         block = (128,)
     else:
-        smem = 3 * 4 * 2 * tile_floats(128, 16, False, 4)
-        fn = launch.kernel("gemm.cu", "gemm_fp32_kernel", "float", *flags, smem=smem)
+        smem = 3 * 4 * (tile_floats(bm, 16, False, 4) + tile_floats(bn, 16, False, 4))
+        fn = launch.kernel("gemm.cu", "gemm_fp32_kernel", "float", *flags,
+                           *(("64", "64") if bn == 64 else ()), smem=smem)
         block = (256,)
-    grid = (-(-n // 128), -(-m // bm), nb * splits)
+    grid = (-(-n // bn), -(-m // bm), nb * splits)
     # GEMM_PARAMS after (A, B, C, bias, ws): M N K lda ldb ldc sA sB sC batch splits kchunk
     # alpha beta bias_mode vec_a vec_b.
     tail = (i32(m), i32(n), i32(k), i32(lda), i32(ldb), i32(ldc),
