@@ -32,6 +32,7 @@
 // instantiate: conv2d_tf32_kernel<float, 128>
 // instantiate: conv2d_fp32_kernel<float, 32>; conv2d_fp32_kernel<float, 64>
 // instantiate: conv2d_fp32_kernel<float, 128>
+// instantiate: conv2d_fp32_kernel<float, 32, 256>; conv2d_fp32_kernel<float, 64, 256>
 // instantiate: conv2d_bwdw_fp32_kernel<float, 32, 32, 16>; conv2d_bwdw_fp32_kernel<float, 32, 128, 16>
 // instantiate: conv2d_bwdw_fp32_kernel<float, 64, 32, 16>; conv2d_bwdw_fp32_kernel<float, 64, 128, 16>
 // instantiate: conv2d_bwdw_fp32_kernel<float, 32, 96, 16>; conv2d_bwdw_fp32_kernel<float, 64, 96, 16>
@@ -70,7 +71,7 @@
 // instantiate: splitk_reduce_warp_kernel<__half, float>
 
 #include "conv_geom.cuh"
-#include "gemm_tiles.cuh"
+#include "conv_gather.cuh"
 
 // ----------------------------------------------------------------------------- forward / bwd-data
 
@@ -217,12 +218,14 @@ __global__ void __launch_bounds__(128, 2) conv2d_b16_kernel(CONV_PARAMS) {
   CONV_STORE(MmaCoords<Cfg>);
 }
 
-template <typename T, int BM>
+// BK 16, 3 stages: 7-20% faster than BK 8, 4 stages. BN 256 for few channels (BM 32 or 64):
+// threads as 8 x 32 keep 4 x 8 or 8 x 8 outputs each, as many as a 128 x 128 tile's.
+template <typename T, int BM, int BN = 128>
 __global__ void __launch_bounds__(256, 2) conv2d_fp32_kernel(CONV_PARAMS) {
   static_assert(sizeof(T) == 4, "float only for now");
-  using Cfg = SimtCfg<BM, 128, 16, 3>;  // BK 16, 3 stages: 7-20% faster than BK 8, 4 stages
+  using Cfg = SimtCfg<BM, BN, 16, 3, BN == 256 ? 32 : 16>;
   using LayA = TileLayout<BM, 16, false, 4>;  // wr transposed to [k][m] by 4-byte copies
-  using LayB = TileLayout<128, 16, false, 4>;
+  using LayB = TileLayout<BN, 16, false, 4>;
   CONV_SETUP;
 
   float acc[Cfg::TM][Cfg::TN];
@@ -237,78 +240,6 @@ __global__ void __launch_bounds__(256, 2) conv2d_fp32_kernel(CONV_PARAMS) {
 // relative to (iy0, ix0), and (kh, kw) for the bounds check. Built once per block.
 struct ColInfo {
   int off, kh, kw, valid;
-};
-
-// What the two backward-weight loaders share: thread t holds PER elements of a K slab, at
-// k = t % KL of tile rows t / KL + i * RSTEP (i < PER); Derived::gather(k0, k_end, f) calls
-// f(i, src, ok) for each. load() stores them at once (cp.async for float); fetch() and put()
-// stage them through registers for the b16 loop (mma16_mainloop).
-template <class Derived, class L, int THREADS, int KL>
-struct KLaneLoader {
-  using Layout = L;
-  using E = typename L::Elem;
-  static constexpr int RSTEP = THREADS / KL, PER = L::kBMN / RSTEP;
-  static_assert(L::kBK == KL && L::kBMN % RSTEP == 0, "bad backward-weight tile");
-
-  // one(i) for i < PER: fully unrolled where the elements go to registers.
-  template <bool UNROLL, class F>
-  __device__ __forceinline__ static void each(F&& one) {
-    if constexpr (UNROLL) {
-#pragma unroll
-      for (int i = 0; i < PER; ++i) one(i);
-    } else {
-#pragma unroll 4
-      for (int i = 0; i < PER; ++i) one(i);
-    }
-  }
-
-  __device__ __forceinline__ static int slot(int i) {
-    return L::off(threadIdx.x / KL + i * RSTEP, threadIdx.x % KL);
-  }
-
-  __device__ __forceinline__ const Derived& self() const {
-    return static_cast<const Derived&>(*this);
-  }
-
-  __device__ __forceinline__ void load(E* s, int k0, int k_end) const {
-    self().template gather<false>(k0, k_end,
-                                  [&](int i, const E* p, bool ok) { put_elem(s + slot(i), p, ok); });
-  }
-
-  struct Regs { E v[PER]; };
-  __device__ __forceinline__ void fetch(Regs& r, E*, int k0, int k_end) const {
-    self().template gather<true>(k0, k_end,
-                                 [&](int i, const E* p, bool ok) { r.v[i] = ok ? *p : as<E>(0.f); });
-  }
-  __device__ __forceinline__ void put(E* s, const Regs& r) const {
-#pragma unroll
-    for (int i = 0; i < PER; ++i) s[slot(i)] = r.v[i];
-  }
-};
-
-// A operand: gy[n, co, p] as (m = co, k = q) with q = n*Ho*Wo + p. KL lanes run along q.
-template <class L, int THREADS, int KL>
-struct GyLoader : KLaneLoader<GyLoader<L, THREADS, KL>, L, THREADS, KL> {
-  using Base = KLaneLoader<GyLoader, L, THREADS, KL>;
-  using E = typename Base::E;
-  const E* gy;
-  int M, m0, hw;
-
-  __device__ __forceinline__ GyLoader(const E* gy_, int M_, int m0_, int hw_)
-      : gy(gy_), M(M_), m0(m0_), hw(hw_) {}
-
-  template <bool UNROLL, class F>
-  __device__ __forceinline__ void gather(int k0, int k_end, F&& f) const {
-    const int kk = threadIdx.x % KL, r0 = threadIdx.x / KL;
-    const int q = k0 + kk;
-    const bool qok = q < k_end;
-    const int n = qok ? q / hw : 0, p = qok ? q - n * hw : 0;
-    const E* base = gy + ((long long)n * M + m0 + r0) * hw + p;
-    Base::template each<UNROLL>([&](int i) {
-      const bool ok = qok && m0 + r0 + i * Base::RSTEP < M;
-      f(i, ok ? base + (long long)i * Base::RSTEP * hw : gy, ok);
-    });
-  }
 };
 
 // B operand: x[n, ci, oy*sh - ph + kh, ox*sw - pw + kw] as (k = q, n = j). KL lanes along q.

@@ -3,7 +3,7 @@
 // C_in contiguous channels, so the im2col operand fills with 16-byte cp.async chunks instead
 // of one load per element (what conv2d.cu's NCHW backward-weight kernels spend most of their
 // time on). TF32 on float, m16n8k16 tensor cores on the 16-bit types, fp32 accumulation, the
-// main loops of gemm_tiles.cuh.
+// main loops of gemm_tiles.cuh; under fp32, an FFMA kernel with the same x chunks.
 // Launchers: dptrain/backend/cuda/conv2d.py (chosen there; conv2d.cu's kernels otherwise).
 //
 // Conventions
@@ -39,8 +39,13 @@
 // instantiate: conv2d_bwdw_nhwc_kernel<__nv_bfloat16, 128, 32>
 // instantiate: conv2d_bwdw_nhwc_kernel<__nv_bfloat16, 128, 96>
 // instantiate: conv2d_bwdw_nhwc_kernel<__nv_bfloat16, 128, 128>
+// instantiate: conv2d_bwdw_nhwc_fp32_kernel<float, 32, 32>; conv2d_bwdw_nhwc_fp32_kernel<float, 32, 96>
+// instantiate: conv2d_bwdw_nhwc_fp32_kernel<float, 32, 128>; conv2d_bwdw_nhwc_fp32_kernel<float, 64, 32>
+// instantiate: conv2d_bwdw_nhwc_fp32_kernel<float, 64, 96>; conv2d_bwdw_nhwc_fp32_kernel<float, 64, 128>
+// instantiate: conv2d_bwdw_nhwc_fp32_kernel<float, 128, 32>; conv2d_bwdw_nhwc_fp32_kernel<float, 128, 96>
+// instantiate: conv2d_bwdw_nhwc_fp32_kernel<float, 128, 128>
 
-#include "gemm_tiles.cuh"
+#include "conv_gather.cuh"
 
 // What the chunk loaders share: mma16_mainloop's staged interface, where cp.async needs no
 // registers (fetch is load, put does nothing).
@@ -125,35 +130,63 @@ struct XtChunkLoader : ChunkLoader<XtChunkLoader<L, THREADS>, typename L::Elem> 
   }
 };
 
+#define BWDW_NHWC_PARAMS                                                                      \
+  const T *__restrict__ xt, const T *__restrict__ gy, T *__restrict__ gw,                      \
+      float *__restrict__ ws, int Nb, int Cout, int Cin, int H, int W, int Ho, int Wo, int KH, \
+      int KW, int sh, int sw, int ph, int pw, int splits, int kchunk
+
+// This split's K range, the x loader, and its slice of the workspace.
+#define BWDW_NHWC_SETUP                                                                       \
+  const int M = Cout, N = Cin * KH * KW, K = Nb * Ho * Wo, KHW = KH * KW;                     \
+  const int m0 = blockIdx.y * Cfg::BM, n0 = blockIdx.x * Cfg::BN, s = blockIdx.z;             \
+  const int k_begin = s * kchunk, k_end = min(K, k_begin + kchunk);                           \
+  const XtChunkLoader<LayB, Cfg::THREADS> lb(xt, Cin, H, W, Ho, Wo, sh, sw, ph, pw, KW, N, n0); \
+  float* part = ws + (long long)s * M * N;                                                    \
+  extern __shared__ float4 smem4[];                                                           \
+  T* smem = reinterpret_cast<T*>(smem4);                                                      \
+  check_smem(Cfg::STAGES * (LayA::kSize + LayB::kSize) * sizeof(T))
+
+// Column j = (kh, kw, ci) goes to gw's own column (ci, kh, kw).
+#define BWDW_NHWC_STORE(Coords)                                                   \
+  Coords().for_each(acc, [&](int r, int c, int, float v) {                        \
+    const int m = m0 + r, j = n0 + c;                                             \
+    if (m >= M || j >= N) return;                                                 \
+    const int tap = j / Cin;                                                      \
+    const long long at = (long long)m * N + (j - tap * Cin) * KHW + tap;          \
+    if (splits == 1) gw[at] = as<T>(v);                                           \
+    else part[at] = v;                                                            \
+  })
+
 template <typename T, int BM, int BN>
-__global__ void __launch_bounds__(256, 2) conv2d_bwdw_nhwc_kernel(
-    const T* __restrict__ xt, const T* __restrict__ gy, T* __restrict__ gw,
-    float* __restrict__ ws, int Nb, int Cout, int Cin, int H, int W, int Ho, int Wo, int KH,
-    int KW, int sh, int sw, int ph, int pw, int splits, int kchunk) {
+__global__ void __launch_bounds__(256, 2) conv2d_bwdw_nhwc_kernel(BWDW_NHWC_PARAMS) {
   constexpr bool B16 = sizeof(T) == 2;
   using Cfg = MmaCfg<BM, BN, 32, 2, 4, 3>;  // conv2d.cu's backward-weight tiles
   using LayA = TileLayout<BM, 32, true, B16 ? 8 : 4, T>;
   using LayB = TileLayout<BN, 32, false, 8, T>;
-  const int M = Cout, N = Cin * KH * KW, K = Nb * Ho * Wo, KHW = KH * KW;
-  const int m0 = blockIdx.y * Cfg::BM, n0 = blockIdx.x * Cfg::BN, s = blockIdx.z;
-  const int k_begin = s * kchunk, k_end = min(K, k_begin + kchunk);
+  BWDW_NHWC_SETUP;
   const GyChunkLoader<LayA, Cfg::THREADS> la{{}, gy, M, m0, Ho * Wo};
-  const XtChunkLoader<LayB, Cfg::THREADS> lb(xt, Cin, H, W, Ho, Wo, sh, sw, ph, pw, KW, N, n0);
-  float* part = ws + (long long)s * M * N;
-  extern __shared__ float4 smem4[];
-  T* smem = reinterpret_cast<T*>(smem4);
-  check_smem(Cfg::STAGES * (LayA::kSize + LayB::kSize) * sizeof(T));
 
   float acc[Cfg::MT][Cfg::NT][4];
   if constexpr (B16) mma16_mainloop<Cfg>(acc, la, lb, smem, k_begin, k_end);
   else mma_mainloop<Cfg>(acc, la, lb, smem, k_begin, k_end);
 
-  MmaCoords<Cfg>().for_each(acc, [&](int r, int c, int, float v) {
-    const int m = m0 + r, j = n0 + c;
-    if (m >= M || j >= N) return;
-    const int tap = j / Cin;
-    const long long at = (long long)m * N + (j - tap * Cin) * KHW + tap;  // (ci, kh, kw)
-    if (splits == 1) gw[at] = as<T>(v);
-    else part[at] = v;
-  });
+  BWDW_NHWC_STORE(MmaCoords<Cfg>);
+}
+
+// fp32 (FFMA): both tiles [k][mn], gy gathered by KL lanes along the pixels (conv2d.cu's
+// loader: NCHW gy is not contiguous along the channels), x in chunks as above.
+template <typename T, int BM, int BN>
+__global__ void __launch_bounds__(256, 2) conv2d_bwdw_nhwc_fp32_kernel(BWDW_NHWC_PARAMS) {
+  static_assert(sizeof(T) == 4, "float");
+  constexpr int BK = 16;  // 3 stages: as fast as BK 8 with 4, or up to 20% faster
+  using Cfg = SimtCfg<BM, BN, BK, 3>;
+  using LayA = TileLayout<BM, BK, false, 4>;
+  using LayB = TileLayout<BN, BK, false, 4>;
+  BWDW_NHWC_SETUP;
+  const GyLoader<LayA, Cfg::THREADS, BK> la{gy, M, m0, Ho * Wo};
+
+  float acc[Cfg::TM][Cfg::TN];
+  simt_mainloop<Cfg>(acc, la, lb, smem, k_begin, k_end);
+
+  BWDW_NHWC_STORE(SimtCoords<Cfg>);
 }

@@ -469,14 +469,16 @@ __device__ __forceinline__ void mma16_mainloop(float (&acc)[Cfg::MT][Cfg::NT][4]
 
 // ----------------------------------------------------------------------------- FP32 main loop
 
-// 256 threads as 16 x 16; each owns a TM x TN register tile split into two halves along each
-// axis (rows ty*TM/2 + i and BM/2 + ty*TM/2 + i), so a warp's smem reads are contiguous
-// vectors. Both operand tiles must be MN-major ([k][mn]).
-template <int BM_, int BN_, int BK_, int STAGES_>
+// 256 threads as (256 / TX) x TX (16 x 16, or 8 x 32 for 256-wide tiles of few rows); each
+// owns a TM x TN register tile split into two halves along each axis (rows ty*TM/2 + i and
+// BM/2 + ty*TM/2 + i), so a warp's smem reads are contiguous vectors. Both operand tiles must
+// be MN-major ([k][mn]).
+template <int BM_, int BN_, int BK_, int STAGES_, int TX_ = 16>
 struct SimtCfg {
   static constexpr int BM = BM_, BN = BN_, BK = BK_, STAGES = STAGES_;
-  static constexpr int THREADS = 256;
-  static constexpr int TM = BM / 16, TN = BN / 16;
+  static constexpr int THREADS = 256, TX = TX_, TY = THREADS / TX;
+  static constexpr int TM = BM / TY, TN = BN / TX;
+  static_assert(TM * TY == BM && TN * TX == BN, "the thread grid must divide the tile");
   static_assert(TM >= 2 && TN >= 2 && TM <= 8 && TN <= 8, "thread tile 2..8 per axis");
 };
 
@@ -497,7 +499,7 @@ __device__ __forceinline__ void lds_vec(float* d, const float* s) {
 template <class Cfg>
 struct SimtCoords {
   int ty, tx;
-  __device__ __forceinline__ SimtCoords() : ty(threadIdx.x >> 4), tx(threadIdx.x & 15) {}
+  __device__ __forceinline__ SimtCoords() : ty(threadIdx.x / Cfg::TX), tx(threadIdx.x % Cfg::TX) {}
   __device__ __forceinline__ int row(int i) const {
     return (i / (Cfg::TM / 2)) * (Cfg::BM / 2) + ty * (Cfg::TM / 2) + i % (Cfg::TM / 2);
   }

@@ -1,5 +1,6 @@
-"""The channels-last backward-weight kernel (kernels/conv2d_nhwc.cu) in TF32, fp16 and bf16
-against the CPU backend (with the other two passes on the same shapes), on shapes that take it
+"""The channels-last backward-weight kernels (kernels/conv2d_nhwc.cu) in TF32, fp16 and bf16
+(and the FFMA one under fp32, within 1e-5: test_cuda_matmul.py's fp32 tolerance) against the
+CPU backend (with the other two passes on the same shapes), on shapes that take it
 (C_in and Ho*Wo in whole 16-byte chunks) and reach its edges: partial tiles, strides, a 1x1
 filter, a non-square filter and split-K; the NCHW kernel on the same inputs agrees, and a
 misaligned gy falls back to it. Tolerances: the TF32 and 16-bit ones of test_cuda_matmul.py and
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 
 from convcheck import (DTYPES, F, H, close, fresh_conv_plans, inputs, passes,
-                       passes_match_reference, planned_kernels, to_f32)
+                       passes_match_reference, planned_kernels, reference, to_f32)
 from dptrain import backend
 
 cp = pytest.importorskip("cupy")
@@ -18,6 +19,7 @@ pytestmark = pytest.mark.gpu
 from dptrain.backend.cuda import conv2d, gemm  # noqa: E402 - after the CuPy check
 
 NHWC_KERNEL = "conv2d_bwdw_nhwc_kernel"
+FP32_NHWC_KERNEL = "conv2d_bwdw_nhwc_fp32_kernel"
 CASES = [  # x shape, w shape, stride, padding
     ((4, 32, 12, 12), (64, 32, 3, 3), (1, 1), (1, 1)),  # a reference-CNN layer
     ((2, 16, 10, 8), (24, 16, 3, 3), (1, 1), (1, 1)),  # 144 columns: a partial 96-column tile
@@ -101,3 +103,32 @@ def test_to_nhwc_is_a_transpose(cu, shape):
         a = x.astype(dt)
         got = cp.asnumpy(conv2d._to_nhwc(a.shape, dt)(cp.asarray(a)))
         assert np.array_equal(got, a.transpose(0, 2, 3, 1))
+
+
+def fp32_passes_match_reference(cu, x, w, gy, stride, pad, kernel):
+    with cu.runtime.precision_scope("fp32"):
+        assert planned_kernels(cu, x, w, gy, stride, pad)["backward_weight"] == kernel
+        got = passes(cu, F, x, w, gy, stride, pad)
+    for g, r in zip(got, reference(F, x, w, gy, stride, pad)):
+        err = np.linalg.norm(g - r) / np.linalg.norm(r)
+        assert err <= 1e-5, f"relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("xs, ws, stride, pad", CASES)
+def test_fp32_channels_last_backward_weight_matches_reference(cu, xs, ws, stride, pad):
+    """Under fp32 the FFMA channels-last kernel takes every filter wider than 1x1 whose C_in
+    is in whole 16-byte chunks (gy gathered element by element: no condition on Ho*Wo); a 1x1
+    filter keeps the NCHW kernel (measured faster there)."""
+    kernel = FP32_NHWC_KERNEL if ws[2] * ws[3] > 1 else "conv2d_bwdw_fp32_kernel"
+    fp32_passes_match_reference(cu, *inputs(F, xs, ws, stride, pad), stride, pad, kernel)
+
+
+def test_fp32_nchw_backward_weight_where_channels_leave_chunks_or_switched_off(cu, monkeypatch):
+    xs, ws, stride, pad = (2, 6, 9, 9), (12, 6, 3, 3), (1, 1), (1, 1)  # 6 channels: not chunks
+    fp32_passes_match_reference(cu, *inputs(F, xs, ws, stride, pad), stride, pad,
+                                "conv2d_bwdw_fp32_kernel")
+    xs, ws, stride, pad = CASES[0]
+    monkeypatch.setenv(conv2d.NHWC_ENV, "0")
+    gemm.clear_plans()
+    fp32_passes_match_reference(cu, *inputs(F, xs, ws, stride, pad), stride, pad,
+                                "conv2d_bwdw_fp32_kernel")

@@ -8,13 +8,15 @@ Conventions (the .cu file's header has the kernel side):
     are (h, w) pairs of ints. Results are new arrays or `out=`, written with `=`.
   * forward and backward-data are one kernel (mode 0 / 1) after the weight is reordered into
     the GEMM's (kh, kw, c) K order; the output-channel tile is the smallest of 32/64/128
-    covering the channels.
+    covering the channels (under fp32 a 32- or 64-channel tile spans 256 pixels, else 128).
   * backward-weight splits its long K (batch * output pixels) over grid z when the output
     tiles leave SMs idle, and sums the splits in a fixed order: bitwise repeatable.
   * backward-weight, where C_in and Ho*Wo are multiples of a 16-byte chunk (8 for 16-bit
     types, 4 for float under TF32) and gy is 16-byte aligned, copies x to NHWC first and runs
     conv2d_nhwc.cu's kernel, whose im2col gathers are 16-byte cp.async chunks (1.3-1.8x
-    faster at the reference CNN's shapes, the copy included). DPTRAIN_NHWC_CONV=0 keeps
+    faster at the reference CNN's shapes, the copy included). Under fp32 its FFMA kernel
+    does the same for filters wider than 1x1 with C_in in whole chunks (gy gathered element
+    by element, so Ho*Wo and gy's alignment do not matter). DPTRAIN_NHWC_CONV=0 keeps
     conv2d.cu's NCHW gathers.
   * Forward and backward-data on Hopper (conv2d_wgmma.cu, wgmma with channels-last 16-byte
     gathers; DPTRAIN_WGMMA_CONV=0 turns it off, measured 6-8% faster in the CNN's step): the
@@ -92,6 +94,7 @@ TF32_BWDW_MIN_ROWS = 128
 DIRECT_MAX_K, DIRECT_MAX_M = 32, 128  # C_in*KH*KW; output channels (forward)
 _DIRECT_MG = {4: 8, 8: 4, 12: 4, 16: 4, 20: 2, 24: 2, 28: 2, 32: 2}  # KMAX -> channels/thread
 
+
 def _direct_kmax(k: int):
     """The direct kernels' tap count for K = C_in*KH*KW, or None where they do not apply."""
     if os.environ.get(DIRECT_ENV, "1") == "0" or not 0 < k <= DIRECT_MAX_K:
@@ -109,17 +112,21 @@ def _tensor_cores(dt) -> bool:
     return np.dtype(dt) in launch.HALVES or runtime.precision == "tf32"
 
 
+def _chunks_fit(dt, c: int, nb: int) -> bool:
+    """Whether c channels of a batch of nb gather as 16-byte chunks: c in whole chunks and
+    the NHWC copy (_to_nhwc) within its grid."""
+    return c % _chunk(dt) == 0 and nb <= launch.GRID_YZ_MAX and c <= 32 * launch.GRID_YZ_MAX
+
+
 def _channels_last(dt, c: int, nb: int) -> bool:
-    """Whether a channels-last kernel may gather c channels of a batch of nb: a tensor-core
-    precision, c in whole 16-byte chunks, and the NHWC copy (_to_nhwc) within its grid."""
-    return (_tensor_cores(dt) and c % _chunk(dt) == 0 and nb <= launch.GRID_YZ_MAX
-            and c <= 32 * launch.GRID_YZ_MAX)
+    """Whether a channels-last tensor-core kernel may gather c channels of a batch of nb."""
+    return _tensor_cores(dt) and _chunks_fit(dt, c, nb)
 
 
 def _nhwc(dt, c: int, nb: int) -> bool:
-    """Whether the channels-last backward-weight kernel may gather c input channels of a
-    batch of nb (DPTRAIN_NHWC_CONV not "0")."""
-    return os.environ.get(NHWC_ENV, "1") != "0" and _channels_last(dt, c, nb)
+    """Whether a channels-last backward-weight kernel (conv2d_nhwc.cu: one for tensor cores,
+    one for FFMA) may gather c input channels of a batch of nb (DPTRAIN_NHWC_CONV not "0")."""
+    return os.environ.get(NHWC_ENV, "1") != "0" and _chunks_fit(dt, c, nb)
 
 
 def _to_nhwc(shape, dt):
@@ -478,8 +485,11 @@ def _mma_kernel(m, npix, dt):
         smem = 3 * 4 * (tile_floats(bm, 32, True, 4) + tile_floats(128, 32, False, 8))
         name, ctype, block = "conv2d_tf32_kernel", "float", (128,)
     else:
-        smem = 3 * 4 * (tile_floats(bm, 16, False, 4) + tile_floats(128, 16, False, 4))
-        name, ctype, block = "conv2d_fp32_kernel", "float", (256,)
+        bn = 256 if bm < 128 else 128  # few channels: 256 pixels a tile (8-17% faster)
+        smem = 3 * 4 * (tile_floats(bm, 16, False, 4) + tile_floats(bn, 16, False, 4))
+        fn = launch.kernel(CONV, "conv2d_fp32_kernel", "float", str(bm),
+                           *((str(bn),) if bn != 128 else ()), smem=smem)
+        return "conv2d_fp32_kernel", fn, (-(-npix // bn), -(-m // bm)), (256,), smem
     fn = launch.kernel(CONV, name, ctype, str(bm), smem=smem)
     return name, fn, (-(-npix // 128), -(-m // bm)), block, smem
 
@@ -651,8 +661,12 @@ def _plan_backward_weight(x, gy, w_shape, stride, padding, cl=False):
     if -(-m // bm) > launch.GRID_YZ_MAX:
         raise ValueError(f"cuda.{f}: {m} output channels exceed the grid's limit")
     splits, chunk = split_k(-(-m // bm) * -(-ncol // bn), k, 512, 1024)
-    # The chunks of gy need 16-byte alignment (part of the plan's key).
-    nhwc = _nhwc(dt, cin, n) and (ho * wo) % _chunk(dt) == 0 and gy.data.ptr % 16 == 0
+    # The tensor-core kernel reads gy in 16-byte chunks too (their alignment is part of the
+    # plan's key); the FFMA one gathers it element by element, and only wider filters than
+    # 1x1 gain from the x copy (ResNet-18's at 48x48: 3x3 5-20% faster, 1x1 5-40% slower).
+    nhwc = _nhwc(dt, cin, n) and (
+        (ho * wo) % _chunk(dt) == 0 and gy.data.ptr % 16 == 0 if _tensor_cores(dt)
+        else kh * kw > 1)
     slab = ()  # the K slab's width where a kernel takes it
     if dt in launch.HALVES:
         smem = 3 * 2 * (tile_floats(bm, 32, True, 8) + tile_floats(bn, 32, True, 8))
@@ -667,11 +681,16 @@ def _plan_backward_weight(x, gy, w_shape, stride, padding, cl=False):
                                             + tile_floats(bn, bk, False, 4))
         name, slab = "conv2d_bwdw_fp32_kernel", (("16",) if bk == 16 else ())
     fn = launch.kernel(CONV, name, launch.ctype(dt), str(bm), str(bn), *slab, smem=smem)
-    if nhwc:
+    if nhwc and _tensor_cores(dt):
         pad = 8 if dt in launch.HALVES else 4
         smem_cl = 3 * dt.itemsize * (tile_floats(bm, 32, True, pad) + tile_floats(bn, 32, False, 8))
-        fn_cl = launch.kernel(NHWC, "conv2d_bwdw_nhwc_kernel", launch.ctype(dt), str(bm),
-                              str(bn), smem=smem_cl)
+        name_cl, slab_cl = "conv2d_bwdw_nhwc_kernel", ()
+    elif nhwc:  # 16-wide K slabs, 3 stages: as fast as 8-wide, 4 stages or up to 20% faster
+        smem_cl = 3 * 4 * (tile_floats(bm, 16, False, 4) + tile_floats(bn, 16, False, 4))
+        name_cl, slab_cl = "conv2d_bwdw_nhwc_fp32_kernel", ()
+    if nhwc:
+        fn_cl = launch.kernel(NHWC, name_cl, launch.ctype(dt), str(bm), str(bn), *slab_cl,
+                              smem=smem_cl)
         to_nhwc = _to_nhwc(x.shape, dt)
     grid = (-(-ncol // bn), -(-m // bm), splits)
     # BWDW_PARAMS after (x, gy, gw, ws): Nb Cout Cin H W Ho Wo KH KW sh sw ph pw splits kchunk.
@@ -691,7 +710,7 @@ def _plan_backward_weight(x, gy, w_shape, stride, padding, cl=False):
             reduce(ws, gw, gw)
         return gw
 
-    run.kernel = "conv2d_bwdw_nhwc_kernel" if nhwc else name
+    run.kernel = name_cl if nhwc else name
     return run
 
 
