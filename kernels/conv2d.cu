@@ -16,6 +16,10 @@
 //    GEMM view: M = channels of out, N = batch * out pixels, K = KH*KW*C ordered (kh, kw, c),
 //    so when C % BK == 0 a K slab is one filter tap and BK consecutive channels: the gather
 //    then costs one bounds check per slab and a pointer step per element.
+//    Strided backward-data in fp32 may run by phases (`mode` 2, conv_geom.cuh's Phase): grid
+//    z = (ry, rx), the output pixels (ry + sh*i, rx + sw*j) and only the taps that reach
+//    them, as conv2d_wgmma.cu does; the other kernels visit every tap and zero-fill those
+//    that do not divide.
 //    The launcher first copies the weight into that K order, wr[m][(kh*KW + kw)*C + c] (a
 //    small M x K matrix, by tiled transposes: transpose.cu), so the GEMM reads it as a dense,
 //    K-major operand with 16-byte copies (gathering it in place was the slowest part).
@@ -75,27 +79,29 @@
 
 // ----------------------------------------------------------------------------- forward / bwd-data
 
-// B operand: src[n, c, tap(p, kh, kw)] for GEMM column p = (n, oy, ox). Lanes run along p, so
-// a warp reads neighbouring pixels; each thread keeps its one column's (n, oy, ox).
+// B operand: src[n, c, tap(p, kh, kw)] for GEMM column p = (n, oy, ox) of the block's phase
+// (every pixel and tap but in mode 2). Lanes run along p, so a warp reads neighbouring
+// pixels; each thread keeps its one column's (n, oy, ox).
 template <class L, int THREADS>
 struct ConvSrcLoader {
   using Layout = L;
   using E = typename L::Elem;
   const E* src;
   ConvGeom g;
+  Phase phase;
   bool fast, pok;
   int col, oy, ox;
   long long nbase;
 
-  __device__ __forceinline__ ConvSrcLoader(const E* src_, const ConvGeom& g_, int n0,
-                                           bool fast_)
-      : src(src_), g(g_), fast(fast_) {
+  __device__ __forceinline__ ConvSrcLoader(const E* src_, const ConvGeom& g_, const Phase& f_,
+                                           int n0, bool fast_)
+      : src(src_), g(g_), phase(f_), fast(fast_) {
     col = threadIdx.x % L::kBMN;
-    const int hw = g.Ho * g.Wo, p = n0 + col;
-    pok = p < g.Nb * hw;
-    const int n = pok ? p / hw : 0, r = pok ? p - n * hw : 0;
-    oy = r / g.Wo;
-    ox = r - oy * g.Wo;
+    const int p = n0 + col;
+    pok = p < phase.npix;
+    int n = 0;
+    oy = ox = 0;
+    if (pok) phase.pixel(p, n, oy, ox);
     nbase = (long long)n * g.C * g.Hs * g.Ws;
   }
 
@@ -107,8 +113,9 @@ struct ConvSrcLoader {
   __device__ __forceinline__ void gather(int k0, int k_end, F&& f) const {
     const int r0 = threadIdx.x / L::kBMN, hws = g.Hs * g.Ws;
     if (fast) {
-      const int khw = k0 / g.C, c0 = k0 - khw * g.C, kh = khw / g.KW, kw = khw - kh * g.KW;
-      int iy = 0, ix = 0;
+      const int t = k0 / g.C, c0 = k0 - t * g.C;
+      int kh, kw, iy = 0, ix = 0;
+      phase.tap(t, kh, kw);
       const bool ok = pok && conv_tap(g, oy, ox, kh, kw, iy, ix);
       const E* base = ok ? src + nbase + (long long)(c0 + r0) * hws + iy * g.Ws + ix : src;
       const int step = ok ? ROWS * hws : 0;
@@ -121,8 +128,9 @@ struct ConvSrcLoader {
       bool ok = pok && k < k_end;
       const E* p = src;
       if (ok) {
-        const int khw = k / g.C, c = k - khw * g.C, kh = khw / g.KW, kw = khw - kh * g.KW;
-        int iy, ix;
+        const int t = k / g.C, c = k - t * g.C;
+        int kh, kw, iy, ix;
+        phase.tap(t, kh, kw);
         ok = conv_tap(g, oy, ox, kh, kw, iy, ix);
         if (ok) p = src + nbase + (long long)c * hws + iy * g.Ws + ix;
       }
@@ -148,21 +156,42 @@ struct ConvSrcLoader {
   __device__ __forceinline__ void put(E*, const Regs&) const {}
 };
 
-// out[n, m, p] for GEMM column q = n*Ho*Wo + p.
+// out[n, m, p] for GEMM column q, the phase's pixel (n, oy, ox).
 template <typename T>
 struct ConvOut {
   T* out;
   const T* bias;
-  int has_bias, M, hw, npix;
+  int has_bias, M, hw, Wo;
+  Phase f;
   __device__ __forceinline__ long long col_offset(int q) const {  // -1: past the end
-    if (q >= npix) return -1;
-    const int n = q / hw;
-    return (long long)n * M * hw + (q - n * hw);
+    if (q >= f.npix) return -1;
+    int n, oy, ox;
+    f.pixel(q, n, oy, ox);
+    return (long long)n * M * hw + oy * Wo + ox;
   }
   __device__ __forceinline__ void store(int m, long long coff, float v) const {
     if (m >= M || coff < 0) return;
     if (has_bias) v += as<float>(bias[m]);
     out[coff + (long long)m * hw] = as<T>(v);
+  }
+};
+
+// The weight operand of a phase: slab k0 of the phase's K is channels c0.. of its tap t, at
+// (kh*KW + kw)*C + c0 of wr's whole K. Every pixel and tap (modes 0 and 1): the same k. In
+// mode 2 a slab must not straddle two taps (the launcher asks C % BK == 0).
+template <class D>
+struct PhaseWeights {
+  using Layout = typename D::Layout;
+  using E = typename D::E;
+  D rows;
+  Phase f;
+  int C, KW;
+  __device__ __forceinline__ void load(E* s, int k0, int k_end) const {
+    const int t = k0 / C, c0 = k0 - t * C;
+    int kh, kw;
+    f.tap(t, kh, kw);
+    const int k = (kh * KW + kw) * C + c0;
+    rows.load(s, k, k + min(Layout::kBK, k_end - k0));
   }
 };
 
@@ -173,12 +202,13 @@ struct ConvOut {
 
 #define CONV_SETUP                                                                            \
   const ConvGeom g{Nb, M, C, Hs, Ws, Ho, Wo, KH, KW, sh, sw, ph, pw, mode};                   \
-  const int K = KH * KW * C, npix = Nb * Ho * Wo;                                             \
+  const Phase f(g, blockIdx.z);                                                               \
+  const int K = f.K, n0 = blockIdx.x * Cfg::BN, m0 = blockIdx.y * Cfg::BM;                    \
+  if (n0 >= f.npix) return; /* past this phase's pixels (the grid fits phase 0) */            \
   const bool fast = C % Cfg::BK == 0;                                                         \
-  const int m0 = blockIdx.y * Cfg::BM, n0 = blockIdx.x * Cfg::BN;                             \
-  const DenseLoader<LayA, true, Cfg::THREADS> la{wr, K, m0, M, vec_w != 0};                 \
-  const ConvSrcLoader<LayB, Cfg::THREADS> lb(src, g, n0, fast);                               \
-  const ConvOut<T> epi{out, bias, has_bias, M, Ho * Wo, npix};                                \
+  const DenseLoader<LayA, true, Cfg::THREADS> wrows{wr, KH * KW * C, m0, M, vec_w != 0};    \
+  const ConvSrcLoader<LayB, Cfg::THREADS> lb(src, g, f, n0, fast);                            \
+  const ConvOut<T> epi{out, bias, has_bias, M, Ho * Wo, Wo, f};                               \
   extern __shared__ float4 smem4[];                                                           \
   T* smem = reinterpret_cast<T*>(smem4);                                                      \
   check_smem(Cfg::STAGES * (LayA::kSize + LayB::kSize) * sizeof(T))
@@ -199,7 +229,7 @@ __global__ void __launch_bounds__(128, 2) conv2d_tf32_kernel(CONV_PARAMS) {
   CONV_SETUP;
 
   float acc[Cfg::MT][Cfg::NT][4];
-  mma_mainloop<Cfg>(acc, la, lb, smem, 0, K);
+  mma_mainloop<Cfg>(acc, wrows, lb, smem, 0, K);
 
   CONV_STORE(MmaCoords<Cfg>);
 }
@@ -213,7 +243,7 @@ __global__ void __launch_bounds__(128, 2) conv2d_b16_kernel(CONV_PARAMS) {
   CONV_SETUP;
 
   float acc[Cfg::MT][Cfg::NT][4];
-  mma16_mainloop<Cfg>(acc, la, lb, smem, 0, K);
+  mma16_mainloop<Cfg>(acc, wrows, lb, smem, 0, K);
 
   CONV_STORE(MmaCoords<Cfg>);
 }
@@ -227,6 +257,8 @@ __global__ void __launch_bounds__(256, 2) conv2d_fp32_kernel(CONV_PARAMS) {
   using LayA = TileLayout<BM, 16, false, 4>;  // wr transposed to [k][m] by 4-byte copies
   using LayB = TileLayout<BN, 16, false, 4>;
   CONV_SETUP;
+
+  const PhaseWeights<decltype(wrows)> la{wrows, f, C, KW};  // by phases in mode 2
 
   float acc[Cfg::TM][Cfg::TN];
   simt_mainloop<Cfg>(acc, la, lb, smem, 0, K);

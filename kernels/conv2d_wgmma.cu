@@ -67,34 +67,6 @@ namespace wgmma_conv {
 using namespace wgmma_tiles;
 constexpr int BM = 128;
 
-// A tile's phase: output pixels (ry + ps_h*i, rx + ps_w*j) and the taps (rkh + ps_h*t,
-// rkw + ps_w*u) that reach them (nkh x nkw of them); every pixel and tap unless mode 2.
-struct Phase {
-  int ry, rx, rkh, rkw, ps_h, ps_w, nkh, nkw, Wq, hq, npix, K;
-  __device__ __forceinline__ Phase(const ConvGeom& g, int z) {
-    const bool phased = g.mode == 2;
-    ps_h = phased ? g.sh : 1;
-    ps_w = phased ? g.sw : 1;
-    ry = z / ps_w;
-    rx = z - ry * ps_w;
-    rkh = phased ? (ry + g.ph) % g.sh : 0;
-    rkw = phased ? (rx + g.pw) % g.sw : 0;
-    nkh = rkh < g.KH ? (g.KH - rkh + ps_h - 1) / ps_h : 0;
-    nkw = rkw < g.KW ? (g.KW - rkw + ps_w - 1) / ps_w : 0;
-    Wq = (g.Wo - rx + ps_w - 1) / ps_w;
-    hq = ((g.Ho - ry + ps_h - 1) / ps_h) * Wq;
-    npix = g.Nb * hq;
-    K = nkh * nkw * g.C;
-  }
-  // Image n and output pixel (oy, ox) of the phase's pixel q.
-  __device__ __forceinline__ void pixel(int q, int& n, int& oy, int& ox) const {
-    n = q / hq;
-    const int p = q - n * hq, qy = p / Wq;
-    oy = ry + ps_h * qy;
-    ox = rx + ps_w * (p - qy * Wq);
-  }
-};
-
 // The im2col gather of one BM x BN tile's slabs, as one of 256 threads' share: 16-byte
 // chunk lc of pixel rows lrow + 32j (j < ROWS) and of weight rows lrow + 32j (j < BROWS).
 // Pixel rows' coordinates are worked out once a tile; each row's source pointer once per

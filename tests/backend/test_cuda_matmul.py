@@ -160,6 +160,11 @@ CONV = [  # n, c_in, h, w, c_out, (kh, kw), stride, padding
     (2, 6, 9, 7, 5, (3, 1), (2, 1), (1, 0)),  # non-square kernel, stride and padding
     (2, 8, 10, 9, 16, (2, 3), (1, 2), (0, 2)),  # even kernel
     (4, 32, 24, 24, 64, (3, 3), (1, 1), (1, 1)),  # a reference-CNN layer, smaller batch
+    # strided with C_out % 16 == 0: fp32 backward-data by phases (conv2d.cu's mode 2)
+    (2, 16, 12, 12, 32, (3, 3), (2, 2), (1, 1)),  # a ResNet stage's first convolution
+    (2, 16, 11, 9, 16, (3, 3), (2, 2), (1, 1)),  # odd sizes: phases of unequal pixel counts
+    (2, 8, 13, 10, 16, (5, 5), (3, 3), (2, 2)),  # 9 phases of 1 to 4 taps
+    (2, 4, 10, 10, 16, (2, 2), (3, 3), (0, 0)),  # phases no tap reaches: zeros
     # C_in*KH*KW <= 32: conv2d_direct.cu (forward up to 128 output channels)
     (24, 1, 48, 48, 32, (3, 3), (1, 1), (1, 1)),  # the reference CNN's first layer
     (2, 3, 9, 7, 130, (3, 3), (1, 1), (1, 1)),  # forward: implicit GEMM; weight grad: direct
@@ -212,6 +217,26 @@ def test_conv2d_backward_weight(cm, prec, case):
     out = nan_like(wt.shape)
     check(cm.conv2d_backward_weight(cp.asarray(x), cp.asarray(gy), wt.shape, stride, padding,
                                     out=out), ref, prec)
+
+
+def test_fp32_strided_backward_data_runs_by_phases(cm):
+    """Under fp32, strided backward-data of a filter wider than 1x1 over channels in whole
+    16-wide slabs runs one grid z per phase; 1x1 filters, stride 1 and other channel counts
+    visit every tap (a grid of one)."""
+    from dptrain.backend.cuda import conv2d
+
+    def phases(case):
+        x, wt, gy, stride, padding = _conv_setup(case)
+        return conv2d._backward_data(cp.asarray(gy), cp.asarray(wt), x.shape, stride,
+                                     padding).phases
+
+    with cm.runtime.precision_scope("fp32"):
+        assert phases((2, 16, 12, 12, 32, (3, 3), (2, 2), (1, 1))) == 4
+        assert phases((2, 8, 13, 10, 16, (5, 5), (3, 3), (2, 2))) == 9
+        assert phases((2, 8, 10, 9, 16, (2, 3), (1, 2), (0, 2))) == 2
+        assert phases((2, 16, 12, 12, 32, (1, 1), (2, 2), (0, 0))) == 1
+        assert phases((2, 16, 12, 12, 32, (3, 3), (1, 1), (1, 1))) == 1
+        assert phases((2, 16, 12, 12, 24, (3, 3), (2, 2), (1, 1))) == 1
 
 
 def test_conv2d_backward_weight_bitwise_repeatable(cm, prec):

@@ -340,8 +340,12 @@ def _plan_implicit(fn_name, mode, out_shape, m, c, hs, ws, ho, wo, kh, kw, strid
         else:
             kept = "x"
     else:
-        name, fn, grid, block, smem = _mma_kernel(m, npix, dt)
-        tail = geom + (i32(k % _chunk(dt) == 0), i32(mode))  # + vec_w
+        phased = _ffma_phased(mode, stride, kh * kw, c, dt)  # grid x fits phase (0, 0)
+        phases = stride[0] * stride[1] if phased else 1
+        first = nb * -(-ho // stride[0]) * -(-wo // stride[1]) if phased else npix
+        name, fn, grid, block, smem = _mma_kernel(m, first, dt)
+        grid = grid + (phases,)
+        tail = geom + (i32(k % _chunk(dt) == 0), i32(2 if phased else mode))  # + vec_w
         to_nhwc = kept = None
     slab = 128 // np.dtype(dt).itemsize  # a 128-byte row of K
 
@@ -367,9 +371,18 @@ def _plan_implicit(fn_name, mode, out_shape, m, c, hs, ws, ho, wo, kh, kw, strid
         return y
 
     run.kernel = name
+    run.phases = phases  # grid z: strided backward-data by phases, else 1
     run.stat_tiles = stat_tiles  # the pixel tiles whose statistics `stats=` takes, or None
     run.tma_store = tma_store  # its tiles leave by TMA stores (where y is 16-byte aligned)
     return run
+
+
+def _ffma_phased(mode, stride, taps: int, c: int, dt) -> bool:
+    """Whether conv2d.cu's FFMA kernel runs a backward-data pass by phases (mode 2): strided,
+    a filter wider than 1x1, and c summed channels in whole 16-wide K slabs (a slab one tap).
+    The other conv2d.cu kernels zero-fill the taps that do not divide."""
+    return (mode == 1 and tuple(stride) != (1, 1) and taps > 1 and c % 16 == 0
+            and not _tensor_cores(dt))
 
 
 def _epilogue_stats(dt) -> bool:
