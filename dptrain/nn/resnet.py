@@ -9,12 +9,15 @@ The state_dict names are torchvision's (``conv1.weight``, ``bn1.running_mean``,
 ``layer1.0.conv1.weight``, ..., ``layer2.0.downsample.0.weight``, ``fc.weight``); only
 ``conv1``'s shape depends on the stem and the input channels.
 
-Activations are channels-last inside (``channels_last=True``, the default, as PyTorch's
-``memory_format=torch.channels_last``): the NCHW input is turned (N, H, W, C) once, every
-convolution, batch norm and pooling works on that layout, and the global pooling hands
-(N, C) features to ``fc``. The GPU's convolution kernels read and write it as it is, so no
-layer copies its activations between layouts. Weights, state_dict and results (to rounding)
-are those of the NCHW network.
+Activations are channels-last inside where the backend's convolutions read and write that
+layout as it lies (``channels_last="auto"``, the default: the GPU's wgmma kernels, 16-bit or
+TF32, as PyTorch's ``memory_format=torch.channels_last``): the NCHW input is turned
+(N, H, W, C) once, every convolution, batch norm and pooling works on that layout, and the
+global pooling hands (N, C) features to ``fc``. Elsewhere (fp32, the CPU, GPUs without
+wgmma) a channels-last convolution would copy its activations to NCHW and back, so "auto"
+keeps NCHW, decided at each forward from the input's dtype and the backend
+(``conv2d_channels_last_native``). ``True`` or ``False`` fixes the layout. Weights,
+state_dict and results (to rounding) are those of the NCHW network either way.
 """
 from __future__ import annotations
 
@@ -69,7 +72,7 @@ class BasicBlock(Module):
 
 class ResNet(Module):
     def __init__(self, image_shape, num_classes, blocks=(2, 2, 2, 2),
-                 widths=(64, 128, 256, 512), channels_last=True):
+                 widths=(64, 128, 256, 512), channels_last="auto"):
         super().__init__()
         channels, height, width = image_shape
         self.small_stem = max(height, width) <= SMALL_IMAGE_MAX
@@ -89,13 +92,23 @@ class ResNet(Module):
         self.stages = len(blocks)
         self.avgpool = AdaptiveAvgPool2d(1)
         self.fc = Linear(in_channels, num_classes)
-        self.channels_last = bool(channels_last)
-        for m in self.modules():  # the spatial layers (fc sees the pooled (N, C) alike)
-            if isinstance(m, (Conv2d, BatchNorm2d, MaxPool2d, AdaptiveAvgPool2d)):
-                m.channels_last = self.channels_last
+        if channels_last not in (True, False, "auto"):
+            raise ValueError(f"resnet18: channels_last must be True, False or 'auto', got "
+                             f"{channels_last!r}")
+        self.channels_last = channels_last
+
+    def layout(self, x) -> bool:
+        """Whether this forward of x runs channels-last (see the module docstring)."""
+        if self.channels_last == "auto":
+            return bool(x.be.conv2d_channels_last_native(x.dtype))
+        return self.channels_last
 
     def forward(self, x):
-        if self.channels_last:
+        cl = self.layout(x)
+        for m in self.modules():  # the spatial layers (fc sees the pooled (N, C) alike)
+            if isinstance(m, (Conv2d, BatchNorm2d, MaxPool2d, AdaptiveAvgPool2d)):
+                m.channels_last = cl
+        if cl:
             x = F.to_channels_last(x)
         x = conv_batch_norm(self.conv1, self.bn1, x, relu=True)
         if self.maxpool is not None:
@@ -106,9 +119,10 @@ class ResNet(Module):
 
 
 def resnet18(image_shape=(3, 32, 32), num_classes=10, widths=(64, 128, 256, 512),
-             channels_last=True):
+             channels_last="auto"):
     """ResNet-18 (torchvision's names and layouts); `widths` other than the default are for
-    quick tests only; ``channels_last=False`` keeps NCHW activations."""
+    quick tests only; ``channels_last``: "auto" (channels-last activations where the
+    backend's convolutions run them without copies), True or False."""
     if len(image_shape) != 3 or min(image_shape) < 1:
         raise ValueError(f"resnet18: image shape must be (C, H, W), got {tuple(image_shape)}")
     return ResNet(tuple(int(v) for v in image_shape), num_classes, (2, 2, 2, 2), tuple(widths),

@@ -349,3 +349,28 @@ def test_channels_last_checks_its_shapes(cu):
     gy = cu.asarray(np.zeros((2, 32, 8, 8), np.float32))  # NCHW gy for a channels-last pass
     with pytest.raises(ValueError, match="gy has shape"):
         cu.conv2d_backward_data(gy, w, x.shape, (1, 1), (1, 1), channels_last=True)
+
+
+def test_channels_last_native_where_wgmma_runs(cu, monkeypatch):
+    """The wgmma kernels read channels-last activations as they lie: 16-bit, or float32
+    under TF32; under fp32 or with DPTRAIN_WGMMA_CONV=0 a channels-last pass copies, and a
+    ResNet of channels_last="auto" then runs NCHW (both layouts: the same loss to rounding)."""
+    from dptrain import nn
+    from dptrain.engine import functional as F
+    from dptrain.engine.autograd import Tensor
+
+    f32, f16 = np.dtype(np.float32), np.dtype(np.float16)
+    assert cu.conv2d_channels_last_native(f32) and cu.conv2d_channels_last_native(f16)
+    x = np.random.default_rng(0).standard_normal((2, 1, 12, 12)).astype(np.float32)
+    model = nn.resnet18((1, 12, 12), 3, widths=(16, 16, 16, 16)).to("cuda")
+    losses = {}
+    for prec in ("tf32", "fp32"):
+        with cu.runtime.precision_scope(prec):
+            assert cu.conv2d_channels_last_native(f32) == (prec == "tf32")
+            assert cu.conv2d_channels_last_native(f16)  # 16-bit whatever the precision
+            xt = Tensor(cu.asarray(x))
+            assert model.layout(xt) == (prec == "tf32")
+            losses[prec] = float(F.cross_entropy(model(xt), np.array([0, 2])).numpy())
+    assert abs(losses["tf32"] - losses["fp32"]) <= 1e-2 * abs(losses["fp32"])
+    monkeypatch.setenv(conv2d.WGMMA_CONV_ENV, "0")
+    assert not cu.conv2d_channels_last_native(f16)

@@ -58,6 +58,30 @@ def test_resnet18_structure():
     assert y.shape == (1, 1000)
 
 
+def test_resnet18_layout_auto_true_false():
+    """channels_last="auto" (the default) keeps NCHW on the CPU, whose convolutions would copy
+    channels-last activations; True and False fix the layout, with the same loss and
+    gradients to rounding from the same weights."""
+    x = np.random.default_rng(0).standard_normal((2, 1, 12, 12)).astype(np.float32)
+    models = {cl: nn.resnet18((1, 12, 12), 3, widths=(8, 8, 16, 16), channels_last=cl)
+              for cl in ("auto", True, False)}
+    assert not models["auto"].layout(dp.tensor(x))
+    for cl in (True, False):
+        models[cl].load_state_dict(models["auto"].state_dict())
+    results = {}
+    for cl, model in models.items():
+        loss = dp.functional.cross_entropy(model(dp.tensor(x)), np.array([0, 2]))
+        loss.backward()
+        results[cl] = (loss.numpy(), model.conv1.weight.grad.numpy())
+        spatial = [m.channels_last for m in model.modules() if isinstance(m, nn.Conv2d)]
+        assert spatial == [cl is True] * len(spatial)  # what this forward ran
+    for cl in (True, False):
+        for got, ref in zip(results[cl], results["auto"]):
+            np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="channels_last must be True, False or 'auto'"):
+        nn.resnet18((1, 12, 12), 3, channels_last="yes")
+
+
 def _train_losses(model, dataset, steps, batch, opt_cls, lr, seed=0, fixed=False):
     """Losses of `steps` captured training steps (the TrainStep the trainer runs), on random
     batches, or on one batch throughout when `fixed`."""

@@ -79,6 +79,13 @@ def _layout(y, channels_last):
     return np.ascontiguousarray(y.transpose(0, 2, 3, 1)) if channels_last else y
 
 
+@op
+def conv2d_channels_last_native(dtype) -> bool:
+    """Whether the convolutions read and write channels-last activations of `dtype` as they
+    lie. Never here: they compute through NCHW views and copy their results back."""
+    return False
+
+
 @op(fp32_math=True)
 def conv2d_forward(x, w, b, stride, padding, *, channels_last=False, workspace=None):
     """Cross-correlation of NCHW x with w (C_out, C_in, kH, kW), plus b (or None); x and the
