@@ -248,7 +248,7 @@ __global__ void __launch_bounds__(128, 2) conv2d_b16_kernel(CONV_PARAMS) {
   CONV_STORE(MmaCoords<Cfg>);
 }
 
-// BK 16, 3 stages: 7-20% faster than BK 8, 4 stages. BN 256 for few channels (BM 32 or 64):
+// BK 16, 3 stages: 4-19% faster than BK 8, 4 stages. BN 256 for few channels (BM 32 or 64):
 // threads as 8 x 32 keep 4 x 8 or 8 x 8 outputs each, as many as a 128 x 128 tile's.
 template <typename T, int BM, int BN = 128>
 __global__ void __launch_bounds__(256, 2) conv2d_fp32_kernel(CONV_PARAMS) {
@@ -368,8 +368,9 @@ __global__ void __launch_bounds__(256, 2) conv2d_bwdw_b16_kernel(BWDW_PARAMS) {
   BWDW_STORE(MmaCoords<Cfg>);
 }
 
-// BK 16 (3 stages) or 8 (4 stages): 16 measured 3-12% faster with 32- or 64-row tiles,
-// 3-6% slower with 128 (its 16 lanes along k store with 2-way bank conflicts).
+// BK 16 (3 stages) or 8 (4 stages): 16 measured 12% faster with 64-row tiles (both shapes
+// tried) and up to 6% slower with 128 (7 of 10 shapes; likely its 16 lanes along k storing
+// with 2-way bank conflicts, not profiled).
 template <typename T, int BM, int BN, int BK = 8>
 __global__ void __launch_bounds__(256, 2) conv2d_bwdw_fp32_kernel(BWDW_PARAMS) {
   static_assert(sizeof(T) == 4, "float only for now");

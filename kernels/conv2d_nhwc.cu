@@ -178,7 +178,7 @@ __global__ void __launch_bounds__(256, 2) conv2d_bwdw_nhwc_kernel(BWDW_NHWC_PARA
 template <typename T, int BM, int BN>
 __global__ void __launch_bounds__(256, 2) conv2d_bwdw_nhwc_fp32_kernel(BWDW_NHWC_PARAMS) {
   static_assert(sizeof(T) == 4, "float");
-  constexpr int BK = 16;  // 3 stages: as fast as BK 8 with 4, or up to 20% faster
+  constexpr int BK = 16;  // 3 stages: within 2% of BK 8 with 4 at 128 rows, 20% faster at 64
   using Cfg = SimtCfg<BM, BN, BK, 3>;
   using LayA = TileLayout<BM, BK, false, 4>;
   using LayB = TileLayout<BN, BK, false, 4>;

@@ -25,8 +25,6 @@
 #include "common.cuh"
 #include "gemm_tiles.cuh"
 
-constexpr int THIN = 16;  // the small dimension, at most
-
 // Element offsets are int: the launcher takes products of at most 2^21 multiply-adds, so no
 // operand holds 2^31 elements (64-bit address arithmetic doubled these kernels' instructions).
 #define THIN_PARAMS                                                                      \
@@ -34,8 +32,8 @@ constexpr int THIN = 16;  // the small dimension, at most
       int M, int N, int K, int sam, int sak, int sbk, int sbn, int ldc, float beta,     \
       int bias_mode
 
-// K <= THIN: a thread per output, consecutive threads along n (B's rows and C's rows are
-// read and written along n), the few products in k order.
+// K <= THIN (gemm.py's, 16): a thread per output, consecutive threads along n (B's rows and
+// C's rows are read and written along n), the few products in k order.
 template <typename T>
 __global__ void __launch_bounds__(256) gemm_thin_k_kernel(THIN_PARAMS) {
   GRID_STRIDE_32(i, M * N) {

@@ -50,9 +50,10 @@ __global__ void nonfinite_flag_kernel(T* flag, const T* x, long long n) {
 
 // ----------------------------------------------------------------------------- the guard's step
 // dptrain/run/nonfinite.py's checks and decision in two kernels around the flags' all-reduce
-// (it took up to nine launches). fp16 mixed precision (dptrain/run/amp.py) scales the loss,
-// so small gradients stay representable in 16 bits; these kernels undo the scale on the
-// gradient and adapt it, reading only device values (the step stays capturable).
+// (it took up to eleven launches with one gradient segment). fp16 mixed precision
+// (dptrain/run/amp.py) scales the loss, so small gradients stay representable in 16 bits;
+// these kernels undo the scale on the gradient and adapt it, reading only device values (the
+// step stays capturable).
 
 // Before the all-reduce: flag as nonfinite_flag_kernel's over x as it is (the scaled
 // gradient: dividing by a scale under 1 could overflow a finite value), then x /= scale[0]

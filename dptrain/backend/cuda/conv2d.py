@@ -509,7 +509,7 @@ def _mma_kernel(m, npix, dt):
         smem = 3 * 4 * (tile_floats(bm, 32, True, 4) + tile_floats(128, 32, False, 8))
         name, ctype, block = "conv2d_tf32_kernel", "float", (128,)
     else:
-        bn = 256 if bm < 128 else 128  # few channels: 256 pixels a tile (8-17% faster)
+        bn = 256 if bm < 128 else 128  # few channels: 256 pixels a tile (9-20% faster at 6 of 7 shapes)
         smem = 3 * 4 * (tile_floats(bm, 16, False, 4) + tile_floats(bn, 16, False, 4))
         fn = launch.kernel(CONV, "conv2d_fp32_kernel", "float", str(bm),
                            *((str(bn),) if bn != 128 else ()), smem=smem)
@@ -687,7 +687,8 @@ def _plan_backward_weight(x, gy, w_shape, stride, padding, cl=False):
     splits, chunk = split_k(-(-m // bm) * -(-ncol // bn), k, 512, 1024)
     # The tensor-core kernel reads gy in 16-byte chunks too (their alignment is part of the
     # plan's key); the FFMA one gathers it element by element, and only wider filters than
-    # 1x1 gain from the x copy (ResNet-18's at 48x48: 3x3 5-20% faster, 1x1 5-40% slower).
+    # 1x1 gain from the x copy (3x3: 4-20% faster at 8 of 9 ResNet-18 and CNN shapes; 1x1
+    # stride 2: 5-40% slower).
     nhwc = _nhwc(dt, cin, n) and (
         (ho * wo) % _chunk(dt) == 0 and gy.data.ptr % 16 == 0 if _tensor_cores(dt)
         else kh * kw > 1)
@@ -709,7 +710,7 @@ def _plan_backward_weight(x, gy, w_shape, stride, padding, cl=False):
         pad = 8 if dt in launch.HALVES else 4
         smem_cl = 3 * dt.itemsize * (tile_floats(bm, 32, True, pad) + tile_floats(bn, 32, False, 8))
         name_cl, slab_cl = "conv2d_bwdw_nhwc_kernel", ()
-    elif nhwc:  # 16-wide K slabs, 3 stages: as fast as 8-wide, 4 stages or up to 20% faster
+    elif nhwc:  # 16-wide K slabs, 3 stages (8-wide, 4: within 2% at 128 rows, 20% slower at 64)
         smem_cl = 3 * 4 * (tile_floats(bm, 16, False, 4) + tile_floats(bn, 16, False, 4))
         name_cl, slab_cl = "conv2d_bwdw_nhwc_fp32_kernel", ()
     if nhwc:
