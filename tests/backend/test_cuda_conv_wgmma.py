@@ -353,11 +353,15 @@ def test_channels_last_checks_its_shapes(cu):
 
 def test_channels_last_native_where_wgmma_runs(cu, monkeypatch):
     """The wgmma kernels read channels-last activations as they lie: 16-bit, or float32
-    under TF32; under fp32 or with DPTRAIN_WGMMA_CONV=0 a channels-last pass copies, and a
-    ResNet of channels_last="auto" then runs NCHW (both layouts: the same loss to rounding)."""
+    under TF32; under fp32 with FFMA convolutions (3xTF32 off: test_cuda_conv_tf32x3.py) or
+    with DPTRAIN_WGMMA_CONV=0 a channels-last pass copies, and a ResNet of
+    channels_last="auto" then runs NCHW (both layouts: the same loss to rounding)."""
     from dptrain import nn
+    from dptrain.backend.cuda import tf32x3
     from dptrain.engine import functional as F
     from dptrain.engine.autograd import Tensor
+
+    monkeypatch.setenv(tf32x3.ENV, "0")
 
     f32, f16 = np.dtype(np.float32), np.dtype(np.float16)
     assert cu.conv2d_channels_last_native(f32) and cu.conv2d_channels_last_native(f16)

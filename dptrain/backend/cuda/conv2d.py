@@ -29,10 +29,16 @@ Conventions (the .cu file's header has the kernel side):
     C_in*KH*KW >= 128 (DPTRAIN_WGMMA_BWDW_TF32: "0" never, "1" always): x and gy are copied
     to NHWC, and C_in and C_out must come in whole 16-byte chunks; its split of the pixels
     over grid z is chosen by a cost model of waves, slabs and the reduce (_bwdw_wgmma_splits).
+  * fp32 channels-last passes on Hopper run as 3xTF32 (tf32x3.py: the operands split into
+    TF32 parts, K tripled, then the TF32 wgmma plan), where a TF32 wgmma kernel takes the
+    tripled pass, and for backward-weight where C_out and C_in*KH*KW fill 128-wide tiles
+    (X3_BWDW_MIN). ResNet-18's fp32 step: 75.5 ms on FFMA, 43.1 this way (H200).
+    DPTRAIN_FP32_TF32X3=0 keeps FFMA.
   * `channels_last=True`: activations (x, y, gy, gx) are (N, H, W, C). The wgmma kernels read
     and write them as they are (no copies: their sources are channels-last anyway and their
-    epilogue stores channel pairs), and so does 16-bit / TF32 backward-weight on wgmma; every
-    other pass copies its activations to NCHW and its output back (_via_nchw).
+    epilogue stores channel pairs), and so does 16-bit / TF32 backward-weight on wgmma; the
+    FFMA backward-weight of conv2d_nhwc.cu copies gy only (_x_as_it_lies); every other pass
+    copies its activations to NCHW and its output back (_via_nchw).
   * conv2d_forward_stats: a bias-free forward plus its output's batch statistics for the batch
     norm that follows; the TMA-fed kernel sums them in its epilogue where _epilogue_stats
     says (per-tile sums merged by norm.batch_norm_tile_stats), else batch_norm_stats reads y.
@@ -53,7 +59,7 @@ import os
 
 import numpy as np
 
-from dptrain.backend.cuda import launch, tma
+from dptrain.backend.cuda import launch, tf32x3, tma
 from dptrain.backend.cuda.arrays import fill_
 from dptrain.backend.cuda.gemm import (operand_dtype, output, plan, reducer, sig, split_k,
                                        tile_floats, wgmma_available, wgmma_smem)
@@ -61,7 +67,7 @@ from dptrain.backend.cuda.launch import i32
 from dptrain.backend.cuda.norm import batch_norm_stats, batch_norm_tile_stats
 from dptrain.backend.cuda.runtime import runtime
 from dptrain.backend.cuda.transpose import strided_copy, transposer
-from dptrain.backend.cuda.workspace import keep, take
+from dptrain.backend.cuda.workspace import Workspace, keep, take
 from dptrain.backend.registry import op
 
 CONV = "conv2d.cu"
@@ -91,6 +97,10 @@ WGMMA_BWDW_ENV = "DPTRAIN_WGMMA_BWDW"  # "0": 16-bit backward-weight keeps conv2
 # shape it takes, "0": none
 WGMMA_BWDW_TF32_ENV = "DPTRAIN_WGMMA_BWDW_TF32"
 TF32_BWDW_MIN_ROWS = 128
+# fp32 backward-weight as 3xTF32 (tf32x3.py) where C_out and C_in*KH*KW both fill the TF32
+# kernel's 128-wide tiles; with 64 output channels FFMA was faster (ResNet-18's layer1:
+# 1.73 against 2.13 ms, H200)
+X3_BWDW_MIN = 128
 DIRECT_MAX_K, DIRECT_MAX_M = 32, 128  # C_in*KH*KW; output channels (forward)
 _DIRECT_MG = {4: 8, 8: 4, 12: 4, 16: 4, 20: 2, 24: 2, 28: 2, 32: 2}  # KMAX -> channels/thread
 
@@ -410,12 +420,14 @@ def _weight_reorder(mode, m, c, khw, dt):
 @op
 def conv2d_channels_last_native(dtype) -> bool:
     """Whether the convolutions read and write channels-last activations of `dtype` as they
-    lie under the current precision: the wgmma kernels' (Hopper, 16-bit or TF32, switched
-    on). Elsewhere a channels-last pass copies its activations to NCHW and back (_via_nchw),
-    and NCHW activations run faster (ResNet-18 in fp32: 75.5 against 81.4 ms a step)."""
+    lie under the current precision: the wgmma kernels' (Hopper, 16-bit, TF32, or fp32 as
+    3xTF32; switched on). Elsewhere a channels-last pass copies its activations to NCHW and
+    back (_via_nchw), and NCHW activations run faster (ResNet-18 with FFMA fp32
+    convolutions: 75.5 against 81.4 ms a step)."""
     dt = np.dtype(dtype)
     return (os.environ.get(WGMMA_CONV_ENV, "1") != "0" and wgmma_available()
-            and (dt in launch.HALVES or dt == np.float32) and _tensor_cores(dt))
+            and (dt in launch.HALVES or dt == np.float32)
+            and (_tensor_cores(dt) or tf32x3.enabled(dt)))
 
 
 def _wgmma_conv(dt, c: int, nb: int, npix: int, m: int) -> bool:
@@ -548,7 +560,15 @@ def _plan_forward(x, w, b, stride, padding, cl=False):
             raise ValueError(f"cuda.{f}: b has shape {b.shape}, expected ({cout},)")
     ho, wo = _out_size(f, h, kh, sh, ph, "H"), _out_size(f, wd, kw, sw, pw, "W")
     kmax = _direct_kmax(cin * kh * kw)
-    if kmax and cout <= DIRECT_MAX_M:
+    direct = kmax and cout <= DIRECT_MAX_M
+    if cl and not direct and tf32x3.enabled(dt):  # x's channels and w's C_in tripled
+        run = _x3(lambda: _plan_implicit(f, 0, (n, cout, ho, wo), cout, 3 * c, h, wd, ho, wo,
+                                         kh, kw, (sh, sw), (ph, pw), dt, cl=True),
+                  lambda: {0: tf32x3.splitter(w.shape, 1, tf32x3.SECOND),
+                           1: tf32x3.splitter(x.shape, 3, tf32x3.FIRST)})
+        if run:
+            return run
+    if direct:
         run = _plan_direct_forward((n, c, h, wd), w.shape, ho, wo, (sh, sw), (ph, pw), kmax, dt)
         return _via_nchw(run, f, {1: (n, c, h, wd)}, (n, cout, ho, wo), dt) if cl else run
     return _implicit_in_layout(
@@ -566,6 +586,25 @@ def _implicit_in_layout(implicit, cl, f, src_shape, out_shape, dt):
         return run
     run = implicit(False)
     return _via_nchw(run, f, {1: src_shape}, out_shape, dt) if cl else run
+
+
+def _x3(inner, splitters):
+    """A 3xTF32 plan (tf32x3.py) of an fp32 pass, or None where no TF32 wgmma kernel takes
+    it: the arguments at the positions of splitters() (position -> splitter) split into TF32
+    parts, then the plan inner() makes under TF32 (None where it does not apply) run on them.
+    The parts are new arrays: the workspace's copies are not the inner plan's operands."""
+    with runtime.precision_scope("tf32"):  # the launchers read it while planning only
+        run = inner()
+    if not run:
+        return None
+    splits = splitters()
+
+    def run_x3(*args):  # the plan's inputs, then out and workspace
+        *ins, out, _ = args
+        return run(*(splits[i](a) if i in splits else a for i, a in enumerate(ins)), out, None)
+
+    run_x3.kernel = "3xtf32 " + run.kernel
+    return run_x3
 
 
 @op
@@ -616,6 +655,13 @@ def _plan_backward_data(gy, w, x_shape, stride, padding, cl=False):
     gy_shape = (n, ho, wo, cout) if cl else (n, cout, ho, wo)
     if gy.shape != gy_shape:
         raise ValueError(f"cuda.{f}: gy has shape {gy.shape}, expected {gy_shape}")
+    if cl and tf32x3.enabled(dt):  # gy's channels and w's C_out tripled
+        run = _x3(lambda: _plan_implicit(f, 1, (n, c, h, wd), c, 3 * cout, ho, wo, h, wd, kh,
+                                         kw, (sh, sw), (ph, pw), dt, cl=True),
+                  lambda: {0: tf32x3.splitter(w.shape, 0, tf32x3.SECOND),
+                           1: tf32x3.splitter(gy.shape, 3, tf32x3.FIRST)})
+        if run:
+            return run
     return _implicit_in_layout(
         lambda cl: _plan_implicit(f, 1, (n, c, h, wd), c, cout, ho, wo, h, wd, kh, kw,
                                   (sh, sw), (ph, pw), dt, cl),
@@ -661,6 +707,15 @@ def _plan_backward_weight(x, gy, w_shape, stride, padding, cl=False):
     gy_shape = (n, ho, wo, cout) if cl else (n, cout, ho, wo)
     if gy.shape != gy_shape:
         raise ValueError(f"cuda.{f}: gy has shape {gy.shape}, expected {gy_shape}")
+    if (cl and tf32x3.enabled(dt) and not _direct_kmax(cin * kh * kw)
+            and min(cout, cin * kh * kw) >= X3_BWDW_MIN):  # the batch tripled
+        run = _x3(lambda: _wgmma_bwdw(dt, cin, cout, 3 * n, cin * kh * kw)
+                  and _plan_wgmma_backward_weight((3 * n, c, h, wd), (cout, cin, kh, kw), ho, wo,
+                                                  (sh, sw), (ph, pw), dt, cl=True),
+                  lambda: {0: tf32x3.splitter(x.shape, 0, tf32x3.FIRST),
+                           1: tf32x3.splitter(gy.shape, 0, tf32x3.SECOND)})
+        if run:
+            return run
     if cl:
         if (_wgmma_bwdw(dt, cin, cout, n, cin * kh * kw) and not _direct_kmax(cin * kh * kw)
                 and x.data.ptr % 16 == 0 and gy.data.ptr % 16 == 0):
@@ -669,6 +724,8 @@ def _plan_backward_weight(x, gy, w_shape, stride, padding, cl=False):
         # the NCHW plan, for operands as their copies will be (new, so 16-byte aligned)
         xn, gyn = launch.new((n, c, h, wd), dt), launch.new((n, cout, ho, wo), dt)
         run = _plan_backward_weight(xn, gyn, w_shape, stride, padding)
+        if run.kernel == "conv2d_bwdw_nhwc_fp32_kernel":  # reads x channels-last: as it lies
+            return _x_as_it_lies(run, _to_nchw((n, cout, ho, wo), dt))
         return _via_nchw(run, f, {0: (n, c, h, wd), 1: (n, cout, ho, wo)}, None, dt)
     out_shape = (cout, cin, kh, kw)
     m, ncol, k = cout, cin * kh * kw, n * ho * wo
@@ -737,6 +794,20 @@ def _plan_backward_weight(x, gy, w_shape, stride, padding, cl=False):
 
     run.kernel = name_cl if nhwc else name
     return run
+
+
+def _x_as_it_lies(run, gy_to_nchw):
+    """A channels-last backward-weight plan from the NCHW plan `run` of an FFMA kernel that
+    reads x's channels-last copy (conv2d_bwdw_nhwc_fp32_kernel): handed a workspace that
+    holds x itself as that copy, and gy copied to NCHW. (x -> NCHW -> NHWC, as _via_nchw
+    copies it, made ResNet-18's layer1 pass 1.93 ms where this takes 1.73, H200.)"""
+    def run_cl(x, gy, out, workspace=None):
+        kept = Workspace()
+        kept.keep("x", x, x)
+        return run(x, gy_to_nchw(gy), out, kept)
+
+    run_cl.kernel = run.kernel
+    return run_cl
 
 
 def _wgmma_bwdw(dt, cin: int, cout: int, nb: int, rows: int) -> bool:

@@ -1,0 +1,52 @@
+// tf32x3.cu: float32 operands split into TF32 parts, so that TF32 tensor cores compute a
+// float32 product ("3xTF32"). Launcher: dptrain/backend/cuda/tf32x3.py.
+//
+// Conventions
+//  * a = hi + lo + r with hi = tf32(a), lo = tf32(a - hi), both rounded to nearest (ties
+//    away, cvt.rna.tf32.f32), so |lo| <= 2^-11 |a| and |r| <= 2^-22 |a|. A product then sums
+//    hi_a*hi_b + lo_a*hi_b + hi_a*lo_b (lo_a*lo_b, below 2^-22 of it, dropped): three TF32
+//    products, laid side by side along a K three times as long, so that one unchanged TF32
+//    kernel sums them in its fp32 accumulators.
+//  * split3_kernel<V> writes three parts of an (R, C) array a: part j (hi, or lo where bit j
+//    of `lo_parts` is set) of row r at out + r * row_stride + j * part_stride. Three
+//    patterns serve every operand: channels side by side (row_stride 3C, part_stride C), or
+//    whole copies one after another (row_stride C, part_stride R * C). V floats move per
+//    access (4 where C and the strides are multiples of 4 and the bases 16-byte aligned).
+//  * Deterministic: the same a always gives the same parts.
+
+#include "common.cuh"
+
+__device__ __forceinline__ float tf32_round(float a) {
+  unsigned u;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(u) : "f"(a));
+  return __uint_as_float(u);
+}
+
+template <int V>
+struct Vec {
+  float v[V];
+};
+
+template <int V>
+__global__ void split3_kernel(const float* __restrict__ a, float* __restrict__ out, int rows,
+                              int cols, long long row_stride, long long part_stride,
+                              int lo_parts) {
+  using F = Vec<V>;
+  const int per_row = cols / V;
+  GRID_STRIDE(i, (long long)rows * per_row) {
+    const long long r = i / per_row, c = (i - r * per_row) * V;
+    const F x = *reinterpret_cast<const F*>(a + r * cols + c);
+    F hi, lo;
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+      hi.v[e] = tf32_round(x.v[e]);
+      lo.v[e] = tf32_round(x.v[e] - hi.v[e]);
+    }
+    float* o = out + r * row_stride + c;
+#pragma unroll
+    for (int j = 0; j < 3; ++j)
+      *reinterpret_cast<F*>(o + j * part_stride) = (lo_parts >> j & 1) ? lo : hi;
+  }
+}
+
+// instantiate: split3_kernel<1>; split3_kernel<4>
