@@ -14,13 +14,9 @@
 //    access (4 where C and the strides are multiples of 4 and the bases 16-byte aligned).
 //  * Deterministic: the same a always gives the same parts.
 
-#include "common.cuh"
+#include "gemm_tiles.cuh"  // to_tf32
 
-__device__ __forceinline__ float tf32_round(float a) {
-  unsigned u;
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(u) : "f"(a));
-  return __uint_as_float(u);
-}
+__device__ __forceinline__ float tf32_round(float a) { return __uint_as_float(to_tf32(a)); }
 
 template <int V>
 struct Vec {
