@@ -10,14 +10,17 @@
 //    coefficients arrive as kernel arguments, rounded to T on the host exactly as the CPU
 //    backend rounds them (e.g. 1 - beta1 in double, then T).
 //  * Formulas follow the CPU backend (PyTorch's SGD and AdamW) operation by operation.
+//  * `shadow` (S = __half or __nv_bfloat16; may be null): the parameters' 16-bit copy of
+//    mixed precision, written as<S>(new param) in the same pass, the bits of convert_kernel
+//    (a skipped step leaves both as they were, and the copy was current).
 
 #include "common.cuh"
 
 // d = g + wd*p; buf = m*buf + d; d = d + m*buf (nesterov) or buf; p -= lr*d.
 // buf may be null when momentum == 0.
-template <typename T>
+template <typename T, typename S = T>
 __global__ void sgd_kernel(T* param, const T* grad, T* buf, const T* hyper, long long n,
-                           T momentum, T weight_decay, int nesterov) {
+                           T momentum, T weight_decay, int nesterov, S* shadow) {
   if (hyper[3] != T(0)) return;  // a skipped step: uniform over the grid
   const T lr = hyper[0];
   GRID_STRIDE(i, n) {
@@ -28,16 +31,18 @@ __global__ void sgd_kernel(T* param, const T* grad, T* buf, const T* hyper, long
       buf[i] = b;
       d = nesterov ? d + momentum * b : b;
     }
-    param[i] = p - lr * d;
+    const T updated = p - lr * d;
+    param[i] = updated;
+    if (shadow) shadow[i] = as<S>(updated);
   }
 }
 
 // p *= 1 - lr*wd; m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*g*g;
 // p -= lr * (m / bc1) / (sqrt(v / bc2) + eps).
-template <typename T>
+template <typename T, typename S = T>
 __global__ void adamw_kernel(T* param, const T* grad, T* m, T* v, const T* hyper, long long n,
                              T beta1, T one_minus_beta1, T beta2, T one_minus_beta2, T eps,
-                             T weight_decay) {
+                             T weight_decay, S* shadow) {
   if (hyper[3] != T(0)) return;  // a skipped step: uniform over the grid
   const T lr = hyper[0], bc1 = hyper[1], bc2 = hyper[2];
   const T decay = T(1) - lr * weight_decay;
@@ -48,8 +53,12 @@ __global__ void adamw_kernel(T* param, const T* grad, T* m, T* v, const T* hyper
     m[i] = mi;
     v[i] = vi;
     const T p = param[i] * decay;
-    param[i] = p - lr * (mi / bc1) / (dp_sqrt(vi / bc2) + eps);
+    const T updated = p - lr * (mi / bc1) / (dp_sqrt(vi / bc2) + eps);
+    param[i] = updated;
+    if (shadow) shadow[i] = as<S>(updated);
   }
 }
 
 // instantiate: sgd_kernel<float>; sgd_kernel<double>; adamw_kernel<float>; adamw_kernel<double>
+// instantiate: sgd_kernel<float, __half>; sgd_kernel<float, __nv_bfloat16>
+// instantiate: adamw_kernel<float, __half>; adamw_kernel<float, __nv_bfloat16>

@@ -178,10 +178,10 @@ __global__ void count_correct_kernel(float* out, const T* logits, const L* label
   int hits = 0;
   for (int r = threadIdx.x; r < N; r += blockDim.x) {
     const T* row = logits + (long long)r * C;
-    T best = row[0];
+    compute_t<T> best = as<compute_t<T>>(row[0]);  // 16-bit logits compared as float: exact
     int arg = 0;
     for (int c = 1; c < C; ++c) {
-      const T v = row[c];
+      const compute_t<T> v = as<compute_t<T>>(row[c]);
       if (v > best || (v != v && best == best)) { best = v; arg = c; }
     }
     hits += (long long)arg == (long long)labels[r];
@@ -196,6 +196,7 @@ __global__ void count_correct_kernel(float* out, const T* logits, const L* label
 // instantiate: max_backward_kernel<float>; max_backward_kernel<double>
 // instantiate: channel_sum_kernel<float>; channel_sum_kernel<double>; channel_sum_fold_kernel<float>; channel_sum_fold_kernel<double>
 // instantiate: count_correct_kernel<float, int>; count_correct_kernel<float, long long>; count_correct_kernel<double, int>; count_correct_kernel<double, long long>
+// instantiate: count_correct_kernel<__half, int>; count_correct_kernel<__half, long long>; count_correct_kernel<__nv_bfloat16, int>; count_correct_kernel<__nv_bfloat16, long long>
 // instantiate: reduce_kernel<__half, double, __half, SumOp>; reduce_kernel<__half, double, double, SumOp>; reduce_kernel<double, double, __half, SumOp>
 // instantiate: reduce_kernel<__nv_bfloat16, double, __nv_bfloat16, SumOp>
 // instantiate: reduce_kernel<__nv_bfloat16, double, double, SumOp>

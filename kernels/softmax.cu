@@ -12,23 +12,26 @@
 //    label outside [0, C), so a bad label shows in the loss instead of reading out of bounds);
 //    ce_mean folds those in one block, in double, in a fixed order: loss = -sum / R.
 //  * Labels are int or long long (L).
+//  * Cross-entropy of 16-bit logits (mixed precision) computes in float from their exact float
+//    values and writes the gradient in their type: the bits of a cast to float, the float
+//    kernels and a cast of the gradient back, without the two casts' passes.
 
 #include "common.cuh"
 
-// Max and sum of exp(x - max) of one row, known to every lane.
-template <typename T>
-__device__ __forceinline__ void row_stats(const T* x, int C, int lane, T& mx, T& sum) {
+// Max and sum of exp(x - max) of one row, known to every lane (x read as T: exact).
+template <typename T, typename TI>
+__device__ __forceinline__ void row_stats(const TI* x, int C, int lane, T& mx, T& sum) {
   mx = neg_inf<T>();
-  for (int c = lane; c < C; c += 32) mx = nan_max(mx, x[c]);
+  for (int c = lane; c < C; c += 32) mx = nan_max(mx, as<T>(x[c]));
   mx = warp_all_reduce<T, MaxOp>(mx);
   sum = T(0);
-  for (int c = lane; c < C; c += 32) sum += dp_exp(x[c] - mx);
+  for (int c = lane; c < C; c += 32) sum += dp_exp(as<T>(x[c]) - mx);
   sum = warp_all_reduce<T, SumOp>(sum);
 }
 
 // Max and log-sum-exp of one row, known to every lane: log_softmax(x)[c] = (x[c] - mx) - lse.
-template <typename T>
-__device__ __forceinline__ void row_lse(const T* x, int C, int lane, T& mx, T& lse) {
+template <typename T, typename TI>
+__device__ __forceinline__ void row_lse(const TI* x, int C, int lane, T& mx, T& lse) {
   T sum;
   row_stats(x, C, lane, mx, sum);
   lse = dp_log(sum);
@@ -67,18 +70,21 @@ __global__ void softmax_bwd_kernel(T* gx, const T* y, const T* gy, int R, int C)
 }
 
 // probs = exp(log_softmax(logits)); picked[row] = log_softmax(logits)[row, label[row]].
-template <typename T, typename L>
-__global__ void ce_rows_kernel(T* probs, T* picked, const T* logits, const L* labels, int R, int C) {
+// Logits of TI (16-bit ones read as float: the loss of their exact float cast).
+template <typename T, typename L, typename TI = T>
+__global__ void ce_rows_kernel(T* probs, T* picked, const TI* logits, const L* labels, int R,
+                               int C) {
   const int lane = threadIdx.x & 31;
   FOR_EACH_ROW(row, R) {
-    const T* xr = logits + (long long)row * C;
+    const TI* xr = logits + (long long)row * C;
     T* pr = probs + (long long)row * C;
     T mx, lse;
     row_lse(xr, C, lane, mx, lse);
-    for (int c = lane; c < C; c += 32) pr[c] = dp_exp((xr[c] - mx) - lse);
+    for (int c = lane; c < C; c += 32) pr[c] = dp_exp((as<T>(xr[c]) - mx) - lse);
     if (lane == 0) {
       const long long label = (long long)labels[row];
-      picked[row] = (label >= 0 && label < C) ? (xr[label] - mx) - lse : quiet_nan<T>();
+      picked[row] =
+          (label >= 0 && label < C) ? (as<T>(xr[label]) - mx) - lse : quiet_nan<T>();
     }
   }
 }
@@ -94,21 +100,25 @@ __global__ void ce_mean_kernel(T* loss, const T* picked, int R) {
   if (threadIdx.x == 0) loss[0] = -T(acc) / T(R);
 }
 
-// g = (probs - onehot(label)) * (gloss[0] / R), flat over R*C elements.
-template <typename T, typename L>
-__global__ void ce_bwd_kernel(T* g, const T* probs, const L* labels, const T* gloss, int R, int C) {
+// g = (probs - onehot(label)) * (gloss[0] / R), flat over R*C elements, stored as TG (the
+// 16-bit logits' type: rounded once, as a cast of the float gradient would).
+template <typename T, typename L, typename TG = T>
+__global__ void ce_bwd_kernel(TG* g, const T* probs, const L* labels, const T* gloss, int R,
+                              int C) {
   const T factor = gloss[0] / T(R);
   const long long n = (long long)R * C;
   GRID_STRIDE(i, n) {
     const long long row = i / C;
     const long long c = i - row * C;
     const T p = probs[i];
-    g[i] = ((long long)labels[row] == c ? p - T(1) : p) * factor;
+    g[i] = as<TG>(((long long)labels[row] == c ? p - T(1) : p) * factor);
   }
 }
 
 // instantiate: softmax_fwd_kernel<float, false>; softmax_fwd_kernel<float, true>; softmax_fwd_kernel<double, false>; softmax_fwd_kernel<double, true>
 // instantiate: softmax_bwd_kernel<float, false>; softmax_bwd_kernel<float, true>; softmax_bwd_kernel<double, false>; softmax_bwd_kernel<double, true>
 // instantiate: ce_rows_kernel<float, int>; ce_rows_kernel<float, long long>; ce_rows_kernel<double, int>; ce_rows_kernel<double, long long>
+// instantiate: ce_rows_kernel<float, int, __half>; ce_rows_kernel<float, long long, __half>; ce_rows_kernel<float, int, __nv_bfloat16>; ce_rows_kernel<float, long long, __nv_bfloat16>
 // instantiate: ce_mean_kernel<float>; ce_mean_kernel<double>
 // instantiate: ce_bwd_kernel<float, int>; ce_bwd_kernel<float, long long>; ce_bwd_kernel<double, int>; ce_bwd_kernel<double, long long>
+// instantiate: ce_bwd_kernel<float, int, __half>; ce_bwd_kernel<float, long long, __half>; ce_bwd_kernel<float, int, __nv_bfloat16>; ce_bwd_kernel<float, long long, __nv_bfloat16>

@@ -15,7 +15,8 @@ Mixed precision (``shadow_dtype``, float16 or bfloat16) adds a third buffer, ``s
 fp32 ``data`` cast to the 16-bit dtype, laid out alike, with each parameter's slice as
 ``p.shadow``. The layers read it instead of casting their weights every forward, and the
 all-gather moves it instead of ``data`` (half the bytes). Whoever writes ``data`` keeps it
-current: the optimizer casts its updated shard (``cast_shadow``), the reducer the whole
+current: the optimizer its updated shard (SGD and AdamW in their update's own pass, others by
+``cast_shadow`` after it), the reducer the whole
 buffer after a broadcast or a gather of ``data`` (dptrain.dist.reducer), a resume after loading.
 """
 from __future__ import annotations

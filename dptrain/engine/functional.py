@@ -122,7 +122,9 @@ def log_softmax(x: Tensor, axis: int = -1) -> Tensor:
 
 def cross_entropy(logits: Tensor, labels: Tensor, label_smoothing: float = 0.0) -> Tensor:
     """Mean over the batch of -log softmax(logits)[label]; labels are integer class ids.
-    ``label_smoothing`` s in [0, 1): against (1 - s) one-hot + s / C, as PyTorch's."""
+    ``label_smoothing`` s in [0, 1): against (1 - s) one-hot + s / C, as PyTorch's. 16-bit
+    logits give a float32 loss, computed in float32 (as PyTorch's autocast does), and a
+    16-bit gradient."""
     if logits.ndim != 2:
         raise ValueError(f"cross_entropy expects (N, C) logits, got shape {logits.shape}")
     if not isinstance(labels, Tensor):
@@ -136,6 +138,8 @@ def cross_entropy(logits: Tensor, labels: Tensor, label_smoothing: float = 0.0) 
         raise ValueError(f"cross_entropy: label_smoothing must be in [0, 1), got "
                          f"{label_smoothing}")
     if label_smoothing:
+        if logits.dtype.itemsize < 4:  # composed of float ops: in float32
+            logits = cast(logits, np.float32)
         return losses.smoothed_cross_entropy(logits, labels, float(label_smoothing))
     return ops.CrossEntropy.apply(logits, labels)
 

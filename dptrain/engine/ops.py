@@ -411,15 +411,17 @@ class LogSoftmax(Function):
 
 
 class CrossEntropy(Function):
-    """Mean cross-entropy of (N, C) logits against integer labels (N,)."""
+    """Mean cross-entropy of (N, C) logits against integer labels (N,). 16-bit logits (mixed
+    precision) give a float32 loss, computed from their exact float values, and a gradient in
+    their own dtype: the bits of a cast to float32 first, without the casts' passes."""
 
     def forward(self, logits, labels):
-        self.labels = labels
+        self.labels, self.dtype = labels, logits.dtype
         loss, self.probs = self.be.cross_entropy_forward(logits, labels)
         return loss
 
     def backward(self, gloss):
-        return self.be.cross_entropy_backward(self.probs, self.labels, gloss), None
+        return self.be.cross_entropy_backward(self.probs, self.labels, gloss, self.dtype), None
 
 
 class Dropout(Function):

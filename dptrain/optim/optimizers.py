@@ -40,12 +40,14 @@ class Optimizer:
         return self.be.zeros((self.numel,), self.flat.dtype)
 
     def _views(self, *states):
-        """Per segment: (param view, grad view, state views...) — one kernel launch each."""
-        offset = 0
+        """Per segment: (param view, grad view, state views..., shadow view or None) — one
+        kernel launch each."""
+        offset, shadow = 0, self.flat.shadow
         for start, stop in self.segments:
             n = stop - start
             yield (self.flat.data[start:stop], self.flat.grad[start:stop],
-                   *(s[offset : offset + n] if s is not None else None for s in states))
+                   *(s[offset : offset + n] if s is not None else None for s in states),
+                   shadow[start:stop] if shadow is not None else None)
             offset += n
 
     def zero_grad(self):
@@ -64,11 +66,16 @@ class Optimizer:
     def hyper_values(self) -> list[float]:
         return [self.lr]
 
+    # Whether update_shard writes the 16-bit shadow itself (the step ops' shadow=, in the
+    # update's own pass); else update() casts it after.
+    writes_shadow = False
+
     def update(self):
-        """Update this rank's shard (device work only), then its 16-bit shadow, if any: the
+        """Update this rank's shard (device work only) and its 16-bit shadow, if any: the
         copy that the all-gather moves and the layers read."""
         self.update_shard()
-        self.flat.cast_shadow(self.segments)
+        if not self.writes_shadow:
+            self.flat.cast_shadow(self.segments)
 
     def update_shard(self):
         raise NotImplementedError
@@ -142,10 +149,12 @@ class SGD(Optimizer):
         self.momentum, self.weight_decay, self.nesterov = momentum, weight_decay, nesterov
         self.buf = self._state() if momentum else None
 
+    writes_shadow = True
+
     def update_shard(self):
-        for p, g, buf in self._views(self.buf):
+        for p, g, buf, shadow in self._views(self.buf):
             self.be.sgd_step_(p, g, buf, self.hyper, self.momentum, self.weight_decay,
-                              self.nesterov)
+                              self.nesterov, shadow=shadow)
 
     def state_arrays(self):
         return {"momentum_buffer": self.buf} if self.buf is not None else {}
@@ -165,10 +174,12 @@ class AdamW(Optimizer):
         t = self.steps
         return [self.lr, 1.0 - self.beta1**t, 1.0 - self.beta2**t]
 
+    writes_shadow = True
+
     def update_shard(self):
-        for p, g, m, v in self._views(self.m, self.v):
+        for p, g, m, v, shadow in self._views(self.m, self.v):
             self.be.adamw_step_(p, g, m, v, self.hyper, self.beta1, self.beta2, self.eps,
-                                self.weight_decay)
+                                self.weight_decay, shadow=shadow)
 
     def state_arrays(self):
         return {"exp_avg": self.m, "exp_avg_sq": self.v}

@@ -106,8 +106,8 @@ class TrainStep(Step):
 
     def _classify(self):
         x, y = self.loader.batch()
-        logits = F.cast(self.model(F.cast(Tensor(x), self.dtype)), np.float32)
-        loss = F.cross_entropy(logits, Tensor(y))
+        logits = self.model(F.cast(Tensor(x), self.dtype))  # 16-bit ones: the loss reads
+        loss = F.cross_entropy(logits, Tensor(y))            # them as float32 (no cast pass)
         return loss, {"correct": self.be.count_correct(logits.data, y)}
 
     # -- the logging window, for checkpoints: a resumed run logs the uninterrupted run's values

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from dptrain.backend import cpu
+from dptrain.backend.bfloat16 import BFLOAT16
 
 gpu = pytest.mark.gpu
 F32, F64 = np.float32, np.float64
@@ -422,6 +423,37 @@ def test_cross_entropy(cu, rng, n, c, ltype, dtype):
                  cpu.cross_entropy_backward(probs, labels, gloss))
 
 
+@gpu
+@pytest.mark.parametrize("dtype", [np.dtype(np.float16), BFLOAT16], ids=["fp16", "bf16"])
+def test_cross_entropy_and_count_of_16bit_logits(cu, rng, dtype):
+    """16-bit logits: float32 loss and softmax, the gradient in their dtype, and the count:
+    bitwise the float32 kernels' on the logits' exact float values (the gradient rounded
+    once, as a cast rounds it), and close to the CPU's."""
+    n, c = 300, 7
+    logits = np.empty((n, c), dtype)
+    cpu.copy_(logits, randn(rng, (n, c)) * F32(3))
+    as_float = cpu.copy_(np.empty((n, c), F32), logits)
+    labels = rng.integers(0, c, n).astype(np.int64)
+    dlabels, gloss = cu.asarray(labels), cu.asarray(np.asarray(0.7, dtype=F32))
+    loss, probs = cpu.cross_entropy_forward(logits, labels)
+    assert loss.dtype == probs.dtype == F32
+    dloss, dprobs = cu.cross_entropy_forward(cu.asarray(logits), dlabels)
+    floss, fprobs = cu.cross_entropy_forward(cu.asarray(as_float), dlabels)
+    assert_exact(cu, dloss, cu.to_numpy(floss))
+    assert_exact(cu, dprobs, cu.to_numpy(fprobs))
+    assert_close(cu, dloss, loss)
+    assert_close(cu, dprobs, probs)
+    g = cu.cross_entropy_backward(dprobs, dlabels, gloss, dtype)
+    cast = np.empty((n, c), dtype)
+    cpu.copy_(cast, cu.to_numpy(cu.cross_entropy_backward(fprobs, dlabels, gloss)))
+    assert_exact(cu, g, cast)
+    assert cpu.cross_entropy_backward(probs, labels, cu.to_numpy(gloss), dtype).dtype == dtype
+    assert_exact(cu, cu.count_correct(cu.asarray(logits), dlabels),
+                 cpu.count_correct(as_float, labels))
+    with pytest.raises(TypeError, match="mixed dtypes float32 and float16"):
+        cu.cross_entropy_backward(dprobs, cu.asarray(labels), cu.zeros((), np.float16))
+
+
 # ----------------------------------------------------------------------------- pooling
 
 POOLS = [((2, 2), (2, 2), (0, 0)), ((3, 3), (2, 2), (1, 1)), ((3, 3), (1, 1), (1, 1)),
@@ -564,6 +596,44 @@ def test_adamw_step_(cu, rng, wd):
         cu.adamw_step_(dp, cu.asarray(g), dm, dv, dhyper, b1, b2, eps, wd)
     for got, ref in ((dp, p), (dm, m), (dv, v)):
         assert_close(cu, got, ref)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [np.dtype(np.float16), BFLOAT16], ids=["fp16", "bf16"])
+def test_optimizer_steps_write_the_shadow(cu, rng, dtype):
+    """shadow= rewrites a 16-bit copy of the updated params in the update's pass, with the
+    CPU's (and the cast's) bits; a skipped step leaves it."""
+    n = 12345
+    p = randn(rng, n)
+    for name in ("sgd", "adamw"):
+        dp, state = cu.asarray(p), [cu.zeros((n,), F32) for _ in range(2)]
+        shadow, ref_shadow = cu.zeros((n,), dtype), np.zeros(n, dtype)
+        hyper, dhyper = np.zeros(4, F32), cu.zeros((4,), F32)
+        ref, ref_state = p.copy(), [np.zeros(n, F32) for _ in range(2)]
+        for skip in (0.0, 1.0):
+            values = [1e-2, 0.1, 0.001, skip]
+            cpu.set_scalar_(hyper, values)
+            cu.set_scalar_(dhyper, values)
+            g = randn(rng, n)
+            if name == "sgd":
+                cpu.sgd_step_(ref, g, ref_state[0], hyper, 0.9, 1e-4, False, shadow=ref_shadow)
+                cu.sgd_step_(dp, cu.asarray(g), state[0], dhyper, 0.9, 1e-4, False,
+                             shadow=shadow)
+            else:
+                cpu.adamw_step_(ref, g, *ref_state, hyper, 0.9, 0.999, 1e-8, 0.01,
+                                shadow=ref_shadow)
+                cu.adamw_step_(dp, cu.asarray(g), *state, dhyper, 0.9, 0.999, 1e-8, 0.01,
+                               shadow=shadow)
+            got = cu.to_numpy(shadow)
+            assert got.tobytes() == ref_shadow.tobytes()
+            cast = np.zeros(n, dtype)
+            cpu.copy_(cast, cu.to_numpy(dp))
+            assert got.tobytes() == cast.tobytes()
+        assert_close(cu, dp, ref)
+    with pytest.raises(TypeError, match="shadow must be float16 or bfloat16"):
+        cu.sgd_step_(dp, dp, None, dhyper, 0.0, 0.0, False, shadow=cu.zeros((n,), F32))
+    with pytest.raises(ValueError, match="shadow of 3 elements"):
+        cu.sgd_step_(dp, dp, None, dhyper, 0.0, 0.0, False, shadow=cu.zeros((3,), dtype))
 
 
 # ----------------------------------------------------------------------------- data, randomness

@@ -248,14 +248,18 @@ def test_channels_last_kernels_take_rows_of_whole_groups(cu):
         assert norm._cl(cu.asarray(np.zeros(shape, dtype))) is takes, (shape, dtype)
 
 
-def test_resnet18_channels_last_gradients_equal_nchw(cu, rng):
+def test_resnet18_channels_last_gradients_equal_nchw(cu, rng, monkeypatch):
     """ResNet-18 with channels-last activations (the default) against the NCHW network from
-    the same weights on one batch, in strict fp32 (TF32's rounding would hide a real
-    difference): the same loss and parameter gradients to float rounding (the batch norms'
-    sums run in other orders). Float sums of a channel's statistics failed this at 0.7%:
-    they are kept in double."""
+    the same weights on one batch, in strict fp32 on FFMA convolutions (TF32's rounding, or
+    3xTF32's accumulation, would hide a real difference): the same loss and parameter
+    gradients to float rounding (the batch norms' sums run in other orders). Float sums of a
+    channel's statistics failed this at 0.7%: they are kept in double."""
     import dptrain.engine.functional as F
+    from dptrain.backend.cuda import gemm, tf32x3
     from dptrain.engine.autograd import Tensor
+
+    monkeypatch.setenv(tf32x3.ENV, "0")
+    gemm.clear_plans()
 
     x = cu.asarray(rng.standard_normal((16, 1, 32, 32)).astype(F32))
     labels = cu.asarray(rng.integers(0, 5, 16))

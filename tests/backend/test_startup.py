@@ -104,7 +104,7 @@ def test_files_split_into_modules_by_element_family(monkeypatch):
     the rest), a family of more than CHUNK instantiations as several; every kernel name maps
     to the module that holds it."""
     monkeypatch.setattr(loader, "cuda_include_dir", lambda: Path("/toolkit/include"))
-    assert loader.parts("optim.cu") == ["main", "double"]
+    assert loader.parts("optim.cu") == ["main", "double", "__half", "__nv_bfloat16"]
     # a file that asks for one instantiation per module (each takes seconds to build)
     source, _ = loader.source_and_options("gemm.cu")
     assert "instantiations-per-module: 1" in source

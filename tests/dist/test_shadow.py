@@ -19,7 +19,7 @@ from dptrain import backend, dist, nn
 from dptrain.engine.autograd import Tensor
 from dptrain.backend.bfloat16 import BFLOAT16
 from dptrain.dist.flat import FlatParameters
-from dptrain.optim import SGD
+from dptrain.optim import SGD, SKIP_SLOT, AdamW
 from dptrain.dist.reducer import Reducer
 from mpilaunch import HAVE_MPI, mpi_command, mpi_env, run
 
@@ -86,20 +86,43 @@ def test_a_shadow_of_another_dtype_is_not_used():
     assert np.array_equal(F.cast_parameter(p, HALF).numpy(), np.ones((2, 3)))
 
 
-def test_the_optimizer_casts_only_the_shard_it_updated():
+class PlainSGD(SGD):
+    """A user's optimizer whose update does not write the shadow: update() casts it after."""
+
+    writes_shadow = False
+
+    def update_shard(self):
+        for p, g, _, _ in self._views(self.buf):
+            p -= self.lr * g
+
+
+@pytest.mark.parametrize("dtype", [HALF, BFLOAT16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("opt_cls", [SGD, AdamW, PlainSGD])
+def test_the_optimizer_writes_only_the_shard_it_updated(opt_cls, dtype):
+    """SGD and AdamW write the shadow in their update's pass (the step ops' shadow=), other
+    optimizers get a cast after; either way the shard's shadow is its data in 16 bits (the
+    cast's bits), the other rank's is left, and a skipped step changes neither."""
     model = _model()
     flat = FlatParameters(model.parameters(), world_size=2, bucket_bytes=2048,
-                          shadow_dtype=HALF)
+                          shadow_dtype=dtype)
     mine, theirs = flat.shard_segments(0), flat.shard_segments(1)
-    opt = SGD(flat, lr=0.5, segments=mine)
+    opt = opt_cls(flat, lr=0.5, segments=mine)
     before = flat.shadow.copy()
     flat.grad[...] = 1.0
     opt.step()
+    cast = np.empty_like(flat.shadow)
+    cpu.copy_(cast, flat.data)
     for start, stop in mine:
-        assert np.array_equal(flat.shadow[start:stop], flat.data[start:stop].astype(HALF))
+        assert np.array_equal(flat.shadow[start:stop], cast[start:stop])
         assert not np.array_equal(flat.shadow[start:stop], before[start:stop])
     for start, stop in theirs:  # the other rank's: its all-gather brings them
         assert np.array_equal(flat.shadow[start:stop], before[start:stop])
+    if opt_cls is not PlainSGD:
+        data, shadow = flat.data.copy(), flat.shadow.copy()
+        opt.begin_step()
+        opt.hyper[SKIP_SLOT] = 1.0  # as the non-finite guard sets it on the device
+        opt.update()
+        assert np.array_equal(flat.data, data) and np.array_equal(flat.shadow, shadow)
 
 
 class RecordingComm(dist.LocalComm):

@@ -55,3 +55,20 @@ def test_losses_refuse_mismatched_targets():
         F.mse_loss(dp.tensor(np.zeros(4)), dp.tensor(np.zeros(3)))
     with pytest.raises(ValueError, match="label_smoothing must be in"):
         F.cross_entropy(dp.tensor(np.zeros((2, 3))), np.array([0, 1]), label_smoothing=1.0)
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_cross_entropy_of_16bit_logits_is_that_of_their_float_cast(smoothing):
+    """float16 logits: a float32 loss, bitwise that of the logits cast to float32 first, and
+    a float16 gradient, the float32 one rounded once (as a cast's backward rounds it)."""
+    x = (3 * rng.standard_normal((9, 5))).astype(np.float16)
+    labels = np.array([0, 4, 1, 3, 2, 2, 0, 1, 4])
+    results = []
+    for cast_first in (False, True):
+        logits = dp.tensor(x, requires_grad=True, dtype=np.float16)
+        loss = F.cross_entropy(F.cast(logits, np.float32) if cast_first else logits, labels,
+                               label_smoothing=smoothing)
+        loss.backward()
+        assert loss.dtype == np.float32 and logits.grad.dtype == np.float16
+        results.append((loss.numpy().tobytes(), logits.grad.numpy().tobytes()))
+    assert results[0] == results[1]

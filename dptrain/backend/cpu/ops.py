@@ -13,6 +13,8 @@ from dptrain.backend.cpu.runtime import runtime
 from dptrain.backend.cpu.workspace import checked, scratch
 from dptrain.backend.registry import op
 
+HALVES = (np.dtype(np.float16), BFLOAT16)  # 16-bit floats (bfloat16 as its uint16 bits)
+
 name = "cpu"
 
 
@@ -375,9 +377,17 @@ def log_softmax_backward(y, gy):
     return gy - np.exp(y) * gy.sum(axis=-1, keepdims=True)
 
 
-@op(fp32_math=True)
+def _float_logits(logits):
+    """16-bit logits (float16, bfloat16) as their exact float32 values; others as they are."""
+    logits = np.asarray(logits)
+    return copy_(np.empty(logits.shape, np.float32), logits) if logits.dtype in HALVES else logits
+
+
+@op
 def cross_entropy_forward(logits, labels):
-    """Mean cross-entropy of (N, C) logits against int labels: (loss as a 0-d array, softmax)."""
+    """Mean cross-entropy of (N, C) logits against int labels: (loss as a 0-d array, softmax).
+    16-bit logits are read as their exact float values: loss and softmax in float32."""
+    logits = _float_logits(logits)
     logp = log_softmax(logits)
     n = logits.shape[0]
     loss = -logp[np.arange(n), labels].sum(dtype=logits.dtype) / logits.dtype.type(n)
@@ -385,17 +395,23 @@ def cross_entropy_forward(logits, labels):
 
 
 @op(fp32_math=True)
-def cross_entropy_backward(probs, labels, gloss):
+def cross_entropy_backward(probs, labels, gloss, dtype=None):
+    """(probs - onehot(labels)) * gloss / N; `dtype`: the logits' 16-bit type for float32
+    probs (the gradient rounded once into it, copy_'s bits), else probs' own."""
     n = probs.shape[0]
     g = probs.copy()
     g[np.arange(n), labels] -= 1
-    return g * (gloss / probs.dtype.type(n))
+    g = g * (gloss / probs.dtype.type(n))
+    if dtype is None or np.dtype(dtype) == g.dtype:
+        return g
+    return copy_(np.empty(g.shape, dtype), g)
 
 
 @op
 def count_correct(logits, labels):
     """Number of rows whose arg-max equals the label, as a 0-d float32 array (no host sync)."""
-    return np.asarray((logits.argmax(axis=-1) == labels).sum(), dtype=np.float32)
+    hits = (_float_logits(logits).argmax(axis=-1) == labels).sum()
+    return np.asarray(hits, dtype=np.float32)
 
 
 # ----------------------------------------------------------------------------- randomness
@@ -418,8 +434,9 @@ SKIP_SLOT = 3
 
 
 @op
-def sgd_step_(param, grad, buf, hyper, momentum, weight_decay, nesterov):
-    """PyTorch SGD: d = g + wd*p; buf = m*buf + d; d = d + m*buf (nesterov) or buf; p -= lr*d."""
+def sgd_step_(param, grad, buf, hyper, momentum, weight_decay, nesterov, shadow=None):
+    """PyTorch SGD: d = g + wd*p; buf = m*buf + d; d = d + m*buf (nesterov) or buf; p -= lr*d.
+    `shadow`: a 16-bit copy of param, rewritten from the updated values (copy_'s bits)."""
     if hyper[SKIP_SLOT] != 0:
         return param
     lr = hyper[0]
@@ -429,12 +446,15 @@ def sgd_step_(param, grad, buf, hyper, momentum, weight_decay, nesterov):
         buf += d
         d = d + param.dtype.type(momentum) * buf if nesterov else buf
     param -= lr * d
+    if shadow is not None:
+        copy_(shadow, param)
     return param
 
 
 @op
-def adamw_step_(param, grad, m, v, hyper, beta1, beta2, eps, weight_decay):
-    """AdamW with decoupled weight decay; hyper = [lr, 1 - beta1**t, 1 - beta2**t, skip]."""
+def adamw_step_(param, grad, m, v, hyper, beta1, beta2, eps, weight_decay, shadow=None):
+    """AdamW with decoupled weight decay; hyper = [lr, 1 - beta1**t, 1 - beta2**t, skip].
+    `shadow` as sgd_step_'s."""
     if hyper[SKIP_SLOT] != 0:
         return param
     t = param.dtype.type
@@ -445,6 +465,8 @@ def adamw_step_(param, grad, m, v, hyper, beta1, beta2, eps, weight_decay):
     v *= t(beta2)
     v += t(1 - beta2) * grad * grad
     param -= lr * (m / bc1) / (np.sqrt(v / bc2) + t(eps))
+    if shadow is not None:
+        copy_(shadow, param)
     return param
 
 

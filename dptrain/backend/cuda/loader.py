@@ -306,9 +306,10 @@ STEP_KERNELS = {
                        "map1_kernel<float, Scale>", "map2_kernel<float, Add>",
                        "accumulate_kernel<float, {t}>", "convert_kernel<float, {t}>",
                        "convert_kernel<{t}, float>"),
-    "reduce.cu": ("count_correct_kernel<float, long long>",),
+    "reduce.cu": ("count_correct_kernel<float, long long>", "count_correct_kernel<{t}, long long>"),
     "softmax.cu": ("ce_rows_kernel<float, long long>", "ce_mean_kernel<float>",
-                   "ce_bwd_kernel<float, long long>"),
+                   "ce_bwd_kernel<float, long long>", "ce_rows_kernel<float, long long, {t}>",
+                   "ce_bwd_kernel<float, long long, {t}>"),
     "transpose.cu": ("strided_copy_kernel<unsigned int>",
                      "take_rows_kernel<unsigned long long, long long>"),
 }

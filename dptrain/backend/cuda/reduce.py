@@ -277,7 +277,7 @@ def _fold(out, part, splits, cols, accumulate=False):
 @op
 def count_correct(logits, labels):
     """Number of rows whose arg-max equals the label, as a 0-d float32 array (no host sync)."""
-    launch.check_float("count_correct", logits)
+    launch.check_float("count_correct", logits, half=True)
     launch.check_contiguous("count_correct", logits)
     if logits.ndim != 2 or logits.shape[1] == 0:
         raise ValueError(f"cuda.count_correct: logits must be (N, C>0), got {logits.shape}")

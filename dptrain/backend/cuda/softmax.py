@@ -50,17 +50,20 @@ def log_softmax_backward(y, gy):
 
 @op
 def cross_entropy_forward(logits, labels):
-    """Mean cross-entropy of (N, C) logits against int labels: (loss as a 0-d array, softmax)."""
-    r, c = launch.rows("cross_entropy_forward", logits)
+    """Mean cross-entropy of (N, C) logits against int labels: (loss as a 0-d array, softmax).
+    16-bit logits are read as their exact float values: loss and softmax in float32."""
+    r, c = launch.rows("cross_entropy_forward", logits, half=True)
     if logits.ndim != 2 or c == 0:
         raise ValueError(f"cuda.cross_entropy_forward: logits must be (N, C>0), got {logits.shape}")
     launch.check_int_labels("cross_entropy_forward", labels, r)
-    t, lt = launch.ctype(logits.dtype), launch.ctype(labels.dtype)
-    probs = launch.new(logits.shape, logits.dtype)
-    picked = launch.new((r,), logits.dtype)
-    loss = launch.new((), logits.dtype)
+    dt = np.dtype(np.float32) if logits.dtype in launch.HALVES else logits.dtype
+    t, lt = launch.ctype(dt), launch.ctype(labels.dtype)
+    mixed = (launch.ctype(logits.dtype),) if dt != logits.dtype else ()
+    probs = launch.new(logits.shape, dt)
+    picked = launch.new((r,), dt)
+    loss = launch.new((), dt)
     if r:
-        launch.grid_stride(launch.kernel(SM, "ce_rows_kernel", t, lt), r,
+        launch.grid_stride(launch.kernel(SM, "ce_rows_kernel", t, lt, *mixed), r,
                            (probs, picked, logits, labels, np.int32(r), np.int32(c)), launch.WARPS)
     launch.kernel(SM, "ce_mean_kernel", t)((1,), (launch.block_threads(warps=True),),
                                            (loss, picked, np.int32(r)))
@@ -68,16 +71,23 @@ def cross_entropy_forward(logits, labels):
 
 
 @op
-def cross_entropy_backward(probs, labels, gloss):
-    """(probs - onehot(labels)) * gloss / N; gloss is the 0-d loss gradient on the device."""
+def cross_entropy_backward(probs, labels, gloss, dtype=None):
+    """(probs - onehot(labels)) * gloss / N; gloss is the 0-d loss gradient on the device.
+    `dtype`: the logits' 16-bit type for float32 probs (the gradient rounded once into it),
+    else probs' own."""
     r, c = launch.rows("cross_entropy_backward", probs)
     launch.check_float("cross_entropy_backward", probs, gloss)
     if gloss.size != 1:
         raise ValueError(f"cuda.cross_entropy_backward: gloss must hold one value, got {gloss.shape}")
     launch.check_int_labels("cross_entropy_backward", labels, r)
-    g = launch.new(probs.shape, probs.dtype)
+    dtype = probs.dtype if dtype is None else np.dtype(dtype)
+    if dtype != probs.dtype and not (dtype in launch.HALVES and probs.dtype == np.float32):
+        raise TypeError(f"cuda.cross_entropy_backward: a {dtype} gradient of {probs.dtype} "
+                        f"probs; only float32 probs of 16-bit logits differ")
+    mixed = (launch.ctype(dtype),) if dtype != probs.dtype else ()
+    g = launch.new(probs.shape, dtype)
     if probs.size:
         fn = launch.kernel(SM, "ce_bwd_kernel", launch.ctype(probs.dtype),
-                           launch.ctype(labels.dtype))
+                           launch.ctype(labels.dtype), *mixed)
         launch.grid_stride(fn, probs.size, (g, probs, labels, gloss, np.int32(r), np.int32(c)))
     return g
