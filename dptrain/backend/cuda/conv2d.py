@@ -32,7 +32,7 @@ Conventions (the .cu file's header has the kernel side):
   * fp32 channels-last passes on Hopper run as 3xTF32 (tf32x3.py: the operands split into
     TF32 parts, K tripled, then the TF32 wgmma plan), where a TF32 wgmma kernel takes the
     tripled pass, and for backward-weight where C_out and C_in*KH*KW fill 128-wide tiles
-    (X3_BWDW_MIN). ResNet-18's fp32 step: 75.5 ms on FFMA, 43.1 this way (H200).
+    (X3_BWDW_MIN). ResNet-18's fp32 step: 75.43 ms on FFMA, 42.18 this way (one H200).
     DPTRAIN_FP32_TF32X3=0 keeps FFMA.
   * `channels_last=True`: activations (x, y, gy, gx) are (N, H, W, C). The wgmma kernels read
     and write them as they are (no copies: their sources are channels-last anyway and their
