@@ -6,13 +6,12 @@ where TF32's is 5e-3), the passes it leaves to FFMA included. Needs a compute ca
 import numpy as np
 import pytest
 
-from convcheck import F, fresh_conv_plans, inputs, reference
+from convcheck import F, fresh_conv_plans, hopper_cuda, inputs, reference
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
-from dptrain import backend  # noqa: E402 - after the CuPy check
-from dptrain.backend.cuda import conv2d, gemm, tf32x3  # noqa: E402
+from dptrain.backend.cuda import conv2d, gemm, tf32x3  # noqa: E402 - after the CuPy check
 
 TOL = 1e-5
 PASSES = ("forward", "backward_data", "backward_weight")
@@ -20,9 +19,7 @@ PASSES = ("forward", "backward_data", "backward_weight")
 
 @pytest.fixture(scope="module")
 def cu():
-    if int(cp.cuda.Device().compute_capability) != 90:
-        pytest.skip("wgmma needs compute capability 9.0")
-    return backend.get("cuda")
+    return hopper_cuda()
 
 
 @pytest.fixture(autouse=True)

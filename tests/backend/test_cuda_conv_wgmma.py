@@ -9,9 +9,8 @@ bitwise. Needs a compute capability 9.0 GPU (skipped elsewhere). Tolerances: con
 import numpy as np
 import pytest
 
-from convcheck import (DTYPES, close, cpu, fresh_conv_plans, inputs, passes,
+from convcheck import (DTYPES, close, cpu, fresh_conv_plans, hopper_cuda, inputs, passes,
                        passes_match_reference, planned_kernels, reference, to_dt, to_f32)
-from dptrain import backend
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
@@ -46,9 +45,7 @@ CASES = [  # x shape, w shape, stride, padding
 
 @pytest.fixture(scope="module")
 def cu():
-    if int(cp.cuda.Device().compute_capability) != 90:
-        pytest.skip("wgmma needs compute capability 9.0")
-    return backend.get("cuda")
+    return hopper_cuda()
 
 
 @pytest.fixture(autouse=True)

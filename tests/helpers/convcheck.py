@@ -16,6 +16,16 @@ DTYPES = [pytest.param(F, id="tf32"), pytest.param(H, id="fp16"), pytest.param(B
 cpu = backend.get("cpu")
 
 
+def hopper_cuda():
+    """The CUDA backend where the GPU runs wgmma (compute capability 9.0); else the test is
+    skipped. For the module fixtures of the Hopper kernels' tests."""
+    import cupy
+
+    if int(cupy.cuda.Device().compute_capability) != 90:
+        pytest.skip("wgmma needs compute capability 9.0")
+    return backend.get("cuda")
+
+
 def to_dt(x, dt):
     return to_bfloat16(x) if dt == BFLOAT16 else np.asarray(x, np.float32).astype(dt)
 
