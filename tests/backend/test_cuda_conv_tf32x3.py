@@ -146,3 +146,10 @@ def test_resnet_fp32_alike_either_way(cu, monkeypatch):
         results[route] = [loss.numpy()] + [p.grad.numpy() for p in model.parameters()]
     for got, ref in zip(results["1"], results["0"]):
         np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_operands_too_large_to_triple_keep_ffma():
+    """A tripled operand past int32 indexing: the pass keeps FFMA (tf32x3.fits)."""
+    limit = conv2d.launch.INT32_MAX
+    assert tf32x3.fits(limit // 3, 10)
+    assert not tf32x3.fits(10, limit // 3 + 1)

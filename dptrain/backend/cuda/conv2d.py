@@ -561,7 +561,8 @@ def _plan_forward(x, w, b, stride, padding, cl=False):
     ho, wo = _out_size(f, h, kh, sh, ph, "H"), _out_size(f, wd, kw, sw, pw, "W")
     kmax = _direct_kmax(cin * kh * kw)
     direct = kmax and cout <= DIRECT_MAX_M
-    if cl and not direct and tf32x3.enabled(dt):  # x's channels and w's C_in tripled
+    if cl and not direct and tf32x3.enabled(dt) and tf32x3.fits(x.size, w.size):
+        # x's channels and w's C_in tripled
         run = _x3(lambda: _plan_implicit(f, 0, (n, cout, ho, wo), cout, 3 * c, h, wd, ho, wo,
                                          kh, kw, (sh, sw), (ph, pw), dt, cl=True),
                   lambda: {0: tf32x3.splitter(w.shape, 1, tf32x3.SECOND),
@@ -655,7 +656,8 @@ def _plan_backward_data(gy, w, x_shape, stride, padding, cl=False):
     gy_shape = (n, ho, wo, cout) if cl else (n, cout, ho, wo)
     if gy.shape != gy_shape:
         raise ValueError(f"cuda.{f}: gy has shape {gy.shape}, expected {gy_shape}")
-    if cl and tf32x3.enabled(dt):  # gy's channels and w's C_out tripled
+    if cl and tf32x3.enabled(dt) and tf32x3.fits(gy.size, w.size):
+        # gy's channels and w's C_out tripled
         run = _x3(lambda: _plan_implicit(f, 1, (n, c, h, wd), c, 3 * cout, ho, wo, h, wd, kh,
                                          kw, (sh, sw), (ph, pw), dt, cl=True),
                   lambda: {0: tf32x3.splitter(w.shape, 0, tf32x3.SECOND),
@@ -708,7 +710,8 @@ def _plan_backward_weight(x, gy, w_shape, stride, padding, cl=False):
     if gy.shape != gy_shape:
         raise ValueError(f"cuda.{f}: gy has shape {gy.shape}, expected {gy_shape}")
     if (cl and tf32x3.enabled(dt) and not _direct_kmax(cin * kh * kw)
-            and min(cout, cin * kh * kw) >= X3_BWDW_MIN):  # the batch tripled
+            and min(cout, cin * kh * kw) >= X3_BWDW_MIN and tf32x3.fits(x.size, gy.size)):
+        # the batch tripled
         run = _x3(lambda: _wgmma_bwdw(dt, cin, cout, 3 * n, cin * kh * kw)
                   and _plan_wgmma_backward_weight((3 * n, c, h, wd), (cout, cin, kh, kw), ho, wo,
                                                   (sh, sw), (ph, pw), dt, cl=True),

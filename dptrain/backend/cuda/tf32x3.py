@@ -41,6 +41,12 @@ def enabled(dt) -> bool:
             and os.environ.get(ENV, "1") != "0" and wgmma_available())
 
 
+def fits(*sizes) -> bool:
+    """Whether operands of these element counts, tripled, stay within the kernels' int32
+    indexing (else the pass keeps FFMA)."""
+    return all(3 * int(n) <= launch.INT32_MAX for n in sizes)
+
+
 def splitter(shape, axis: int, parts: str):
     """run(a) -> a new float32 array: the contiguous array a of `shape` as three parts
     concatenated along `axis`, each "h" (tf32(a)) or "l" (tf32(a - tf32(a))) as `parts`
