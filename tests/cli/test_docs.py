@@ -22,12 +22,12 @@ def test_every_option_declares_its_help_and_group():
 def switches_read_by_the_code() -> set:
     found = set()
     for path in (ROOT / "dptrain").rglob("*.py"):
-        found |= set(re.findall(r"\bDPTRAIN_[A-Z_]+\b", path.read_text()))
+        found |= set(re.findall(r"\bDPTRAIN_[A-Z0-9_]+\b", path.read_text()))
     return found
 
 
 def test_the_switch_table_lists_exactly_the_switches_read():
     section = README[README.index("### Environment switches"):]
     section = section[:section.index("\n#")]
-    table = set(re.findall(r"^\| `(DPTRAIN_[A-Z_]+)` \|", section, re.M))
+    table = set(re.findall(r"^\| `(DPTRAIN_[A-Z0-9_]+)` \|", section, re.M))
     assert table == switches_read_by_the_code()
