@@ -7,11 +7,11 @@
 //    hi_a*hi_b + lo_a*hi_b + hi_a*lo_b (lo_a*lo_b, below 2^-22 of it, dropped): three TF32
 //    products, laid side by side along a K three times as long, so that one unchanged TF32
 //    kernel sums them in its fp32 accumulators.
-//  * split3_kernel<V> writes three parts of an (R, C) array a: part j (hi, or lo where bit j
-//    of `lo_parts` is set) of row r at out + r * row_stride + j * part_stride. Three
-//    patterns serve every operand: channels side by side (row_stride 3C, part_stride C), or
-//    whole copies one after another (row_stride C, part_stride R * C). V floats move per
-//    access (4 where C and the strides are multiples of 4 and the bases 16-byte aligned).
+//  * split3_kernel<V> writes three parts of an (R, C) array a as an (R, 3, C) array: part j
+//    of row r (hi, or lo where bit j of `lo_parts` is set) at out + (3r + j) * C. The
+//    launcher picks R and C for the axis the parts line up along (channels: R pixels of C
+//    channels; the batch: one row of the whole array). V floats move per access (4 where C
+//    is a multiple of 4 and a 16-byte aligned).
 //  * Deterministic: the same a always gives the same parts.
 
 #include "gemm_tiles.cuh"  // to_tf32
@@ -25,8 +25,7 @@ struct Vec {
 
 template <int V>
 __global__ void split3_kernel(const float* __restrict__ a, float* __restrict__ out, int rows,
-                              int cols, long long row_stride, long long part_stride,
-                              int lo_parts) {
+                              int cols, int lo_parts) {
   using F = Vec<V>;
   const int per_row = cols / V;
   GRID_STRIDE(i, (long long)rows * per_row) {
@@ -38,10 +37,10 @@ __global__ void split3_kernel(const float* __restrict__ a, float* __restrict__ o
       hi.v[e] = tf32_round(x.v[e]);
       lo.v[e] = tf32_round(x.v[e] - hi.v[e]);
     }
-    float* o = out + r * row_stride + c;
+    float* o = out + 3 * r * cols + c;
 #pragma unroll
     for (int j = 0; j < 3; ++j)
-      *reinterpret_cast<F*>(o + j * part_stride) = (lo_parts >> j & 1) ? lo : hi;
+      *reinterpret_cast<F*>(o + j * (long long)cols) = (lo_parts >> j & 1) ? lo : hi;
   }
 }
 

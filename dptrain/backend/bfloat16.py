@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 BFLOAT16 = np.dtype(np.uint16)
+HALVES = (np.dtype(np.float16), BFLOAT16)  # the 16-bit float dtypes, bfloat16 as its bits
 
 
 def to_bfloat16(x) -> np.ndarray:

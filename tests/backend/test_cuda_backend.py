@@ -602,7 +602,9 @@ def test_adamw_step_(cu, rng, wd):
 @pytest.mark.parametrize("dtype", [np.dtype(np.float16), BFLOAT16], ids=["fp16", "bf16"])
 def test_optimizer_steps_write_the_shadow(cu, rng, dtype):
     """shadow= rewrites a 16-bit copy of the updated params in the update's pass, with the
-    CPU's (and the cast's) bits; a skipped step leaves it."""
+    cast's bits (and close to the CPU's: the params themselves agree to float rounding, so a
+    value at a 16-bit rounding boundary may round the other way there); a skipped step
+    leaves it."""
     n = 12345
     p = randn(rng, n)
     for name in ("sgd", "adamw"):
@@ -625,7 +627,8 @@ def test_optimizer_steps_write_the_shadow(cu, rng, dtype):
                 cu.adamw_step_(dp, cu.asarray(g), *state, dhyper, 0.9, 0.999, 1e-8, 0.01,
                                shadow=shadow)
             got = cu.to_numpy(shadow)
-            assert got.tobytes() == ref_shadow.tobytes()
+            as_float = [cpu.copy_(np.empty(n, F32), a) for a in (got, ref_shadow)]
+            np.testing.assert_allclose(*as_float, rtol=1e-2, atol=1e-6)
             cast = np.zeros(n, dtype)
             cpu.copy_(cast, cu.to_numpy(dp))
             assert got.tobytes() == cast.tobytes()

@@ -148,8 +148,9 @@ def test_resnet_fp32_alike_either_way(cu, monkeypatch):
         np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
 
 
-def test_operands_too_large_to_triple_keep_ffma():
-    """A tripled operand past int32 indexing: the pass keeps FFMA (tf32x3.fits)."""
+def test_fits_bounds_the_tripled_operands_by_int32():
+    """tf32x3.fits, which keeps a pass on FFMA where a tripled operand would pass int32
+    indexing (a pass that large is not built here)."""
     limit = conv2d.launch.INT32_MAX
     assert tf32x3.fits(limit // 3, 10)
     assert not tf32x3.fits(10, limit // 3 + 1)

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from dptrain.backend.bfloat16 import BFLOAT16, from_bfloat16, to_bfloat16
+from dptrain.backend.bfloat16 import BFLOAT16, HALVES, from_bfloat16, to_bfloat16
 from dptrain.backend.cpu.runtime import runtime
 from dptrain.backend.cpu.workspace import checked, scratch
 from dptrain.backend.registry import op
-
-HALVES = (np.dtype(np.float16), BFLOAT16)  # 16-bit floats (bfloat16 as its uint16 bits)
 
 name = "cpu"
 

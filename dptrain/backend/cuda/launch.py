@@ -21,7 +21,7 @@ import functools
 import cupy
 import numpy as np
 
-from dptrain.backend.bfloat16 import BFLOAT16, from_bfloat16, to_bfloat16
+from dptrain.backend.bfloat16 import BFLOAT16, HALVES, from_bfloat16, to_bfloat16
 from dptrain.backend.cuda import loader
 
 BLOCK = 256  # threads per block of every grid-stride launch (unless launch_shape says)
@@ -31,8 +31,9 @@ INT32_MAX = 2**31 - 1
 GRID_YZ_MAX = 65535  # grid.y and grid.z limits
 BLOCKS_PER_SM = 16  # grid-stride launches are capped at this many blocks per SM
 FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
-HALF = np.dtype(np.float16)  # 16-bit storage types: the kernels that take them compute in
-HALVES = (HALF, BFLOAT16)  # float (bfloat16 is held as uint16: dptrain.backend.bfloat16)
+# 16-bit storage types (HALVES): the kernels that take them compute in float (bfloat16 is
+# held as uint16: dptrain.backend.bfloat16)
+HALF = np.dtype(np.float16)
 
 # C type of each supported dtype, keyed by (kind, itemsize) so int64 spelled 'l' or 'q' agree.
 # uint16 is bfloat16 (dptrain.backend.bfloat16): the backend has no integer uint16 arithmetic.

@@ -6,11 +6,12 @@ Conventions (the .cu file's header has the kernel side):
   * Values that change from step to step live in the device array `hyper` (sgd: [lr];
     adamw: [lr, 1 - beta1**t, 1 - beta2**t]), so a captured CUDA graph reads the current
     ones. Slot 3 of `hyper` is the skip flag (set on the device by the non-finite check):
-    non-zero leaves param and state untouched.
+    non-zero leaves param and state untouched. Constant coefficients are cast to the element
+    type on the host, rounded as the CPU backend rounds them (1 - beta1 computed in double,
+    then cast).
   * `shadow=` (mixed precision): the 16-bit copy of the float32 param that the layers read,
     rewritten in the update's own pass (one launch and one read of the params fewer than a
-    cast after it), with the cast's bits. Constant coefficients are cast to the element type on the host, rounded as the
-    CPU backend rounds them (1 - beta1 computed in double, then cast).
+    cast after it), with the cast's bits.
 """
 from __future__ import annotations
 

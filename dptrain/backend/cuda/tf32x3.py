@@ -56,10 +56,9 @@ def splitter(shape, axis: int, parts: str):
     out_shape = shape[:axis] + (3 * shape[axis],) + shape[axis + 1:]
     lo_parts = np.int32(sum(1 << j for j, p in enumerate(parts) if p == "l"))
     launch.check_int32("tf32x3.split", 3 * rows * cols)
-    vec = 4 if cols % 4 == 0 else 1
-    fn4 = launch.kernel(FILE, "split3_kernel", "4") if vec == 4 else None
+    fn4 = launch.kernel(FILE, "split3_kernel", "4") if cols % 4 == 0 else None
     fn1 = launch.kernel(FILE, "split3_kernel", "1")
-    tail = (np.int32(rows), np.int32(cols), np.int64(3 * cols), np.int64(cols), lo_parts)
+    tail = (np.int32(rows), np.int32(cols), lo_parts)
 
     def run(a):
         out = launch.new(out_shape, np.float32)
