@@ -24,6 +24,20 @@
 //    [s*chunk, (s+1)*chunk). One split writes gw directly; several write float partials
 //    ws[s][j][m], which conv2d_bwdw_wgmma_reduce_kernel sums in split order (bitwise
 //    repeatable) into gw. gw is PyTorch's (M, C, KH, KW): column j lands at c*KH*KW + tap.
+//  * conv2d_bwdw_tma_kernel: the same GEMM turned around and fed by TMA, warp-specialized as
+//    conv2d_wgmma.cu's forward (a ring of stages, one producer thread, two multiplying
+//    warpgroups taking whole tiles in turn). Rows are the output channels m (wgmma's M: one
+//    64-channel atom of gy), columns the j (wgmma's N: BJ of them, BJ / 64 atoms of one
+//    tap's 64 channels each), K the pixels in slabs of 64: D[m][j]. With 64 output
+//    channels (ResNet's first stage) the wide side is then j: an m64n192 wgmma reads 8 KB
+//    of shared memory per 393 K multiply-adds, where the 128 x 64 tile's two m64n64 read 8
+//    KB per 262 K. A slab is 1 + BJ / 64 boxes, each landing as an MN-major atom: gy's 64
+//    pixels x 64 channels through a tiled map of (pixels, M), and x's through the
+//    forward's im2col map (64 output pixels' channels c.. at tap (kh, kw): base o * s - p,
+//    offset the tap). Pixels past the last read as zeros through both maps, and the
+//    splits' chunks are whole slabs, so no slab needs a mask. The tiles (m fastest, then
+//    j, then the split) are walked by one block an SM: the tiles in flight share their
+//    split's pixels in L2. Partials and reduce as above (the same ws[s][j][m]).
 //
 // nvrtc-options: -arch=sm_90a
 // instantiations-per-module: 1  (a run builds only those it uses: a shorter cold start)
@@ -33,11 +47,13 @@
 // instantiate: conv2d_bwdw_wgmma_kernel<__half, 64>; conv2d_bwdw_wgmma_kernel<__half, 128>
 // instantiate: conv2d_bwdw_wgmma_kernel<__half, 256>
 // instantiate: conv2d_bwdw_wgmma_tf32_kernel<128>
+// instantiate: conv2d_bwdw_tma_kernel<__nv_bfloat16, 192>; conv2d_bwdw_tma_kernel<__half, 192>
 // instantiate: conv2d_bwdw_wgmma_reduce_kernel<__nv_bfloat16>
 // instantiate: conv2d_bwdw_wgmma_reduce_kernel<__half>
 // instantiate: conv2d_bwdw_wgmma_reduce_kernel<float>
 
 #include "common.cuh"
+#include "tma.cuh"
 #include "wgmma.cuh"
 
 namespace wgmma_bwdw {
@@ -261,6 +277,154 @@ __global__ void __launch_bounds__(wgmma_bwdw_tf32::THREADS, 1)
   for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
   wgmma_mainloop_staged<float, BM, BN>(acc, smem_base(smem_raw), KT, fetch, stash);
   bwdw_store<float, BN>(acc, gw, ws, M, C, J, taps, splits, j0, m0);
+}
+
+namespace wgmma_bwdw_tma {
+using namespace wgmma_tiles;
+constexpr int BK = 64, ATOM = BK * ROW_BYTES;  // pixels a slab; bytes of a 64-wide atom
+template <int BJ> __host__ __device__ constexpr int stage_bytes() { return ATOM + BJ / 64 * ATOM; }
+// As many stages as fit in 192 KB, at most 8 (the launcher: conv2d.py's _bwdw_tma_smem).
+template <int BJ> __host__ __device__ constexpr int stages() {
+  return 192 * 1024 / stage_bytes<BJ>() < 8 ? 192 * 1024 / stage_bytes<BJ>() : 8;
+}
+
+// Tile `tile` of the walk: its output channels m0.., columns j0.., pixels [q0, q1) and slabs.
+struct Tile {
+  int m0, j0, split, q0, q1, KT;
+  __device__ __forceinline__ Tile(int tile, int tiles_m, int tiles_j, int BJ, int chunk,
+                                  int npix)
+      : m0(tile % tiles_m * 64),
+        j0(tile / tiles_m % tiles_j * BJ),
+        split(tile / (tiles_m * tiles_j)),
+        q0(split * chunk),
+        q1(min(npix, q0 + chunk)),
+        KT(q1 > q0 ? (q1 - q0 + BK - 1) / BK : 0) {}
+};
+
+// The epilogue of a warpgroup's 64 x BJ tile: the thread's rows m (row, row + 8) and pairs
+// of columns j, to gw (one split) or split `split`'s float partials ws[split][j][m] (a
+// warp's store: 8 consecutive m at each of 4 columns, whole 32-byte sectors).
+template <typename T, int BJ>
+__device__ __forceinline__ void store(const float (&acc)[BJ / 2], T* gw, float* ws, int M,
+                                      int C, int J, int splits, const Tile& at) {
+  const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, taps = J / C;
+  float* part = ws + (long long)at.split * J * M;
+#pragma unroll
+  for (int g = 0; g < BJ / 8; ++g)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int m = at.m0 + warp * 16 + (lane >> 2) + 8 * h;
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int j = at.j0 + 8 * g + 2 * (lane & 3) + e;
+        if (m >= M || j >= J) continue;
+        const float v = acc[4 * g + 2 * h + e];
+        if (splits == 1) {
+          const int t = j / C;
+          gw[(long long)m * J + (j - t * C) * taps + t] = as<T>(v);
+        } else {
+          part[(long long)j * M + m] = v;
+        }
+      }
+    }
+}
+}  // namespace wgmma_bwdw_tma
+
+// The TMA-fed backward-weight (see the conventions): 384 threads, warpgroups 0 and 1 multiply
+// (ping-pong, as conv2d_wgmma.cu's multiply_tiles: turns handed over through order[w]),
+// thread 256 issues the copies. `pixels`: the im2col map of x (NHWC; boxes of 64 pixels x
+// 64 channels), `grads`: the tiled map of gy as (npix, M) (boxes of 64 x 64). One block an
+// SM walks tiles blockIdx.x, + gridDim.x, ...
+template <typename T, int BJ>
+__global__ void __launch_bounds__(384, 1)
+    conv2d_bwdw_tma_kernel(const __grid_constant__ wgmma_tiles::TmaMap pixels,
+                           const __grid_constant__ wgmma_tiles::TmaMap grads,
+                           T* __restrict__ gw, float* __restrict__ ws, int Nb, int M, int C,
+                           int Ho, int Wo, int KW, int sh, int sw, int ph, int pw, int J,
+                           int tiles_m, int tiles_j, int splits, int chunk) {
+  using namespace wgmma_tiles;
+  using namespace wgmma_bwdw_tma;
+  constexpr int S = stages<BJ>(), STAGE = stage_bytes<BJ>();
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  __shared__ __align__(8) unsigned long long bars[2 * S + 2];  // full[S], empty[S], order[2]
+  require_smem(S * STAGE + 1024);  // the launcher must pass it
+  const u32 sbase = smem_base(smem_raw);
+  const u32 full = (u32)__cvta_generic_to_shared(bars), empty = full + 8 * S;
+  const u32 order = empty + 8 * S;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < S; ++s) {
+      mbar_init(full + 8 * s, 1);
+      mbar_init(empty + 8 * s, 128);  // one warpgroup takes a slab
+    }
+    mbar_init(order, 1);
+    mbar_init(order + 8, 1);
+  }
+  __syncthreads();
+  const int npix = Nb * Ho * Wo, tiles = tiles_m * tiles_j * splits;
+  if (threadIdx.x < 256) {  // multiplying warpgroups
+    setmaxnreg_inc<232>();
+    const int wg = threadIdx.x >> 7;
+    const bool leader = (threadIdx.x & 127) == 0;  // hands the turn over
+    int pos = 0, turn = 0, waits = 0;
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+      const Tile at(tile, tiles_m, tiles_j, BJ, chunk, npix);
+      if ((turn++ & 1) != wg) {  // the other warpgroup's tile
+        pos += at.KT;
+        continue;
+      }
+      if (turn > 1) mbar_wait(order + 8 * wg, waits++ & 1);  // the tile before has landed
+      if (at.KT == 0 && leader) mbar_arrive(order + 8 * (wg ^ 1));
+      float acc[BJ / 2];
+#pragma unroll
+      for (int i = 0; i < BJ / 2; ++i) acc[i] = 0.f;
+      int last = -1;  // the slot of the slab before, released once its wgmmas retire
+      for (int kt = 0; kt < at.KT; ++kt, ++pos) {
+        const int slot = pos % S;
+        mbar_wait(full + 8 * slot, (pos / S) & 1);
+        if (kt == at.KT - 1 && leader) mbar_arrive(order + 8 * (wg ^ 1));  // the next turn
+        const u32 st = sbase + slot * STAGE;
+        wgmma_slab<T, BJ, true>(acc, st, st + ATOM);
+        wgmma_wait<1>();  // the slab before has retired: its slot may be refilled
+        fence_regs(acc);
+        if (last >= 0) mbar_arrive(empty + 8 * last);
+        last = slot;
+      }
+      wgmma_wait<0>();
+      fence_regs(acc);
+      if (last >= 0) mbar_arrive(empty + 8 * last);
+      store<T, BJ>(acc, gw, ws, M, C, J, splits, at);
+    }
+    return;
+  }
+  setmaxnreg_dec<40>();
+  if (threadIdx.x != 256) return;
+  int slot = 0;
+  u32 parity = 0;
+  const PixelStep slab = pixel_step(BK, Ho, Wo);
+  for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const Tile at(tile, tiles_m, tiles_j, BJ, chunk, npix);
+    int tc[BJ / 64], tw[BJ / 64], th[BJ / 64];  // each atom's channel and tap
+#pragma unroll
+    for (int a = 0; a < BJ / 64; ++a) {
+      const int j = at.j0 + 64 * a, t = j / C;
+      tc[a] = j - t * C;
+      th[a] = t / KW;
+      tw[a] = t - th[a] * KW;
+    }
+    Pixel px = pixel_at(at.q0, Ho, Wo);
+    for (int kt = 0; kt < at.KT; ++kt) {
+      mbar_wait(empty + 8 * slot, parity ^ 1);  // the slot's previous slab retired
+      const u32 st = sbase + slot * STAGE, bar = full + 8 * slot;
+      mbar_expect_tx(bar, STAGE);
+      tma_load_2d(st, grads, at.m0, at.q0 + kt * BK, bar);
+#pragma unroll
+      for (int a = 0; a < BJ / 64; ++a)
+        tma_load_im2col_4d(st + (1 + a) * ATOM, pixels, tc[a], px.ox * sw - pw, px.oy * sh - ph,
+                           px.n, tw[a], th[a], bar);
+      advance(px, slab);
+      if (++slot == S) slot = 0, parity ^= 1;
+    }
+  }
 }
 
 // gw[m][c*taps + t] = sum over s in order of ws[s][t*C + c][m]: a thread per output, reading

@@ -353,11 +353,11 @@ __device__ __forceinline__ int cl_channel(int C, int V) { return threadIdx.x % (
 // + RPI * i (so c0, and every per-channel constant, is the thread's own for the whole loop).
 // The groups of the A arrays src[a] (null: not read) are loaded for U rows at a time before
 // f(o, packs) runs on each row in order (o its group's element offset): bytes in flight are
-// what these memory-bound kernels need.
-template <int A, typename T, typename F>
+// what these memory-bound kernels need (U * A groups a thread; 4 by default).
+template <int A, typename T, int U = 4 / A, typename F>
 __device__ __forceinline__ void cl_rows(const T* const (&src)[A], int rows, int C, int chunk,
                                         F f) {
-  constexpr int V = Group<T>::size, U = 4 / A;
+  constexpr int V = Group<T>::size;
   const int groups = C / V, rpi = CL_THREADS / groups;
   const int lr = threadIdx.x / groups, c0 = cl_channel(C, V);
   const int r0 = blockIdx.y * chunk, r1 = min(rows, r0 + chunk);
@@ -382,8 +382,8 @@ __device__ __forceinline__ void cl_rows(const T* const (&src)[A], int rows, int 
 // the compute type P (a few hundred rows at most: 3 * SMs splits of rows / RPI; float keeps
 // the registers, and so the loads in flight, of a 16-bit group); the RPI threads of each
 // channel group are then added in double, in row order, through shared memory, and
-// ws[(y * R + r) * C + c] written.
-template <int R, int A, typename Acc, typename T, typename Add>
+// ws[(y * R + r) * C + c] written. U: cl_rows'.
+template <int R, int A, typename Acc, typename T, int U = 4 / A, typename Add>
 __device__ __forceinline__ void cl_partials(double* ws, const T* const (&src)[A], int rows,
                                             int C, int chunk, Add add) {
   constexpr int V = Group<T>::size;
@@ -395,7 +395,7 @@ __device__ __forceinline__ void cl_partials(double* ws, const T* const (&src)[A]
   for (int r = 0; r < R; ++r)
 #pragma unroll
     for (int k = 0; k < V; ++k) acc[r][k] = Acc(0);
-  cl_rows<A, T>(src, rows, C, chunk, [&](long long, const Pack<T, V> (&raw)[A]) {
+  cl_rows<A, T, U>(src, rows, C, chunk, [&](long long, const Pack<T, V> (&raw)[A]) {
     Acc v[A][V];
 #pragma unroll
     for (int a = 0; a < A; ++a)
@@ -478,7 +478,9 @@ __global__ void __launch_bounds__(CL_THREADS) bn_var_partial_cl_kernel(
   });
 }
 
-// bn_backward_partial_kernel, channels-last: the constants of each channel staged once.
+// bn_backward_partial_kernel, channels-last: the constants of each channel staged once. Its
+// registers (95 for fp16) leave room for two blocks an SM (the launcher's BACKWARD_PER_SM),
+// so each thread keeps 4 rows of both arrays in flight, twice cl_rows' default.
 template <typename T, typename P = compute_t<T>>
 __global__ void __launch_bounds__(CL_THREADS) bn_backward_partial_cl_kernel(
     double* ws, const T* gy, const T* x, const P* mean, const P* var, const P* relu_weight,
@@ -494,7 +496,7 @@ __global__ void __launch_bounds__(CL_THREADS) bn_backward_partial_cl_kernel(
     shift[k] = relu_weight ? relu_bias[c0 + k] : P(0);
   }
   const T* const src[2] = {gy, x};
-  cl_partials<2, 2, P, T>(ws, src, rows, C, chunk, [&](P (&acc)[2][V], P (&v)[2][V]) {
+  cl_partials<2, 2, P, T, 4>(ws, src, rows, C, chunk, [&](P (&acc)[2][V], P (&v)[2][V]) {
 #pragma unroll
     for (int k = 0; k < V; ++k) {
       P g = v[0][k];

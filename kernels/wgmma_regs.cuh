@@ -1,8 +1,8 @@
-// wgmma_regs.cuh: the accumulator operands of wgmma.mma_async for 16, 32, 64 and 128 fp32
-// registers per thread (m64n32 ... m64n256): the PTX operand list WGMMA_D<R> (%0 ... %R-1,
+// wgmma_regs.cuh: the accumulator operands of wgmma.mma_async for 16, 32, 64, 96 and 128
+// fp32 registers per thread (m64n32 ... m64n256): the PTX operand list WGMMA_D<R> (%0 ... %R-1,
 // then the two descriptors %R, %R+1) and the matching "+f" constraints WGMMA_REGS<R> on
 // d[0 .. R-1]. Inline asm cannot build these from a count, so they are spelled out here once,
-// each list the one before it plus its second half.
+// each list the one before it plus the registers it adds.
 
 #pragma once
 
@@ -18,6 +18,9 @@
 #define WGMMA_D16 "{" WGMMA_P0 "}, %16, %17"
 #define WGMMA_D32 "{" WGMMA_P0 ", " WGMMA_P16 "}, %32, %33"
 #define WGMMA_D64 "{" WGMMA_P0 ", " WGMMA_P16 ", " WGMMA_P32 ", " WGMMA_P48 "}, %64, %65"
+#define WGMMA_D96 \
+  "{" WGMMA_P0 ", " WGMMA_P16 ", " WGMMA_P32 ", " WGMMA_P48 ", " WGMMA_P64 ", " WGMMA_P80 \
+  "}, %96, %97"
 #define WGMMA_D128 \
   "{" WGMMA_P0 ", " WGMMA_P16 ", " WGMMA_P32 ", " WGMMA_P48 ", " \
   WGMMA_P64 ", " WGMMA_P80 ", " WGMMA_P96 ", " WGMMA_P112 "}, %128, %129"
@@ -33,11 +36,12 @@
   "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
   "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
   "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-#define WGMMA_REGS128 WGMMA_REGS64, \
+#define WGMMA_REGS96 WGMMA_REGS64, \
   "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), \
   "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), \
   "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), \
-  "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), \
+  "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
+#define WGMMA_REGS128 WGMMA_REGS96, \
   "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), \
   "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), \
   "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), \

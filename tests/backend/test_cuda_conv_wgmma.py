@@ -21,6 +21,8 @@ WGMMA = "conv2d_wgmma_kernel"
 WGMMA_TMA = "conv2d_wgmma_tma_kernel"
 WGMMA_BWDW = "conv2d_bwdw_wgmma_kernel"
 WGMMA_BWDW_TF32 = "conv2d_bwdw_wgmma_tf32_kernel"
+TMA_BWDW = "conv2d_bwdw_tma_kernel"
+HALVES = DTYPES[1:]
 
 
 def _channels_last(a):
@@ -241,6 +243,59 @@ def test_wgmma_backward_weight_agrees_with_the_mma_kernel(cu, dt, monkeypatch):
     gemm.clear_plans()
     assert planned_kernels(cu, x, w, gy, stride, pad)["backward_weight"] != bwdw_kernel(dt)
     close(fast, passes(cu, dt, x, w, gy, stride, pad)[2], dt, 2)
+
+
+TMA_BWDW_CASES = [  # x shape, w shape, stride, padding
+    ((2, 64, 10, 10), (64, 64, 3, 3), (1, 1), (1, 1)),  # ResNet's first stage; a partial slab
+    ((4, 64, 12, 12), (128, 64, 3, 3), (1, 1), (2, 2)),  # 128 channels; padding 2: 14 x 14
+    ((2, 128, 7, 9), (40, 128, 3, 3), (1, 1), (1, 1)),  # 40 of a 64-channel tile; 6 j tiles
+    ((3, 192, 5, 5), (72, 192, 1, 1), (1, 1), (0, 0)),  # 1x1: one j tile; two m tiles
+    ((64, 64, 16, 16), (64, 64, 3, 3), (1, 1), (1, 1)),  # 16,384 pixels: many splits
+    ((2, 512, 3, 3), (512, 512, 3, 3), (1, 1), (1, 1)),  # 192 tiles of one slab: one split
+]
+
+
+@pytest.mark.parametrize("dt", HALVES)
+@pytest.mark.parametrize("xs, ws, stride, pad", TMA_BWDW_CASES)
+def test_tma_backward_weight_matches_reference(cu, dt, xs, ws, stride, pad, monkeypatch):
+    """conv2d_bwdw_tma_kernel (DPTRAIN_BWDW_TMA=1) within the 16-bit tolerance of float64, as
+    close to the gathering wgmma kernel, bitwise repeatable, channels-last bitwise the same."""
+    monkeypatch.setenv(conv2d.WGMMA_TMA_ENV, "1")
+    monkeypatch.setenv(conv2d.BWDW_TMA_ENV, "1")
+    gemm.clear_plans()
+    x, w, gy = inputs(dt, xs, ws, stride, pad)
+    dx, dgy = cu.asarray(x), cu.asarray(gy)
+    assert planned_kernels(cu, x, w, gy, stride, pad)["backward_weight"] == TMA_BWDW
+    splits = conv2d._backward_weight(dx, dgy, ws, stride, pad).splits
+    if xs[1] == 512:
+        assert splits == 1  # gw written by the tiles themselves
+    elif xs[0] == 64:
+        assert splits > 1
+    run = lambda: cu.to_numpy(cu.conv2d_backward_weight(dx, dgy, ws, stride, pad))  # noqa: E731
+    got = run()
+    assert got.tobytes() == run().tobytes()
+    x64, gy64 = (to_f32(a, dt).astype(np.float64) for a in (x, gy))
+    close(to_f32(got, dt), cpu.conv2d_backward_weight(x64, gy64, ws, stride, pad), dt, 2)
+    xl, gyl = cu.asarray(_channels_last(x)), cu.asarray(_channels_last(gy))
+    cl = cu.conv2d_backward_weight(xl, gyl, ws, stride, pad, channels_last=True)
+    assert cu.to_numpy(cl).tobytes() == got.tobytes()
+    monkeypatch.setenv(conv2d.BWDW_TMA_ENV, "0")
+    gemm.clear_plans()
+    assert planned_kernels(cu, x, w, gy, stride, pad)["backward_weight"] == WGMMA_BWDW
+    close(to_f32(got, dt), to_f32(run(), dt), dt, 2)
+
+
+@pytest.mark.parametrize("xs, ws, stride, pad", [
+    ((2, 32, 8, 8), (64, 32, 3, 3), (1, 1), (1, 1)),  # 32 channels: half a 128-byte slab
+    ((2, 64, 8, 8), (64, 64, 1, 1), (1, 1), (0, 0)),  # 64 columns: a third of a tile
+    ((4, 64, 12, 12), (128, 64, 3, 3), (2, 2), (1, 1)),  # a stride: slower here (measured)
+])
+def test_tma_backward_weight_leaves_what_it_cannot_take(cu, xs, ws, stride, pad, monkeypatch):
+    monkeypatch.setenv(conv2d.WGMMA_TMA_ENV, "1")
+    monkeypatch.setenv(conv2d.BWDW_TMA_ENV, "1")
+    gemm.clear_plans()
+    x, w, gy = inputs(HALVES[0].values[0], xs, ws, stride, pad)
+    assert planned_kernels(cu, x, w, gy, stride, pad)["backward_weight"] == WGMMA_BWDW
 
 
 def test_tf32_backward_weight_takes_wgmma_where_its_rows_fill_a_tile(cu, monkeypatch):

@@ -29,6 +29,9 @@ Conventions (the .cu file's header has the kernel side):
     C_in*KH*KW >= 128 (DPTRAIN_WGMMA_BWDW_TF32: "0" never, "1" always): x and gy are copied
     to NHWC, and C_in and C_out must come in whole 16-byte chunks; its split of the pixels
     over grid z is chosen by a cost model of waves, slabs and the reduce (_bwdw_wgmma_splits).
+    With DPTRAIN_BWDW_TMA=1, 16-bit passes whose C_in*KH*KW fills 192-wide tiles and whose
+    channels fill 128-byte slabs run turned around and fed by TMA instead
+    (conv2d_bwdw_tma_kernel: rows the output channels, columns the (tap, c)).
   * fp32 channels-last passes on Hopper run as 3xTF32 (tf32x3.py: the operands split into
     TF32 parts, K tripled, then the TF32 wgmma plan), where a TF32 wgmma kernel takes the
     tripled pass, and for backward-weight where C_out and C_in*KH*KW fill 128-wide tiles
@@ -91,6 +94,9 @@ NHWC_ENV = "DPTRAIN_NHWC_CONV"  # "0": backward-weight keeps the NCHW gathers
 CONV_STATS_ENV = "DPTRAIN_CONV_STATS"  # see _epilogue_stats
 WGMMA_BWDW = "conv2d_bwdw_wgmma.cu"
 WGMMA_BWDW_ENV = "DPTRAIN_WGMMA_BWDW"  # "0": 16-bit backward-weight keeps conv2d_nhwc.cu
+# 16-bit backward-weight fed by TMA (conv2d_bwdw_tma_kernel), "1" to take it where it applies
+# (_bwdw_tma_box): 64 output channels by 192 (tap, c) columns a tile
+BWDW_TMA_ENV, BWDW_TMA_COLS = "DPTRAIN_BWDW_TMA", 192
 # TF32 backward-weight on wgmma (conv2d_bwdw_wgmma_tf32_kernel): by default where C_in*KH*KW
 # fills its 128-row tiles (ResNet-18's passes on an H100, 2026-11-25: 1.03-2.5x faster than
 # conv2d_nhwc.cu from 128 rows on, 0.76x at 64, a 1x1 filter on 64 channels); "1": every
@@ -844,12 +850,91 @@ def _bwdw_wgmma_splits(tiles: int, npix: int, outputs: int, per_sm: int) -> tupl
     return best[1], best[2]
 
 
-def _plan_wgmma_backward_weight(x_shape, w_shape, ho, wo, stride, padding, dt, cl=False):
-    """conv2d_bwdw_wgmma.cu: 128 rows of (tap, c) by BN output channels per block (64 / 128 /
-    256, the smallest covering them; 128 in TF32), the pixels split over grid z. x_shape is
-    NCHW; `cl`: x and gy come channels-last already (no copies)."""
+def _bwdw_tma_box(dt, x_shape, w_shape, ho, wo, stride, padding):
+    """The im2col box of conv2d_bwdw_tma_kernel's map of x (the forward's: _tma_box), or None
+    where that kernel does not take the pass: DPTRAIN_BWDW_TMA not "1", not 16-bit, C_in*KH*KW
+    not in whole 192-wide tiles, a stride (ResNet-18's three stride-2 3x3 passes took 0.086,
+    0.078 and 0.082 ms this way, 0.063, 0.064 and 0.079 gathering; fp16, H200), or no TMA
+    box for the forward."""
+    (_, c, h, wd), (_, _, kh, kw) = x_shape, w_shape
+    if (os.environ.get(BWDW_TMA_ENV, "0") != "1" or dt not in launch.HALVES
+            or c * kh * kw % BWDW_TMA_COLS or tuple(stride) != (1, 1)):
+        return None
+    return _tma_box(0, stride, padding, (kh, kw), (h, wd), (ho, wo), c, dt)
+
+
+def _bwdw_tma_splits(tiles: int, npix: int, outputs: int) -> tuple[int, int]:
+    """(splits, chunk) of conv2d_bwdw_tma_kernel's pixels: the count that minimises an
+    estimate in slab times (64 pixels of one tile): waves of tiles over one block an SM times
+    a tile's slabs plus 2 (its pipeline fill and epilogue), plus the float partials' reduce
+    (about 3.3e-6 slab times per output and split). Chunks are whole slabs; none is empty."""
+    sms, slabs, best = launch.sm_count(), -(-npix // 64), None
+    for s in range(1, min(slabs, 256) + 1):
+        per = -(-slabs // s)
+        if -(-slabs // per) != s:
+            continue
+        cost = -(-tiles * s // sms) * (per + 2) + (s * outputs * 3.3e-6 if s > 1 else 0.0)
+        if best is None or cost < best[0]:
+            best = (cost, s, per * 64)
+    return best[1], best[2]
+
+
+def _bwdw_tma_smem(cols: int) -> int:
+    """conv2d_bwdw_tma_kernel's dynamic shared memory (its stages<BJ>): stages of a 64-pixel
+    slab of 64 + cols rows, as many as fit in 192 KB, at most 8, + slack to align."""
+    stage = (64 + cols) * 128
+    return min(8, 192 * 1024 // stage) * stage + 1024
+
+
+def _plan_tma_backward_weight(x_shape, w_shape, ho, wo, stride, padding, dt, box, cl):
+    """conv2d_bwdw_tma_kernel: tiles of 64 output channels by BWDW_TMA_COLS (tap, c), the
+    pixels split into chunks of whole slabs, one block an SM walking the tiles; several
+    splits' float partials summed by conv2d_bwdw_wgmma_reduce_kernel. Operands as
+    _plan_wgmma_backward_weight's."""
     f = "conv2d_backward_weight"
     (n, c, h, wd), (cout, _, kh, kw) = x_shape, w_shape
+    ncol, npix, cols = c * kh * kw, n * ho * wo, BWDW_TMA_COLS
+    tiles_m, tiles_j = -(-cout // 64), ncol // cols
+    splits, chunk = _bwdw_tma_splits(tiles_m * tiles_j, npix, ncol * cout)
+    smem = _bwdw_tma_smem(cols)
+    fn = launch.kernel(WGMMA_BWDW, "conv2d_bwdw_tma_kernel", launch.ctype(dt), str(cols),
+                       smem=smem)
+    grid = (min(tiles_m * tiles_j * splits, launch.sm_count()),)
+    tail = (i32(n), i32(cout), i32(c), i32(ho), i32(wo), i32(kw), i32(stride[0]),
+            i32(stride[1]), i32(padding[0]), i32(padding[1]), i32(ncol), i32(tiles_m),
+            i32(tiles_j), i32(splits), i32(chunk))
+    x_nhwc = (lambda a: a) if cl else _to_nhwc(x_shape, dt)
+    gy_nhwc = (lambda a: a) if cl else transposer(n, cout, ho * wo, dt)
+    reduce = launch.kernel(WGMMA_BWDW, "conv2d_bwdw_wgmma_reduce_kernel", launch.ctype(dt))
+    r_grid = (max(1, min(-(-ncol * cout // 256), launch.sm_count() * 8)),)
+    r_tail = (i32(splits), i32(cout), i32(c), i32(kh * kw))
+
+    def run(x, gy, out, workspace=None):
+        gw = output(f, out, tuple(w_shape), dt)
+        ws = launch.new((splits, ncol, cout), np.float32) if splits > 1 else gw
+        xn, gyn = take(workspace, "x", x, x_nhwc), take(workspace, "gy", gy, gy_nhwc)
+        maps = (tma.im2col(xn, (n, h, wd, c), *box, channels=64, pixels=64),
+                tma.tiled(gyn, npix, cout, 64, 64))
+        fn(grid, (384,), maps + (gw, ws) + tail, shared_mem=smem)
+        if splits > 1:
+            reduce(r_grid, (256,), (ws, gw) + r_tail)
+        return gw
+
+    run.kernel, run.splits = "conv2d_bwdw_tma_kernel", splits
+    return run
+
+
+def _plan_wgmma_backward_weight(x_shape, w_shape, ho, wo, stride, padding, dt, cl=False):
+    """conv2d_bwdw_wgmma.cu: 128 rows of (tap, c) by BN output channels per block (64 / 128 /
+    256, the smallest covering them; 128 in TF32), the pixels split over grid z; or the
+    TMA-fed kernel where _bwdw_tma_box gives a box. x_shape is NCHW; `cl`: x and gy come
+    channels-last already (no copies)."""
+    f = "conv2d_backward_weight"
+    (n, c, h, wd), (cout, _, kh, kw) = x_shape, w_shape
+    box = _bwdw_tma_box(dt, x_shape, w_shape, ho, wo, stride, padding)
+    if box is not None:
+        launch.check_int32(f, n * c * h * wd, n * cout * ho * wo)
+        return _plan_tma_backward_weight(x_shape, w_shape, ho, wo, stride, padding, dt, box, cl)
     ncol, npix = c * kh * kw, n * ho * wo
     launch.check_int32(f, n * c * h * wd, n * cout * ho * wo)
     bn = 64 if cout <= 64 else 128 if cout <= 128 else 256

@@ -34,6 +34,9 @@ NORM = "norm.cu"
 CL_MAX_C, CL_THREADS = 512, 256  # norm.cu's
 FOLD_BLOCK = (32, 32)  # the finalize kernels' blocks: 32 outputs x FOLD_LANES
 TILE_PIXELS = 128  # the pixels of a convolution tile (batch_norm_tile_stats)
+# Blocks an SM of the channels-last reductions: 3, but 2 for the backward's (its registers
+# fit two blocks of 256 an SM: 3 ran a second, one-third wave)
+SUMS_PER_SM, BACKWARD_PER_SM = 3, 2
 
 
 def stat_dtype(x) -> np.dtype:
@@ -102,10 +105,10 @@ def _cl_grid(x, per_sm):
     return rows, c, -(-rows // chunk), chunk
 
 
-def _cl_sums(name, x, rows_per_channel, args):
+def _cl_sums(name, x, rows_per_channel, args, per_sm=SUMS_PER_SM):
     """The channels-last twin of _channel_sums: (partials (splits, R, C), splits), block y of
-    grid (1, splits) summing its chunk of x's rows."""
-    rows, c, splits, chunk = _cl_grid(x, 3)
+    grid (1, splits) summing its chunk of x's rows, about per_sm blocks an SM."""
+    rows, c, splits, chunk = _cl_grid(x, per_sm)
     ws = launch.new((splits, rows_per_channel, c), np.dtype(np.float64))
     fn = launch.kernel(NORM, name, launch.ctype(x.dtype))
     fn((1, splits), (CL_THREADS,), (ws, *args, np.int32(rows), np.int32(c), np.int32(chunk)))
@@ -327,7 +330,7 @@ def batch_norm_backward_reduce(gy, x, mean, var, eps, relu=None, add_to=None):
     if c:
         args = (gy, x, mean, var, *masks, stat_dtype(x).type(eps))
         if _cl(x, gy):
-            ws, splits = _cl_sums("bn_backward_partial_cl_kernel", x, 2, args)
+            ws, splits = _cl_sums("bn_backward_partial_cl_kernel", x, 2, args, BACKWARD_PER_SM)
         else:
             ws, splits = _channel_sums("bn_backward_partial_kernel", x, (n, c, s), 2, (gy, x),
                                        args)
