@@ -26,13 +26,15 @@
 //    repeatable) into gw. gw is PyTorch's (M, C, KH, KW): column j lands at c*KH*KW + tap.
 //  * conv2d_bwdw_tma_kernel: the same GEMM turned around and fed by TMA, warp-specialized as
 //    conv2d_wgmma.cu's forward (a ring of stages, one producer thread, two multiplying
-//    warpgroups taking whole tiles in turn). Rows are the output channels m (wgmma's M: one
-//    64-channel atom of gy), columns the j (wgmma's N: BJ of them, BJ / 64 atoms of one
-//    tap's 64 channels each), K the pixels in slabs of 64: D[m][j]. With 64 output
+//    warpgroups taking whole tiles in turn). Rows are the output channels m (wgmma's M: R
+//    atoms of 64 channels of gy), columns the j (wgmma's N: BJ of them, BJ / 64 atoms of 64
+//    channels of one tap each), K the pixels in slabs of 64: D[m][j]. With 64 output
 //    channels (ResNet's first stage) the wide side is then j: an m64n192 wgmma reads 8 KB
 //    of shared memory per 393 K multiply-adds, where the 128 x 64 tile's two m64n64 read 8
-//    KB per 262 K. A slab is 1 + BJ / 64 boxes, each landing as an MN-major atom: gy's 64
-//    pixels x 64 channels through a tiled map of (pixels, M), and x's through the
+//    KB per 262 K. With more, tiles of 128 x 128 (R = 2) load 32 KB a slab per 1 M
+//    multiply-adds where 64 x 192 load 32 KB per 786 K: these passes are bound by what the
+//    SMs read from L2. A slab is R + BJ / 64 boxes, each landing as an MN-major atom: gy's
+//    64 pixels x 64 channels through a tiled map of (pixels, M), and x's through the
 //    forward's im2col map (64 output pixels' channels c.. at tap (kh, kw): base o * s - p,
 //    offset the tap). Pixels past the last read as zeros through both maps, and the
 //    splits' chunks are whole slabs, so no slab needs a mask. The tiles (m fastest, then
@@ -47,7 +49,8 @@
 // instantiate: conv2d_bwdw_wgmma_kernel<__half, 64>; conv2d_bwdw_wgmma_kernel<__half, 128>
 // instantiate: conv2d_bwdw_wgmma_kernel<__half, 256>
 // instantiate: conv2d_bwdw_wgmma_tf32_kernel<128>
-// instantiate: conv2d_bwdw_tma_kernel<__nv_bfloat16, 192>; conv2d_bwdw_tma_kernel<__half, 192>
+// instantiate: conv2d_bwdw_tma_kernel<__nv_bfloat16, 192, 1>; conv2d_bwdw_tma_kernel<__half, 192, 1>
+// instantiate: conv2d_bwdw_tma_kernel<__nv_bfloat16, 128, 2>; conv2d_bwdw_tma_kernel<__half, 128, 2>
 // instantiate: conv2d_bwdw_wgmma_reduce_kernel<__nv_bfloat16>
 // instantiate: conv2d_bwdw_wgmma_reduce_kernel<__half>
 // instantiate: conv2d_bwdw_wgmma_reduce_kernel<float>
@@ -282,18 +285,21 @@ __global__ void __launch_bounds__(wgmma_bwdw_tf32::THREADS, 1)
 namespace wgmma_bwdw_tma {
 using namespace wgmma_tiles;
 constexpr int BK = 64, ATOM = BK * ROW_BYTES;  // pixels a slab; bytes of a 64-wide atom
-template <int BJ> __host__ __device__ constexpr int stage_bytes() { return ATOM + BJ / 64 * ATOM; }
+// A stage: R atoms of gy (64 R output channels), then BJ / 64 of x.
+template <int BJ, int R> __host__ __device__ constexpr int stage_bytes() {
+  return (R + BJ / 64) * ATOM;
+}
 // As many stages as fit in 192 KB, at most 8 (the launcher: conv2d.py's _bwdw_tma_smem).
-template <int BJ> __host__ __device__ constexpr int stages() {
-  return 192 * 1024 / stage_bytes<BJ>() < 8 ? 192 * 1024 / stage_bytes<BJ>() : 8;
+template <int BJ, int R> __host__ __device__ constexpr int stages() {
+  return 192 * 1024 / stage_bytes<BJ, R>() < 8 ? 192 * 1024 / stage_bytes<BJ, R>() : 8;
 }
 
 // Tile `tile` of the walk: its output channels m0.., columns j0.., pixels [q0, q1) and slabs.
 struct Tile {
   int m0, j0, split, q0, q1, KT;
-  __device__ __forceinline__ Tile(int tile, int tiles_m, int tiles_j, int BJ, int chunk,
-                                  int npix)
-      : m0(tile % tiles_m * 64),
+  __device__ __forceinline__ Tile(int tile, int tiles_m, int tiles_j, int BM, int BJ,
+                                  int chunk, int npix)
+      : m0(tile % tiles_m * BM),
         j0(tile / tiles_m % tiles_j * BJ),
         split(tile / (tiles_m * tiles_j)),
         q0(split * chunk),
@@ -301,19 +307,36 @@ struct Tile {
         KT(q1 > q0 ? (q1 - q0 + BK - 1) / BK : 0) {}
 };
 
+// One slab's wgmmas for a warpgroup's R x 64 rows, committed as one group: rows 64r.. from
+// gy's atom r at sa + r * ATOM into acc[r], all against the BJ columns of x at sb (both
+// MN-major).
+template <typename T, int BJ, int R>
+__device__ __forceinline__ void slab_rows(float (&acc)[R][BJ / 2], u32 sa, u32 sb) {
+#pragma unroll
+  for (int r = 0; r < R; ++r) fence_regs(acc[r]);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < BK / 16; ++kk)  // 16 pixels of K a step: 2 KB of an atom
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+      Wgmma<T, BJ, true>::run(acc[r], mn_desc(sa + r * ATOM + kk * 2048, ATOM),
+                              mn_desc(sb + kk * 2048, ATOM));
+  wgmma_commit();
+}
+
 // The epilogue of a warpgroup's 64 x BJ tile: the thread's rows m (row, row + 8) and pairs
 // of columns j, to gw (one split) or split `split`'s float partials ws[split][j][m] (a
 // warp's store: 8 consecutive m at each of 4 columns, whole 32-byte sectors).
 template <typename T, int BJ>
 __device__ __forceinline__ void store(const float (&acc)[BJ / 2], T* gw, float* ws, int M,
-                                      int C, int J, int splits, const Tile& at) {
+                                      int C, int J, int splits, const Tile& at, int m0) {
   const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, taps = J / C;
   float* part = ws + (long long)at.split * J * M;
 #pragma unroll
   for (int g = 0; g < BJ / 8; ++g)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int m = at.m0 + warp * 16 + (lane >> 2) + 8 * h;
+      const int m = m0 + warp * 16 + (lane >> 2) + 8 * h;
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int j = at.j0 + 8 * g + 2 * (lane & 3) + e;
@@ -335,7 +358,7 @@ __device__ __forceinline__ void store(const float (&acc)[BJ / 2], T* gw, float* 
 // thread 256 issues the copies. `pixels`: the im2col map of x (NHWC; boxes of 64 pixels x
 // 64 channels), `grads`: the tiled map of gy as (npix, M) (boxes of 64 x 64). One block an
 // SM walks tiles blockIdx.x, + gridDim.x, ...
-template <typename T, int BJ>
+template <typename T, int BJ, int R>
 __global__ void __launch_bounds__(384, 1)
     conv2d_bwdw_tma_kernel(const __grid_constant__ wgmma_tiles::TmaMap pixels,
                            const __grid_constant__ wgmma_tiles::TmaMap grads,
@@ -344,7 +367,7 @@ __global__ void __launch_bounds__(384, 1)
                            int tiles_m, int tiles_j, int splits, int chunk) {
   using namespace wgmma_tiles;
   using namespace wgmma_bwdw_tma;
-  constexpr int S = stages<BJ>(), STAGE = stage_bytes<BJ>();
+  constexpr int S = stages<BJ, R>(), STAGE = stage_bytes<BJ, R>(), BM = 64 * R;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   __shared__ __align__(8) unsigned long long bars[2 * S + 2];  // full[S], empty[S], order[2]
   require_smem(S * STAGE + 1024);  // the launcher must pass it
@@ -367,32 +390,38 @@ __global__ void __launch_bounds__(384, 1)
     const bool leader = (threadIdx.x & 127) == 0;  // hands the turn over
     int pos = 0, turn = 0, waits = 0;
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-      const Tile at(tile, tiles_m, tiles_j, BJ, chunk, npix);
+      const Tile at(tile, tiles_m, tiles_j, BM, BJ, chunk, npix);
       if ((turn++ & 1) != wg) {  // the other warpgroup's tile
         pos += at.KT;
         continue;
       }
       if (turn > 1) mbar_wait(order + 8 * wg, waits++ & 1);  // the tile before has landed
       if (at.KT == 0 && leader) mbar_arrive(order + 8 * (wg ^ 1));
-      float acc[BJ / 2];
+      float acc[R][BJ / 2];
 #pragma unroll
-      for (int i = 0; i < BJ / 2; ++i) acc[i] = 0.f;
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int i = 0; i < BJ / 2; ++i) acc[r][i] = 0.f;
       int last = -1;  // the slot of the slab before, released once its wgmmas retire
       for (int kt = 0; kt < at.KT; ++kt, ++pos) {
         const int slot = pos % S;
         mbar_wait(full + 8 * slot, (pos / S) & 1);
         if (kt == at.KT - 1 && leader) mbar_arrive(order + 8 * (wg ^ 1));  // the next turn
         const u32 st = sbase + slot * STAGE;
-        wgmma_slab<T, BJ, true>(acc, st, st + ATOM);
+        slab_rows<T, BJ, R>(acc, st, st + R * ATOM);
         wgmma_wait<1>();  // the slab before has retired: its slot may be refilled
-        fence_regs(acc);
+#pragma unroll
+        for (int r = 0; r < R; ++r) fence_regs(acc[r]);
         if (last >= 0) mbar_arrive(empty + 8 * last);
         last = slot;
       }
       wgmma_wait<0>();
-      fence_regs(acc);
+#pragma unroll
+      for (int r = 0; r < R; ++r) fence_regs(acc[r]);
       if (last >= 0) mbar_arrive(empty + 8 * last);
-      store<T, BJ>(acc, gw, ws, M, C, J, splits, at);
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+        store<T, BJ>(acc[r], gw, ws, M, C, J, splits, at, at.m0 + 64 * r);
     }
     return;
   }
@@ -402,7 +431,7 @@ __global__ void __launch_bounds__(384, 1)
   u32 parity = 0;
   const PixelStep slab = pixel_step(BK, Ho, Wo);
   for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    const Tile at(tile, tiles_m, tiles_j, BJ, chunk, npix);
+    const Tile at(tile, tiles_m, tiles_j, BM, BJ, chunk, npix);
     int tc[BJ / 64], tw[BJ / 64], th[BJ / 64];  // each atom's channel and tap
 #pragma unroll
     for (int a = 0; a < BJ / 64; ++a) {
@@ -416,10 +445,12 @@ __global__ void __launch_bounds__(384, 1)
       mbar_wait(empty + 8 * slot, parity ^ 1);  // the slot's previous slab retired
       const u32 st = sbase + slot * STAGE, bar = full + 8 * slot;
       mbar_expect_tx(bar, STAGE);
-      tma_load_2d(st, grads, at.m0, at.q0 + kt * BK, bar);
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+        tma_load_2d(st + r * ATOM, grads, at.m0 + 64 * r, at.q0 + kt * BK, bar);
 #pragma unroll
       for (int a = 0; a < BJ / 64; ++a)
-        tma_load_im2col_4d(st + (1 + a) * ATOM, pixels, tc[a], px.ox * sw - pw, px.oy * sh - ph,
+        tma_load_im2col_4d(st + (R + a) * ATOM, pixels, tc[a], px.ox * sw - pw, px.oy * sh - ph,
                            px.n, tw[a], th[a], bar);
       advance(px, slab);
       if (++slot == S) slot = 0, parity ^= 1;

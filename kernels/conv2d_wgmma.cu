@@ -42,6 +42,17 @@
 //    runs while the other's wgmmas keep the tensor cores busy; 16-bit channels-last tiles
 //    of 64 or 128 channels are stored through shared memory by TMA. The launcher's default
 //    where it applies (NOTES-gemm.md rows 36-39).
+//  * TURN (16-bit tiles of 64 channels): the tile turned around, D^T = W X^T, one m64n128
+//    wgmma a step with the weights as A and the 128 pixel rows as B, where two m64n64 read
+//    the weights twice: 6 KB of shared memory per 262 K multiply-adds instead of 8. The
+//    accumulator's rows are then channels and its columns pixels; the staging
+//    (stage_tile_turned) and the statistics (tile_stats_turned) read it so, and every store
+//    after the staging is the same.
+//  * TURN (16-bit tiles of 64 channels): the tile turned around, D^T = W X^T, one m64n128
+//    wgmma a step with the weights as A and the 128 pixel rows as B, where two m64n64 read
+//    the weights twice: 6 KB of shared memory per 262 K multiply-adds instead of 8. Rows of
+//    the accumulator are then channels and columns pixels; the staging (stage_tile_turned)
+//    and the statistics (tile_stats_turned) read it so, every store after them is the same.
 //
 // nvrtc-options: -arch=sm_90a
 // instantiations-per-module: 1  (a run builds only those it uses: a shorter cold start)
@@ -57,6 +68,8 @@
 // instantiate: conv2d_wgmma_tma_kernel<__nv_bfloat16, 128>
 // instantiate: conv2d_wgmma_tma_kernel<__half, 32>; conv2d_wgmma_tma_kernel<__half, 64>
 // instantiate: conv2d_wgmma_tma_kernel<__half, 128>
+// instantiate: conv2d_wgmma_tma_kernel<__nv_bfloat16, 64, true>
+// instantiate: conv2d_wgmma_tma_kernel<__half, 64, true>
 
 #include "common.cuh"
 #include "conv_geom.cuh"
@@ -351,6 +364,71 @@ __device__ __forceinline__ void stage_tile(const float (&acc)[2][BN / 2], unsign
     });
 }
 
+// stage_tile of a turned tile (TURN): acc holds rows m (channel m0 + 16 * warp + lane / 4, and
+// 8 further) by columns q (the 128 pixel rows, for_each_pair's columns), so each value is
+// its own 2-byte store: a store instruction's 32 lanes write 8 channels of 4 rows, one
+// 16-byte chunk each, in 4 different chunk columns (no bank conflicts).
+template <typename T>
+__device__ __forceinline__ void stage_tile_turned(const float (&acc)[BM / 2],
+                                                  unsigned char* sout, int m0, int M,
+                                                  const T* bias, int has_bias) {
+  const int c0 = ((threadIdx.x >> 5) & 3) * 16 + ((threadIdx.x & 31) >> 2);
+  float b[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+    b[h] = has_bias && m0 + c0 + 8 * h < M ? as<float>(bias[m0 + c0 + 8 * h]) : 0.f;
+  for_each_pair<BM>(acc, [&](int, int q, float x0, float y0, float x1, float y1) {
+    const float v[2][2] = {{x0, y0}, {x1, y1}};  // [channel c0, c0 + 8][pixel q, q + 1]
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int c = c0 + 8 * h;
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int r = q + e;
+        *reinterpret_cast<T*>(sout + r * ROW_BYTES + (((c >> 3) ^ (r & 7)) << 4) +
+                              (c & 7) * 2) = as<T>(has_bias ? v[h][e] + b[h] : v[h][e]);
+      }
+    }
+  });
+}
+
+// tile_stats of a turned tile (TURN): a channel is a row, so each thread sums its 32 pixels
+// of channels c0 and c0 + 8, then the 4 lanes of the row add theirs (xor 1, then 2: a fixed
+// order); the shift, pixel q0's rounded value, comes from the row's first lane. No shared
+// memory, no warpgroup barrier.
+template <typename T>
+__device__ __forceinline__ void tile_stats_turned(const float (&acc)[BM / 2], int M, int npix,
+                                                  int q0, int m0, float* stats) {
+  const int lane = threadIdx.x & 31;
+  const int c0 = ((threadIdx.x >> 5) & 3) * 16 + (lane >> 2), tx = q0 / BM;
+  const auto rounded = [](float v) { return as<float>(as<T>(v)); };
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float shift = __shfl_sync(0xffffffffu, rounded(acc[2 * h]), lane & ~3);
+    float sum = 0.f, sq = 0.f;
+#pragma unroll
+    for (int j = 0; j < BM / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int q = q0 + 8 * j + 2 * (lane & 3) + e;
+        const float d = q < npix ? rounded(acc[4 * j + 2 * h + e]) - shift : 0.f;
+        sum += d;
+        sq += d * d;
+      }
+#pragma unroll
+    for (int mask = 1; mask <= 2; mask <<= 1) {
+      sum += __shfl_xor_sync(0xffffffffu, sum, mask);
+      sq += __shfl_xor_sync(0xffffffffu, sq, mask);
+    }
+    const int m = m0 + c0 + 8 * h;
+    if ((lane & 3) == 0 && m < M) {
+      stats[(long long)tx * 3 * M + m] = shift;
+      stats[((long long)tx * 3 + 1) * M + m] = sum;
+      stats[((long long)tx * 3 + 2) * M + m] = sq;
+    }
+  }
+}
+
 // A warpgroup's staged tile (stage_tile) into out by a rolled loop, where no TMA store
 // applies (NCHW, the phases' strided pixels, rows not in 16-byte multiples): each thread
 // works out its row's offset in out once (rowbase, 128 entries; -1 past the pixels), then
@@ -407,7 +485,7 @@ __device__ __forceinline__ void store_staged(const unsigned char* sout, long lon
 // only once the other has seen every slab of the tile before land. Without that, it could
 // wait on a slot two uses ahead of the barrier, whose parity the use before it shares: a
 // parity wait cannot tell them apart.
-template <typename T, int BN>
+template <typename T, int BN, bool TURN>
 __device__ __forceinline__ void multiply_tiles(const ConvGeom& g, int tiles_x, int tiles_y,
                                                int tiles, u32 sbase, u32 full, u32 empty,
                                                u32 order, const T* bias, int has_bias,
@@ -430,7 +508,8 @@ __device__ __forceinline__ void multiply_tiles(const ConvGeom& g, int tiles_x, i
     }
     if (turn > 1) mbar_wait(order + 8 * wg, waits++ & 1);  // the tile before has landed
     if (KT == 0 && leader) mbar_arrive(order + 8 * (wg ^ 1));
-    float acc[2][BN / 2];
+    float acc[2][BN / 2];  // TURN: acc[0] and acc[1] as one m64n128 accumulator, flat
+    float (&flat)[BN] = *reinterpret_cast<float(*)[BN]>(&acc[0][0]);
 #pragma unroll
     for (int h = 0; h < 2; ++h)
 #pragma unroll
@@ -441,7 +520,10 @@ __device__ __forceinline__ void multiply_tiles(const ConvGeom& g, int tiles_x, i
       mbar_wait(full + 8 * slot, (pos / S) & 1);
       if (kt == KT - 1 && leader) mbar_arrive(order + 8 * (wg ^ 1));  // the next turn
       const u32 st = sbase + slot * STAGE_BYTES;
-      wgmma_slab_pair<T, BN>(acc[0], acc[1], st, st + 64 * ROW_BYTES, st + A_BYTES);
+      if constexpr (TURN)
+        wgmma_slab<T, BM>(flat, st + A_BYTES, st);  // A: the weights; B: the pixel rows
+      else
+        wgmma_slab_pair<T, BN>(acc[0], acc[1], st, st + 64 * ROW_BYTES, st + A_BYTES);
       wgmma_wait<1>();  // the slab before has retired: its slot may be refilled
       fence_regs(acc[0]);
       fence_regs(acc[1]);
@@ -455,7 +537,10 @@ __device__ __forceinline__ void multiply_tiles(const ConvGeom& g, int tiles_x, i
     if constexpr (staged<T, BN>()) {  // through shared memory: BN / 64 box stores, or rolled
       if (leader) bulk_wait_read<0>();  // the previous tile's boxes have been read
       warpgroup_sync(wg);               // ... and its rolled stores done
-      stage_tile<T, BN>(acc, sout, at.m0, g.M, bias, has_bias);
+      if constexpr (TURN)
+        stage_tile_turned<T>(flat, sout, at.m0, g.M, bias, has_bias);
+      else
+        stage_tile<T, BN>(acc, sout, at.m0, g.M, bias, has_bias);
       fence_proxy_async();  // the staged tile, visible to the TMA unit
       warpgroup_sync(wg);
       if (!tma_store) {
@@ -472,7 +557,11 @@ __device__ __forceinline__ void multiply_tiles(const ConvGeom& g, int tiles_x, i
       for (int h = 0; h < 2; ++h)
         store_tile<T, BN>(acc[h], g, at.f, at.q0 + 64 * h, at.m0, bias, has_bias, nhwc, out);
     }
-    if (stats) tile_stats<T, BN>(acc, wg, g.M, at.f.npix, at.q0, at.m0, stats, sm);
+    if constexpr (TURN) {
+      if (stats) tile_stats_turned<T>(flat, g.M, at.f.npix, at.q0, at.m0, stats);
+    } else if (stats) {
+      tile_stats<T, BN>(acc, wg, g.M, at.f.npix, at.q0, at.m0, stats, sm);
+    }
   }
   if (staged<T, BN>() && tma_store && leader) bulk_wait<0>();  // written before the block ends
 }
@@ -518,7 +607,7 @@ __global__ void __launch_bounds__(256, BN <= 64 ? 2 : 1) conv2d_wgmma_kernel(DP_
 // thread of those holds two 64 x BN accumulators). Where `tma_store` (the launcher:
 // channels-last, consecutive pixels, M a multiple of 8), the 16-bit tiles go out through
 // the tiled map `outputs` of out as (pixels, M), boxes of 128 pixels x 64 channels.
-template <typename T, int BN>
+template <typename T, int BN, bool TURN = false>
 __global__ void __launch_bounds__(384, 1)
     conv2d_wgmma_tma_kernel(const __grid_constant__ wgmma_tiles::TmaMap pixels,
                             const __grid_constant__ wgmma_tiles::TmaMap weights,
@@ -551,7 +640,8 @@ __global__ void __launch_bounds__(384, 1)
     setmaxnreg_inc<232>();
     unsigned char* sout = smem_raw + (sbase - (u32)__cvta_generic_to_shared(smem_raw)) +
                           S * STAGE_BYTES + (threadIdx.x >> 7) * staging_bytes<T, BN>();
-    multiply_tiles<T, BN>(g, tiles_x, tiles_y, tiles, sbase, full, empty, order, bias,
+    static_assert(!TURN || (BN == 64 && staged<T, BN>()), "turned: 16-bit tiles of 64");
+    multiply_tiles<T, BN, TURN>(g, tiles_x, tiles_y, tiles, sbase, full, empty, order, bias,
                           has_bias, nhwc, out, stats, stats_smem[threadIdx.x >> 7], outputs,
                           tma_store, sout, rowbase[threadIdx.x >> 7]);
     return;

@@ -149,6 +149,49 @@ def test_tma_stores_equal_the_register_stores(cu, dt, xs, ws, stride, pad, monke
           dt)
 
 
+TURN_CASES = [  # x shape, w shape, stride, padding: 16-bit TMA tiles of 64 channels
+    ((3, 64, 9, 11), (64, 64, 3, 3), (1, 1), (1, 1)),  # rows wrapping mid-tile, 3 images
+    ((2, 64, 6, 6), (40, 64, 3, 3), (1, 1), (1, 1)),  # 40 of 64 channels; a partial tile
+    ((2, 128, 12, 12), (64, 128, 1, 1), (2, 2), (0, 0)),  # a shortcut (forward only)
+    ((2, 64, 9, 9), (64, 64, 5, 5), (1, 1), (2, 2)),  # padding 2: five taps each way
+    ((8, 128, 12, 12), (64, 128, 3, 3), (2, 2), (1, 1)),  # backward-data by phases: rolled
+    ((64, 64, 24, 24), (64, 64, 3, 3), (1, 1), (1, 1)),  # 288 tiles: both warpgroups, turns
+]
+
+
+@pytest.mark.parametrize("dt", HALVES)
+@pytest.mark.parametrize("xs, ws, stride, pad", TURN_CASES)
+def test_turned_tiles_equal_the_plain_ones(cu, dt, xs, ws, stride, pad, monkeypatch):
+    """The 64-channel tiles computed turned around (DPTRAIN_WGMMA_CONV_TURN, on by default) (weights as
+    wgmma's A) hold the same sums, so the forward (with a bias; NCHW and channels-last) and
+    backward-data equal the plain tiles' to the bit; the epilogue's statistics, summed in
+    another order, agree within the statistics test's bounds."""
+    monkeypatch.setenv(conv2d.WGMMA_TMA_ENV, "1")
+    x, w, gy = inputs(dt, xs, ws, stride, pad)
+    b = to_dt(np.linspace(-1, 1, ws[0], dtype=np.float32), dt)
+    dx, dw, db, dgy = cu.asarray(x), cu.asarray(w), cu.asarray(b), cu.asarray(gy)
+    xl = cu.asarray(_channels_last(x))
+
+    def run():
+        gemm.clear_plans()
+        assert conv2d._forward(dx, dw, db, stride, pad).kernel == WGMMA_TMA
+        y, mean, var = cu.conv2d_forward_stats(xl, dw, stride, pad, channels_last=True)
+        return [cu.to_numpy(a) for a in (
+            cu.conv2d_forward(dx, dw, db, stride, pad),
+            cu.conv2d_forward(xl, dw, db, stride, pad, channels_last=True),
+            cu.conv2d_backward_data(dgy, dw, xs, stride, pad), y, mean, var)]
+
+    monkeypatch.setenv(conv2d.WGMMA_TURN_ENV, "0")
+    plain = run()
+    monkeypatch.delenv(conv2d.WGMMA_TURN_ENV)  # on by default
+    turned = run()
+    for got, want in zip(turned[:4], plain[:4]):
+        assert got.tobytes() == want.tobytes()
+    spread = np.sqrt(plain[5].astype(np.float64)) + 1e-30
+    assert np.all(np.abs(turned[4] - plain[4]) <= 2e-5 * spread)
+    assert np.all(np.abs(turned[5] - plain[5]) <= 4e-5 * plain[5] + 1e-30)
+
+
 STATS_CASES = [  # x shape, w shape, stride, padding, offset of x; forward on the TMA kernel
     ((2, 64, 6, 6), (128, 64, 3, 3), (1, 1), (1, 1), 0),  # 72 pixels: one partial tile
     ((3, 64, 9, 11), (96, 64, 3, 3), (1, 1), (1, 1), 3),  # 96 of a 128 tile; means >> spread
@@ -251,14 +294,16 @@ TMA_BWDW_CASES = [  # x shape, w shape, stride, padding
     ((2, 128, 7, 9), (40, 128, 3, 3), (1, 1), (1, 1)),  # 40 of a 64-channel tile; 6 j tiles
     ((3, 192, 5, 5), (72, 192, 1, 1), (1, 1), (0, 0)),  # 1x1: one j tile; two m tiles
     ((64, 64, 16, 16), (64, 64, 3, 3), (1, 1), (1, 1)),  # 16,384 pixels: many splits
-    ((2, 512, 3, 3), (512, 512, 3, 3), (1, 1), (1, 1)),  # 192 tiles of one slab: one split
+    ((2, 512, 3, 3), (512, 512, 3, 3), (1, 1), (1, 1)),  # 144 tiles of one slab: one split
+    ((2, 128, 8, 8), (136, 128, 3, 3), (1, 1), (1, 1)),  # 128 x 128 tiles: 8 of the second
+    ((16, 128, 12, 12), (128, 128, 3, 3), (1, 1), (1, 1)),  # 128 x 128 tiles, splits
 ]
 
 
 @pytest.mark.parametrize("dt", HALVES)
 @pytest.mark.parametrize("xs, ws, stride, pad", TMA_BWDW_CASES)
 def test_tma_backward_weight_matches_reference(cu, dt, xs, ws, stride, pad, monkeypatch):
-    """conv2d_bwdw_tma_kernel (DPTRAIN_BWDW_TMA=1) within the 16-bit tolerance of float64, as
+    """conv2d_bwdw_tma_kernel (DPTRAIN_BWDW_TMA, on by default) within the 16-bit tolerance of float64, as
     close to the gathering wgmma kernel, bitwise repeatable, channels-last bitwise the same."""
     monkeypatch.setenv(conv2d.WGMMA_TMA_ENV, "1")
     monkeypatch.setenv(conv2d.BWDW_TMA_ENV, "1")
@@ -269,7 +314,7 @@ def test_tma_backward_weight_matches_reference(cu, dt, xs, ws, stride, pad, monk
     splits = conv2d._backward_weight(dx, dgy, ws, stride, pad).splits
     if xs[1] == 512:
         assert splits == 1  # gw written by the tiles themselves
-    elif xs[0] == 64:
+    elif xs[0] >= 16:
         assert splits > 1
     run = lambda: cu.to_numpy(cu.conv2d_backward_weight(dx, dgy, ws, stride, pad))  # noqa: E731
     got = run()

@@ -29,9 +29,9 @@ Conventions (the .cu file's header has the kernel side):
     C_in*KH*KW >= 128 (DPTRAIN_WGMMA_BWDW_TF32: "0" never, "1" always): x and gy are copied
     to NHWC, and C_in and C_out must come in whole 16-byte chunks; its split of the pixels
     over grid z is chosen by a cost model of waves, slabs and the reduce (_bwdw_wgmma_splits).
-    With DPTRAIN_BWDW_TMA=1, 16-bit passes whose C_in*KH*KW fills 192-wide tiles and whose
-    channels fill 128-byte slabs run turned around and fed by TMA instead
-    (conv2d_bwdw_tma_kernel: rows the output channels, columns the (tap, c)).
+    16-bit stride-1 passes whose C_in*KH*KW fills 192-wide tiles and whose channels fill
+    128-byte slabs run turned around and fed by TMA instead (conv2d_bwdw_tma_kernel: rows
+    the output channels, columns the (tap, c); DPTRAIN_BWDW_TMA=0 turns it off).
   * fp32 channels-last passes on Hopper run as 3xTF32 (tf32x3.py: the operands split into
     TF32 parts, K tripled, then the TF32 wgmma plan), where a TF32 wgmma kernel takes the
     tripled pass, and for backward-weight where C_out and C_in*KH*KW fill 128-wide tiles
@@ -90,13 +90,19 @@ WGMMA_CONV_ENV = "DPTRAIN_WGMMA_CONV"
 # 12.29 -> 10.90 ms in bf16, 23.8 -> 22.1 in TF32; the reference CNN's 0.63 -> 0.60 and
 # 0.95 -> 0.89 (H100, 2026-11-25, BENCHMARKS.md).
 WGMMA_TMA_ENV = "DPTRAIN_WGMMA_CONV_TMA"
+# The TMA kernel's 16-bit tiles of 64 channels turned around (weights as wgmma's A, one
+# m64n128 a step where two m64n64 read the weights twice; conv2d_wgmma.cu's TURN); "0": not.
+# ResNet-18's 64-channel forward and backward-data 5% faster (H200; the same bits)
+WGMMA_TURN_ENV = "DPTRAIN_WGMMA_CONV_TURN"
 NHWC_ENV = "DPTRAIN_NHWC_CONV"  # "0": backward-weight keeps the NCHW gathers
 CONV_STATS_ENV = "DPTRAIN_CONV_STATS"  # see _epilogue_stats
 WGMMA_BWDW = "conv2d_bwdw_wgmma.cu"
 WGMMA_BWDW_ENV = "DPTRAIN_WGMMA_BWDW"  # "0": 16-bit backward-weight keeps conv2d_nhwc.cu
-# 16-bit backward-weight fed by TMA (conv2d_bwdw_tma_kernel), "1" to take it where it applies
-# (_bwdw_tma_box): 64 output channels by 192 (tap, c) columns a tile
-BWDW_TMA_ENV, BWDW_TMA_COLS = "DPTRAIN_BWDW_TMA", 192
+# 16-bit backward-weight fed by TMA (conv2d_bwdw_tma_kernel) where it applies (_bwdw_tma_box;
+# "0": never): tiles of 64 output channels by 192 (tap, c) columns, or 128 by 128 where there
+# are more than 64 output channels (_bwdw_tma_tile). ResNet-18's stride-1 passes 1.9x (64
+# channels) to 1.2x faster than the gathering kernel, its fp16 step 8.05 -> 7.20 ms (H200)
+BWDW_TMA_ENV = "DPTRAIN_BWDW_TMA"
 # TF32 backward-weight on wgmma (conv2d_bwdw_wgmma_tf32_kernel): by default where C_in*KH*KW
 # fills its 128-row tiles (ResNet-18's passes on an H100, 2026-11-25: 1.03-2.5x faster than
 # conv2d_nhwc.cu from 128 rows on, 0.76x at 64, a 1x1 filter on 64 channels); "1": every
@@ -449,14 +455,16 @@ def _wgmma_kernel(m, npix, dt, tma_fed=False):
     """conv2d_wgmma_kernel for m output channels: 32 / 64 / 128 of them per block (the
     smallest covering m), 128 pixels per block; the warp-specialized TMA-fed kernel instead
     where `tma_fed`. (name, kernel, grid, block, shared memory)"""
-    bn = _rows_tile(m)
+    bn, turn = _rows_tile(m), ()
     if tma_fed:
         name, threads = "conv2d_wgmma_tma_kernel", 384
         smem = _tma_smem(dt, bn)
+        if bn == 64 and dt in launch.HALVES and os.environ.get(WGMMA_TURN_ENV, "1") != "0":
+            turn = ("true",)  # the tile turned around (conv2d_wgmma.cu's TURN)
     else:
         name, threads = "conv2d_wgmma_kernel", 256
         smem = wgmma_smem(128, bn)
-    fn = launch.kernel(WGMMA_CONV, name, launch.ctype(dt), str(bn), smem=smem)
+    fn = launch.kernel(WGMMA_CONV, name, launch.ctype(dt), str(bn), *turn, smem=smem)
     return name, fn, (-(-npix // 128), -(-m // bn)), (threads,), smem
 
 
@@ -852,13 +860,13 @@ def _bwdw_wgmma_splits(tiles: int, npix: int, outputs: int, per_sm: int) -> tupl
 
 def _bwdw_tma_box(dt, x_shape, w_shape, ho, wo, stride, padding):
     """The im2col box of conv2d_bwdw_tma_kernel's map of x (the forward's: _tma_box), or None
-    where that kernel does not take the pass: DPTRAIN_BWDW_TMA not "1", not 16-bit, C_in*KH*KW
-    not in whole 192-wide tiles, a stride (ResNet-18's three stride-2 3x3 passes took 0.086,
+    where that kernel does not take the pass: DPTRAIN_BWDW_TMA "0", not 16-bit, C_in*KH*KW
+    not in whole tiles (_bwdw_tma_tile), a stride (ResNet-18's three stride-2 3x3 passes took 0.086,
     0.078 and 0.082 ms this way, 0.063, 0.064 and 0.079 gathering; fp16, H200), or no TMA
     box for the forward."""
-    (_, c, h, wd), (_, _, kh, kw) = x_shape, w_shape
-    if (os.environ.get(BWDW_TMA_ENV, "0") != "1" or dt not in launch.HALVES
-            or c * kh * kw % BWDW_TMA_COLS or tuple(stride) != (1, 1)):
+    (_, c, h, wd), (cout, _, kh, kw) = x_shape, w_shape
+    if (os.environ.get(BWDW_TMA_ENV, "1") == "0" or dt not in launch.HALVES
+            or c * kh * kw % _bwdw_tma_tile(cout, c * kh * kw)[1] or tuple(stride) != (1, 1)):
         return None
     return _tma_box(0, stride, padding, (kh, kw), (h, wd), (ho, wo), c, dt)
 
@@ -879,35 +887,53 @@ def _bwdw_tma_splits(tiles: int, npix: int, outputs: int) -> tuple[int, int]:
     return best[1], best[2]
 
 
-def _bwdw_tma_smem(cols: int) -> int:
-    """conv2d_bwdw_tma_kernel's dynamic shared memory (its stages<BJ>): stages of a 64-pixel
-    slab of 64 + cols rows, as many as fit in 192 KB, at most 8, + slack to align."""
-    stage = (64 + cols) * 128
+def _bwdw_tma_tile(cout: int, ncol: int) -> tuple[int, int]:
+    """(rows, cols) of conv2d_bwdw_tma_kernel's tiles for cout output channels by ncol (tap,
+    c): 128 x 128 for more than 64 channels where ncol fills them (per multiply-add, a
+    quarter fewer bytes from L2: ResNet-18's stride-1 passes of 128 to 512 channels ran at
+    440 TFLOP/s as 64 x 192), else 64 x 192."""
+    return (128, 128) if cout > 64 and ncol % 128 == 0 else (64, 192)
+
+
+def _bwdw_tma_smem(rows: int, cols: int) -> int:
+    """conv2d_bwdw_tma_kernel's dynamic shared memory (its stages<BJ, R>): stages of a 64-pixel
+    slab of rows + cols rows, as many as fit in 192 KB, at most 8, + slack to align."""
+    stage = (rows + cols) * 128
     return min(8, 192 * 1024 // stage) * stage + 1024
 
 
+def _bwdw_wgmma_reducer(splits: int, cout: int, c: int, taps: int, dt):
+    """reduce(ws, gw): conv2d_bwdw_wgmma_reduce_kernel summing the (splits, taps * c, cout)
+    float partials ws into gw (cout, c, taps), a thread per output. (Two tiled versions that
+    wrote gw's rows together through shared memory took 330 and 265 against 219 us a
+    ResNet-18 fp16 step, H200.)"""
+    fn = launch.kernel(WGMMA_BWDW, "conv2d_bwdw_wgmma_reduce_kernel", launch.ctype(dt))
+    grid = (max(1, min(-(-taps * c * cout // 256), launch.sm_count() * 8)),)
+    tail = (i32(splits), i32(cout), i32(c), i32(taps))
+    return lambda ws, gw: fn(grid, (256,), (ws, gw) + tail)
+
+
 def _plan_tma_backward_weight(x_shape, w_shape, ho, wo, stride, padding, dt, box, cl):
-    """conv2d_bwdw_tma_kernel: tiles of 64 output channels by BWDW_TMA_COLS (tap, c), the
+    """conv2d_bwdw_tma_kernel: tiles of output channels by (tap, c) (_bwdw_tma_tile), the
     pixels split into chunks of whole slabs, one block an SM walking the tiles; several
     splits' float partials summed by conv2d_bwdw_wgmma_reduce_kernel. Operands as
     _plan_wgmma_backward_weight's."""
     f = "conv2d_backward_weight"
     (n, c, h, wd), (cout, _, kh, kw) = x_shape, w_shape
-    ncol, npix, cols = c * kh * kw, n * ho * wo, BWDW_TMA_COLS
-    tiles_m, tiles_j = -(-cout // 64), ncol // cols
+    ncol, npix = c * kh * kw, n * ho * wo
+    rows, cols = _bwdw_tma_tile(cout, ncol)
+    tiles_m, tiles_j = -(-cout // rows), ncol // cols
     splits, chunk = _bwdw_tma_splits(tiles_m * tiles_j, npix, ncol * cout)
-    smem = _bwdw_tma_smem(cols)
+    smem = _bwdw_tma_smem(rows, cols)
     fn = launch.kernel(WGMMA_BWDW, "conv2d_bwdw_tma_kernel", launch.ctype(dt), str(cols),
-                       smem=smem)
+                       str(rows // 64), smem=smem)
     grid = (min(tiles_m * tiles_j * splits, launch.sm_count()),)
     tail = (i32(n), i32(cout), i32(c), i32(ho), i32(wo), i32(kw), i32(stride[0]),
             i32(stride[1]), i32(padding[0]), i32(padding[1]), i32(ncol), i32(tiles_m),
             i32(tiles_j), i32(splits), i32(chunk))
     x_nhwc = (lambda a: a) if cl else _to_nhwc(x_shape, dt)
     gy_nhwc = (lambda a: a) if cl else transposer(n, cout, ho * wo, dt)
-    reduce = launch.kernel(WGMMA_BWDW, "conv2d_bwdw_wgmma_reduce_kernel", launch.ctype(dt))
-    r_grid = (max(1, min(-(-ncol * cout // 256), launch.sm_count() * 8)),)
-    r_tail = (i32(splits), i32(cout), i32(c), i32(kh * kw))
+    reduce = _bwdw_wgmma_reducer(splits, cout, c, kh * kw, dt)
 
     def run(x, gy, out, workspace=None):
         gw = output(f, out, tuple(w_shape), dt)
@@ -917,7 +943,7 @@ def _plan_tma_backward_weight(x_shape, w_shape, ho, wo, stride, padding, dt, box
                 tma.tiled(gyn, npix, cout, 64, 64))
         fn(grid, (384,), maps + (gw, ws) + tail, shared_mem=smem)
         if splits > 1:
-            reduce(r_grid, (256,), (ws, gw) + r_tail)
+            reduce(ws, gw)
         return gw
 
     run.kernel, run.splits = "conv2d_bwdw_tma_kernel", splits
@@ -956,9 +982,7 @@ def _plan_wgmma_backward_weight(x_shape, w_shape, ho, wo, stride, padding, dt, c
     x_nhwc = (lambda a: a) if cl else _to_nhwc(x_shape, dt)
     gy_nhwc = (lambda a: a) if cl else transposer(n, cout, ho * wo, dt)
     if splits > 1:
-        reduce = launch.kernel(WGMMA_BWDW, "conv2d_bwdw_wgmma_reduce_kernel", launch.ctype(dt))
-        r_grid = (max(1, min(-(-ncol * cout // 256), launch.sm_count() * 8)),)
-        r_tail = (i32(splits), i32(cout), i32(c), i32(kh * kw))
+        reduce = _bwdw_wgmma_reducer(splits, cout, c, kh * kw, dt)
 
     def run(x, gy, out, workspace=None):
         gw = output(f, out, tuple(w_shape), dt)
@@ -966,7 +990,7 @@ def _plan_wgmma_backward_weight(x_shape, w_shape, ho, wo, stride, padding, dt, c
         xn, gyn = take(workspace, "x", x, x_nhwc), take(workspace, "gy", gy, gy_nhwc)
         fn(grid, (256,), (xn, gyn, gw, ws) + tail, shared_mem=smem)
         if splits > 1:
-            reduce(r_grid, (256,), (ws, gw) + r_tail)
+            reduce(ws, gw)
         return gw
 
     run.kernel, run.splits = name, splits
