@@ -30,8 +30,8 @@
 //    atoms of 64 channels of gy), columns the j (wgmma's N: BJ of them, BJ / 64 atoms of 64
 //    channels of one tap each), K the pixels in slabs of 64: D[m][j]. With 64 output
 //    channels (ResNet's first stage) the wide side is then j: an m64n192 wgmma reads 8 KB
-//    of shared memory per 393 K multiply-adds, where the 128 x 64 tile's two m64n64 read 8
-//    KB per 262 K. With more, tiles of 128 x 128 (R = 2) load 32 KB a slab per 1 M
+//    of shared memory per 197 K multiply-adds, where the 128 x 64 tile's two m64n64 read 8
+//    KB per 131 K. With more, tiles of 128 x 128 (R = 2) load 32 KB a slab per 1 M
 //    multiply-adds where 64 x 192 load 32 KB per 786 K: these passes are bound by what the
 //    SMs read from L2. A slab is R + BJ / 64 boxes, each landing as an MN-major atom: gy's
 //    64 pixels x 64 channels through a tiled map of (pixels, M), and x's through the

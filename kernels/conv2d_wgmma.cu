@@ -44,7 +44,7 @@
 //    where it applies (NOTES-gemm.md rows 36-39).
 //  * TURN (16-bit tiles of 64 channels): the tile turned around, D^T = W X^T, one m64n128
 //    wgmma a step with the weights as A and the 128 pixel rows as B, where two m64n64 read
-//    the weights twice: 6 KB of shared memory per 262 K multiply-adds instead of 8. The
+//    the weights twice: 6 KB of shared memory per 131 K multiply-adds instead of 8. The
 //    accumulator's rows are then channels and its columns pixels; the staging
 //    (stage_tile_turned) and the statistics (tile_stats_turned) read it so, and every store
 //    after the staging is the same.
