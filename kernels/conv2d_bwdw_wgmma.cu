@@ -49,8 +49,10 @@
 // instantiate: conv2d_bwdw_wgmma_kernel<__half, 64>; conv2d_bwdw_wgmma_kernel<__half, 128>
 // instantiate: conv2d_bwdw_wgmma_kernel<__half, 256>
 // instantiate: conv2d_bwdw_wgmma_tf32_kernel<128>
-// instantiate: conv2d_bwdw_tma_kernel<__nv_bfloat16, 192, 1>; conv2d_bwdw_tma_kernel<__half, 192, 1>
-// instantiate: conv2d_bwdw_tma_kernel<__nv_bfloat16, 128, 2>; conv2d_bwdw_tma_kernel<__half, 128, 2>
+// instantiate: conv2d_bwdw_tma_kernel<__nv_bfloat16, 192, 1>
+// instantiate: conv2d_bwdw_tma_kernel<__half, 192, 1>
+// instantiate: conv2d_bwdw_tma_kernel<__nv_bfloat16, 128, 2>
+// instantiate: conv2d_bwdw_tma_kernel<__half, 128, 2>
 // instantiate: conv2d_bwdw_wgmma_reduce_kernel<__nv_bfloat16>
 // instantiate: conv2d_bwdw_wgmma_reduce_kernel<__half>
 // instantiate: conv2d_bwdw_wgmma_reduce_kernel<float>

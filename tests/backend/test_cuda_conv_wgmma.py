@@ -162,10 +162,10 @@ TURN_CASES = [  # x shape, w shape, stride, padding: 16-bit TMA tiles of 64 chan
 @pytest.mark.parametrize("dt", HALVES)
 @pytest.mark.parametrize("xs, ws, stride, pad", TURN_CASES)
 def test_turned_tiles_equal_the_plain_ones(cu, dt, xs, ws, stride, pad, monkeypatch):
-    """The 64-channel tiles computed turned around (DPTRAIN_WGMMA_CONV_TURN, on by default) (weights as
-    wgmma's A) hold the same sums, so the forward (with a bias; NCHW and channels-last) and
-    backward-data equal the plain tiles' to the bit; the epilogue's statistics, summed in
-    another order, agree within the statistics test's bounds."""
+    """The 64-channel tiles computed turned around (DPTRAIN_WGMMA_CONV_TURN, on by default;
+    the weights as wgmma's A) hold the same sums, so the forward (with a bias; NCHW and
+    channels-last) and backward-data equal the plain tiles' to the bit; the epilogue's
+    statistics, summed in another order, agree within the statistics test's bounds."""
     monkeypatch.setenv(conv2d.WGMMA_TMA_ENV, "1")
     x, w, gy = inputs(dt, xs, ws, stride, pad)
     b = to_dt(np.linspace(-1, 1, ws[0], dtype=np.float32), dt)
@@ -303,8 +303,9 @@ TMA_BWDW_CASES = [  # x shape, w shape, stride, padding
 @pytest.mark.parametrize("dt", HALVES)
 @pytest.mark.parametrize("xs, ws, stride, pad", TMA_BWDW_CASES)
 def test_tma_backward_weight_matches_reference(cu, dt, xs, ws, stride, pad, monkeypatch):
-    """conv2d_bwdw_tma_kernel (DPTRAIN_BWDW_TMA, on by default) within the 16-bit tolerance of float64, as
-    close to the gathering wgmma kernel, bitwise repeatable, channels-last bitwise the same."""
+    """conv2d_bwdw_tma_kernel (DPTRAIN_BWDW_TMA, on by default) within the 16-bit tolerance
+    of float64, as close to the gathering wgmma kernel, bitwise repeatable, channels-last
+    bitwise the same."""
     monkeypatch.setenv(conv2d.WGMMA_TMA_ENV, "1")
     monkeypatch.setenv(conv2d.BWDW_TMA_ENV, "1")
     gemm.clear_plans()
