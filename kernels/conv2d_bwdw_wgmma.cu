@@ -326,9 +326,10 @@ __device__ __forceinline__ void slab_rows(float (&acc)[R][BJ / 2], u32 sa, u32 s
   wgmma_commit();
 }
 
-// The epilogue of a warpgroup's 64 x BJ tile: the thread's rows m (row, row + 8) and pairs
-// of columns j, to gw (one split) or split `split`'s float partials ws[split][j][m] (a
-// warp's store: 8 consecutive m at each of 4 columns, whole 32-byte sectors).
+// The epilogue of 64 rows of a warpgroup's tile (output channels m0..; acc: their m64nBJ
+// accumulators): the thread's rows m (row, row + 8) and pairs of columns j, to gw (one
+// split) or split `split`'s float partials ws[split][j][m] (a warp's store: 8 consecutive m
+// at each of 4 columns, whole 32-byte sectors).
 template <typename T, int BJ>
 __device__ __forceinline__ void store(const float (&acc)[BJ / 2], T* gw, float* ws, int M,
                                       int C, int J, int splits, const Tile& at, int m0) {
