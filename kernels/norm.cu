@@ -479,8 +479,9 @@ __global__ void __launch_bounds__(CL_THREADS) bn_var_partial_cl_kernel(
 }
 
 // bn_backward_partial_kernel, channels-last: the constants of each channel staged once. Its
-// registers (95 for fp16) leave room for two blocks an SM (the launcher's BACKWARD_PER_SM),
-// so each thread keeps 4 rows of both arrays in flight, twice cl_rows' default.
+// registers allow two blocks an SM (the launcher's BACKWARD_PER_SM; 95 for fp16 with
+// cl_rows' default 2 rows in flight, 112 with 4, nvcc), so each thread keeps 4 rows of both
+// arrays in flight.
 template <typename T, typename P = compute_t<T>>
 __global__ void __launch_bounds__(CL_THREADS) bn_backward_partial_cl_kernel(
     double* ws, const T* gy, const T* x, const P* mean, const P* var, const P* relu_weight,

@@ -1,11 +1,13 @@
 """The Hopper convolution kernels against the float64 CPU reference: kernels/conv2d_wgmma.cu
-(forward and backward-data on wgmma, channels-last gathers; TF32, fp16 and bf16) and
-kernels/conv2d_bwdw_wgmma.cu (backward-weight, both operands channels-last, its pixels split
-or not; fp16 and bf16, and TF32 through its register-staged loader). The shapes reach their edges: partial pixel and channel tiles, a
-partial K slab, strides (backward-data's phases of output pixels, those no tap reaches
-included), padding, 1x1 and non-square filters, a bias. The mma.sync kernels agree on the
-same inputs, channels not in whole 16-byte chunks fall back to them, and results repeat
-bitwise. Needs a compute capability 9.0 GPU (skipped elsewhere). Tolerances: convcheck.TOL."""
+(forward and backward-data on wgmma, channels-last gathers or TMA, 64-channel tiles plain or
+turned around; TF32, fp16 and bf16) and kernels/conv2d_bwdw_wgmma.cu (backward-weight, both
+operands channels-last, its pixels split or not; fp16 and bf16 gathered or fed by TMA, and
+TF32 through its register-staged loader). The shapes reach their edges: partial pixel and
+channel tiles, a partial K slab, strides (backward-data's phases of output pixels, those no
+tap reaches included), padding, 1x1 and non-square filters, a bias. The mma.sync kernels
+agree on the same inputs, channels not in whole 16-byte chunks fall back to them, and
+results repeat bitwise. Needs a compute capability 9.0 GPU (skipped elsewhere). Tolerances:
+convcheck.TOL."""
 import numpy as np
 import pytest
 

@@ -28,7 +28,7 @@ Conventions (the .cu file's header has the kernel side):
     operands channels-last; DPTRAIN_WGMMA_BWDW=0 turns it off), and of TF32 ones where
     C_in*KH*KW >= 128 (DPTRAIN_WGMMA_BWDW_TF32: "0" never, "1" always): x and gy are copied
     to NHWC, and C_in and C_out must come in whole 16-byte chunks; its split of the pixels
-    over grid z is chosen by a cost model of waves, slabs and the reduce (_bwdw_wgmma_splits).
+    over grid z is chosen by a cost model of waves, slabs and the reduce (_pixel_splits).
     16-bit stride-1 passes whose C_in*KH*KW fills 192-wide tiles and whose channels fill
     128-byte slabs run turned around and fed by TMA instead (conv2d_bwdw_tma_kernel: rows
     the output channels, columns the (tap, c); DPTRAIN_BWDW_TMA=0 turns it off).
@@ -100,8 +100,9 @@ WGMMA_BWDW = "conv2d_bwdw_wgmma.cu"
 WGMMA_BWDW_ENV = "DPTRAIN_WGMMA_BWDW"  # "0": 16-bit backward-weight keeps conv2d_nhwc.cu
 # 16-bit backward-weight fed by TMA (conv2d_bwdw_tma_kernel) where it applies (_bwdw_tma_box;
 # "0": never): tiles of 64 output channels by 192 (tap, c) columns, or 128 by 128 where there
-# are more than 64 output channels (_bwdw_tma_tile). ResNet-18's stride-1 passes 1.9x (64
-# channels) to 1.2x faster than the gathering kernel, its fp16 step 8.05 -> 7.20 ms (H200)
+# are more than 64 output channels (_bwdw_tma_tile). ResNet-18's stride-1 passes 2.0x (64
+# channels) and 1.4-1.5x (128-512) faster than the gathering kernel, split-K reduce included;
+# its fp16 step 8.05 -> 7.20 ms with the 64 x 192 tiles alone (H200)
 BWDW_TMA_ENV = "DPTRAIN_BWDW_TMA"
 # TF32 backward-weight on wgmma (conv2d_bwdw_wgmma_tf32_kernel): by default where C_in*KH*KW
 # fills its 128-row tiles (ResNet-18's passes on an H100, 2026-11-25: 1.03-2.5x faster than
@@ -840,21 +841,22 @@ def _wgmma_bwdw(dt, cin: int, cout: int, nb: int, rows: int) -> bool:
             and _channels_last(dt, cout, nb) and -(-cout // 256) <= launch.GRID_YZ_MAX)
 
 
-def _bwdw_wgmma_splits(tiles: int, npix: int, outputs: int, per_sm: int) -> tuple[int, int]:
-    """(splits, chunk) of backward-weight's pixels: the count that minimises an estimate in
-    slab times (a 64-pixel slab of one block ~ 1 us): waves of blocks times each block's
-    slabs plus its pipeline fill, plus the float partials' reduce (about 3 us per 2.4 M
-    outputs per split, read at ~3 TB/s). Chunks are whole slabs; no split is left empty."""
-    sms, best = launch.sm_count(), None
-    for s in range(1, 65):
-        chunk = -(-(-(-npix // s)) // 64) * 64
-        s_used = -(-npix // chunk)
-        if s_used != s:
+def _pixel_splits(tiles: int, npix: int, outputs: int, blocks: int, fill: int,
+                  reduce_cost: float, most: int) -> tuple[int, int]:
+    """(splits, chunk) of a backward-weight pass's npix pixels over `tiles` output tiles: the
+    split count, at most `most`, that minimises an estimate in slab times (64 pixels of one
+    tile): waves of tiles x splits over `blocks` resident blocks, each a chunk's slabs plus
+    `fill` (its pipeline fill and epilogue), plus the float partials' reduce (`reduce_cost`
+    slab times per output and split). Chunks are whole slabs; no split is left empty."""
+    slabs, best = -(-npix // 64), None
+    for s in range(1, min(slabs, most) + 1):
+        per = -(-slabs // s)
+        if -(-slabs // per) != s:
             continue
-        waves = -(-tiles * s // (sms * per_sm))
-        cost = waves * (chunk // 64 + 4) + (s * outputs * 1.33e-6 if s > 1 else 0.0)
+        reduce = s * outputs * reduce_cost if s > 1 else 0.0
+        cost = -(-tiles * s // blocks) * (per + fill) + reduce
         if best is None or cost < best[0]:
-            best = (cost, s, chunk)
+            best = (cost, s, per * 64)
     return best[1], best[2]
 
 
@@ -871,27 +873,11 @@ def _bwdw_tma_box(dt, x_shape, w_shape, ho, wo, stride, padding):
     return _tma_box(0, stride, padding, (kh, kw), (h, wd), (ho, wo), c, dt)
 
 
-def _bwdw_tma_splits(tiles: int, npix: int, outputs: int) -> tuple[int, int]:
-    """(splits, chunk) of conv2d_bwdw_tma_kernel's pixels: the count that minimises an
-    estimate in slab times (64 pixels of one tile): waves of tiles over one block an SM times
-    a tile's slabs plus 2 (its pipeline fill and epilogue), plus the float partials' reduce
-    (about 3.3e-6 slab times per output and split). Chunks are whole slabs; none is empty."""
-    sms, slabs, best = launch.sm_count(), -(-npix // 64), None
-    for s in range(1, min(slabs, 256) + 1):
-        per = -(-slabs // s)
-        if -(-slabs // per) != s:
-            continue
-        cost = -(-tiles * s // sms) * (per + 2) + (s * outputs * 3.3e-6 if s > 1 else 0.0)
-        if best is None or cost < best[0]:
-            best = (cost, s, per * 64)
-    return best[1], best[2]
-
-
 def _bwdw_tma_tile(cout: int, ncol: int) -> tuple[int, int]:
     """(rows, cols) of conv2d_bwdw_tma_kernel's tiles for cout output channels by ncol (tap,
     c): 128 x 128 for more than 64 channels where ncol fills them (per multiply-add, a
     quarter fewer bytes from L2: ResNet-18's stride-1 passes of 128 to 512 channels ran at
-    440 TFLOP/s as 64 x 192), else 64 x 192."""
+    440-510 TFLOP/s as 64 x 192, reduce included), else 64 x 192."""
     return (128, 128) if cout > 64 and ncol % 128 == 0 else (64, 192)
 
 
@@ -923,7 +909,9 @@ def _plan_tma_backward_weight(x_shape, w_shape, ho, wo, stride, padding, dt, box
     ncol, npix = c * kh * kw, n * ho * wo
     rows, cols = _bwdw_tma_tile(cout, ncol)
     tiles_m, tiles_j = -(-cout // rows), ncol // cols
-    splits, chunk = _bwdw_tma_splits(tiles_m * tiles_j, npix, ncol * cout)
+    # one block an SM; the reduce's cost per slab time an estimate (not measured)
+    splits, chunk = _pixel_splits(tiles_m * tiles_j, npix, ncol * cout, launch.sm_count(),
+                                  fill=2, reduce_cost=3.3e-6, most=256)
     smem = _bwdw_tma_smem(rows, cols)
     fn = launch.kernel(WGMMA_BWDW, "conv2d_bwdw_tma_kernel", launch.ctype(dt), str(cols),
                        str(rows // 64), smem=smem)
@@ -957,18 +945,20 @@ def _plan_wgmma_backward_weight(x_shape, w_shape, ho, wo, stride, padding, dt, c
     channels-last already (no copies)."""
     f = "conv2d_backward_weight"
     (n, c, h, wd), (cout, _, kh, kw) = x_shape, w_shape
+    launch.check_int32(f, n * c * h * wd, n * cout * ho * wo)
     box = _bwdw_tma_box(dt, x_shape, w_shape, ho, wo, stride, padding)
     if box is not None:
-        launch.check_int32(f, n * c * h * wd, n * cout * ho * wo)
         return _plan_tma_backward_weight(x_shape, w_shape, ho, wo, stride, padding, dt, box, cl)
     ncol, npix = c * kh * kw, n * ho * wo
-    launch.check_int32(f, n * c * h * wd, n * cout * ho * wo)
     bn = 64 if cout <= 64 else 128 if cout <= 128 else 256
     if dt == np.float32:  # TF32 stages its slabs in registers: 128 x 128 tiles only
         bn = 128
     smem = wgmma_smem(128, bn)
     tiles = -(-ncol // 128) * -(-cout // bn)
-    splits, chunk = _bwdw_wgmma_splits(tiles, npix, ncol * cout, 2 if bn == 64 else 1)
+    # a slab of one block ~1 us; the reduce about 3 us per 2.4 M outputs per split (~3 TB/s)
+    splits, chunk = _pixel_splits(tiles, npix, ncol * cout,
+                                  launch.sm_count() * (2 if bn == 64 else 1), fill=4,
+                                  reduce_cost=1.33e-6, most=64)
     if dt == np.float32:  # TF32: slabs stored K-major from registers
         name = "conv2d_bwdw_wgmma_tf32_kernel"
         fn = launch.kernel(WGMMA_BWDW, name, str(bn), smem=smem)
