@@ -53,6 +53,8 @@
 // instantiate: conv2d_bwdw_tma_kernel<__half, 192, 1>
 // instantiate: conv2d_bwdw_tma_kernel<__nv_bfloat16, 128, 2>
 // instantiate: conv2d_bwdw_tma_kernel<__half, 128, 2>
+// instantiate: conv2d_bwdw_reduce_tiled_kernel<__nv_bfloat16>
+// instantiate: conv2d_bwdw_reduce_tiled_kernel<__half>; conv2d_bwdw_reduce_tiled_kernel<float>
 // instantiate: conv2d_bwdw_wgmma_reduce_kernel<__nv_bfloat16>
 // instantiate: conv2d_bwdw_wgmma_reduce_kernel<__half>
 // instantiate: conv2d_bwdw_wgmma_reduce_kernel<float>
@@ -462,7 +464,7 @@ __global__ void __launch_bounds__(384, 1)
 }
 
 // gw[m][c*taps + t] = sum over s in order of ws[s][t*C + c][m]: a thread per output, reading
-// along m (coalesced).
+// along m (coalesced), its stores strided (J apart). For outputs too few to tile.
 template <typename T>
 __global__ void conv2d_bwdw_wgmma_reduce_kernel(const float* __restrict__ ws, T* __restrict__ gw,
                                                 int splits, int M, int C, int taps) {
@@ -473,5 +475,43 @@ __global__ void conv2d_bwdw_wgmma_reduce_kernel(const float* __restrict__ ws, T*
     for (int k = 0; k < splits; ++k) s += ws[k * total + o];
     const long long j = o / M, m = o - j * M, t = j / C, c = j - t * C;
     gw[m * J + c * taps + t] = as<T>(s);
+  }
+}
+
+// The same sums a tile at a time, both sides coalesced: a block sums the rows j = (t, c) of
+// 32 output channels m0.. for channels c0 .. c0 + CT of every tap (CT * taps <= 64 rows;
+// a warp loads its 8 rows together, 128 bytes each a split) into shared memory, then writes
+// each m's CT * taps outputs, which lie together in gw. The same additions in the same
+// order as the thread-per-output kernel: the same bits. Grid (M / 32, C / CT); 256 threads.
+template <typename T>
+__global__ void __launch_bounds__(256) conv2d_bwdw_reduce_tiled_kernel(
+    const float* __restrict__ ws, T* __restrict__ gw, int splits, int M, int C, int taps, int CT) {
+  constexpr int RPW = 8;                  // rows a warp: row r = warp + 8i
+  __shared__ float sums[8 * RPW][33];     // [t * CT + i]: channel c0 + i of tap t, by m
+  const long long total = (long long)taps * C * M, J = (long long)taps * C;
+  const int m0 = blockIdx.x * 32, c0 = blockIdx.y * CT, lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5, rows = CT * taps, m = m0 + lane;
+  const float* p[RPW];
+  bool ok[RPW];
+  float s[RPW];
+#pragma unroll
+  for (int i = 0; i < RPW; ++i) {
+    const int r = warp + 8 * i, t = r / CT, c = c0 + r - t * CT;
+    ok[i] = r < rows && c < C && m < M;
+    p[i] = ws + (long long)(t * C + c) * M + m;  // read only where ok
+    s[i] = 0.f;
+  }
+  for (int k = 0; k < splits; ++k)
+#pragma unroll
+    for (int i = 0; i < RPW; ++i)
+      if (ok[i]) s[i] += p[i][k * total];
+#pragma unroll
+  for (int i = 0; i < RPW; ++i)
+    if (warp + 8 * i < rows) sums[warp + 8 * i][lane] = s[i];
+  __syncthreads();
+  for (int e = threadIdx.x; e < 32 * rows; e += 256) {  // e = mm * rows + i * taps + t
+    const int mm = e / rows, q = e - mm * rows, i = q / taps, t = q - i * taps;
+    if (m0 + mm < M && c0 + i < C)
+      gw[(long long)(m0 + mm) * J + (long long)(c0 + i) * taps + t] = as<T>(sums[t * CT + i][mm]);
   }
 }

@@ -9,6 +9,9 @@
 //
 // Conventions
 //  * NCHW, weight (C_out, C_in, KH, KW) contiguous, read in its own order k = (c, kh, kw).
+//    The network's channels-last activations: the forward writes y as (N, Ho, Wo, M) where
+//    `layout` says (1: a value at a time, 2: 16-byte groups of channels), and the tensor-core
+//    backward-weight reads gy so where `cl`; x is NCHW always (one channel: either layout).
 //  * KMAX (a multiple of 4, >= K) sizes the per-thread tap array; taps k >= K are zero.
 //  * Forward: one thread per output pixel; its K input taps sit in registers and every output
 //    channel's dot product reads the weights from shared memory (all lanes the same address:
@@ -109,10 +112,25 @@ __device__ __forceinline__ void load_taps(float (&v)[KMAX], const T* __restrict_
   }
 }
 
+// Channel m's dot product of the taps v with its weights wm (shared memory), k in order.
+template <int KMAX>
+__device__ __forceinline__ float dot_taps(const float4* wm, const float (&v)[KMAX]) {
+  float acc = 0.f;
+#pragma unroll
+  for (int k4 = 0; k4 < KMAX / 4; ++k4) {
+    const float4 f = wm[k4];
+    acc = fmaf(f.x, v[4 * k4], acc);
+    acc = fmaf(f.y, v[4 * k4 + 1], acc);
+    acc = fmaf(f.z, v[4 * k4 + 2], acc);
+    acc = fmaf(f.w, v[4 * k4 + 3], acc);
+  }
+  return acc;
+}
+
 template <typename T, int KMAX>
 __global__ void __launch_bounds__(256) conv2d_direct_fwd_kernel(
     const T* __restrict__ w, const T* __restrict__ x, const T* __restrict__ bias,
-    T* __restrict__ y, int has_bias, DirectGeom g) {
+    T* __restrict__ y, int has_bias, DirectGeom g, int layout) {
   static_assert(KMAX % 4 == 0, "KMAX must be a multiple of 4");
   __shared__ float4 sw4[DIRECT_MAX_M * KMAX / 4];
   __shared__ float sb[DIRECT_MAX_M];
@@ -132,19 +150,25 @@ __global__ void __launch_bounds__(256) conv2d_direct_fwd_kernel(
     const int oy = p / g.Wo, ox = p - oy * g.Wo;
     float v[KMAX];
     load_taps<KMAX>(v, x, taps, g, n, oy, ox);
-    T* out = y + (long long)n * g.M * hw + p;
-    for (int m = 0; m < g.M; ++m) {
-      const float4* wm = sw4 + m * (KMAX / 4);
-      float acc = 0.f;
+    if (layout == 0) {  // NCHW: lanes along the pixels of one channel
+      T* out = y + (long long)n * g.M * hw + p;
+      for (int m = 0; m < g.M; ++m)
+        out[(long long)m * hw] = as<T>(dot_taps<KMAX>(sw4 + m * (KMAX / 4), v) + sb[m]);
+      continue;
+    }
+    T* out = y + q * g.M;  // channels-last: the pixel's channels together
+    constexpr int V = 16 / sizeof(T);
+    for (int m0 = 0; m0 < g.M; m0 += V) {
+      alignas(16) T vals[V];
 #pragma unroll
-      for (int k4 = 0; k4 < KMAX / 4; ++k4) {
-        const float4 f = wm[k4];
-        acc = fmaf(f.x, v[4 * k4], acc);
-        acc = fmaf(f.y, v[4 * k4 + 1], acc);
-        acc = fmaf(f.z, v[4 * k4 + 2], acc);
-        acc = fmaf(f.w, v[4 * k4 + 3], acc);
+      for (int j = 0; j < V; ++j) {
+        const int m = min(m0 + j, g.M - 1);
+        vals[j] = as<T>(dot_taps<KMAX>(sw4 + m * (KMAX / 4), v) + sb[m]);
       }
-      out[(long long)m * hw] = as<T>(acc + sb[m]);
+      if (layout == 2)
+        *reinterpret_cast<uint4*>(out + m0) = *reinterpret_cast<const uint4*>(vals);
+      else
+        for (int j = 0; j < V && m0 + j < g.M; ++j) out[m0 + j] = vals[j];
     }
   }
 }
@@ -233,8 +257,7 @@ template <int NT>
 __device__ __forceinline__ void bwdw_mma_row(float (&acc)[2][NT][4], const float* xn,
                                              const float* gr, const MmaTaps<NT>& taps,
                                              const DirectGeom& g, int m0, int oy, int, int gid,
-                                             int tig) {
-  const int hw = g.Ho * g.Wo;
+                                             int tig, long long ms, int ps) {
   for (int ox0 = 0; ox0 < g.Wo; ox0 += 8) {
     unsigned a[2][4], b[NT][2];
 #pragma unroll
@@ -245,7 +268,7 @@ __device__ __forceinline__ void bwdw_mma_row(float (&acc)[2][NT][4], const float
         for (int kk = 0; kk < 2; ++kk) {
           const int m = mt * 16 + gid + h * 8, ox = ox0 + tig + kk * 4;
           const bool ok = m0 + m < g.M && ox < g.Wo;
-          a[mt][h + 2 * kk] = to_tf32(ok ? gr[(long long)m * hw + ox] : 0.f);
+          a[mt][h + 2 * kk] = to_tf32(ok ? gr[m * ms + (long long)ox * ps] : 0.f);
         }
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
@@ -259,14 +282,14 @@ __device__ __forceinline__ void bwdw_mma_row(float (&acc)[2][NT][4], const float
 }
 
 // One row, 16-bit data (m16n8k16): 16 pixels per step, each register a pair of neighbouring
-// pixels (for gy one 32-bit load when `pairs`: Wo even and gy 4-byte aligned). E: T's bits.
+// pixels (for gy one 32-bit load when `pairs`: NCHW, Wo even and gy 4-byte aligned), gy's
+// channel m and pixel ox at gr[m * ms + ox * ps]. E: T's bits.
 template <typename T, int NT>
 __device__ __forceinline__ void bwdw_mma_row(float (&acc)[2][NT][4], const unsigned short* xn,
                                              const unsigned short* gr, const MmaTaps<NT>& taps,
                                              const DirectGeom& g, int m0, int oy, int pairs,
-                                             int gid, int tig) {
+                                             int gid, int tig, long long ms, int ps) {
   using U = unsigned short;
-  const int hw = g.Ho * g.Wo;
   for (int ox0 = 0; ox0 < g.Wo; ox0 += 16) {
     unsigned a[2][4], b[NT][2];
 #pragma unroll
@@ -276,13 +299,13 @@ __device__ __forceinline__ void bwdw_mma_row(float (&acc)[2][NT][4], const unsig
 #pragma unroll
         for (int kk = 0; kk < 2; ++kk) {
           const int m = mt * 16 + gid + h * 8, ox = ox0 + 2 * tig + kk * 8;
-          const U* p = gr + (long long)m * hw + ox;
+          const U* p = gr + m * ms + (long long)ox * ps;
           const bool mok = m0 + m < g.M;
           unsigned v = 0;
           if (pairs) {
             if (mok && ox < g.Wo) v = *reinterpret_cast<const unsigned*>(p);
           } else {
-            v = (mok && ox < g.Wo ? p[0] : 0u) | (mok && ox + 1 < g.Wo ? p[1] : 0u) << 16;
+            v = (mok && ox < g.Wo ? p[0] : 0u) | (mok && ox + 1 < g.Wo ? p[ps] : 0u) << 16;
           }
           a[mt][h + 2 * kk] = v;
         }
@@ -308,7 +331,7 @@ template <> struct MmaElem<float> { using type = float; };
 template <typename T, int NT>
 __global__ void __launch_bounds__(256) conv2d_direct_bwdw_mma_kernel(
     const T* __restrict__ x, const T* __restrict__ gy, float* __restrict__ ws, DirectGeom g,
-    int pairs) {
+    int pairs, int cl) {
   static_assert(NT >= 1 && NT <= 4, "K <= 32");
   constexpr int WARPS = 8;  // 256 threads; 32 channels per block
   using E = typename MmaElem<T>::type;
@@ -329,9 +352,15 @@ __global__ void __launch_bounds__(256) conv2d_direct_bwdw_mma_kernel(
   for (int row = blockIdx.x * WARPS + warp; row < rows; row += warps) {
     const int n = row / g.Ho, oy = row - n * g.Ho;
     const E* xn = xs + (long long)n * g.C * g.H * g.W;
-    const E* gr = gs + ((long long)n * g.M + m0) * hw + oy * g.Wo;  // channel m0, row oy
-    if constexpr (sizeof(T) == 4) bwdw_mma_row<NT>(acc, xn, gr, taps, g, m0, oy, pairs, gid, tig);
-    else bwdw_mma_row<T, NT>(acc, xn, gr, taps, g, m0, oy, pairs, gid, tig);
+    // channel m0 of row oy; channels ms apart, pixels ps (NCHW or channels-last gy)
+    const E* gr = cl ? gs + (long long)row * g.Wo * g.M + m0
+                     : gs + ((long long)n * g.M + m0) * hw + oy * g.Wo;
+    const long long ms = cl ? 1 : hw;
+    const int ps = cl ? g.M : 1;
+    if constexpr (sizeof(T) == 4)
+      bwdw_mma_row<NT>(acc, xn, gr, taps, g, m0, oy, pairs, gid, tig, ms, ps);
+    else
+      bwdw_mma_row<T, NT>(acc, xn, gr, taps, g, m0, oy, pairs, gid, tig, ms, ps);
   }
 
   // The warps' sums, added in warp order (fixed): acc element e of (mt, nt) is channel

@@ -11,6 +11,8 @@
 //    instantiation serves float32, int32 and uint32 alike.
 //  * take_rows (getitem with one index array on axis 0, e.g. a batch of labels) gathers whole
 //    rows; like CuPy's indexing it wraps indices modulo the row count instead of raising.
+//  * stride_spread puts a channels-last grid of pixels on every s-th pixel of a larger one and
+//    zeros between, rows moved whole (16-byte vectors where they allow).
 //  * index_add (getitem_backward with index arrays) is a gather, not a scatter: each output
 //    element sums, in increasing i, the gy[i] whose flat index is its own. No atomics, so the
 //    result is deterministic and repeated indices accumulate as np.add.at does.
@@ -113,6 +115,26 @@ __global__ void take_rows_kernel(U* out, const U* in, const L* idx, int B, long 
   }
 }
 
+// out[b, y, x, :] = in[b, i, j, :] where y + ph = sh * i and x + pw = sw * j (i < Hi, j < Wi),
+// else zeros: a channels-last grid spread onto every sh-th row and sw-th column of (B, H, W)
+// pixels. The backward-data of a strided 1x1 convolution, from the dense product at the
+// pixels its filter reaches (conv2d.py's _spread). A block per output image row (grid B*H):
+// a row no tap reaches is all zeros; pixel rows of `row` U's.
+template <typename U>
+__global__ void stride_spread_kernel(U* __restrict__ out, const U* __restrict__ in, int row, int H,
+                                     int W, int Hi, int Wi, int sh, int sw, int ph, int pw) {
+  const int y = blockIdx.x % H + ph, n = W * row;
+  const bool reached = y % sh == 0 && y / sh < Hi;
+  const U* src = in + ((long long)(blockIdx.x / H) * Hi + y / sh) * Wi * row;
+  U* dst = out + (long long)blockIdx.x * n;
+  for (int e = threadIdx.x; e < n; e += blockDim.x) {
+    U v{};
+    const int p = e / row, x = p + pw;
+    if (reached && x % sw == 0 && x / sw < Wi) v = src[(x / sw) * row + e - p * row];
+    dst[e] = v;
+  }
+}
+
 // gx[j] = sum of gy[i] over i with idx[i] == j (j < n, i < m). O(n*m): getitem_backward with
 // index arrays only, which stays outside the training hot path.
 template <typename T>
@@ -132,3 +154,5 @@ __global__ void index_add_kernel(T* gx, const T* gy, const long long* idx, int m
 // instantiate: tile_transpose_kernel<unsigned short>; tile_transpose_kernel<unsigned int>
 // instantiate: tile_transpose_pairs_kernel
 // instantiate: narrow_transpose_kernel<unsigned short>; narrow_transpose_kernel<unsigned int>
+// instantiate: stride_spread_kernel<uint4>; stride_spread_kernel<unsigned short>
+// instantiate: stride_spread_kernel<unsigned int>

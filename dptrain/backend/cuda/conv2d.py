@@ -69,7 +69,7 @@ from dptrain.backend.cuda.gemm import (operand_dtype, output, plan, reducer, sig
 from dptrain.backend.cuda.launch import i32
 from dptrain.backend.cuda.norm import batch_norm_stats, batch_norm_tile_stats
 from dptrain.backend.cuda.runtime import runtime
-from dptrain.backend.cuda.transpose import strided_copy, transposer
+from dptrain.backend.cuda.transpose import spreader, strided_copy, transposer
 from dptrain.backend.cuda.workspace import Workspace, keep, take
 from dptrain.backend.registry import op
 
@@ -94,16 +94,25 @@ WGMMA_TMA_ENV = "DPTRAIN_WGMMA_CONV_TMA"
 # m64n128 a step where two m64n64 read the weights twice; conv2d_wgmma.cu's TURN); "0": not.
 # ResNet-18's 64-channel forward and backward-data 5% faster (H200; the same bits)
 WGMMA_TURN_ENV = "DPTRAIN_WGMMA_CONV_TURN"
+# "0": a strided 1x1 filter's channels-last backward-data sums zero-filled taps over every
+# pixel of x instead of the dense product at the pixels it reaches, spread (_spread)
+SPREAD_ENV = "DPTRAIN_CONV_SPREAD"
 NHWC_ENV = "DPTRAIN_NHWC_CONV"  # "0": backward-weight keeps the NCHW gathers
 CONV_STATS_ENV = "DPTRAIN_CONV_STATS"  # see _epilogue_stats
 WGMMA_BWDW = "conv2d_bwdw_wgmma.cu"
 WGMMA_BWDW_ENV = "DPTRAIN_WGMMA_BWDW"  # "0": 16-bit backward-weight keeps conv2d_nhwc.cu
 # 16-bit backward-weight fed by TMA (conv2d_bwdw_tma_kernel) where it applies (_bwdw_tma_box;
 # "0": never): tiles of 64 output channels by 192 (tap, c) columns, or 128 by 128 where there
-# are more than 64 output channels (_bwdw_tma_tile). ResNet-18's stride-1 passes 2.0x (64
-# channels) and 1.4-1.5x (128-512) faster than the gathering kernel, split-K reduce included;
-# its fp16 step 8.05 -> 7.20 ms with the 64 x 192 tiles alone (H200)
+# are more than 64 output channels and they are faster (_bwdw_tma_tiling). ResNet-18's
+# stride-1 passes 2.0x (64 channels) and 1.4-1.5x (128-512) faster than the gathering kernel,
+# split-K reduce included; its fp16 step 8.05 -> 7.20 ms with the 64 x 192 tiles alone (H200)
 BWDW_TMA_ENV = "DPTRAIN_BWDW_TMA"
+REDUCE_TILED_ENV = "DPTRAIN_BWDW_REDUCE_TILED"  # see _bwdw_wgmma_reducer
+# A 64 x 192 tile's time per multiply-add over a 128 x 128 one's (more operand bytes per
+# multiply-add), the median of ResNet-18's stride-1 passes of 128, 256 and 512 channels at
+# batch 256 on 48 x 48 images: 1.27, 1.15 and 1.12 times slower per multiply-add of their
+# split estimate as 64 x 192 (fp16, H200)
+BWDW_WIDE_RATE = 1.15
 # TF32 backward-weight on wgmma (conv2d_bwdw_wgmma_tf32_kernel): by default where C_in*KH*KW
 # fills its 128-row tiles (ResNet-18's passes on an H100, 2026-11-25: 1.03-2.5x faster than
 # conv2d_nhwc.cu from 128 rows on, 0.76x at 64, a 1x1 filter on 64 channels); "1": every
@@ -172,8 +181,11 @@ def _nchw_shape(shape):
 
 
 def _to_nchw(shape, dt):
-    """run(a) -> a new NCHW copy of the contiguous (N, H, W, C) array a of NCHW `shape`."""
+    """run(a) -> the contiguous (N, H, W, C) array a of NCHW `shape` as NCHW: a new copy, or
+    a view of a where one layout is the other (one channel or one pixel)."""
     nb, c, h, w = shape
+    if c == 1 or h * w == 1:
+        return lambda a: a.reshape(nb, c, h, w)
     transpose = transposer(nb, h * w, c, dt)
     return lambda a: transpose(a).reshape(nb, c, h, w)
 
@@ -208,9 +220,11 @@ def _direct_geom(x_shape, w_shape, ho, wo, stride, padding):
                          KW=kw, sh=sh, sw=sw, ph=ph, pw=pw)
 
 
-def _plan_direct_forward(x_shape, w_shape, ho, wo, stride, padding, kmax, dt):
+def _plan_direct_forward(x_shape, w_shape, ho, wo, stride, padding, kmax, dt, cl=False):
+    """x NCHW; y channels-last where `cl` (in 16-byte groups of channels where they fit)."""
     f = "conv2d_forward"
-    out_shape = (x_shape[0], w_shape[0], ho, wo)
+    out_shape = (x_shape[0], ho, wo, w_shape[0]) if cl else (x_shape[0], w_shape[0], ho, wo)
+    groups = cl and w_shape[0] % (16 // np.dtype(dt).itemsize) == 0
     geom = _direct_geom(x_shape, w_shape, ho, wo, stride, padding)
     fn = launch.kernel(DIRECT, "conv2d_direct_fwd_kernel", launch.ctype(dt), str(kmax))
     npix = out_shape[0] * ho * wo
@@ -222,18 +236,24 @@ def _plan_direct_forward(x_shape, w_shape, ho, wo, stride, padding, kmax, dt):
         y = output(f, out, out_shape, dt)
         if npix and y.size:
             has_bias = bias is not None
-            fn(grid, (256,), (w, x, bias if has_bias else y, y, np.int32(has_bias), geom))
+            layout = (2 if groups and y.data.ptr % 16 == 0 else 1) if cl else 0
+            fn(grid, (256,), (w, x, bias if has_bias else y, y, np.int32(has_bias), geom,
+                              i32(layout)))
         return y
 
     run.kernel = "conv2d_direct_fwd_kernel"
     return run
 
 
-def _plan_direct_backward_weight(x_shape, w_shape, ho, wo, stride, padding, kmax, dt):
+def _plan_direct_backward_weight(x_shape, w_shape, ho, wo, stride, padding, kmax, dt,
+                                 cl=False):
+    """x NCHW; gy channels-last where `cl` (the tensor-core kernel only)."""
     f = "conv2d_backward_weight"
     geom = _direct_geom(x_shape, w_shape, ho, wo, stride, padding)
     m, k, npix = w_shape[0], w_shape[1] * w_shape[2] * w_shape[3], x_shape[0] * ho * wo
     tensor_cores = _tensor_cores(dt)
+    if cl and not tensor_cores:
+        raise ValueError(f"cuda.{f}: the FFMA direct kernel reads gy as NCHW only")
     if tensor_cores:  # 32 channels x all taps per block row
         groups, rows = -(-m // 32), x_shape[0] * ho
         blocks = max(1, min(-(-rows // 8), 4 * launch.sm_count() // groups))
@@ -256,9 +276,9 @@ def _plan_direct_backward_weight(x_shape, w_shape, ho, wo, stride, padding, kmax
         if npix == 0:
             return fill_(gw, 0.0)
         ws = launch.new((blocks, m, k), np.float32)
-        if tensor_cores:  # 16-bit pixel pairs as one 32-bit load where they are aligned
-            pairs = np.int32(even_rows and gy.data.ptr % 4 == 0)
-            fn((blocks, groups), (256,), (x, gy, ws, geom, pairs))
+        if tensor_cores:  # 16-bit NCHW pixel pairs as one 32-bit load where aligned
+            pairs = np.int32(not cl and even_rows and gy.data.ptr % 4 == 0)
+            fn((blocks, groups), (256,), (x, gy, ws, geom, pairs, i32(cl)))
         else:
             fn((blocks, groups), (256,), (x, gy, ws, geom))
         reduce(ws, gw, gw)
@@ -584,9 +604,10 @@ def _plan_forward(x, w, b, stride, padding, cl=False):
                            1: tf32x3.splitter(x.shape, 3, tf32x3.FIRST)})
         if run:
             return run
-    if direct:
-        run = _plan_direct_forward((n, c, h, wd), w.shape, ho, wo, (sh, sw), (ph, pw), kmax, dt)
-        return _via_nchw(run, f, {1: (n, c, h, wd)}, (n, cout, ho, wo), dt) if cl else run
+    if direct:  # x NCHW (a copy where cl), y as the layout asks
+        run = _plan_direct_forward((n, c, h, wd), w.shape, ho, wo, (sh, sw), (ph, pw), kmax, dt,
+                                   cl)
+        return _via_nchw(run, f, {1: (n, c, h, wd)}, None, dt) if cl else run
     return _implicit_in_layout(
         lambda cl: _plan_implicit(f, 0, (n, cout, ho, wo), cout, c, h, wd, ho, wo, kh, kw,
                                   (sh, sw), (ph, pw), dt, cl),
@@ -671,6 +692,11 @@ def _plan_backward_data(gy, w, x_shape, stride, padding, cl=False):
     gy_shape = (n, ho, wo, cout) if cl else (n, cout, ho, wo)
     if gy.shape != gy_shape:
         raise ValueError(f"cuda.{f}: gy has shape {gy.shape}, expected {gy_shape}")
+    if cl and (kh, kw) == (1, 1) and (sh, sw) != (1, 1):
+        run = _spread(lambda: _plan_backward_data(gy, w, (n, ho, wo, c), (1, 1), (0, 0), True),
+                      f, (n, h, wd, c), (ho, wo), (sh, sw), (ph, pw), dt)
+        if run:
+            return run
     if cl and tf32x3.enabled(dt) and tf32x3.fits(gy.size, w.size):
         # gy's channels and w's C_out tripled
         run = _x3(lambda: _plan_implicit(f, 1, (n, c, h, wd), c, 3 * cout, ho, wo, h, wd, kh,
@@ -683,6 +709,27 @@ def _plan_backward_data(gy, w, x_shape, stride, padding, cl=False):
         lambda cl: _plan_implicit(f, 1, (n, c, h, wd), c, cout, ho, wo, h, wd, kh, kw,
                                   (sh, sw), (ph, pw), dt, cl),
         cl, f, (n, cout, ho, wo), (n, c, h, wd), dt)
+
+
+def _spread(dense, f, x_shape, dense_hw, stride, padding, dt):
+    """The channels-last backward-data of a strided 1x1 filter as the dense product at the
+    pixels its taps reach (dense(): the plan of that stride-1 pass) spread onto x's grid with
+    zeros between (transpose.spreader); None where DPTRAIN_CONV_SPREAD is "0" or no wgmma
+    kernel takes the dense pass. The one plan over every pixel of x sums taps that are zeros
+    at (s^2 - 1) / s^2 of them (ResNet-18's three shortcuts: FIXME)."""
+    if os.environ.get(SPREAD_ENV, "1") == "0":
+        return None
+    inner = dense()
+    if "wgmma" not in inner.kernel:
+        return None
+    spread = spreader(x_shape, dense_hw, stride, padding, dt)
+
+    def run(w, gy, bias, out, workspace=None):
+        dx = output(f, out, x_shape, dt)
+        return spread(inner(w, gy, None, None, workspace), dx)
+
+    run.kernel = inner.kernel
+    return run
 
 
 @op
@@ -739,6 +786,11 @@ def _plan_backward_weight(x, gy, w_shape, stride, padding, cl=False):
                 and x.data.ptr % 16 == 0 and gy.data.ptr % 16 == 0):
             return _plan_wgmma_backward_weight((n, c, h, wd), (cout, cin, kh, kw), ho, wo,
                                                (sh, sw), (ph, pw), dt, cl=True)
+        kmax = _direct_kmax(cin * kh * kw)
+        if kmax and cout and _tensor_cores(dt):  # the direct kernel reads gy as it lies
+            run = _plan_direct_backward_weight((n, c, h, wd), (cout, cin, kh, kw), ho, wo,
+                                               (sh, sw), (ph, pw), kmax, dt, cl=True)
+            return _via_nchw(run, f, {0: (n, c, h, wd)}, None, dt)
         # the NCHW plan, for operands as their copies will be (new, so 16-byte aligned)
         xn, gyn = launch.new((n, c, h, wd), dt), launch.new((n, cout, ho, wo), dt)
         run = _plan_backward_weight(xn, gyn, w_shape, stride, padding)
@@ -842,12 +894,13 @@ def _wgmma_bwdw(dt, cin: int, cout: int, nb: int, rows: int) -> bool:
 
 
 def _pixel_splits(tiles: int, npix: int, outputs: int, blocks: int, fill: int,
-                  reduce_cost: float, most: int) -> tuple[int, int]:
-    """(splits, chunk) of a backward-weight pass's npix pixels over `tiles` output tiles: the
-    split count, at most `most`, that minimises an estimate in slab times (64 pixels of one
-    tile): waves of tiles x splits over `blocks` resident blocks, each a chunk's slabs plus
-    `fill` (its pipeline fill and epilogue), plus the float partials' reduce (`reduce_cost`
-    slab times per output and split). Chunks are whole slabs; no split is left empty."""
+                  reduce_cost: float, most: int) -> tuple[int, int, float]:
+    """(splits, chunk, cost) of a backward-weight pass's npix pixels over `tiles` output
+    tiles: the split count, at most `most`, that minimises an estimate in slab times (64
+    pixels of one tile): waves of tiles x splits over `blocks` resident blocks, each a
+    chunk's slabs plus `fill` (its pipeline fill and epilogue), plus the float partials'
+    reduce (`reduce_cost` slab times per output and split), and that estimate. Chunks are
+    whole slabs; no split is left empty."""
     slabs, best = -(-npix // 64), None
     for s in range(1, min(slabs, most) + 1):
         per = -(-slabs // s)
@@ -857,28 +910,40 @@ def _pixel_splits(tiles: int, npix: int, outputs: int, blocks: int, fill: int,
         cost = -(-tiles * s // blocks) * (per + fill) + reduce
         if best is None or cost < best[0]:
             best = (cost, s, per * 64)
-    return best[1], best[2]
+    return best[1], best[2], best[0]
 
 
 def _bwdw_tma_box(dt, x_shape, w_shape, ho, wo, stride, padding):
     """The im2col box of conv2d_bwdw_tma_kernel's map of x (the forward's: _tma_box), or None
     where that kernel does not take the pass: DPTRAIN_BWDW_TMA "0", not 16-bit, C_in*KH*KW
-    not in whole tiles (_bwdw_tma_tile), a stride (ResNet-18's three stride-2 3x3 passes took 0.086,
-    0.078 and 0.082 ms this way, 0.063, 0.064 and 0.079 gathering; fp16, H200), or no TMA
-    box for the forward."""
-    (_, c, h, wd), (cout, _, kh, kw) = x_shape, w_shape
+    not in whole tiles (_bwdw_tma_tiling), a stride (ResNet-18's three stride-2 3x3 passes
+    took 0.086, 0.078 and 0.082 ms this way, 0.063, 0.064 and 0.079 gathering; fp16, H200),
+    or no TMA box for the forward."""
+    (n, c, h, wd), (cout, _, kh, kw) = x_shape, w_shape
     if (os.environ.get(BWDW_TMA_ENV, "1") == "0" or dt not in launch.HALVES
-            or c * kh * kw % _bwdw_tma_tile(cout, c * kh * kw)[1] or tuple(stride) != (1, 1)):
+            or not _bwdw_tma_tiling(cout, c * kh * kw, n * ho * wo)
+            or tuple(stride) != (1, 1)):
         return None
     return _tma_box(0, stride, padding, (kh, kw), (h, wd), (ho, wo), c, dt)
 
 
-def _bwdw_tma_tile(cout: int, ncol: int) -> tuple[int, int]:
-    """(rows, cols) of conv2d_bwdw_tma_kernel's tiles for cout output channels by ncol (tap,
-    c): 128 x 128 for more than 64 channels where ncol fills them (per multiply-add, a
-    quarter fewer bytes from L2: ResNet-18's stride-1 passes of 128 to 512 channels ran at
-    440-510 TFLOP/s as 64 x 192, reduce included), else 64 x 192."""
-    return (128, 128) if cout > 64 and ncol % 128 == 0 else (64, 192)
+def _bwdw_tma_tiling(cout: int, ncol: int, npix: int):
+    """(rows, cols, splits, chunk) of conv2d_bwdw_tma_kernel for cout output channels by ncol
+    (tap, c) over npix pixels, or None where no tile fits ncol: 64 x 192 tiles, or 128 x 128
+    where there are more than 64 channels, whichever the split estimate (_pixel_splits, one
+    block an SM) times the tile's multiply-adds and BWDW_WIDE_RATE says is faster."""
+    best = None
+    for rows, cols, rate in ((128, 128, 1.0), (64, 192, BWDW_WIDE_RATE)):
+        if ncol % cols or (rows == 128 and cout <= 64):
+            continue
+        tiles = -(-cout // rows) * (ncol // cols)
+        # the reduce's cost per slab time an estimate (not measured)
+        splits, chunk, cost = _pixel_splits(tiles, npix, ncol * cout, launch.sm_count(),
+                                            fill=2, reduce_cost=3.3e-6, most=256)
+        time = cost * rows * cols * rate
+        if best is None or time < best[0]:
+            best = (time, rows, cols, splits, chunk)
+    return best and best[1:]
 
 
 def _bwdw_tma_smem(rows: int, cols: int) -> int:
@@ -889,10 +954,21 @@ def _bwdw_tma_smem(rows: int, cols: int) -> int:
 
 
 def _bwdw_wgmma_reducer(splits: int, cout: int, c: int, taps: int, dt):
-    """reduce(ws, gw): conv2d_bwdw_wgmma_reduce_kernel summing the (splits, taps * c, cout)
-    float partials ws into gw (cout, c, taps), a thread per output. (Two tiled versions that
-    wrote gw's rows together through shared memory took 330 and 265 against 219 us a
-    ResNet-18 fp16 step, H200.)"""
+    """reduce(ws, gw): the (splits, taps * c, cout) float partials ws summed in split order
+    into gw (cout, c, taps). conv2d_bwdw_reduce_tiled_kernel where its tiles (32 output
+    channels by up to 64 (tap, c) rows) fill the SMs at least once, both sides coalesced;
+    else a thread per output, whose stores are strided (DPTRAIN_BWDW_REDUCE_TILED: "1"
+    always tiled, "0" never). The same bits either way. (Two earlier tiled versions, used
+    for every pass, took 330 and 265 against 219 us a ResNet-18 fp16 step: the small passes'
+    few tiles left SMs idle.)"""
+    ctile = max(1, 64 // taps)  # the kernel's 64 rows
+    grid = (-(-cout // 32), -(-c // ctile))
+    env = os.environ.get(REDUCE_TILED_ENV, "")
+    if taps <= 64 and grid[1] <= launch.GRID_YZ_MAX and (
+            env == "1" or env != "0" and grid[0] * grid[1] >= launch.sm_count()):
+        fn = launch.kernel(WGMMA_BWDW, "conv2d_bwdw_reduce_tiled_kernel", launch.ctype(dt))
+        tail = (i32(splits), i32(cout), i32(c), i32(taps), i32(ctile))
+        return lambda ws, gw: fn(grid, (256,), (ws, gw) + tail)
     fn = launch.kernel(WGMMA_BWDW, "conv2d_bwdw_wgmma_reduce_kernel", launch.ctype(dt))
     grid = (max(1, min(-(-taps * c * cout // 256), launch.sm_count() * 8)),)
     tail = (i32(splits), i32(cout), i32(c), i32(taps))
@@ -900,18 +976,15 @@ def _bwdw_wgmma_reducer(splits: int, cout: int, c: int, taps: int, dt):
 
 
 def _plan_tma_backward_weight(x_shape, w_shape, ho, wo, stride, padding, dt, box, cl):
-    """conv2d_bwdw_tma_kernel: tiles of output channels by (tap, c) (_bwdw_tma_tile), the
+    """conv2d_bwdw_tma_kernel: tiles of output channels by (tap, c) (_bwdw_tma_tiling), the
     pixels split into chunks of whole slabs, one block an SM walking the tiles; several
     splits' float partials summed by conv2d_bwdw_wgmma_reduce_kernel. Operands as
     _plan_wgmma_backward_weight's."""
     f = "conv2d_backward_weight"
     (n, c, h, wd), (cout, _, kh, kw) = x_shape, w_shape
     ncol, npix = c * kh * kw, n * ho * wo
-    rows, cols = _bwdw_tma_tile(cout, ncol)
+    rows, cols, splits, chunk = _bwdw_tma_tiling(cout, ncol, npix)
     tiles_m, tiles_j = -(-cout // rows), ncol // cols
-    # one block an SM; the reduce's cost per slab time an estimate (not measured)
-    splits, chunk = _pixel_splits(tiles_m * tiles_j, npix, ncol * cout, launch.sm_count(),
-                                  fill=2, reduce_cost=3.3e-6, most=256)
     smem = _bwdw_tma_smem(rows, cols)
     fn = launch.kernel(WGMMA_BWDW, "conv2d_bwdw_tma_kernel", launch.ctype(dt), str(cols),
                        str(rows // 64), smem=smem)
@@ -934,7 +1007,7 @@ def _plan_tma_backward_weight(x_shape, w_shape, ho, wo, stride, padding, dt, box
             reduce(ws, gw)
         return gw
 
-    run.kernel, run.splits = "conv2d_bwdw_tma_kernel", splits
+    run.kernel, run.splits, run.tile = "conv2d_bwdw_tma_kernel", splits, (rows, cols)
     return run
 
 
@@ -956,9 +1029,9 @@ def _plan_wgmma_backward_weight(x_shape, w_shape, ho, wo, stride, padding, dt, c
     smem = wgmma_smem(128, bn)
     tiles = -(-ncol // 128) * -(-cout // bn)
     # a slab of one block ~1 us; the reduce about 3 us per 2.4 M outputs per split (~3 TB/s)
-    splits, chunk = _pixel_splits(tiles, npix, ncol * cout,
-                                  launch.sm_count() * (2 if bn == 64 else 1), fill=4,
-                                  reduce_cost=1.33e-6, most=64)
+    splits, chunk, _ = _pixel_splits(tiles, npix, ncol * cout,
+                                     launch.sm_count() * (2 if bn == 64 else 1), fill=4,
+                                     reduce_cost=1.33e-6, most=64)
     if dt == np.float32:  # TF32: slabs stored K-major from registers
         name = "conv2d_bwdw_wgmma_tf32_kernel"
         fn = launch.kernel(WGMMA_BWDW, name, str(bn), smem=smem)

@@ -81,6 +81,29 @@ def transposer(nb: int, rows: int, cols: int, dtype):
     return run
 
 
+def spreader(shape, dense_hw, stride, padding, dtype):
+    """run(dense, out) -> out: the contiguous (N, H, W, C) array `out` of `shape` holding the
+    contiguous (N, Hi, Wi, C) array `dense` (dense_hw = (Hi, Wi)) at the pixels
+    (s * i - p, s * j - q) of stride (s, t) and padding (p, q) that lie inside, zeros
+    elsewhere (stride_spread_kernel: one pass, a block an image row, pixels' rows as 16-byte
+    vectors where they and both arrays' starts are 16-byte aligned). Exact: raw bits."""
+    nb, h, w, c = shape
+    itemsize = np.dtype(dtype).itemsize
+    tail = tuple(np.int32(v) for v in (h, w, *dense_hw, *stride, *padding))
+    element = launch.kernel(TR, "stride_spread_kernel", launch.bits(itemsize)[0])
+    vector = (launch.kernel(TR, "stride_spread_kernel", "uint4")
+              if c * itemsize % 16 == 0 else None)
+
+    def run(dense, out):
+        if out.size:
+            aligned = vector is not None and (dense.data.ptr | out.data.ptr) % 16 == 0
+            fn, row = (vector, c * itemsize // 16) if aligned else (element, c)
+            fn((nb * h,), (256,), (out, dense, np.int32(row)) + tail)  # a block an image row
+        return out
+
+    return run
+
+
 @op
 def copy(a):
     launch.check_arrays("copy", a)
