@@ -374,34 +374,24 @@ __global__ void __launch_bounds__(384, 1)
   using namespace wgmma_bwdw_tma;
   constexpr int S = stages<BJ, R>(), STAGE = stage_bytes<BJ, R>(), BM = 64 * R;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  __shared__ __align__(8) unsigned long long bars[2 * S + 2];  // full[S], empty[S], order[2]
+  __shared__ __align__(8) unsigned long long bars[2 * S + 2];  // the Ring's
   require_smem(S * STAGE + 1024);  // the launcher must pass it
   const u32 sbase = smem_base(smem_raw);
-  const u32 full = (u32)__cvta_generic_to_shared(bars), empty = full + 8 * S;
-  const u32 order = empty + 8 * S;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < S; ++s) {
-      mbar_init(full + 8 * s, 1);
-      mbar_init(empty + 8 * s, 128);  // one warpgroup takes a slab
-    }
-    mbar_init(order, 1);
-    mbar_init(order + 8, 1);
-  }
+  const Ring<S> ring(bars);
+  const u32 full = ring.full, empty = ring.empty;
   __syncthreads();
   const int npix = Nb * Ho * Wo, tiles = tiles_m * tiles_j * splits;
   if (threadIdx.x < 256) {  // multiplying warpgroups
     setmaxnreg_inc<232>();
-    const int wg = threadIdx.x >> 7;
-    const bool leader = (threadIdx.x & 127) == 0;  // hands the turn over
-    int pos = 0, turn = 0, waits = 0;
+    Turns turns;
+    int pos = 0;
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
       const Tile at(tile, tiles_m, tiles_j, BM, BJ, chunk, npix);
-      if ((turn++ & 1) != wg) {  // the other warpgroup's tile
+      if (!turns.mine()) {  // the other warpgroup's tile
         pos += at.KT;
         continue;
       }
-      if (turn > 1) mbar_wait(order + 8 * wg, waits++ & 1);  // the tile before has landed
-      if (at.KT == 0 && leader) mbar_arrive(order + 8 * (wg ^ 1));
+      turns.begin(ring.order, at.KT);
       float acc[R][BJ / 2];
 #pragma unroll
       for (int r = 0; r < R; ++r)
@@ -411,7 +401,7 @@ __global__ void __launch_bounds__(384, 1)
       for (int kt = 0; kt < at.KT; ++kt, ++pos) {
         const int slot = pos % S;
         mbar_wait(full + 8 * slot, (pos / S) & 1);
-        if (kt == at.KT - 1 && leader) mbar_arrive(order + 8 * (wg ^ 1));  // the next turn
+        turns.landed(ring.order, kt, at.KT);
         const u32 st = sbase + slot * STAGE;
         slab_rows<T, BJ, R>(acc, st, st + R * ATOM);
         wgmma_wait<1>();  // the slab before has retired: its slot may be refilled

@@ -48,11 +48,6 @@
 //    accumulator's rows are then channels and its columns pixels; the staging
 //    (stage_tile_turned) and the statistics (tile_stats_turned) read it so, and every store
 //    after the staging is the same.
-//  * TURN (16-bit tiles of 64 channels): the tile turned around, D^T = W X^T, one m64n128
-//    wgmma a step with the weights as A and the 128 pixel rows as B, where two m64n64 read
-//    the weights twice: 6 KB of shared memory per 262 K multiply-adds instead of 8. Rows of
-//    the accumulator are then channels and columns pixels; the staging (stage_tile_turned)
-//    and the statistics (tile_stats_turned) read it so, every store after them is the same.
 //
 // nvrtc-options: -arch=sm_90a
 // instantiations-per-module: 1  (a run builds only those it uses: a shorter cold start)
@@ -495,19 +490,19 @@ __device__ __forceinline__ void multiply_tiles(const ConvGeom& g, int tiles_x, i
                                                long long* rowbase) {
   constexpr int S = tma_stages<T, BN>(), A_BYTES = BM * ROW_BYTES;
   constexpr int STAGE_BYTES = (BM + BN) * ROW_BYTES, BK = ROW_BYTES / sizeof(T);
-  const int wg = threadIdx.x >> 7;
-  const bool leader = (threadIdx.x & 127) == 0;  // hands the turn over
-  int pos = 0, turn = 0, waits = 0;
+  Turns turns;
+  const int wg = turns.wg;
+  const bool leader = turns.leader;
+  int pos = 0;
   for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     const Tile at(g, tile, tiles_x, tiles_y, BN);
     if (at.none) continue;
     const int KT = (at.f.K + BK - 1) / BK;
-    if ((turn++ & 1) != wg) {  // the other warpgroup's tile
+    if (!turns.mine()) {  // the other warpgroup's tile
       pos += KT;
       continue;
     }
-    if (turn > 1) mbar_wait(order + 8 * wg, waits++ & 1);  // the tile before has landed
-    if (KT == 0 && leader) mbar_arrive(order + 8 * (wg ^ 1));
+    turns.begin(order, KT);
     float acc[2][BN / 2];  // TURN: acc[0] and acc[1] as one m64n128 accumulator, flat
     float (&flat)[BN] = *reinterpret_cast<float(*)[BN]>(&acc[0][0]);
 #pragma unroll
@@ -518,7 +513,7 @@ __device__ __forceinline__ void multiply_tiles(const ConvGeom& g, int tiles_x, i
     for (int kt = 0; kt < KT; ++kt, ++pos) {
       const int slot = pos % S;
       mbar_wait(full + 8 * slot, (pos / S) & 1);
-      if (kt == KT - 1 && leader) mbar_arrive(order + 8 * (wg ^ 1));  // the next turn
+      turns.landed(order, kt, KT);
       const u32 st = sbase + slot * STAGE_BYTES;
       if constexpr (TURN)
         wgmma_slab<T, BM>(flat, st + A_BYTES, st);  // A: the weights; B: the pixel rows
@@ -618,21 +613,13 @@ __global__ void __launch_bounds__(384, 1)
   constexpr int S = tma_stages<T, BN>();
   constexpr int A_BYTES = BM * ROW_BYTES, STAGE_BYTES = (BM + BN) * ROW_BYTES;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  __shared__ __align__(8) unsigned long long bars[2 * S + 2];  // full[S], empty[S], order[2]
-  __shared__ StatsSmem<BN> stats_smem[2];                    // a multiplying warpgroup's each
+  __shared__ __align__(8) unsigned long long bars[2 * S + 2];  // the Ring's
+  __shared__ StatsSmem<BN> stats_smem[2];                       // a multiplying warpgroup's each
   __shared__ long long rowbase[2][BM];                          // store_staged's, likewise
   require_smem(tma_smem_bytes<T, BN>());  // the launcher must pass it
   const u32 sbase = smem_base(smem_raw);
-  const u32 full = (u32)__cvta_generic_to_shared(bars), empty = full + 8 * S;
-  const u32 order = empty + 8 * S;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < S; ++s) {
-      mbar_init(full + 8 * s, 1);
-      mbar_init(empty + 8 * s, 128);  // one warpgroup takes a slab
-    }
-    mbar_init(order, 1);
-    mbar_init(order + 8, 1);
-  }
+  const Ring<S> ring(bars);
+  const u32 full = ring.full, empty = ring.empty, order = ring.order;
   __syncthreads();
   const ConvGeom g{Nb, M, C, Hs, Ws, Ho, Wo, KH, KW, sh, sw, ph, pw, mode};
   // registers moved to the multiplying warpgroups (2 x 64 x BN accumulators a thread)

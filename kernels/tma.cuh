@@ -68,4 +68,47 @@ __device__ __forceinline__ void bulk_wait() {
   asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+// The mbarriers of a warp-specialized ring of S stages, at shared addresses 8 bytes apart
+// in the kernel's `__shared__ unsigned long long bars[2 * S + 2]`: full[s] completes when
+// stage s has landed (the producer's arrival and its bytes), empty[s] when the multiplying
+// warpgroup (128 threads) that took it has retired its wgmmas, order[2] hands whole tiles
+// between the two multiplying warpgroups (Turns). Thread 0 initializes them; the caller
+// syncs the block before any thread uses them.
+template <int S>
+struct Ring {
+  u32 full, empty, order;
+  __device__ __forceinline__ explicit Ring(unsigned long long* bars)
+      : full((u32)__cvta_generic_to_shared(bars)), empty(full + 8 * S), order(empty + 8 * S) {
+    if (threadIdx.x != 0) return;
+    for (int s = 0; s < S; ++s) {
+      mbar_init(full + 8 * s, 1);
+      mbar_init(empty + 8 * s, 128);  // one warpgroup takes a slab
+    }
+    mbar_init(order, 1);
+    mbar_init(order + 8, 1);
+  }
+};
+
+// A multiplying warpgroup's side of the ping-pong: tiles go to warpgroups 0 and 1 in turn,
+// and one may start its tile's wgmmas only once the other's previous tile has all its
+// slabs landed, so the two take the tensor cores in turn while each runs its epilogue.
+struct Turns {
+  const int wg;
+  const bool leader;  // the thread that hands the turn over
+  int turn = 0, waits = 0;
+  __device__ __forceinline__ Turns() : wg(threadIdx.x >> 7), leader((threadIdx.x & 127) == 0) {}
+  // Whether the next tile is this warpgroup's (else the caller skips its slabs).
+  __device__ __forceinline__ bool mine() { return (turn++ & 1) == wg; }
+  // Before a tile of KT slabs: wait for the turn (the tile before has landed); a tile of
+  // none hands it straight on.
+  __device__ __forceinline__ void begin(u32 order, int KT) {
+    if (turn > 1) mbar_wait(order + 8 * wg, waits++ & 1);
+    if (KT == 0 && leader) mbar_arrive(order + 8 * (wg ^ 1));
+  }
+  // Once slab kt of KT has landed: the last one hands the turn over.
+  __device__ __forceinline__ void landed(u32 order, int kt, int KT) {
+    if (kt == KT - 1 && leader) mbar_arrive(order + 8 * (wg ^ 1));
+  }
+};
+
 }  // namespace wgmma_tiles
