@@ -555,6 +555,19 @@ def test_channels_last_passes_equal_nchw_bitwise(cu, dt, xs, ws, stride, pad, tm
     assert kernels[0] == kernels[1]
 
 
+def test_channels_last_stem_backward_weight_needs_no_copies(cu, monkeypatch):
+    """A one-channel stem's tensor-core backward-weight takes channels-last activations as
+    they lie: it reads gy so, and x of one channel is its own NCHW view. No transpose or copy
+    kernel is planned."""
+    monkeypatch.setenv(conv2d.DIRECT_ENV, "1")
+    x, w, gy = inputs(HALVES[0].values[0], (4, 1, 12, 12), (64, 1, 3, 3), (1, 1), (1, 1))
+    xl, gyl = cu.asarray(_channels_last(x)), cu.asarray(_channels_last(gy))
+    seen = _instantiations(
+        lambda: conv2d._backward_weight(xl, gyl, w.shape, (1, 1), (1, 1), True)(xl, gyl, None))
+    assert any(name.startswith("conv2d_direct_bwdw_mma_kernel") for name in seen)
+    assert not [name for name in seen if "transpose" in name or "copy" in name]
+
+
 def test_channels_last_checks_its_shapes(cu):
     x = cu.asarray(np.zeros((2, 8, 8, 16), np.float32))
     w = cu.asarray(np.zeros((32, 16, 3, 3), np.float32))

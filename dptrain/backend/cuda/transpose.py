@@ -11,6 +11,8 @@ Conventions (the .cu file's header has the kernel side):
     host index arrays are bounds-checked and uploaded, device ones wrap modulo the row count
     (no sync to check them). Other index arrays use CuPy's indexing (outside the hot path).
   * getitem_backward sums repeated indices by gathering (index_add_kernel), in a fixed order.
+  * spreader puts a channels-last grid on every s-th pixel of a larger one, zeros between
+    (a strided 1x1 convolution's backward-data, conv2d._spread).
 """
 from __future__ import annotations
 
