@@ -22,8 +22,10 @@
 //    128 (more columns would spill the staging registers).
 //  * K is split over grid z (the launcher picks the count): split s covers pixels
 //    [s*chunk, (s+1)*chunk). One split writes gw directly; several write float partials
-//    ws[s][j][m], which conv2d_bwdw_wgmma_reduce_kernel sums in split order (bitwise
-//    repeatable) into gw. gw is PyTorch's (M, C, KH, KW): column j lands at c*KH*KW + tap.
+//    ws[s][j][m], which conv2d_bwdw_wgmma_reduce_kernel (a thread per output) or
+//    conv2d_bwdw_reduce_tiled_kernel (a tile through shared memory) sums in split order
+//    (bitwise repeatable, the same bits) into gw. gw is PyTorch's (M, C, KH, KW): column j
+//    lands at c*KH*KW + tap.
 //  * conv2d_bwdw_tma_kernel: the same GEMM turned around and fed by TMA, warp-specialized as
 //    conv2d_wgmma.cu's forward (a ring of stages, one producer thread, two multiplying
 //    warpgroups taking whole tiles in turn). Rows are the output channels m (wgmma's M: R

@@ -980,7 +980,7 @@ def _bwdw_wgmma_reducer(splits: int, cout: int, c: int, taps: int, dt):
 def _plan_tma_backward_weight(x_shape, w_shape, ho, wo, stride, padding, dt, box, cl):
     """conv2d_bwdw_tma_kernel: tiles of output channels by (tap, c) (_bwdw_tma_tiling), the
     pixels split into chunks of whole slabs, one block an SM walking the tiles; several
-    splits' float partials summed by conv2d_bwdw_wgmma_reduce_kernel. Operands as
+    splits' float partials summed by _bwdw_wgmma_reducer's kernel. Operands as
     _plan_wgmma_backward_weight's."""
     f = "conv2d_backward_weight"
     (n, c, h, wd), (cout, _, kh, kw) = x_shape, w_shape

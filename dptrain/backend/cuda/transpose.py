@@ -86,7 +86,7 @@ def transposer(nb: int, rows: int, cols: int, dtype):
 def spreader(shape, dense_hw, stride, padding, dtype):
     """run(dense, out) -> out: the contiguous (N, H, W, C) array `out` of `shape` holding the
     contiguous (N, Hi, Wi, C) array `dense` (dense_hw = (Hi, Wi)) at the pixels
-    (s * i - p, s * j - q) of stride (s, t) and padding (p, q) that lie inside, zeros
+    (s * i - p, t * j - q) of stride (s, t) and padding (p, q) that lie inside, zeros
     elsewhere (stride_spread_kernel: one pass, a block an image row, pixels' rows as 16-byte
     vectors where they and both arrays' starts are 16-byte aligned). Exact: raw bits."""
     nb, h, w, c = shape
