@@ -106,7 +106,7 @@ NHWC_ENV = "DPTRAIN_NHWC_CONV"  # "0": backward-weight keeps the NCHW gathers
 CONV_STATS_ENV = "DPTRAIN_CONV_STATS"  # see _epilogue_stats
 WGMMA_BWDW = "conv2d_bwdw_wgmma.cu"
 WGMMA_BWDW_ENV = "DPTRAIN_WGMMA_BWDW"  # "0": 16-bit backward-weight keeps conv2d_nhwc.cu
-# 16-bit backward-weight fed by TMA (conv2d_bwdw_tma_kernel) where it applies (_bwdw_tma_box;
+# 16-bit backward-weight fed by TMA (conv2d_bwdw_tma_kernel) where it applies (_bwdw_tma_route;
 # "0": never): tiles of 64 output channels by 192 (tap, c) columns, or 128 by 128 where there
 # are more than 64 output channels and they are faster (_bwdw_tma_tiling). ResNet-18's
 # stride-1 passes 2.0x (64 channels) and 1.4-1.5x (128-512) faster than the gathering kernel,
@@ -915,18 +915,19 @@ def _pixel_splits(tiles: int, npix: int, outputs: int, blocks: int, fill: int,
     return best[1], best[2], best[0]
 
 
-def _bwdw_tma_box(dt, x_shape, w_shape, ho, wo, stride, padding):
-    """The im2col box of conv2d_bwdw_tma_kernel's map of x (the forward's: _tma_box), or None
-    where that kernel does not take the pass: DPTRAIN_BWDW_TMA "0", not 16-bit, C_in*KH*KW
-    not in whole tiles (_bwdw_tma_tiling), a stride (ResNet-18's three stride-2 3x3 passes
-    took 0.086, 0.078 and 0.082 ms this way, 0.063, 0.064 and 0.079 gathering; fp16, H200),
-    or no TMA box for the forward."""
+def _bwdw_tma_route(dt, x_shape, w_shape, ho, wo, stride, padding):
+    """(box, tiling) of conv2d_bwdw_tma_kernel: the im2col box of its map of x (the
+    forward's: _tma_box) and its tiles and splits (_bwdw_tma_tiling); or None where that
+    kernel does not take the pass: DPTRAIN_BWDW_TMA "0", not 16-bit, a stride (ResNet-18's
+    three stride-2 3x3 passes took 0.086, 0.078 and 0.082 ms this way, 0.063, 0.064 and 0.079
+    gathering; fp16, H200), C_in*KH*KW not in whole tiles, or no TMA box for the forward."""
     (n, c, h, wd), (cout, _, kh, kw) = x_shape, w_shape
     if (os.environ.get(BWDW_TMA_ENV, "1") == "0" or dt not in launch.HALVES
-            or not _bwdw_tma_tiling(cout, c * kh * kw, n * ho * wo)
             or tuple(stride) != (1, 1)):
         return None
-    return _tma_box(0, stride, padding, (kh, kw), (h, wd), (ho, wo), c, dt)
+    tiling = _bwdw_tma_tiling(cout, c * kh * kw, n * ho * wo)
+    box = tiling and _tma_box(0, stride, padding, (kh, kw), (h, wd), (ho, wo), c, dt)
+    return (box, tiling) if box else None
 
 
 def _bwdw_tma_tiling(cout: int, ncol: int, npix: int):
@@ -977,7 +978,8 @@ def _bwdw_wgmma_reducer(splits: int, cout: int, c: int, taps: int, dt):
     return lambda ws, gw: fn(grid, (256,), (ws, gw) + tail)
 
 
-def _plan_tma_backward_weight(x_shape, w_shape, ho, wo, stride, padding, dt, box, cl):
+def _plan_tma_backward_weight(x_shape, w_shape, ho, wo, stride, padding, dt, box, tiling,
+                              cl):
     """conv2d_bwdw_tma_kernel: tiles of output channels by (tap, c) (_bwdw_tma_tiling), the
     pixels split into chunks of whole slabs, one block an SM walking the tiles; several
     splits' float partials summed by _bwdw_wgmma_reducer's kernel. Operands as
@@ -985,7 +987,7 @@ def _plan_tma_backward_weight(x_shape, w_shape, ho, wo, stride, padding, dt, box
     f = "conv2d_backward_weight"
     (n, c, h, wd), (cout, _, kh, kw) = x_shape, w_shape
     ncol, npix = c * kh * kw, n * ho * wo
-    rows, cols, splits, chunk = _bwdw_tma_tiling(cout, ncol, npix)
+    rows, cols, splits, chunk = tiling
     tiles_m, tiles_j = -(-cout // rows), ncol // cols
     smem = _bwdw_tma_smem(rows, cols)
     fn = launch.kernel(WGMMA_BWDW, "conv2d_bwdw_tma_kernel", launch.ctype(dt), str(cols),
@@ -1016,14 +1018,15 @@ def _plan_tma_backward_weight(x_shape, w_shape, ho, wo, stride, padding, dt, box
 def _plan_wgmma_backward_weight(x_shape, w_shape, ho, wo, stride, padding, dt, cl=False):
     """conv2d_bwdw_wgmma.cu: 128 rows of (tap, c) by BN output channels per block (64 / 128 /
     256, the smallest covering them; 128 in TF32), the pixels split over grid z; or the
-    TMA-fed kernel where _bwdw_tma_box gives a box. x_shape is NCHW; `cl`: x and gy come
+    TMA-fed kernel where _bwdw_tma_route gives a route. x_shape is NCHW; `cl`: x and gy come
     channels-last already (no copies)."""
     f = "conv2d_backward_weight"
     (n, c, h, wd), (cout, _, kh, kw) = x_shape, w_shape
     launch.check_int32(f, n * c * h * wd, n * cout * ho * wo)
-    box = _bwdw_tma_box(dt, x_shape, w_shape, ho, wo, stride, padding)
-    if box is not None:
-        return _plan_tma_backward_weight(x_shape, w_shape, ho, wo, stride, padding, dt, box, cl)
+    route = _bwdw_tma_route(dt, x_shape, w_shape, ho, wo, stride, padding)
+    if route:
+        return _plan_tma_backward_weight(x_shape, w_shape, ho, wo, stride, padding, dt, *route,
+                                         cl)
     ncol, npix = c * kh * kw, n * ho * wo
     bn = 64 if cout <= 64 else 128 if cout <= 128 else 256
     if dt == np.float32:  # TF32 stages its slabs in registers: 128 x 128 tiles only
