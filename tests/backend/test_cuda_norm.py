@@ -306,3 +306,33 @@ def test_the_forward_updates_the_running_estimates_as_the_update_op(cu, rng, dty
     for got, want in zip(fused, apart):
         assert cu.to_numpy(got).tobytes() == cu.to_numpy(want).tobytes()
     assert int(cu.to_numpy(fused[2])) == 8
+
+
+@pytest.mark.parametrize("dtype", [np.float16, F32])
+@pytest.mark.parametrize("shape", [(2000, 64), (37, 512), (301, 24)])
+def test_channels_last_elementwise_bits_do_not_depend_on_the_grid(cu, rng, monkeypatch, shape,
+                                                                  dtype):
+    """The channels-last forward (residual and ReLU) and backward-data (ReLU) give the same
+    bits at 4 blocks an SM as at 2 (norm._cl_map picks by rows a thread): the grid only
+    splits rows."""
+    from dptrain.backend.cuda import norm
+
+    x, gy, w, b = _inputs(rng, shape, dtype)
+    res = rng.standard_normal(shape).astype(dtype)
+    dx, dgy, dres = (cu.asarray(a) for a in (x, gy, res))
+    dw, db = cu.asarray(w.astype(F32)), cu.asarray(b.astype(F32))  # fp32 for 16-bit x too
+    mean, var = cu.batch_norm_stats(dx)
+    sums = cu.batch_norm_backward_reduce(dgy, dx, mean, var, 1e-5, relu=(dw, db))
+
+    def run():
+        y = cu.batch_norm_forward(dx, mean, var, dw, db, 1e-5, residual=dres, relu=True)
+        g = cu.batch_norm_backward_data(dgy, dx, mean, var, dw, sums, 1e-5, shape[0],
+                                        relu=(dw, db))
+        return [cu.to_numpy(a).tobytes() for a in (y, g)]
+
+    outs = []
+    for rows in (1, 10**9):  # every launch at MAP_PER_SM, then at MAP_FEW_PER_SM
+        monkeypatch.setattr(norm, "MAP_THREAD_ROWS", rows)
+        outs.append(run())
+    assert outs[0] == outs[1]
+

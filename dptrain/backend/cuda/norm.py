@@ -37,6 +37,11 @@ TILE_PIXELS = 128  # the pixels of a convolution tile (batch_norm_tile_stats)
 # Blocks an SM of the channels-last reductions: 3, but 2 for the backward's (its registers
 # fit two blocks of 256 an SM: 3 ran a second, one-third wave)
 SUMS_PER_SM, BACKWARD_PER_SM = 3, 2
+# Blocks an SM of the channels-last elementwise kernels: 4, or 2 where a thread would then
+# move fewer than MAP_THREAD_ROWS rows (each block loads its channels' constants first).
+# ResNet-18 fp16 at batch 256, H200: 2 an SM on its layer2-4 shapes made the step 55 us
+# faster than 4 everywhere (BENCHMARKS.md)
+MAP_PER_SM, MAP_FEW_PER_SM, MAP_THREAD_ROWS = 4, 2, 32
 
 
 def stat_dtype(x) -> np.dtype:
@@ -116,8 +121,12 @@ def _cl_sums(name, x, rows_per_channel, args, per_sm=SUMS_PER_SM):
 
 
 def _cl_map(name, x, args):
-    """Launch the channels-last elementwise kernel `name` over x's rows, as _cl_sums."""
-    rows, c, blocks, chunk = _cl_grid(x, 4)
+    """Launch the channels-last elementwise kernel `name` over x's rows, as _cl_sums, with
+    MAP_PER_SM blocks an SM, or MAP_FEW_PER_SM where the rows are few."""
+    rows, c = (int(d) for d in x.shape)
+    per_pass = CL_THREADS // (c // launch.group_size(x.dtype))
+    many = rows >= MAP_PER_SM * launch.sm_count() * per_pass * MAP_THREAD_ROWS
+    rows, c, blocks, chunk = _cl_grid(x, MAP_PER_SM if many else MAP_FEW_PER_SM)
     fn = launch.kernel(NORM, name, launch.ctype(x.dtype))
     fn((1, blocks), (CL_THREADS,), args + (np.int32(rows), np.int32(c), np.int32(chunk)))
 
