@@ -377,8 +377,9 @@ __device__ __forceinline__ void cl_rows(const T* const (&src)[A], int rows, int 
   }
 }
 
-// The partial sums of the channels-last reductions over cl_rows: add(acc, v) adds one
-// row's groups v[a][k] (channel c0 + k of array a) into acc[r][k]. A thread's sums are in
+// The partial sums of the channels-last reductions over cl_rows: add(acc, v, o) adds one
+// row's groups v[a][k] (channel c0 + k of array a; o the groups' element offset) into
+// acc[r][k]. A thread's sums are in
 // the compute type P (a few hundred rows at most: 3 * SMs splits of rows / RPI; float keeps
 // the registers, and so the loads in flight, of a 16-bit group); the RPI threads of each
 // channel group are then added in double, in row order, through shared memory, and
@@ -395,13 +396,13 @@ __device__ __forceinline__ void cl_partials(double* ws, const T* const (&src)[A]
   for (int r = 0; r < R; ++r)
 #pragma unroll
     for (int k = 0; k < V; ++k) acc[r][k] = Acc(0);
-  cl_rows<A, T, U>(src, rows, C, chunk, [&](long long, const Pack<T, V> (&raw)[A]) {
+  cl_rows<A, T, U>(src, rows, C, chunk, [&](long long o, const Pack<T, V> (&raw)[A]) {
     Acc v[A][V];
 #pragma unroll
     for (int a = 0; a < A; ++a)
 #pragma unroll
       for (int k = 0; k < V; ++k) v[a][k] = as<Acc>(raw[a].v[k]);
-    add(acc, v);
+    add(acc, v, o);
   });
   if (lr < rpi)
 #pragma unroll
@@ -436,7 +437,8 @@ __global__ void __launch_bounds__(CL_THREADS) bn_stats_partial_cl_kernel(double*
   S shift[V];  // the thread's channels of row 0
   load_group(shift, x + cl_channel(C, V), V, true);
   const T* const src[1] = {x};
-  cl_partials<2, 1, S, T>(ws, src, rows, C, chunk, [&](S (&acc)[2][V], S (&v)[1][V]) {
+  cl_partials<2, 1, S, T>(ws, src, rows, C, chunk, [&](S (&acc)[2][V], S (&v)[1][V],
+                                                        long long) {
 #pragma unroll
     for (int k = 0; k < V; ++k) {
       const S d = v[0][k] - shift[k];
@@ -454,7 +456,7 @@ __global__ void __launch_bounds__(CL_THREADS) bn_mean_partial_cl_kernel(double* 
   constexpr int V = Group<T>::size;
   const T* const src[1] = {x};
   cl_partials<1, 1, double, T>(ws, src, rows, C, chunk, [&](double (&acc)[1][V],
-                                                            double (&v)[1][V]) {
+                                                            double (&v)[1][V], long long) {
 #pragma unroll
     for (int k = 0; k < V; ++k) acc[0][k] += v[0][k];
   });
@@ -469,7 +471,7 @@ __global__ void __launch_bounds__(CL_THREADS) bn_var_partial_cl_kernel(
   load_group(mu, mean + cl_channel(C, V), V, false);
   const T* const src[1] = {x};
   cl_partials<1, 1, double, T>(ws, src, rows, C, chunk, [&](double (&acc)[1][V],
-                                                            double (&v)[1][V]) {
+                                                            double (&v)[1][V], long long) {
 #pragma unroll
     for (int k = 0; k < V; ++k) {
       const double d = v[0][k] - mu[k];
@@ -478,14 +480,24 @@ __global__ void __launch_bounds__(CL_THREADS) bn_var_partial_cl_kernel(
   });
 }
 
+// The gradient a channels-last backward reduction joins as it reads (bn_backward_partial_cl
+// with JOIN): gy = a + b (b null: a alone) in the compute type, zero where the forward's
+// output y (null: no such mask) was not positive, rounded once to T and stored at out:
+// add's, relu_backward's or relu_backward_sum's bits, without their pass.
+template <typename T> struct Join {
+  const T *b, *y;
+  T* out;
+};
+
 // bn_backward_partial_kernel, channels-last: the constants of each channel staged once. Its
 // registers allow two blocks an SM (the launcher's BACKWARD_PER_SM; 95 for fp16 with
 // cl_rows' default 2 rows in flight, 112 with 4, nvcc), so each thread keeps 4 rows of both
-// arrays in flight.
-template <typename T, typename P = compute_t<T>>
+// arrays in flight. JOIN: gy is the Join's a (read as gy), joined with b and masked by y
+// first and stored (2 rows of the four arrays in flight).
+template <typename T, typename P = compute_t<T>, bool JOIN = false>
 __global__ void __launch_bounds__(CL_THREADS) bn_backward_partial_cl_kernel(
-    double* ws, const T* gy, const T* x, const P* mean, const P* var, const P* relu_weight,
-    const P* relu_bias, P eps, int rows, int C, int chunk) {
+    double* ws, Join<T> join, const T* gy, const T* x, const P* mean, const P* var,
+    const P* relu_weight, const P* relu_bias, P eps, int rows, int C, int chunk) {
   constexpr int V = Group<T>::size;
   const int c0 = cl_channel(C, V);
   P mu[V], invstd[V], scale[V], shift[V];  // the thread's channels'
@@ -496,16 +508,34 @@ __global__ void __launch_bounds__(CL_THREADS) bn_backward_partial_cl_kernel(
     scale[k] = relu_weight ? invstd[k] * relu_weight[c0 + k] : P(0);
     shift[k] = relu_weight ? relu_bias[c0 + k] : P(0);
   }
-  const T* const src[2] = {gy, x};
-  cl_partials<2, 2, P, T, 4>(ws, src, rows, C, chunk, [&](P (&acc)[2][V], P (&v)[2][V]) {
+  constexpr int A = JOIN ? 4 : 2;
+  auto add = [&](P (&acc)[2][V], P (&v)[A][V], long long o) {  // v: gy, x[, b, y]
+    P g[V];
+#pragma unroll
+    for (int k = 0; k < V; ++k) g[k] = v[0][k];
+    if constexpr (JOIN) {
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        if (join.b) g[k] = g[k] + v[2][k];
+        if (join.y && !(v[3][k] > P(0))) g[k] = P(0);
+        g[k] = as<P>(as<T>(g[k]));  // the sums see gy as stored
+      }
+      store_group(join.out + o, g, V, true);
+    }
 #pragma unroll
     for (int k = 0; k < V; ++k) {
-      P g = v[0][k];
-      if (relu_weight && !relu_passed<T>(v[1][k], mu[k], scale[k], shift[k])) g = P(0);
-      acc[0][k] += g;
-      acc[1][k] += g * (v[1][k] - mu[k]) * invstd[k];
+      if (relu_weight && !relu_passed<T>(v[1][k], mu[k], scale[k], shift[k])) g[k] = P(0);
+      acc[0][k] += g[k];
+      acc[1][k] += g[k] * (v[1][k] - mu[k]) * invstd[k];
     }
-  });
+  };
+  if constexpr (JOIN) {
+    const T* const src[4] = {gy, x, join.b, join.y};
+    cl_partials<2, 4, P, T, 2>(ws, src, rows, C, chunk, add);
+  } else {
+    const T* const src[2] = {gy, x};
+    cl_partials<2, 2, P, T, 4>(ws, src, rows, C, chunk, add);
+  }
 }
 
 // bn_forward_kernel over channels-last x (cl_rows; grid (1, blocks), `chunk` rows each). Each
@@ -589,5 +619,6 @@ __global__ void __launch_bounds__(CL_THREADS) bn_backward_data_cl_kernel(
 // instantiate: bn_mean_partial_cl_kernel<float>; bn_mean_partial_cl_kernel<double>; bn_mean_partial_cl_kernel<__half>; bn_mean_partial_cl_kernel<__nv_bfloat16>
 // instantiate: bn_var_partial_cl_kernel<float>; bn_var_partial_cl_kernel<double>; bn_var_partial_cl_kernel<__half>; bn_var_partial_cl_kernel<__nv_bfloat16>
 // instantiate: bn_backward_partial_cl_kernel<float>; bn_backward_partial_cl_kernel<double>; bn_backward_partial_cl_kernel<__half>; bn_backward_partial_cl_kernel<__nv_bfloat16>
+// instantiate: bn_backward_partial_cl_kernel<float, float, true>; bn_backward_partial_cl_kernel<double, double, true>; bn_backward_partial_cl_kernel<__half, float, true>; bn_backward_partial_cl_kernel<__nv_bfloat16, float, true>
 // instantiate: bn_forward_cl_kernel<float>; bn_forward_cl_kernel<double>; bn_forward_cl_kernel<__half>; bn_forward_cl_kernel<__nv_bfloat16>
 // instantiate: bn_backward_data_cl_kernel<float>; bn_backward_data_cl_kernel<double>; bn_backward_data_cl_kernel<__half>; bn_backward_data_cl_kernel<__nv_bfloat16>

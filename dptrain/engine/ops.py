@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dptrain.engine.autograd import Function, GradSum, is_grad_enabled, total
+from dptrain.engine.autograd import Function, GradSum, is_grad_enabled
 from dptrain.engine.rng import data_shard
 
 # ----------------------------------------------------------------------------- elementwise
@@ -588,21 +588,26 @@ class BatchNorm(Function):
 
     def backward(self, gy):
         be = self.be
-        relu = None
+        relu = relu_out = None
         if self.relu and self.residual:  # through the ReLU once: the residual's gradient too
-            if isinstance(gy, GradSum):  # the last add joins the mask's pass
-                gy = be.relu_backward_sum(self.y, GradSum(gy[:-1]).total(be), gy[-1])
-            else:
-                gy = be.relu_backward(self.y, gy)
+            relu_out = self.y
         elif self.relu:  # the kernels recompute the ReLU's mask from x: no pass of its own
             relu = (self.weight, self.bias)
-        gy = total(gy, be)
         # the sums' last kernel adds them into both parameters' .grad where it may (the bits
         # of add_ afterwards); else they are returned: this rank's own sums either way
         into_b, into_w = self.grad_into(2, self.mean.dtype), self.grad_into(1, self.mean.dtype)
         add_to = (into_b, into_w) if into_b is not None and into_w is not None else None
-        sums = be.batch_norm_backward_reduce(gy, self.x, self.mean, self.var, self.eps,
-                                             relu=relu, add_to=add_to)
+        if relu_out is not None or isinstance(gy, GradSum):
+            # the parts' last add and the mask join the sums' pass, which stores the gradient
+            # (the residual's too): ((g0 + g1) + ...) + g_last, as adding them in order
+            ga, gb = (GradSum(gy[:-1]).total(be), gy[-1]) if isinstance(gy, GradSum) else (
+                gy, None)
+            gy, sums = be.batch_norm_backward_reduce_joined(
+                ga, gb, self.x, self.mean, self.var, self.eps, relu=relu, relu_out=relu_out,
+                add_to=add_to)
+        else:
+            sums = be.batch_norm_backward_reduce(gy, self.x, self.mean, self.var, self.eps,
+                                                 relu=relu, add_to=add_to)
         if add_to is not None:
             gb, gw = add_to
         else:

@@ -336,3 +336,45 @@ def test_channels_last_elementwise_bits_do_not_depend_on_the_grid(cu, rng, monke
         outs.append(run())
     assert outs[0] == outs[1]
 
+
+
+def _as(dtype, a):
+    """a (float32) in dtype: float16, bfloat16 (the bits of to_bfloat16) or float32."""
+    from dptrain.backend.bfloat16 import to_bfloat16
+
+    return to_bfloat16(a) if dtype == "bfloat16" else a.astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("shape", [(2000, 64), (37, 512), (301, 24), (3, 8, 5, 5)])
+@pytest.mark.parametrize("join", ["parts", "mask", "parts+mask", "parts+relu"])
+def test_joined_backward_sums_equal_the_ops_in_turn(cu, rng, shape, dtype, join):
+    """batch_norm_backward_reduce_joined (gy = ga + gb, masked by the ReLU output after a
+    residual add, stored by the sums' channels-last pass; a 4-D x composes the ops): gy is
+    add's / relu_backward's / relu_backward_sum's, to the bit, and the sums and the .grad it
+    adds them into are batch_norm_backward_reduce's of that gy, to the bit."""
+    x, ga, w, b = _inputs(rng, shape, F32)
+    gb, y = rng.standard_normal(shape).astype(F32), rng.standard_normal(shape).astype(F32)
+    dx, dga, dgb, dy = (cu.asarray(_as(dtype, a)) for a in (x, ga, gb, y))
+    dw, db = cu.asarray(w), cu.asarray(b)
+    mean, var = cu.batch_norm_stats(dx)
+    parts = "parts" in join
+    relu_out = dy if "mask" in join else None
+    relu = (dw, db) if join == "parts+relu" else None
+    if relu_out is None:
+        want = cu.add(dga, dgb)
+    elif parts:
+        want = cu.relu_backward_sum(dy, dga, dgb)
+    else:
+        want = cu.relu_backward(dy, dga)
+    c = shape[1] if len(shape) > 2 else shape[-1]
+    start = rng.standard_normal((2, c)).astype(F32)
+    grads = [cu.asarray(start) for _ in range(2)]  # two .grad pairs holding the same values
+    want_sums = cu.batch_norm_backward_reduce(want, dx, mean, var, 1e-5, relu=relu,
+                                              add_to=(grads[0][0], grads[0][1]))
+    gy, sums = cu.batch_norm_backward_reduce_joined(
+        dga, dgb if parts else None, dx, mean, var, 1e-5, relu=relu, relu_out=relu_out,
+        add_to=(grads[1][0], grads[1][1]))
+    for name, got, ref in (("gy", gy, want), ("sums", sums, want_sums),
+                           (".grad", grads[1], grads[0])):
+        assert cu.to_numpy(got).tobytes() == cu.to_numpy(ref).tobytes(), name

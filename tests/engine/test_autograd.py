@@ -210,9 +210,10 @@ def _bn_grads(monkeypatch, direct, device="cpu", x_dtype=np.float32):
 
     monkeypatch.setattr(autograd, "DIRECT_GRADS", direct)
     be = get(device)
-    added, real = [], be.batch_norm_backward_reduce
-    monkeypatch.setattr(be, "batch_norm_backward_reduce", lambda *a, add_to=None, **k: (
-        added.append(add_to is not None) or real(*a, add_to=add_to, **k)))
+    added = []
+    for name in ("batch_norm_backward_reduce", "batch_norm_backward_reduce_joined"):
+        monkeypatch.setattr(be, name, lambda *a, add_to=None, real=getattr(be, name), **k: (
+            added.append(add_to is not None) or real(*a, add_to=add_to, **k)))
     rng = np.random.default_rng(5)
     w, b = (dp.tensor(rng.standard_normal(6).astype(np.float32), requires_grad=True,
                       device=device) for _ in range(2))
@@ -238,16 +239,22 @@ def _residual_block_grads(monkeypatch, joined, device="cpu", x_dtype=np.float32,
                           channels_last=False):
     """Gradients of a batch norm with residual and ReLU whose output feeds `parts` paths (a
     residual block's feeds two): its gradient arrives in parts, whose last add the batch norm
-    does in its ReLU's pass (relu_backward_sum) when `joined`, else autograd adds them all
-    first. `channels_last`: (N, H, W, C) activations, whose batch norm runs on a reshape to
-    (rows, C): the parts pass the view apart. The grads, and how often the joined kernel ran."""
+    does in its ReLU's pass (batch_norm_backward_reduce_joined given both parts) when
+    `joined`, else autograd adds them all first. `channels_last`: (N, H, W, C) activations,
+    whose batch norm runs on a reshape to (rows, C): the parts pass the view apart. The
+    grads, and how often the batch norm joined two parts."""
     from dptrain.backend import get
     from dptrain.engine import ops
 
     monkeypatch.setattr(ops.BatchNorm, "takes_grad_sum", joined)
     be = get(device)
-    calls, real = [], be.relu_backward_sum
-    monkeypatch.setattr(be, "relu_backward_sum", lambda *a: calls.append(1) or real(*a))
+    calls, real = [], be.batch_norm_backward_reduce_joined
+
+    def counted(ga, gb, *a, **k):
+        calls.extend([1] if gb is not None else [])
+        return real(ga, gb, *a, **k)
+
+    monkeypatch.setattr(be, "batch_norm_backward_reduce_joined", counted)
     rng = np.random.default_rng(11)
     w, b = (dp.tensor(rng.standard_normal(6).astype(np.float32), requires_grad=True,
                       device=device) for _ in range(2))

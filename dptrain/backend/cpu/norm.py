@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from dptrain.backend.cpu.ops import add, relu_backward, relu_backward_sum
 from dptrain.backend.registry import op
 
 
@@ -137,6 +138,20 @@ def batch_norm_backward_reduce(gy, x, mean, var, eps, relu=None, add_to=None):
                                  f"{row.dtype} {row.shape}, got {dst.dtype} {dst.shape}")
             np.add(dst, row, out=dst)
     return sums
+
+
+@op
+def batch_norm_backward_reduce_joined(ga, gb, x, mean, var, eps, relu=None, relu_out=None,
+                                      add_to=None):
+    """(gy, sums) for a gradient that arrives in parts or through the ReLU after a residual
+    add: gy = ga + gb (gb None: ga alone), zero where relu_out (that ReLU's output) is not
+    positive (add's, relu_backward's or relu_backward_sum's result), and
+    batch_norm_backward_reduce(gy, x, mean, var, eps, relu, add_to)."""
+    if relu_out is None:
+        gy = ga if gb is None else add(ga, gb)
+    else:
+        gy = relu_backward(relu_out, ga) if gb is None else relu_backward_sum(relu_out, ga, gb)
+    return gy, batch_norm_backward_reduce(gy, x, mean, var, eps, relu=relu, add_to=add_to)
 
 
 @op

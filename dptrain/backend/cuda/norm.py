@@ -27,7 +27,7 @@ import math
 
 import numpy as np
 
-from dptrain.backend.cuda import launch
+from dptrain.backend.cuda import elementwise, launch
 from dptrain.backend.registry import op
 
 NORM = "norm.cu"
@@ -110,12 +110,13 @@ def _cl_grid(x, per_sm):
     return rows, c, -(-rows // chunk), chunk
 
 
-def _cl_sums(name, x, rows_per_channel, args, per_sm=SUMS_PER_SM):
+def _cl_sums(name, x, rows_per_channel, args, per_sm=SUMS_PER_SM, targs=None):
     """The channels-last twin of _channel_sums: (partials (splits, R, C), splits), block y of
-    grid (1, splits) summing its chunk of x's rows, about per_sm blocks an SM."""
+    grid (1, splits) summing its chunk of x's rows, about per_sm blocks an SM. `targs`: the
+    kernel's template arguments (x's element type by default)."""
     rows, c, splits, chunk = _cl_grid(x, per_sm)
     ws = launch.new((splits, rows_per_channel, c), np.dtype(np.float64))
-    fn = launch.kernel(NORM, name, launch.ctype(x.dtype))
+    fn = launch.kernel(NORM, name, *(targs or (launch.ctype(x.dtype),)))
     fn((1, splits), (CL_THREADS,), (ws, *args, np.int32(rows), np.int32(c), np.int32(chunk)))
     return ws, splits
 
@@ -327,10 +328,52 @@ def batch_norm_backward_reduce(gy, x, mean, var, eps, relu=None, add_to=None):
     weight .grad), (C,) arrays of the sums' dtype that the sums' last kernel also adds rows 0
     and 1 into, in place (the bits of add_ afterwards, two launches fewer per row)."""
     op = "batch_norm_backward_reduce"
-    n, c, s = _geometry(op, x)
     launch.check_float(op, x, gy, half=True)
     launch.check_contiguous(op, gy)
     launch.check_shape(op, gy, x.shape, "gy")
+    return _backward_sums(op, gy, x, mean, var, eps, relu, add_to)
+
+
+# struct Join<T> (norm.cu): the second part, the ReLU output that masks, where gy goes
+_JOIN = np.dtype([("b", np.uint64), ("y", np.uint64), ("out", np.uint64)])
+
+
+@op
+def batch_norm_backward_reduce_joined(ga, gb, x, mean, var, eps, relu=None, relu_out=None,
+                                      add_to=None):
+    """(gy, sums) for a gradient that arrives in parts or through the ReLU after a residual
+    add: gy = ga + gb (gb None: ga alone), zero where relu_out (that ReLU's output) is not
+    positive, with add's, relu_backward's or relu_backward_sum's bits, and sums =
+    batch_norm_backward_reduce(gy, x, mean, var, eps, relu, add_to). Where the channels-last
+    kernel takes x, gy is joined and stored by the sums' pass itself (no pass of its own);
+    elsewhere by those ops first."""
+    op = "batch_norm_backward_reduce_joined"
+    given = [a for a in (ga, gb, relu_out) if a is not None]
+    launch.check_float(op, x, *given, half=True)
+    launch.check_contiguous(op, *given)
+    for name, a in (("ga", ga), ("gb", gb), ("relu_out", relu_out)):
+        if a is not None:
+            launch.check_shape(op, a, x.shape, name)
+    if gb is None and relu_out is None:
+        return ga, _backward_sums(op, ga, x, mean, var, eps, relu, add_to)
+    gy = launch.new(x.shape, x.dtype)
+    if x.size and _cl(x, gy, *given):
+        ptr = (lambda a: 0 if a is None else a.data.ptr)
+        join = launch.struct(_JOIN, b=ptr(gb), y=ptr(relu_out), out=gy.data.ptr)
+        return gy, _backward_sums(op, ga, x, mean, var, eps, relu, add_to, join)
+    if relu_out is None:
+        gy = elementwise.add(ga, gb)
+    elif gb is None:
+        gy = elementwise.relu_backward(relu_out, ga)
+    else:
+        gy = elementwise.relu_backward_sum(relu_out, ga, gb)
+    return gy, _backward_sums(op, gy, x, mean, var, eps, relu, add_to)
+
+
+def _backward_sums(op, gy, x, mean, var, eps, relu, add_to, join=None):
+    """batch_norm_backward_reduce's sums (gy checked by the caller); `join`: a Join<T>
+    struct for the channels-last kernel to join gy from (gy then its first part)."""
+    n, c, s = _geometry(op, x)
     _per_channel(op, c, x, mean=mean, var=var)
     if add_to is not None:
         _per_channel(op, c, x, bias_grad=add_to[0], weight_grad=add_to[1])
@@ -338,8 +381,12 @@ def batch_norm_backward_reduce(gy, x, mean, var, eps, relu=None, add_to=None):
     sums = launch.new((2, c), stat_dtype(x))
     if c:
         args = (gy, x, mean, var, *masks, stat_dtype(x).type(eps))
-        if _cl(x, gy):
-            ws, splits = _cl_sums("bn_backward_partial_cl_kernel", x, 2, args, BACKWARD_PER_SM)
+        if join is not None or _cl(x, gy):
+            targs = None if join is None else (launch.ctype(x.dtype),
+                                               launch.ctype(stat_dtype(x)), "true")
+            join = launch.struct(_JOIN) if join is None else join
+            ws, splits = _cl_sums("bn_backward_partial_cl_kernel", x, 2, (join, *args),
+                                  BACKWARD_PER_SM, targs)
         else:
             ws, splits = _channel_sums("bn_backward_partial_kernel", x, (n, c, s), 2, (gy, x),
                                        args)
