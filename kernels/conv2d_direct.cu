@@ -11,9 +11,12 @@
 //  * NCHW, weight (C_out, C_in, KH, KW) contiguous, read in its own order k = (c, kh, kw).
 //    The tensor-core backward-weight reads a channels-last gy, (N, Ho, Wo, M), where `cl`
 //    (a network's channels-last stem: no copy of gy to NCHW; x of one channel is either).
-//    The forward writes NCHW only: (N, Ho, Wo, M) stores, 16 bytes of channels a thread,
-//    made the stem's forward 114.7 us against 95.7 for NCHW plus the launcher's transpose
-//    (fp16, 256 x 48 x 48 x 64, H200).
+//    The 16-bit forward writes a channels-last y where CL (M even, at most DIRECT_CL_MAX_M):
+//    a round of 256 pixels is staged in shared memory and stored as whole lines, its pixels
+//    being contiguous in (N, Ho, Wo, M), and `stats` takes its batch statistics on the way.
+//    (Stores straight from registers, 16 bytes of channels a thread, made the stem's forward
+//    114.7 us against 95.7 for NCHW plus the launcher's transpose: fp16, 256 x 48 x 48 x 64,
+//    H200.)
 //  * KMAX (a multiple of 4, >= K) sizes the per-thread tap array; taps k >= K are zero.
 //  * Forward: one thread per output pixel; its K input taps sit in registers and every output
 //    channel's dot product reads the weights from shared memory (all lanes the same address:
@@ -52,6 +55,18 @@
 // instantiate: conv2d_direct_fwd_kernel<__half, 28>; conv2d_direct_fwd_kernel<__half, 32>
 // instantiate: conv2d_direct_fwd_kernel<__nv_bfloat16, 28>
 // instantiate: conv2d_direct_fwd_kernel<__nv_bfloat16, 32>
+// instantiate: conv2d_direct_fwd_kernel<__half, 4, true>; conv2d_direct_fwd_kernel<__half, 8, true>
+// instantiate: conv2d_direct_fwd_kernel<__half, 12, true>; conv2d_direct_fwd_kernel<__half, 16, true>
+// instantiate: conv2d_direct_fwd_kernel<__half, 20, true>; conv2d_direct_fwd_kernel<__half, 24, true>
+// instantiate: conv2d_direct_fwd_kernel<__half, 28, true>; conv2d_direct_fwd_kernel<__half, 32, true>
+// instantiate: conv2d_direct_fwd_kernel<__nv_bfloat16, 4, true>
+// instantiate: conv2d_direct_fwd_kernel<__nv_bfloat16, 8, true>
+// instantiate: conv2d_direct_fwd_kernel<__nv_bfloat16, 12, true>
+// instantiate: conv2d_direct_fwd_kernel<__nv_bfloat16, 16, true>
+// instantiate: conv2d_direct_fwd_kernel<__nv_bfloat16, 20, true>
+// instantiate: conv2d_direct_fwd_kernel<__nv_bfloat16, 24, true>
+// instantiate: conv2d_direct_fwd_kernel<__nv_bfloat16, 28, true>
+// instantiate: conv2d_direct_fwd_kernel<__nv_bfloat16, 32, true>
 // instantiate: conv2d_direct_bwdw_kernel<__half, 4, 8>; conv2d_direct_bwdw_kernel<__half, 8, 4>
 // instantiate: conv2d_direct_bwdw_kernel<__nv_bfloat16, 4, 8>
 // instantiate: conv2d_direct_bwdw_kernel<__nv_bfloat16, 8, 4>
@@ -114,13 +129,76 @@ __device__ __forceinline__ void load_taps(float (&v)[KMAX], const T* __restrict_
   }
 }
 
-template <typename T, int KMAX>
+// Output channel m's dot product with a pixel's taps v, weights from shared memory.
+template <int KMAX>
+__device__ __forceinline__ float direct_dot(const float4* sw4, const float (&v)[KMAX], int m) {
+  const float4* wm = sw4 + m * (KMAX / 4);
+  float acc = 0.f;
+#pragma unroll
+  for (int k4 = 0; k4 < KMAX / 4; ++k4) {
+    const float4 f = wm[k4];
+    acc = fmaf(f.x, v[4 * k4], acc);
+    acc = fmaf(f.y, v[4 * k4 + 1], acc);
+    acc = fmaf(f.z, v[4 * k4 + 2], acc);
+    acc = fmaf(f.w, v[4 * k4 + 3], acc);
+  }
+  return acc;
+}
+
+// DIRECT_TILE: the statistics' pixel tile (norm.py's TILE_PIXELS)
+constexpr int DIRECT_CL_MAX_M = 64, DIRECT_TILE = 128;
+
+// Two neighbouring channels of one pixel, as stored: one 32-bit word (16-bit T).
+template <typename T> struct alignas(2 * sizeof(T)) ChannelPair { T a, b; };
+
+// The batch statistics of a channels-last round's two DIRECT_TILE-pixel tiles from the
+// staged outputs (as stored): per channel c, the tile's first pixel (the shift), the sum of
+// d = y - shift and of d^2, at stats[(tile * 3 + r) * M + c], conv2d_wgmma.cu's layout. Two
+// threads a channel of a tile, 64 pixels each in four interleaved sums (loads in flight),
+// added in a fixed order, then lane pairs added.
+template <typename T>
+__device__ __forceinline__ void direct_round_stats(const ChannelPair<T>* stage, int pitch,
+                                                   long long base, int cnt, int M,
+                                                   float* stats) {
+  const int j = threadIdx.x / DIRECT_TILE, r = threadIdx.x % DIRECT_TILE;
+  const int c = r >> 1, h = r & 1, valid = min(max(cnt - j * DIRECT_TILE, 0), DIRECT_TILE);
+  const auto at = [&](int i) {  // channel c of the tile's pixel i
+    const ChannelPair<T> p = stage[(j * DIRECT_TILE + i) * pitch + (c >> 1)];
+    return as<float>(c & 1 ? p.b : p.a);
+  };
+  float shift = 0.f, sum = 0.f, sq = 0.f;
+  if (c < M && valid > 0) {
+    shift = at(0);
+    float s4[4] = {0.f, 0.f, 0.f, 0.f}, q4[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int i = h * 64, end = min(h * 64 + 64, valid); i < end; i += 4)
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+        if (i + u < end) {
+          const float d = at(i + u) - shift;
+          s4[u] += d;
+          q4[u] += d * d;
+        }
+    sum = (s4[0] + s4[1]) + (s4[2] + s4[3]);
+    sq = (q4[0] + q4[1]) + (q4[2] + q4[3]);
+  }
+  sum += __shfl_xor_sync(0xffffffffu, sum, 1);  // both halves of the tile, in that order
+  sq += __shfl_xor_sync(0xffffffffu, sq, 1);
+  if (c < M && valid > 0 && h == 0) {
+    const long long tile = base / DIRECT_TILE + j;
+    stats[(tile * 3) * M + c] = shift;
+    stats[(tile * 3 + 1) * M + c] = sum;
+    stats[(tile * 3 + 2) * M + c] = sq;
+  }
+}
+
+template <typename T, int KMAX, bool CL = false>
 __global__ void __launch_bounds__(256) conv2d_direct_fwd_kernel(
     const T* __restrict__ w, const T* __restrict__ x, const T* __restrict__ bias,
-    T* __restrict__ y, int has_bias, DirectGeom g) {
+    T* __restrict__ y, int has_bias, DirectGeom g, float* __restrict__ stats) {
   static_assert(KMAX % 4 == 0, "KMAX must be a multiple of 4");
-  __shared__ float4 sw4[DIRECT_MAX_M * KMAX / 4];
-  __shared__ float sb[DIRECT_MAX_M];
+  constexpr int MAX_M = CL ? DIRECT_CL_MAX_M : DIRECT_MAX_M;  // (CL: room for the stage)
+  __shared__ float4 sw4[MAX_M * KMAX / 4];
+  __shared__ float sb[MAX_M];
   __shared__ Tap taps[KMAX];
   float* sw = reinterpret_cast<float*>(sw4);
   const int K = g.C * g.KH * g.KW;
@@ -132,24 +210,44 @@ __global__ void __launch_bounds__(256) conv2d_direct_fwd_kernel(
   for (int m = threadIdx.x; m < g.M; m += blockDim.x) sb[m] = has_bias ? as<float>(bias[m]) : 0.f;
   __syncthreads();
   const int hw = g.Ho * g.Wo;
-  GRID_STRIDE(q, (long long)g.Nb * hw) {
-    const int n = (int)(q / hw), p = (int)(q - (long long)n * hw);
-    const int oy = p / g.Wo, ox = p - oy * g.Wo;
-    float v[KMAX];
-    load_taps<KMAX>(v, x, taps, g, n, oy, ox);
-    T* out = y + (long long)n * g.M * hw + p;
-    for (int m = 0; m < g.M; ++m) {
-      const float4* wm = sw4 + m * (KMAX / 4);
-      float acc = 0.f;
-#pragma unroll
-      for (int k4 = 0; k4 < KMAX / 4; ++k4) {
-        const float4 f = wm[k4];
-        acc = fmaf(f.x, v[4 * k4], acc);
-        acc = fmaf(f.y, v[4 * k4 + 1], acc);
-        acc = fmaf(f.z, v[4 * k4 + 2], acc);
-        acc = fmaf(f.w, v[4 * k4 + 3], acc);
+  const long long npix = (long long)g.Nb * hw;
+  if constexpr (!CL) {
+    GRID_STRIDE(q, npix) {
+      const int n = (int)(q / hw), p = (int)(q - (long long)n * hw);
+      const int oy = p / g.Wo, ox = p - oy * g.Wo;
+      float v[KMAX];
+      load_taps<KMAX>(v, x, taps, g, n, oy, ox);
+      T* out = y + (long long)n * g.M * hw + p;
+      for (int m = 0; m < g.M; ++m)
+        out[(long long)m * hw] = as<T>(direct_dot<KMAX>(sw4, v, m) + sb[m]);
+    }
+  } else {
+    // [pixel of the round][channel pair], pitch M / 2 + 1 words: a warp's 32 pixels writing
+    // one pair hit 32 banks
+    __shared__ ChannelPair<T> stage[256 * (DIRECT_CL_MAX_M / 2 + 1)];
+    const int pairs = g.M / 2, pitch = pairs + 1;
+    for (long long base = (long long)blockIdx.x * 256; base < npix;
+         base += (long long)gridDim.x * 256) {
+      const long long q = base + threadIdx.x;
+      if (q < npix) {
+        const int n = (int)(q / hw), p = (int)(q - (long long)n * hw);
+        const int oy = p / g.Wo, ox = p - oy * g.Wo;
+        float v[KMAX];
+        load_taps<KMAX>(v, x, taps, g, n, oy, ox);
+        for (int m = 0; m < g.M; m += 2)
+          stage[threadIdx.x * pitch + m / 2] = ChannelPair<T>{
+              as<T>(direct_dot<KMAX>(sw4, v, m) + sb[m]),
+              as<T>(direct_dot<KMAX>(sw4, v, m + 1) + sb[m + 1])};
       }
-      out[(long long)m * hw] = as<T>(acc + sb[m]);
+      __syncthreads();
+      const int cnt = (int)min(256LL, npix - base);
+      ChannelPair<T>* out = reinterpret_cast<ChannelPair<T>*>(y + base * g.M);
+      for (int i = threadIdx.x; i < cnt * pairs; i += 256) {  // the round's pixels are contiguous
+        const int p = i / pairs;
+        out[i] = stage[p * pitch + (i - p * pairs)];
+      }
+      if (stats) direct_round_stats<T>(stage, pitch, base, cnt, g.M, stats);
+      __syncthreads();  // the stage is read before the next round writes it
     }
   }
 }

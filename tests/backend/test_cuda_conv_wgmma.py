@@ -568,6 +568,56 @@ def test_channels_last_stem_backward_weight_needs_no_copies(cu, monkeypatch):
     assert not [name for name in seen if "transpose" in name or "copy" in name]
 
 
+DIRECT_CL_CASES = [  # x shape, w shape, stride, padding: all direct (C_in*KH*KW <= 32)
+    ((4, 1, 12, 12), (64, 1, 3, 3), (1, 1), (1, 1)),  # ResNet-18's stem: 576 pixels
+    ((3, 3, 11, 9), (32, 3, 3, 3), (2, 2), (1, 1)),  # 3 channels (x copied to NCHW); 90 pixels
+    ((2, 1, 13, 13), (2, 1, 5, 5), (1, 1), (2, 2)),  # 2 channels; KMAX 28; 338 pixels
+    ((2, 1, 9, 9), (5, 1, 3, 3), (1, 1), (0, 0)),  # odd C_out: NCHW and the transpose
+]
+
+
+@pytest.mark.parametrize("dt", HALVES)
+@pytest.mark.parametrize("xs, ws, stride, pad", DIRECT_CL_CASES)
+def test_direct_forward_writes_channels_last_itself(cu, dt, xs, ws, stride, pad, monkeypatch):
+    """A 16-bit direct forward with an even C_out up to 64 writes a channels-last y itself
+    (a round of 256 pixels staged in shared memory): the NCHW forward's bits, turned, with
+    and without bias, and no transpose; conv2d_forward_stats takes its tiles' statistics on
+    the way: within 1e-5 of the spread of float64 statistics of y as stored (the variance
+    within 2e-5 of itself), and batch_norm_stats' bits with DPTRAIN_CONV_STATS=0."""
+    monkeypatch.setenv(conv2d.DIRECT_ENV, "1")
+    gemm.clear_plans()
+    x, w, _ = inputs(dt, xs, ws, stride, pad)
+    dx, dw = cu.asarray(x), cu.asarray(w)
+    xl = cu.asarray(_channels_last(x))
+    db = cu.asarray(to_dt(np.linspace(-1, 1, ws[0]), dt))
+    itself = ws[0] % 2 == 0 and xs[1] * ws[2] * ws[3] <= 32
+    for bias in (None, db):
+        want = _channels_last(cu.to_numpy(cu.conv2d_forward(dx, dw, bias, stride, pad)))
+        seen = _instantiations(lambda: conv2d._forward(xl, dw, bias, stride, pad, True)(
+            dw, xl, bias, None, None))
+        assert any(n.startswith("conv2d_direct_fwd_kernel") for n in seen)
+        assert any(n.endswith(", true>") for n in seen) == itself
+        # (x of more than one channel is copied to NCHW either way)
+        assert any("transpose" in n for n in seen) == (not itself or xs[1] > 1)
+        got = cu.conv2d_forward(xl, dw, bias, stride, pad, channels_last=True)
+        assert cu.to_numpy(got).tobytes() == want.tobytes()
+    y, mean, var = cu.conv2d_forward_stats(xl, dw, stride, pad, channels_last=True)
+    assert cu.to_numpy(y).tobytes() == _channels_last(
+        cu.to_numpy(cu.conv2d_forward(dx, dw, None, stride, pad))).tobytes()
+    rows = y.reshape(-1, ws[0])
+    y64 = to_f32(cu.to_numpy(rows), dt).astype(np.float64)
+    ref_mean, ref_var = y64.mean(axis=0), y64.var(axis=0)
+    spread = np.sqrt(ref_var) + 1e-30
+    got_mean, got_var = cu.to_numpy(mean), cu.to_numpy(var)
+    assert np.all(np.abs(got_mean - ref_mean) <= 1e-5 * spread)
+    assert np.all(np.abs(got_var - ref_var) <= 2e-5 * ref_var + 1e-30)
+    monkeypatch.setenv(conv2d.CONV_STATS_ENV, "0")
+    gemm.clear_plans()
+    _, mean0, var0 = cu.conv2d_forward_stats(xl, dw, stride, pad, channels_last=True)
+    for got, want in zip((mean0, var0), cu.batch_norm_stats(rows)):
+        assert cu.to_numpy(got).tobytes() == cu.to_numpy(want).tobytes()
+
+
 def test_channels_last_checks_its_shapes(cu):
     x = cu.asarray(np.zeros((2, 8, 8, 16), np.float32))
     w = cu.asarray(np.zeros((32, 16, 3, 3), np.float32))

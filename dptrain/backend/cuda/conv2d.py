@@ -72,7 +72,7 @@ from dptrain.backend.cuda.arrays import fill_
 from dptrain.backend.cuda.gemm import (operand_dtype, output, plan, reducer, sig, split_k,
                                        tile_floats, wgmma_available, wgmma_smem)
 from dptrain.backend.cuda.launch import i32
-from dptrain.backend.cuda.norm import batch_norm_stats, batch_norm_tile_stats
+from dptrain.backend.cuda.norm import TILE_PIXELS, batch_norm_stats, batch_norm_tile_stats
 from dptrain.backend.cuda.runtime import runtime
 from dptrain.backend.cuda.transpose import spreader, strided_copy, transposer
 from dptrain.backend.cuda.workspace import Workspace, keep, take
@@ -129,6 +129,7 @@ TF32_BWDW_MIN_ROWS = 128
 # 1.73 against 2.13 ms, H200)
 X3_BWDW_MIN = 128
 DIRECT_MAX_K, DIRECT_MAX_M = 32, 128  # C_in*KH*KW; output channels (forward)
+DIRECT_CL_MAX_M = 64  # conv2d_direct.cu's: the channels of a forward it writes channels-last
 _DIRECT_MG = {4: 8, 8: 4, 12: 4, 16: 4, 20: 2, 24: 2, 28: 2, 32: 2}  # KMAX -> channels/thread
 
 
@@ -203,17 +204,18 @@ def _via_nchw(run, fn_name, acts, out_shape, dt):
     to_nchw = {i: _to_nchw(shape, dt) for i, shape in acts.items()}
     to_nhwc = _to_nhwc(out_shape, dt) if out_shape else None
 
-    def run_cl(*args):  # the plan's inputs, then out and workspace
+    def run_cl(*args, **kw):  # the plan's inputs, then out and workspace
         *ins, out, workspace = args
         ins = [to_nchw[i](a) if i in to_nchw else a for i, a in enumerate(ins)]
         if to_nhwc is None:
-            return run(*ins, out, workspace)
+            return run(*ins, out, workspace, **kw)
         y = to_nhwc(run(*ins, None, workspace))
         if out is None:
             return y
         return strided_copy(output(fn_name, out, y.shape, dt), y, launch.estrides(y))
 
     run_cl.kernel = run.kernel
+    run_cl.stat_tiles = getattr(run, "stat_tiles", None) if to_nhwc is None else None
     return run_cl
 
 
@@ -225,24 +227,39 @@ def _direct_geom(x_shape, w_shape, ho, wo, stride, padding):
                          KW=kw, sh=sh, sw=sw, ph=ph, pw=pw)
 
 
-def _plan_direct_forward(x_shape, w_shape, ho, wo, stride, padding, kmax, dt):
+def _direct_cl_out(dt, cout: int) -> bool:
+    """Whether the direct forward writes a channels-last output of cout channels of dtype dt
+    itself (16-bit, cout even and at most DIRECT_CL_MAX_M), with the batch statistics of its
+    128-pixel tiles where asked (conv2d_forward_stats)."""
+    return np.dtype(dt) in launch.HALVES and cout % 2 == 0 and cout <= DIRECT_CL_MAX_M
+
+
+def _plan_direct_forward(x_shape, w_shape, ho, wo, stride, padding, kmax, dt, cl_out=False):
+    """The direct forward of NCHW x: y NCHW, or (N, Ho, Wo, C_out) where `cl_out`
+    (_direct_cl_out); run.stat_tiles is then the pixel tiles whose statistics `stats=`
+    takes."""
     f = "conv2d_forward"
-    out_shape = (x_shape[0], w_shape[0], ho, wo)
+    n, cout = x_shape[0], w_shape[0]
+    out_shape = (n, ho, wo, cout) if cl_out else (n, cout, ho, wo)
     geom = _direct_geom(x_shape, w_shape, ho, wo, stride, padding)
-    fn = launch.kernel(DIRECT, "conv2d_direct_fwd_kernel", launch.ctype(dt), str(kmax))
-    npix = out_shape[0] * ho * wo
+    targs = (launch.ctype(dt), str(kmax)) + (("true",) if cl_out else ())
+    fn = launch.kernel(DIRECT, "conv2d_direct_fwd_kernel", *targs)
+    npix = n * ho * wo
 
     # 256-thread blocks whatever launch_shape says (__launch_bounds__(256) in the kernel).
     grid = (max(1, min(-(-npix // 256), launch.sm_count() * launch.BLOCKS_PER_SM // 2)),)
 
-    def run(w, x, bias, out, workspace=None):
+    def run(w, x, bias, out, workspace=None, stats=None):
         y = output(f, out, out_shape, dt)
         if npix and y.size:
             has_bias = bias is not None
-            fn(grid, (256,), (w, x, bias if has_bias else y, y, np.int32(has_bias), geom))
+            fn(grid, (256,), (w, x, bias if has_bias else y, y, np.int32(has_bias), geom,
+                              launch.NULL if stats is None else stats))
         return y
 
     run.kernel = "conv2d_direct_fwd_kernel"
+    run.stat_tiles = (-(-npix // TILE_PIXELS) if cl_out and npix and _epilogue_stats(dt)
+                      else None)
     return run
 
 
@@ -606,8 +623,11 @@ def _plan_forward(x, w, b, stride, padding, cl=False):
         if run:
             return run
     if direct:
-        run = _plan_direct_forward((n, c, h, wd), w.shape, ho, wo, (sh, sw), (ph, pw), kmax, dt)
-        return _via_nchw(run, f, {1: (n, c, h, wd)}, (n, cout, ho, wo), dt) if cl else run
+        cl_out = cl and _direct_cl_out(dt, cout)
+        run = _plan_direct_forward((n, c, h, wd), w.shape, ho, wo, (sh, sw), (ph, pw), kmax, dt,
+                                   cl_out)
+        out_nchw = None if cl_out else (n, cout, ho, wo)
+        return _via_nchw(run, f, {1: (n, c, h, wd)}, out_nchw, dt) if cl else run
     return _implicit_in_layout(
         lambda cl: _plan_implicit(f, 0, (n, cout, ho, wo), cout, c, h, wd, ho, wo, kh, kw,
                                   (sh, sw), (ph, pw), dt, cl),
