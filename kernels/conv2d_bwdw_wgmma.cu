@@ -92,6 +92,13 @@ __device__ __forceinline__ void advance(Pixel& px, const PixelStep& s) {
   px.n += s.dn;
 }
 
+// gw's column (c, kh, kw) of GEMM row j = t * C + c (tap t of `taps`, channel c): every kernel
+// here stores gw (C_out, C_in, KH, KW) through it.
+__device__ __forceinline__ int gw_column(int j, int C, int taps) {
+  const int t = j / C;
+  return (j - t * C) * taps + t;
+}
+
 // Epilogue of both kernels: the thread's rows j (row and row + 8) and pairs of columns m, to
 // gw (one split) or to split blockIdx.z's float partials.
 template <typename T, int BN>
@@ -104,9 +111,8 @@ __device__ __forceinline__ void bwdw_store(const float (&acc)[BN / 2], T* gw, fl
   for (int h = 0; h < 2; ++h) {
     const int j = j0 + (threadIdx.x >> 7) * 64 + ((threadIdx.x >> 5) & 3) * 16 +
                   ((threadIdx.x & 31) >> 2) + 8 * h;
-    const int t = j / C;
     jrow[h] = j < J ? j : -1;
-    gcol[h] = (j - t * C) * taps + t;  // gw's column (c, kh, kw)
+    gcol[h] = gw_column(j, C, taps);
   }
   float* part = ws + (long long)blockIdx.z * J * M;
   for_each_pair<BN>(acc, [&](int, int col, float x0, float y0, float x1, float y1) {
@@ -350,8 +356,7 @@ __device__ __forceinline__ void store(const float (&acc)[BJ / 2], T* gw, float* 
         if (m >= M || j >= J) continue;
         const float v = acc[4 * g + 2 * h + e];
         if (splits == 1) {
-          const int t = j / C;
-          gw[(long long)m * J + (j - t * C) * taps + t] = as<T>(v);
+          gw[(long long)m * J + gw_column(j, C, taps)] = as<T>(v);
         } else {
           part[(long long)j * M + m] = v;
         }
@@ -465,8 +470,8 @@ __global__ void conv2d_bwdw_wgmma_reduce_kernel(const float* __restrict__ ws, T*
        o += (long long)gridDim.x * blockDim.x) {
     float s = 0.f;
     for (int k = 0; k < splits; ++k) s += ws[k * total + o];
-    const long long j = o / M, m = o - j * M, t = j / C, c = j - t * C;
-    gw[m * J + c * taps + t] = as<T>(s);
+    const long long j = o / M, m = o - j * M;  // j < J: an int
+    gw[m * J + gw_column((int)j, C, taps)] = as<T>(s);
   }
 }
 

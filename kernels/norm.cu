@@ -30,6 +30,9 @@
 //  * ReLU without a residual is undone inside the backward: both backward kernels recompute
 //    the forward's output from x (relu_passed) and zero gy where it was 0, so the ReLU's
 //    gradient costs no pass over the activations of its own.
+//  * The channels-last backward sums may join gy as they read it (Join): its two parts added
+//    and the ReLU-after-residual mask applied, rounded once and stored, so the gradient that
+//    arrives in parts (a block's output feeds two paths) costs no pass of its own either.
 //  * update_running: running = keep * running + momentum * batch (keep = 1 - momentum, rounded
 //    on the host; var made unbiased by count / (count - 1)), in place; one thread also adds 1
 //    to the int64 batch counter. The forward kernels do the same update where given the

@@ -48,15 +48,18 @@ Conventions (the .cu file's header has the kernel side):
     FFMA backward-weight of conv2d_nhwc.cu copies gy only (_x_as_it_lies); every other pass
     copies its activations to NCHW and its output back (_via_nchw).
   * conv2d_forward_stats: a bias-free forward plus its output's batch statistics for the batch
-    norm that follows; the TMA-fed kernel sums them in its epilogue where _epilogue_stats
-    says (per-tile sums merged by norm.batch_norm_tile_stats), else batch_norm_stats reads y.
+    norm that follows; the TMA-fed kernel (in its epilogue) and the channels-last direct
+    forward (from its staged rounds) sum them where _epilogue_stats says (per-tile sums
+    merged by norm.batch_norm_tile_stats), else batch_norm_stats reads y.
   * `conv2d_kernels` names the kernel each pass's plan runs (tests, benchmarks).
   * Small filters (C_in*KH*KW <= 32, e.g. a first layer on 1-3 channel images) run the
     direct kernels of conv2d_direct.cu instead, forward (<= 128 output channels) and
     backward-weight: there the implicit GEMM wastes most of each K slab. The forward is FFMA
-    in fp32 whatever the precision (more exact than TF32); backward-weight runs on tensor
-    cores in TF32 / bf16 / fp16 (fp32 accumulation; a channels-last gy read as it lies),
-    FFMA under fp32. DPTRAIN_DIRECT_CONV=0 turns them off.
+    in fp32 whatever the precision (more exact than TF32); in 16 bits with an even C_out up to
+    64 it writes a channels-last y itself, and conv2d_forward_stats' statistics with it
+    (_direct_cl_out). Backward-weight runs on tensor cores in TF32 / bf16 / fp16 (fp32
+    accumulation; a channels-last gy read as it lies), FFMA under fp32.
+    DPTRAIN_DIRECT_CONV=0 turns them off.
   * The precision (runtime.precision) is part of every plan key. `workspace=` (a layer's
     cuda/workspace.py Workspace) carries the channels-last copies of x (made by the forward)
     and gy (made by backward-data) to backward-weight, which then copies neither again.
@@ -669,8 +672,9 @@ def conv2d_forward_stats(x, w, stride, padding, *, channels_last=False, out=None
                          workspace=None):
     """(y, mean, var): the bias-free conv2d_forward y and batch_norm_stats of it per output
     channel (over the batch and the pixels), for a batch norm that follows in training. Where
-    the TMA-fed kernel runs a 16-bit forward, its epilogue sums each tile's statistics and one
-    small kernel merges them (batch_norm_tile_stats): no pass over y. Else the two ops."""
+    the TMA-fed kernel runs a 16-bit forward, or the direct one writes channels-last, the
+    kernel sums each tile's statistics and one small kernel merges them
+    (batch_norm_tile_stats): no pass over y. Else the two ops."""
     run = _forward(x, w, None, stride, padding, channels_last)
     tiles = getattr(run, "stat_tiles", None)
     if tiles is None:

@@ -8,6 +8,10 @@ reference with the same signatures):
   * Channel reductions (batch_norm_stats, batch_norm_mean, batch_norm_var,
     batch_norm_backward_reduce): each channel split over enough blocks to fill the GPU,
     double partials added in a fixed order by a finalize kernel: deterministic, no atomics.
+    batch_norm_backward_reduce_joined is the backward sums of a gradient that comes in two
+    parts or through the ReLU after a residual add: the channels-last kernel joins and
+    stores it as it sums (JOIN), where add / relu_backward / relu_backward_sum would first
+    write it and the sums read it again.
   * Every kernel moves 16-byte groups of x (launch.whole_groups decides, per call, whether
     they are whole and aligned) and indexes in 32 bits.
   * Outputs are new arrays written with `=`; batch_norm_update_ works in place and adds one
