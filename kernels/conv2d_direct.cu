@@ -154,8 +154,9 @@ template <typename T> struct alignas(2 * sizeof(T)) ChannelPair { T a, b; };
 // The batch statistics of a channels-last round's two DIRECT_TILE-pixel tiles from the
 // staged outputs (as stored): per channel c, the tile's first pixel (the shift), the sum of
 // d = y - shift and of d^2, at stats[(tile * 3 + r) * M + c], conv2d_wgmma.cu's layout. Two
-// threads a channel of a tile, 64 pixels each in four interleaved sums (loads in flight),
-// added in a fixed order, then lane pairs added.
+// threads a channel of a tile, 64 pixels each, in pixel order, then lane pairs added. (Four
+// interleaved sums a thread, for more loads in flight, made the stem's forward 89.2 us
+// against 78.9: ResNet-18 fp16, H200, one profile each.)
 template <typename T>
 __device__ __forceinline__ void direct_round_stats(const ChannelPair<T>* stage, int pitch,
                                                    long long base, int cnt, int M,
@@ -169,17 +170,11 @@ __device__ __forceinline__ void direct_round_stats(const ChannelPair<T>* stage, 
   float shift = 0.f, sum = 0.f, sq = 0.f;
   if (c < M && valid > 0) {
     shift = at(0);
-    float s4[4] = {0.f, 0.f, 0.f, 0.f}, q4[4] = {0.f, 0.f, 0.f, 0.f};
-    for (int i = h * 64, end = min(h * 64 + 64, valid); i < end; i += 4)
-#pragma unroll
-      for (int u = 0; u < 4; ++u)
-        if (i + u < end) {
-          const float d = at(i + u) - shift;
-          s4[u] += d;
-          q4[u] += d * d;
-        }
-    sum = (s4[0] + s4[1]) + (s4[2] + s4[3]);
-    sq = (q4[0] + q4[1]) + (q4[2] + q4[3]);
+    for (int i = h * 64, end = min(h * 64 + 64, valid); i < end; ++i) {
+      const float d = at(i) - shift;
+      sum += d;
+      sq += d * d;
+    }
   }
   sum += __shfl_xor_sync(0xffffffffu, sum, 1);  // both halves of the tile, in that order
   sq += __shfl_xor_sync(0xffffffffu, sq, 1);
