@@ -600,11 +600,12 @@ class BatchNorm(Function):
         if relu_out is not None or isinstance(gy, GradSum):
             # the parts' last add and the mask join the sums' pass, which stores the gradient
             # (the residual's too): ((g0 + g1) + ...) + g_last, as adding them in order
-            ga, gb = (GradSum(gy[:-1]).total(be), gy[-1]) if isinstance(gy, GradSum) else (
-                gy, None)
+            parts = tuple(gy) if isinstance(gy, GradSum) else (gy,)
+            first = GradSum(parts[:-1]).total(be) if len(parts) > 1 else parts[0]
+            last = parts[-1] if len(parts) > 1 else None
             gy, sums = be.batch_norm_backward_reduce_joined(
-                ga, gb, self.x, self.mean, self.var, self.eps, relu=relu, relu_out=relu_out,
-                add_to=add_to)
+                first, last, self.x, self.mean, self.var, self.eps, relu=relu,
+                relu_out=relu_out, add_to=add_to)
         else:
             sums = be.batch_norm_backward_reduce(gy, self.x, self.mean, self.var, self.eps,
                                                  relu=relu, add_to=add_to)
