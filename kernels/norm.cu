@@ -542,8 +542,9 @@ __global__ void __launch_bounds__(CL_THREADS) bn_backward_partial_cl_kernel(
 }
 
 // bn_forward_kernel over channels-last x (cl_rows; grid (1, blocks), `chunk` rows each). Each
-// thread keeps 4 rows of both arrays in flight (cl_rows' default of 2 was slower: see the
-// launcher's MAP_PER_SM).
+// thread keeps 4 rows of both arrays in flight: in a per-kernel sweep of ResNet-18's shapes
+// at the grids the launcher picks (fp16, H200), 4 against cl_rows' default of 2 took the
+// backward-data 0-2.4 us less a launch and the forward between 0.5 us more and 3.1 less.
 template <typename T, typename P = compute_t<T>>
 __global__ void __launch_bounds__(CL_THREADS) bn_forward_cl_kernel(
     T* y, const T* x, const T* residual, const P* mean, const P* var, const P* weight,

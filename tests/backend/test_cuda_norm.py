@@ -309,17 +309,18 @@ def test_the_forward_updates_the_running_estimates_as_the_update_op(cu, rng, dty
 
 
 @pytest.mark.parametrize("dtype", [np.float16, F32])
-@pytest.mark.parametrize("shape", [(2000, 64), (37, 512), (301, 24)])
+@pytest.mark.parametrize("shape", [(20000, 64), (9000, 512), (30001, 24)])
 def test_channels_last_elementwise_bits_do_not_depend_on_the_grid(cu, rng, monkeypatch, shape,
                                                                   dtype):
     """The channels-last forward (residual and ReLU) and backward-data (ReLU) give the same
     bits at 4 blocks an SM as at 2 (norm._cl_map picks by rows a thread): the grid only
-    splits rows."""
+    splits rows. The shapes have rows enough that the two grids differ."""
     from dptrain.backend.cuda import norm
 
     x, gy, w, b = _inputs(rng, shape, dtype)
     res = rng.standard_normal(shape).astype(dtype)
     dx, dgy, dres = (cu.asarray(a) for a in (x, gy, res))
+    assert norm._cl_grid(dx, norm.MAP_PER_SM) != norm._cl_grid(dx, norm.MAP_FEW_PER_SM)
     dw, db = cu.asarray(w.astype(F32)), cu.asarray(b.astype(F32))  # fp32 for 16-bit x too
     mean, var = cu.batch_norm_stats(dx)
     sums = cu.batch_norm_backward_reduce(dgy, dx, mean, var, 1e-5, relu=(dw, db))
@@ -331,11 +332,10 @@ def test_channels_last_elementwise_bits_do_not_depend_on_the_grid(cu, rng, monke
         return [cu.to_numpy(a).tobytes() for a in (y, g)]
 
     outs = []
-    for rows in (1, 10**9):  # every launch at MAP_PER_SM, then at MAP_FEW_PER_SM
+    for rows in (0, 10**9):  # every launch at MAP_PER_SM, then at MAP_FEW_PER_SM
         monkeypatch.setattr(norm, "MAP_THREAD_ROWS", rows)
         outs.append(run())
     assert outs[0] == outs[1]
-
 
 
 def _as(dtype, a):
