@@ -55,11 +55,10 @@ def main(args):
         first = loss if first is None else first
         if world.is_root:
             print(f"epoch {epoch + 1}: loss {loss:.4f}")
+    weights = ddp.state_dict()  # on every rank: the first read after a step gathers them
     if world.is_root:
-        np.savez(args.out, **ddp.state_dict())
+        np.savez(args.out, **weights)
         print(f"loss {first:.4f} -> {loss:.4f}")
-    else:
-        ddp.state_dict()  # a collective: every rank takes part
 
 
 if __name__ == "__main__":

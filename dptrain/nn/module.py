@@ -35,6 +35,7 @@ class Module:
         object.__setattr__(self, "_modules", OrderedDict())
         object.__setattr__(self, "training", True)
         object.__setattr__(self, "_pre_hooks", [])
+        object.__setattr__(self, "_state_hooks", [])
 
     def __setattr__(self, name, value):
         if isinstance(value, Parameter):
@@ -59,6 +60,11 @@ class Module:
         """Call hook(module) before every forward (the reducer waits there for the module's
         parameters to finish their all-gather)."""
         self._pre_hooks.append(hook)
+
+    def register_state_dict_pre_hook(self, hook):
+        """Call hook(module) before every ``state_dict()`` of this module (DataParallel gathers
+        there the parameter shards other ranks updated, dptrain.run.parallel)."""
+        self._state_hooks.append(hook)
 
     # -- traversal
     def named_parameters(self, prefix: str = ""):
@@ -125,6 +131,8 @@ class Module:
 
     # -- weights (parameters and buffers) as name -> array
     def state_dict(self) -> "OrderedDict[str, np.ndarray]":
+        for hook in self._state_hooks:
+            hook(self)
         return OrderedDict((name, t.numpy().copy()) for name, t in self._named_state())
 
     def load_state_dict(self, state, source: str = "state_dict"):

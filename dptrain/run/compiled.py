@@ -105,7 +105,8 @@ class CompiledStep:
         else:
             self.inputs.set(batch)
         self.ddp.optimizer.begin_step()  # this step's scalars (lr), host side
-        self.run()
+        with self.ddp.stepping():  # a host flag: weights read after it are gathered first
+            self.run()
         self.steps += 1
         self.since_read += 1
 

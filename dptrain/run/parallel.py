@@ -78,10 +78,28 @@ class DataParallel:
 
     Only parameters with ``requires_grad`` are trained and exchanged (set it False to
     freeze a part of the model). Call the wrapper, ``ddp(x)``, in the step function: it
-    feeds the model `precision`'s activations and returns float32 outputs. Between steps
-    only this rank's shard of the fp32 parameters is current: ``sync_parameters()`` (which
-    ``state_dict()`` calls) gathers them all before evaluating or saving.
+    feeds the model `precision`'s activations and returns float32 outputs.
+
+    Reading the model between steps (see "Weights between steps" below) gives the current
+    weights with nothing to call: ``ddp(x)``, ``ddp.eval()``, ``ddp.state_dict()``, and the
+    wrapped model's (or any of its sub-modules') forward or ``state_dict()``. Under mpirun
+    the first such read after a step is a collective: every rank makes it, in the same
+    order (evaluate on every rank, or call ``ddp.eval()`` on every rank before an
+    evaluation on rank 0 alone).
     """
+
+    # Weights between steps. A step ends with each rank having updated only its shard of
+    # the flat parameters (ZeRO-1); the all-gather that makes them whole again opens the
+    # next step, where it overlaps the forward. So the step itself leaves the other shards
+    # a step behind, and anything that reads weights outside it must gather them first.
+    # The step only sets a host flag (`_stale`, at world size > 1, in `stepping`); the
+    # first read outside a step finds it and runs `sync_parameters` (a collective), which
+    # clears it: the forward pre-hook of the root and of every module owning trained
+    # parameters (not of the others, which would stop nn.fusion pairing them), the
+    # state_dict pre-hook of every module, and `eval()`. Inside a step (`_in_step`) the
+    # hooks do nothing, so a captured step runs exactly what it ran before, and a run that
+    # never reads between steps never gathers outside them. Reading a parameter's array
+    # directly (``p.data``) is not seen: call ``sync_parameters()`` first.
 
     def __init__(self, model, optimizer="adamw", *, world=None, precision="auto",
                  sync="check", bucket_mb=4.0, grad_exchange="fp32", skip_nonfinite=0, loss_scale=amp.INIT_SCALE,
@@ -91,6 +109,7 @@ class DataParallel:
         if grad_exchange not in EXCHANGES:
             raise UsageError(f"grad_exchange={grad_exchange!r}: choose one of "
                              f"{', '.join(EXCHANGES)}")
+        self._stale = self._in_step = False  # see "Weights between steps"
         world = world or dist.current() or dist.init()
         be = world.be
         if be is None:
@@ -118,6 +137,7 @@ class DataParallel:
         self.optimizer = make_optimizer(optimizer, self.flat,
                                         self.flat.shard_segments(world.rank), **options)
         self.reducer = Reducer(self.flat, world, model, exchange=grad_exchange)
+        self._hook_reads(model, trained)
         self.reducer.broadcast_parameters()  # equal already when checked; casts the shadow
         for p in model.parameters():
             if not p.requires_grad:  # frozen: not in the flat buffer, so sent on its own
@@ -180,18 +200,47 @@ class DataParallel:
         """Takes effect at the next step (written to the device before it, outside a graph)."""
         self.optimizer.lr = float(value)
 
+    @contextlib.contextmanager
+    def stepping(self):
+        """Around each training step (CompiledStep): reads inside it are the step's own, and
+        after it the shards other ranks updated are stale until the next read gathers them."""
+        self._in_step = True
+        try:
+            yield
+        finally:
+            self._in_step = False
+            self._stale = self.world.size > 1
+
+    def _hook_reads(self, model, trained):
+        mine = {id(p) for p in trained}
+        for module in model.modules():
+            module.register_state_dict_pre_hook(self._before_read)
+            if module is model or any(id(p) in mine for p in module._params.values()):
+                module.register_forward_pre_hook(self._before_read)
+
+    def _before_read(self, _module=None):
+        if self._stale and not self._in_step:
+            self.sync_parameters()
+
     def sync_parameters(self):
         """Every rank's latest shard gathered (a collective: every rank calls it), rank 0's
-        buffers broadcast: the whole model current, for evaluation or saving."""
+        buffers broadcast: the whole model current, for evaluation or saving. Reads between
+        steps call it themselves when a step ran since (see the class's docstring)."""
         self.reducer.sync_parameters()
         broadcast_buffers(self.model, self.world.comm)
+        self._stale = False
 
     def state_dict(self):
-        """The model's weights (name -> NumPy array) after ``sync_parameters`` (collective)."""
-        self.sync_parameters()
+        """The model's current weights (name -> NumPy array); the first read after a step,
+        a collective under mpirun."""
         return self.model.state_dict()
 
     def train(self, mode: bool = True):
+        """The model's training mode; ``train(False)`` (``eval()``) also gathers the weights
+        after a step (a collective under mpirun), so an evaluation that follows on some
+        ranks only finds them current."""
+        if not mode:
+            self._before_read()
         self.model.train(mode)
         return self
 
