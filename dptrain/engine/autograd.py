@@ -273,6 +273,11 @@ class Tensor:
             hook(self)
 
 
+def _parameter_like(t: Tensor) -> bool:
+    """A leaf, or made by one op from trained leaves only (a parameter's cast)."""
+    return t._ctx is None or all(i._ctx is None and i.requires_grad for i in t._ctx.inputs)
+
+
 def _topological_order(root: Tensor) -> list:
     """Tensors reachable from root that require grad, every input before its consumers."""
     order, seen, stack = [], set(), [(root, False)]
@@ -286,12 +291,15 @@ def _topological_order(root: Tensor) -> list:
         seen.add(id(node))
         stack.append((node, True))
         if node._ctx is not None:
-            # leaves pushed first are reached last, so each lands right after its consumers
-            # in the reversed order: a parameter's gradient completes (and its bucket's
-            # reduce-scatter starts) as backward passes its layer, not at the very end. The
-            # order among the other tensors, and so every sum, is unchanged.
+            # parameters pushed first are reached last, so each lands right after its
+            # consumers in the reversed order: its gradient completes (and its bucket's
+            # reduce-scatter starts) as backward passes its layer, not at the very end. A
+            # parameter is a leaf or an op of leaves only (mixed precision's 16-bit cast of
+            # an fp32 weight: pushed among the activations, every cast's backward ran last
+            # and the whole exchange waited for the end of backward). The order among the
+            # other tensors, and so every sum, is unchanged.
             inputs = [i for i in node._ctx.inputs if i.requires_grad and id(i) not in seen]
-            for inp in sorted(inputs, key=lambda t: t._ctx is not None):
+            for inp in sorted(inputs, key=lambda t: not _parameter_like(t)):
                 stack.append((inp, False))
     return order
 

@@ -324,3 +324,28 @@ def test_gradient_parts_of_other_ops_arrive_added():
     (y * 2.0 + y * 3.0).sum().backward()
     assert not isinstance(seen[0], GradSum)
     np.testing.assert_allclose(x.grad.numpy(), [5.0, 5.0])
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize("model", ["cnn", "resnet18"])
+def test_gradients_complete_last_layer_first(model, precision):
+    """Each parameter's gradient completes as backward passes its layer, the last layers'
+    first, also under mixed precision, where every layer reads a 16-bit cast of its fp32
+    weight: the gradient exchange starts each bucket's reduce-scatter as it completes (the
+    casts' backward once ran after all of backward's, so the whole exchange waited)."""
+    import dptrain as dp
+    import dptrain.engine.functional as F
+    from dptrain.nn import build_model
+
+    dp.manual_seed(0)
+    net = build_model(model, (1, 16, 16), 3)
+    ddp = dp.DataParallel(net, "sgd", precision=precision, lr=0.01)
+    names = [n for n, _ in net.named_parameters()]
+    done = []
+    for n, p in net.named_parameters():
+        p.register_grad_hook(lambda t, n=n: done.append(n))
+    step = ddp.compile(lambda b: F.cross_entropy(ddp(b[0]), b[1]), capture=False)
+    step((np.random.default_rng(0).random((2, 1, 16, 16), np.float32), np.arange(2)))
+    layers = lambda order: list(dict.fromkeys(n.rsplit(".", 1)[0] for n in order))  # noqa: E731
+    assert layers(done)[:3] == layers(reversed(names))[:3], done
+    assert layers(done)[-1] == layers(names)[0], done
