@@ -22,6 +22,10 @@ from pathlib import Path
 
 FLAVOURS = ("openmpi", "mpich", "srun")
 LAUNCHERS = ("auto", "mpirun", "mpiexec", "srun")
+# NVLink multicast stays off in NCCL, PyTorch and NVSHMEM on every rank: a program using it
+# can put a shared host's GPUs out of service.
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def flavour_of(version_text: str, program: str = "") -> str | None:
@@ -54,7 +58,7 @@ class Launcher:
     flavour: str  # one of FLAVOURS
 
     def command(self, ranks: int, program: list[str], device: str = "cpu",
-                extra: list[str] = (), forward: tuple[str, ...] = ("NCCL_NVLS_ENABLE",)) -> list[str]:
+                extra: list[str] = (), forward: tuple[str, ...] = tuple(NO_MULTICAST)) -> list[str]:
         """The command that starts `ranks` copies of `program`. On the CPU ranks may outnumber
         the cores; on GPUs each rank is left unbound (its host thread launches kernels, NCCL
         adds threads) and the `forward` variables reach every rank."""
@@ -88,7 +92,7 @@ class Launcher:
             # One core per rank, as one GPU per rank: no BLAS thread pools fighting.
             env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
         else:
-            env["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast stays off
+            env.update(NO_MULTICAST)
         return {k: v for k, v in env.items() if k not in os.environ}
 
 

@@ -13,12 +13,23 @@ device step. The thread, every ``interval`` seconds:
     whose rendezvous carries collectives only);
   * polls the communicator's asynchronous error check (``comm.check()``: NCCL's
     ncclCommGetAsyncError; a no-op over MPI);
-  * when the watched point has run past the timeout: prints one line naming it, the step and
-    the ranks whose last progress is behind this one (they never entered it), then aborts
-    the communicator (``comm.abort()``) and the MPI job (exit code ``EXIT_CODE``).
+  * when the watched point has run past the timeout: one rank prints one line naming it, the
+    step and the ranks whose last progress is behind this one (they never entered it), and
+    every rank ends the job (exit code ``EXIT_CODE``).
+
+One verdict a job: the lowest-numbered rank that arrived prints it at once; the others wait
+``VERDICT_GRACE_S``, by which time that rank's end has normally ended them, and print theirs
+only if it has not. Ending never waits on the device: a GPU rank's main thread may be blocked
+behind an NCCL kernel that waits for the silent rank, and ``ncclCommAbort`` (like any CUDA
+call that synchronises) can block behind it too. So the communicator is not aborted; the
+thread asks the launcher to end the job (``MPI_Abort``) with a timer armed that exits the
+process after ``EXIT_DEADLINE_S`` whatever that call does; a rank that exits non-zero makes
+Open MPI, MPICH and srun end the others, the stopped one included.
 
 A rank that is stopped (SIGSTOP) or sleeping before a collective stops advancing its
-sequence number, so the ranks waiting for it name it.
+sequence number, so the ranks waiting for it name it. A stopped rank that is woken (Open MPI
+sends SIGCONT before ending a job) sees that its thread slept far past its interval and says
+nothing: it was the late one, and what it heard before the stop is stale.
 """
 from __future__ import annotations
 
@@ -31,6 +42,9 @@ import time
 import numpy as np
 
 EXIT_CODE = 4
+VERDICT_GRACE_S = 3.0  # ranks other than the verdict's wait this long before their own
+EXIT_DEADLINE_S = 2.0  # after asking the launcher to end the job, the process exits anyway
+FROZEN_S = 2.0  # the thread woke this much later than asked: the process was stopped
 DEFAULT_TIMEOUT = 300.0  # seconds: a few minutes (PyTorch's NCCL default is 10)
 _TAG = 7301
 
@@ -44,6 +58,7 @@ class Watchdog:
         self.rank, self.size = world.rank, world.size
         self.seq, self.region = 0, None  # region: (what, step, seq, start time)
         self.last_step = -1  # the step of the latest watched point
+        self.thawed = 0.0  # when this process last woke from being stopped (monotonic)
         self.heard = {}  # rank -> (seq, step, inside a watched point, time heard)
         self.comm, self.named_ranks = None, False
         self.unnamed_why = "MPI lacks MPI_THREAD_MULTIPLE"  # when ranks cannot be named
@@ -102,7 +117,17 @@ class Watchdog:
 
     # -- the thread
     def _run(self):
+        tick = time.monotonic()
         while not self._stop.wait(self.interval):
+            now = time.monotonic()
+            frozen, tick = now - tick > self.interval + FROZEN_S, now
+            if frozen:
+                # This process was itself stopped (SIGSTOP, a suspended machine): it is the
+                # late one, what it last heard is stale, and the ranks that waited for it are
+                # ending the job. No verdict of its own; the timeout counts from the thaw.
+                self._stop.wait(VERDICT_GRACE_S)
+                self.thawed = tick = time.monotonic()
+                continue
             try:
                 if self.comm is not None:
                     self._exchange()
@@ -112,8 +137,12 @@ class Watchdog:
                 where = f" during {region[0]} at step {region[1]}" if region else ""
                 self._fire(f"communicator error on rank {self.rank}{where}: {exc}")
             region = self.region
-            if region is not None and time.monotonic() - region[3] > self.timeout:
-                self._fire(self._hang_message(region))
+            if region is not None and time.monotonic() - max(region[3], self.thawed) > \
+                    self.timeout:
+                message = self._hang_message(region)
+                if not self._gives_verdict(region):
+                    time.sleep(VERDICT_GRACE_S)  # the verdict's rank ends this one meanwhile
+                self._fire(message)
 
     def _exchange(self):
         from mpi4py import MPI
@@ -135,6 +164,14 @@ class Watchdog:
             source = status.Get_source()
             self.comm.Recv(buf, source=source, tag=_TAG)
             self.heard[source] = (int(buf[0]), int(buf[1]), bool(buf[2]), time.monotonic())
+
+    def _gives_verdict(self, region) -> bool:
+        """Whether this rank prints the job's verdict on `region`: the lowest-numbered of the
+        ranks that arrived (all of them where ranks cannot be named: rank 0)."""
+        if not self.named_ranks:
+            return self.rank == 0
+        arrived = [r for r, (s, *_) in self.heard.items() if s >= region[2]]
+        return all(self.rank < r for r in arrived)
 
     def _hang_message(self, region) -> str:
         what, step, seq, start = region
@@ -173,10 +210,14 @@ class Watchdog:
             self.stream.flush()
         except Exception:  # noqa: BLE001
             pass
+        # Nothing below may wait on the device (see the module's docstring): the timer ends
+        # this process even if the launcher's abort blocks.
+        deadline = threading.Timer(EXIT_DEADLINE_S, os._exit, (EXIT_CODE,))
+        deadline.daemon = True
+        deadline.start()
         try:
-            self.world.comm.abort(EXIT_CODE)
-        finally:
             mpi_comm = self.world.mpi_comm
             if mpi_comm is not None:
                 mpi_comm.Abort(EXIT_CODE)
+        finally:
             os._exit(EXIT_CODE)

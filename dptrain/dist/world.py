@@ -20,8 +20,6 @@ stream (the reducer picks the communication stream with ``runtime.on``):
     barrier()
     check()                      raise if the communicator recorded an asynchronous error
                                  (NCCL); a no-op elsewhere. Safe to call from another thread
-    abort(code=1)                end its in-flight and future operations (NCCL: abort the
-                                 communicator; MPI: abort the job with `code`)
 Buffers are 1-D and contiguous; in-place use (recv inside send at this rank's
 offset, send inside recv at this rank's offset) is allowed, as NCCL allows it.
 """
@@ -99,9 +97,6 @@ class LocalComm:
     def check(self):
         pass
 
-    def abort(self, code=1):
-        pass
-
 
 class MPIComm:
     """Collectives over MPI (or the rendezvous) on NumPy arrays (the CPU backend)."""
@@ -155,9 +150,6 @@ class MPIComm:
 
     def check(self):
         pass  # MPI reports errors where a call returns
-
-    def abort(self, code=1):
-        self.comm.Abort(code)
 
 
 class World:

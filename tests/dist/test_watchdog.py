@@ -1,6 +1,8 @@
 """Failures end the job instead of hanging it: a SIGKILLed rank ends the job within 10 s with
 no process left; a rank that stops answering (SIGSTOP, or sleeping before a collective) trips
-the watchdog within the timeout + 10 s, and the message names it."""
+the watchdog within the timeout + 10 s, the job prints one verdict naming it and exits with
+the watchdog's code, on the CPU and on 2 GPUs (where the other rank's main thread is blocked
+behind an NCCL kernel waiting for the stopped one)."""
 import os
 import signal
 import subprocess
@@ -35,13 +37,28 @@ def _ranks_of(proc):
     return sorted(found)
 
 
+GPU_ARGS = ["--device", "cuda", "--model", "cnn", "--train-images", "20000", "--val-images",
+            "256", "--epochs", "1000", "--batch-size", "256", "--log-every", "50",
+            "--no-progress", "--collective-timeout", "4"]
+
+
+def _gpus():
+    from dptrain.backend import cuda_available
+
+    if not cuda_available():
+        return 0
+    import cupy
+
+    return cupy.cuda.runtime.getDeviceCount()
+
+
 @pytest.fixture
 def job(cache):
     """Start a 2-rank job; whatever happens, none of its processes outlives the test."""
     procs = []
 
-    def launch(**extra_env):
-        procs.append(start(2, ARGS, cache, **extra_env))
+    def launch(args=ARGS, device="cpu", ranks=2, **extra_env):
+        procs.append(start(ranks, args, cache, device, **extra_env))
         return procs[-1]
     yield launch
     for proc in procs:
@@ -96,15 +113,30 @@ def test_sigkill_of_one_rank_ends_the_job(job):
     assert not _ranks_of(proc), "a rank survived the job"
 
 
-def test_sigstopped_rank_trips_the_watchdog(job):
-    proc = job()
-    pids = _wait_for_ranks(proc)
+def _stop_rank_1_and_judge(proc, ranks=2, timeout=4):
+    pids = _wait_for_ranks(proc, ranks)
     _wait_training(proc)
     os.kill(pids[1], signal.SIGSTOP)
-    took, _, err = _finish(proc, timeout=4 + 10)
-    assert proc.returncode != 0
-    assert "watchdog" in err and "rank 1 (" in err and "did not arrive" in err, err[-2000:]
-    assert not _ranks_of(proc)
+    took, _, err = _finish(proc, timeout=timeout + 10)
+    verdicts = [line for line in err.splitlines() if "dptrain: watchdog:" in line]
+    assert len(verdicts) == 1, err[-3000:]
+    assert "rank 1 (" in verdicts[0] and "did not arrive" in verdicts[0], verdicts
+    assert proc.returncode == 4, (proc.returncode, err[-2000:])
+    assert not _ranks_of(proc), "a rank survived the job"
+    return took
+
+
+def test_sigstopped_rank_trips_the_watchdog(job):
+    _stop_rank_1_and_judge(job())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_sigstopped_rank_ends_a_gpu_job(job, ranks):
+    if _gpus() < ranks:
+        pytest.skip(f"needs {ranks} GPUs")
+    took = _stop_rank_1_and_judge(job(GPU_ARGS, "cuda", ranks), ranks)
+    print(f"the {ranks}-GPU job ended {took:.1f} s after the stop")
 
 
 def test_rank_sleeping_before_a_collective_is_named(cache):

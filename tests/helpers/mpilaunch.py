@@ -36,24 +36,24 @@ def mpi_env(base=None, device="cpu"):
 
 # -- `python -m dptrain train` on the CPU, as the reliability tests start it
 
-def env(cache, **extra):
+def env(cache, device="cpu", **extra):
     base = dict(os.environ, PYTHONPATH=str(ROOT), DPTRAIN_CACHE=str(cache),
                 OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", **extra)
-    return mpi_env(base) if LAUNCHER is not None else base
+    return mpi_env(base, device) if LAUNCHER is not None else base
 
 
-def command(ranks, args):
+def command(ranks, args, device="cpu"):
     """`python -m dptrain train ARGS`, under the launcher with `ranks` processes when > 0."""
     cmd = [sys.executable, "-m", "dptrain", "train", *args]
-    return mpi_command(ranks, cmd) if ranks else cmd
+    return mpi_command(ranks, cmd, device) if ranks else cmd
 
 
-def run(ranks, args, cache, timeout=240, **extra_env):
-    return subprocess.run(command(ranks, args), capture_output=True, text=True,
-                          env=env(cache, **extra_env), timeout=timeout)
+def run(ranks, args, cache, timeout=240, device="cpu", **extra_env):
+    return subprocess.run(command(ranks, args, device), capture_output=True, text=True,
+                          env=env(cache, device, **extra_env), timeout=timeout)
 
 
-def start(ranks, args, cache, **extra_env):
-    return subprocess.Popen(command(ranks, args), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env(cache, **extra_env),
+def start(ranks, args, cache, device="cpu", **extra_env):
+    return subprocess.Popen(command(ranks, args, device), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env(cache, device, **extra_env),
                             start_new_session=True)

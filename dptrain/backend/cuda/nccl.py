@@ -6,7 +6,6 @@
     broadcast(buf, root=0)       in place
     barrier()                    over the MPI communicator (host side)
     check()                      raise if NCCL recorded an asynchronous error (any thread)
-    abort(code=1)                abort the NCCL communicator (the caller ends the job)
 
 Buffers are 1-D and contiguous; in-place use (recv inside send at this rank's offset, send
 inside recv at this rank's offset) is allowed, as NCCL allows it. Every collective runs on
@@ -79,7 +78,3 @@ class NCCLComm:
             self.comm.check_async_error()
         except RuntimeError as exc:  # cupy's NcclError is a RuntimeError
             raise RuntimeError(f"NCCL asynchronous error: {exc}") from None
-
-    def abort(self, code=1):
-        """Abort the communicator: pending and future NCCL calls return instead of hanging."""
-        self.comm.abort()
