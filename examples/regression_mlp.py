@@ -3,6 +3,8 @@
     mpirun -n 2 python examples/regression_mlp.py --x x.npy --y y.npy
 
 Without --x/--y it makes a small problem first (y = sin(3 x0) + x1 * x2 + noise).
+With --checkpoint-dir it saves the whole training state after every epoch, and --resume
+goes on from the newest checkpoint there (at any number of ranks) as if never stopped.
 """
 import argparse
 import os
@@ -37,14 +39,18 @@ def main(args):
     ddp = dp.DataParallel(model, "adamw", lr=args.lr, weight_decay=0.0)
     step = ddp.compile(lambda batch: F.mse_loss(ddp(batch[0]), batch[1]))
 
+    steps_per_epoch = len(data) // (args.batch_size * world.size)  # full batches only
+    start = ddp.load(args.checkpoint_dir) // steps_per_epoch if args.resume else 0
     first = None
-    for epoch in range(args.epochs):
+    for epoch in range(start, args.epochs):
         for batch in data.batches(args.batch_size, world, epoch):
             step(batch)
         loss = step.metrics()["loss"]
         first = loss if first is None else first
         if world.is_root:
             print(f"epoch {epoch + 1}: mse {loss:.4f}")
+        if args.checkpoint_dir:
+            ddp.save(args.checkpoint_dir)  # on every rank: the state is gathered
     if world.is_root:
         print(f"loss {first:.4f} -> {loss:.4f}")
 
@@ -56,5 +62,10 @@ if __name__ == "__main__":
     p.add_argument("--epochs", type=int, default=8)
     p.add_argument("--batch-size", type=int, default=64, help="per rank")
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--checkpoint-dir", help="save the training state here every epoch")
+    p.add_argument("--resume", action="store_true", help="go on from --checkpoint-dir")
     p.add_argument("--device", default="auto")
-    dp.launch(main, p.parse_args())
+    args = p.parse_args()
+    if args.resume and not args.checkpoint_dir:
+        p.error("--resume needs --checkpoint-dir")
+    dp.launch(main, args)

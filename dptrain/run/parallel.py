@@ -11,25 +11,32 @@ What it sets up is what `python -m dptrain train` runs: the parameters in one fl
 (dptrain.dist.flat) cut into buckets, reduce-scatter of each bucket as backward completes
 it, each rank updating only its shard with optimizer state for that shard only (ZeRO-1),
 all-gather at the start of the next step (of the 16-bit shadow in mixed precision), the
-non-finite guard and fp16 loss scaling (dptrain.run.nonfinite, dptrain.run.amp), and the
-step captured once by the backend's runtime and replayed (dptrain.run.compiled).
+non-finite guard and fp16 loss scaling (dptrain.run.nonfinite, dptrain.run.amp), the
+step captured once by the backend's runtime and replayed (dptrain.run.compiled), dropout
+masks drawn for the global batch (N ranks drop what one process would), and exact-resume
+checkpoints in `train`'s format (``ddp.save(dir)`` / ``ddp.load(dir)``, dptrain.checkpoints).
 """
 from __future__ import annotations
 
 import contextlib
 import copy
 import time
+import warnings
+from pathlib import Path
 
 import numpy as np
 
 import dptrain.engine.functional as F
 from dptrain import dist
 from dptrain.backend.bfloat16 import BFLOAT16
+from dptrain.checkpoints.state import MODEL, OPTIM, from_json, to_json
+from dptrain.checkpoints.store import MANIFEST, CheckpointError, CheckpointStore, load, step_dir
 from dptrain.dist import buckets
 from dptrain.dist.flat import FlatParameters
 from dptrain.dist.reducer import EXCHANGES, Reducer
 from dptrain.dist.startup import first_on_host
 from dptrain.engine.autograd import Tensor, no_grad
+from dptrain.engine.rng import init_rng, set_data_shard
 from dptrain.errors import UsageError
 from dptrain.optim import OPTIMIZERS
 from dptrain.run import amp
@@ -85,7 +92,8 @@ class DataParallel:
     wrapped model's (or any of its sub-modules') forward or ``state_dict()``. Under mpirun
     the first such read after a step is a collective: every rank makes it, in the same
     order (evaluate on every rank, or call ``ddp.eval()`` on every rank before an
-    evaluation on rank 0 alone).
+    evaluation on rank 0 alone). ``save(dir)`` and ``load(dir)`` keep and restore the whole
+    training state, at the same or another number of ranks.
     """
 
     # Weights between steps. A step ends with each rank having updated only its shard of
@@ -116,6 +124,7 @@ class DataParallel:
             raise UsageError("DataParallel: the world has no backend; build it with "
                              "dptrain.dist.init()")
         self.world, self.be, self.model = world, be, model.to(be.runtime.name)
+        set_data_shard(world.rank, world.size)  # dropout draws the global batch's masks
         self.precision = self._resolve_precision(precision)
         self.dtype = amp.compute_dtype(self.precision)
         # the kernels of these dtypes, built in parallel once per host before the first step
@@ -235,6 +244,103 @@ class DataParallel:
         a collective under mpirun."""
         return self.model.state_dict()
 
+    # -- the whole training state, for exact resume
+    @property
+    def steps(self) -> int:
+        """Steps taken, those before a ``load`` included (the optimizer's count)."""
+        return self.optimizer.steps
+
+    def save(self, directory, keep: int = 3) -> Path:
+        """Write the training state as checkpoint ``directory/step-NNNNNNNN`` (the format of
+        ``train --checkpoint-dir``, dptrain.checkpoints) and keep the newest `keep` there;
+        returns its path. A collective: every rank calls it at the same step, rank 0 writes.
+
+        Saved: the model's weights and buffers, the optimizer's state gathered from every
+        rank's shard, its step count and learning rate, fp16's loss scale, every rank's
+        dropout generator and the initialisation generator. Not saved: where the loop is in
+        its data (a pure function of the step for ``ArrayDataset.batches``: epoch
+        ``steps // steps_per_epoch``, then skip ``steps % steps_per_epoch`` batches) and the
+        metric sums since the last ``step.metrics()`` (save after a read to log on alike).
+        Raises NonFiniteError rather than save past a step with a NaN/inf loss or gradient.
+        """
+        world, be = self.world, self.be
+        self.guard.read(self.steps)  # never save past a non-finite step
+        weights = {k: np.asarray(v) for k, v in self.state_dict().items()}
+        optim = self.optimizer.gather_state(world.comm, self._trained_named())
+        rng = _gather(world, to_json(be.runtime.get_rng_state()))
+        path = step_dir(directory, self.steps)
+        if not world.is_root:
+            return path
+        meta = {"world_size": world.size,
+                "state": {"step": self.steps, "optimizer_steps": self.optimizer.steps,
+                          "lr": self.optimizer.lr, "skipped": self.guard.skipped,
+                          "loss_scale": self.scaler.state_dict() if self.scaler else None,
+                          "rng": {"device": rng, "init": to_json(init_rng().bit_generator.state),
+                                  "augment": None}},
+                "library": {"optimizer": type(self.optimizer).__name__,
+                            "precision": self.precision}}
+        files = {MODEL: weights, OPTIM: {f"{key}:{name}": a for key, per in optim.items()
+                                         for name, a in per.items()}}
+        store = CheckpointStore(directory, keep)
+        store.clean()
+        written = store.write(self.steps, files, meta)
+        store.prune()
+        return written
+
+    def load(self, path) -> int:
+        """Restore the training state ``save`` wrote (or ``train --checkpoint-dir``, for the
+        same model and optimizer): `path` is a checkpoint (``DIR/step-NNNNNNNN``) or a
+        directory of them (the newest usable one). Returns the step to go on from. A
+        collective: every rank calls it; rank 0 reads and sends. At the world size that
+        saved it, training on is bitwise the uninterrupted run; at another, with the same
+        global batch, the same to float rounding (each rank's dropout generator is then
+        rank 0's, which every rank shares while the masks are drawn for the global batch).
+        The buffers a compiled step reads are written in place: load before or between steps.
+        """
+        world = self.world
+        found = None
+        if world.is_root:
+            try:
+                found = ("ok", _find_checkpoint(path))
+            except UsageError as exc:
+                found = ("error", str(exc))
+        if world.size > 1:
+            found = world.mpi_comm.bcast(found, root=0)
+        if found[0] == "error":
+            raise UsageError(found[1])
+        where, manifest, files = found[1]
+        state = manifest["state"]
+        theirs = (manifest.get("library") or {}).get("optimizer")
+        if theirs is not None and theirs != type(self.optimizer).__name__:
+            raise UsageError(f"{where}: saved with optimizer {theirs}, this DataParallel has "
+                             f"{type(self.optimizer).__name__}")
+        try:
+            self.model.load_state_dict(files[MODEL], source=where)
+            per = {}
+            for full, a in files[OPTIM].items():
+                key, _, name = full.partition(":")
+                per.setdefault(key, {})[name] = a
+            self.optimizer.scatter_state(per, self._trained_named(), source=where)
+        except (KeyError, ValueError) as exc:
+            raise UsageError(f"{where}: {exc}") from None
+        self.optimizer.steps = int(state["optimizer_steps"])
+        if state.get("lr") is not None:
+            self.optimizer.lr = float(state["lr"])
+        self.guard.skipped = int(state.get("skipped", 0))
+        if self.scaler is not None and state.get("loss_scale"):
+            self.scaler.load_state_dict(state["loss_scale"])
+        rng = from_json(state["rng"])
+        device = rng["device"]
+        self.be.runtime.set_rng_state(device[world.rank] if len(device) == world.size
+                                      else device[0])
+        init_rng().bit_generator.state = rng["init"]
+        self._stale = False  # every rank holds the whole loaded weights
+        return self.steps
+
+    def _trained_named(self):
+        """(name, parameter) of the parameters in the flat buffer (not the frozen ones)."""
+        return [(n, p) for n, p in self.model.named_parameters() if id(p) in self.flat.offsets]
+
     def train(self, mode: bool = True):
         """The model's training mode; ``train(False)`` (``eval()``) also gathers the weights
         after a step (a collective under mpirun), so an evaluation that follows on some
@@ -286,6 +392,31 @@ def _trace(ddp, input_shapes):
                 out.backward(Tensor(be.zeros(out.shape, np.float32)))
 
     return trace
+
+
+def _gather(world, mine) -> list:
+    """Every rank's `mine` (a host object), in rank order."""
+    return world.mpi_comm.allgather(mine) if world.size > 1 else [mine]
+
+
+def _find_checkpoint(path):
+    """(where, manifest, files) of the checkpoint at `path`, or of the newest usable one in
+    the directory `path`; UsageError naming the path and why otherwise."""
+    path = Path(path)
+    where = f"load {path}"
+    if (path / MANIFEST).exists():
+        try:
+            return (where, *load(path))
+        except CheckpointError as exc:
+            raise UsageError(f"{where}: {exc}") from None
+    skipped = []
+    found = CheckpointStore(path).latest(warn=skipped.append)
+    if found is None:
+        why = f" ({'; '.join(skipped)})" if skipped else ""
+        raise UsageError(f"{where}: no checkpoint there{why}")
+    for message in skipped:  # newer ones that failed a check
+        warnings.warn(f"dptrain: {message}", stacklevel=3)
+    return (f"load {found[0]}", *found[1:])
 
 
 def _to_float32(out):

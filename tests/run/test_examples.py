@@ -11,12 +11,13 @@ from mpilaunch import ROOT, env, mpi_command, needs_mpi
 pytestmark = needs_mpi
 
 
-def run_example(tmp_path, script, *args):
-    cmd = mpi_command(2, [sys.executable, str(ROOT / "examples" / script), "--device", "cpu",
-                          *args])
-    result = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path,
-                            env=env(tmp_path / "cache"), timeout=300)
+def run_example(tmp_path, script, *args, ranks=2, learns=True):
+    cmd = [sys.executable, str(ROOT / "examples" / script), "--device", "cpu", *args]
+    result = subprocess.run(mpi_command(ranks, cmd) if ranks > 1 else cmd, capture_output=True,
+                            text=True, cwd=tmp_path, env=env(tmp_path / "cache"), timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
+    if not learns:
+        return result
     first, last = map(float, re.search(r"loss (\S+) -> (\S+)", result.stdout).groups())
     assert last < 0.8 * first, result.stdout  # it learns
     return result
@@ -47,6 +48,27 @@ def test_custom_cnn_on_an_image_folder(tmp_path):
 
 def test_regression_mlp_on_arrays(tmp_path):
     run_example(tmp_path, "regression_mlp.py", "--epochs", "4")
+
+
+def test_regression_mlp_resumes_from_its_checkpoints(tmp_path):
+    """Stopped after 2 epochs at 1 rank and resumed at 2, it logs the last 2 epochs as the
+    uninterrupted run at 2 ranks does (printed to 4 decimals: to 1 in the last)."""
+    def epochs(result):
+        return {int(e): float(mse) for e, mse in
+                re.findall(r"epoch (\d+): mse (\S+)", result.stdout)}
+
+    whole = epochs(run_example(tmp_path, "regression_mlp.py", "--epochs", "4",
+                               "--batch-size", "64"))
+    run_example(tmp_path, "regression_mlp.py", "--epochs", "2", "--batch-size", "128",
+                "--checkpoint-dir", "ckpt", ranks=1, learns=False)
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+        "step-00000016", "step-00000032"]
+    resumed = epochs(run_example(tmp_path, "regression_mlp.py", "--epochs", "4",
+                                 "--batch-size", "64", "--checkpoint-dir", "ckpt", "--resume",
+                                 learns=False))
+    assert sorted(whole) == [1, 2, 3, 4] and sorted(resumed) == [3, 4]
+    for epoch, mse in resumed.items():
+        assert abs(mse - whole[epoch]) <= 1.5e-4, (epoch, mse, whole[epoch])
 
 
 def test_finetune_resnet18_with_a_frozen_body(tmp_path):
