@@ -9,6 +9,9 @@ import sys
 import numpy as np
 import pytest
 
+import dptrain as dp
+from dptrain import nn
+from dptrain.nn import fusion
 from mpilaunch import ROOT, env, mpi_command, needs_mpi
 
 DRIVER = str(ROOT / "tests" / "helpers" / "between_steps_driver.py")
@@ -47,3 +50,14 @@ def test_reads_between_steps_at_two_ranks_equal_one_process(tmp_path, precision,
         # gathered once per read point, by its first read, never inside a step
         assert got["syncs"].tolist() == list(READ_AT), f"rank {rank}"
     assert one["syncs"].tolist() == []  # one process: nothing is ever stale
+
+
+def test_the_read_hooks_leave_layer_fusion_alone(monkeypatch):
+    """Only the root and modules owning parameters get the forward hook: a ReLU with one
+    would stop nn.fusion running Linear + ReLU as one op."""
+    monkeypatch.setenv(fusion.FUSE_ENV, "1")
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    fused = len(model._steps())
+    dp.DataParallel(model, "sgd", lr=0.1)
+    assert fused == 2 and len(model._steps()) == 2
+    assert not model[1]._pre_hooks and model[1]._state_hooks
