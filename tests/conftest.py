@@ -4,6 +4,8 @@ The tests sit in folders that mirror dptrain's packages (engine, backend, dist, 
 cli, models) plus studies (scaling, benchmarks); what several of them share (launchers,
 fixtures, reference checks, the scripts MPI tests start) is in helpers/, importable by name.
 """
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -11,7 +13,27 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
 
-from dptrain.backend import cuda_available
+
+def _one_gpu_per_worker():
+    """Under pytest-xdist (`-n N`) on a machine of several GPUs, worker k sees GPU k mod G
+    only, so the suite spreads over the GPUs (set before CUDA is first touched). Tests of
+    several GPUs then skip: run them without -n."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw") or "CUDA_VISIBLE_DEVICES" in os.environ:
+        return
+    try:
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True,
+                                timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return
+    gpus = sum(line.startswith("GPU ") for line in listed.splitlines())
+    if gpus > 1:
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(int(worker[2:]) % gpus)
+
+
+_one_gpu_per_worker()
+
+from dptrain.backend import cuda_available  # noqa: E402
 
 HAVE_GPU = cuda_available()
 

@@ -47,9 +47,11 @@ The runtime (``be.runtime``), with the CPU's trivial meaning in brackets:
                                              ``signaller`` [no-op]
   ``synchronize()``                         the host waits for all issued work [no-op]
   ``stamp(stream=None) -> stamp``           a timestamp of the work issued so far on
-                                             ``stream`` (a timing event) [the host clock]
-  ``stamp_seconds(stamps) -> [float]``      seconds from the first stamp to each (waits for
-                                             them; not inside a captured graph) [differences]
+                                             ``stream``, also inside a captured step (a
+                                             slot the device's clock writes) [the host clock]
+  ``stamp_seconds(stamps) -> [float]``      seconds from the first stamp to each, as the
+                                             latest run wrote them (waits) [differences]
+  ``clear_stamps()``                        reuse the stamps' slots (between eager steps)
   ``prepare(dtypes=None, trace=None)``      build the kernels for arrays of `dtypes`
                                              (default: all) ahead of the first step
                                              (compiled in parallel, or loaded from the
@@ -106,7 +108,7 @@ import importlib
 
 RUNTIME = (
     "current_stream", "comm_stream", "on", "record", "wait", "order", "synchronize",
-    "stamp", "stamp_seconds", "prebuild", "prepare", "capture", "records_graphs", "comm_timer", "upload_",
+    "stamp", "stamp_seconds", "clear_stamps", "prebuild", "prepare", "capture", "records_graphs", "comm_timer", "upload_",
     "clone", "PRECISIONS", "precision", "set_precision", "precision_scope", "mixed_precisions",
     "manual_seed", "rng_state", "get_rng_state", "set_rng_state",
     "device_count", "select_device", "memory_info", "communicator",

@@ -6,8 +6,9 @@ The collectives run on the backend's communication stream (``be.runtime.comm_str
 as the reducer issues them; each timing ends when the host has waited for them
 (``be.runtime.synchronize()``) and the ranks have met at a barrier.
 
-With ``--timeline OUT.json`` it instead trains a few eager steps of a model and writes the
-last step's per-bucket exchange timeline on every rank (dptrain.bench.timeline).
+With ``--timeline OUT.json`` it instead trains a few steps of a model, replayed as a CUDA
+graph as `train` runs them (``--eager``: eagerly), and writes the last step's per-bucket
+exchange timeline on every rank (dptrain.bench.timeline).
 
 Bus bandwidth follows NCCL's tests: for S bytes on n ranks, an all-reduce and a
 reduce-scatter + all-gather pair both move 2(n-1)/n * S per rank, so busbw = 2(n-1)/n * S / t.
@@ -39,6 +40,9 @@ def main(argv=None) -> int:
     p.add_argument("--bucket-mb", default="4", help="--timeline: MB, or auto")
     p.add_argument("--grad-exchange", default="fp32", choices=("fp32", "bf16"))
     p.add_argument("--precision", default="fp32", help="--timeline: the step's precision")
+    p.add_argument("--eager", action="store_true",
+                   help="--timeline: run the steps eagerly instead of replaying the captured "
+                   "step as `train` does")
     args = p.parse_args(argv)
 
     from dptrain import backend, dist
@@ -53,8 +57,10 @@ def main(argv=None) -> int:
 
         bucket_mb = "auto" if args.bucket_mb == "auto" else float(args.bucket_mb)
         path = record(world, args.timeline, args.model, args.batch, args.steps, bucket_mb,
-                      args.grad_exchange, args.precision, args.png)
-        print(f"rank {world.rank}: wrote {path}")
+                      args.grad_exchange, args.precision, args.png, capture=not args.eager)
+        from dptrain.dist.timeline import read, summarize
+
+        print(f"wrote {path}: {summarize(read(path))}")
         return 0
 
     def sync():

@@ -181,6 +181,10 @@ class Reducer:
         self.begin_step()
 
     # -- timeline marks (nothing without a timeline)
+    def mark(self, name):
+        """A mark on the compute stream of the step's timeline, if it has one."""
+        self._mark(name)
+
     def _mark(self, name, bucket=None):
         if self.timeline is not None:
             self.timeline.mark("compute", name, self.rt.current_stream(), bucket)

@@ -3,9 +3,11 @@ all-gather ran on the communication stream, and marks on the compute stream (a b
 gradients complete, the forward has its gathered bucket, backward waits for the exchange).
 
 Times come from the backend's runtime (``stamp`` / ``stamp_seconds``): the host clock on the
-CPU, where each collective is finished when its call returns; timing CUDA events on the GPU,
-recorded on the stream the work runs on. Record eager steps only: events recorded while a
-step is captured as a graph cannot be read back.
+CPU, where each collective is finished when its call returns; on the GPU the device's own
+clock, written by a one-thread kernel on the stream the work runs on. So a step captured as
+a CUDA graph keeps its stamps as kernel nodes: record the timeline while the step is
+captured (``clear()`` before each eager call, not after the capture) and read it after any
+replay, which rewrote them. A stamp costs one launch (about 1 us inside a graph).
 
 JSON (``to_dict``), one file per rank:
   {"format": "dptrain-timeline", "version": 1, "rank": r, "ranks": n, "device": "cpu",
@@ -31,6 +33,7 @@ class Timeline:
 
     def clear(self):
         self.events = []
+        self.rt.clear_stamps()
 
     def mark(self, lane, name, stream=None, bucket=None):
         stamp = self.rt.stamp(stream)
@@ -71,3 +74,28 @@ def read(path) -> dict:
         if event.get("lane") not in LANES or not event["start_s"] <= event["end_s"]:
             raise ValueError(f"{path}: bad event {event}")
     return data
+
+
+def summarize(data) -> str:
+    """One paragraph of a timeline: the step, the exposed wait for the exchange (backward's
+    end to the compute stream having it) and each collective's span, in microseconds."""
+    events = data["events"]
+
+    def at(name):
+        return next((e["start_s"] for e in events if e["name"] == name), None)
+
+    us = lambda s: f"{1e6 * s:.0f}"  # noqa: E731
+    begin, end = at("step_begin"), at("step_end")
+    parts = [f"rank {data['rank']}/{data['ranks']}"]
+    if begin is not None and end is not None:
+        parts.append(f"step {us(end - begin)} us")
+    if at("backward_end") is not None and at("exchange_waited") is not None:
+        parts.append(f"exposed wait {us(at('exchange_waited') - at('backward_end'))} us")
+    for kind in ("reduce_scatter", "all_gather"):
+        spans = [e for e in events if e["name"] == kind]
+        if spans:
+            parts.append(kind + " " + ", ".join(
+                f"b{e['bucket']} {us(e['start_s'])}+{us(e['end_s'] - e['start_s'])}"
+                for e in spans))
+    return "; ".join(parts)
+

@@ -44,6 +44,7 @@ class Step:
         self._window = None  # sums to start from (a resumed run's, TrainStep)
 
     def __call__(self):
+        self.reducer.mark("step_begin")  # timeline marks: nothing without a timeline
         self.reducer.gather_parameters()  # last step's updated shards; overlaps the forward
         self.opt.zero_grad()
         loss, metrics = self.loss_fn()
@@ -55,6 +56,7 @@ class Step:
             self.guard(loss.data)
         self.opt.update()  # this rank's shard only; gathered at the start of the next step
         self._accumulate({"loss": loss, **metrics})
+        self.reducer.mark("step_end")
 
     def _accumulate(self, values):
         be = self.be

@@ -119,3 +119,30 @@ def test_timeline_shape_and_per_bucket_gather(ranks, exchange, tmp_path):
         assert ready == [b for n, b in names if n == "reduce_scatter"]
         assert sorted(ready) == list(range(nb)) and ready[0] <= 1 and ready[-1] == nb - 1
         assert names.index(("backward_end", None)) > names.index(("reduce_scatter", nb - 1))
+
+
+@pytest.mark.gpu
+def test_clock_stamps_inside_a_captured_step_are_rewritten_by_each_replay(cuda):
+    """A timeline of the replayed graph: stamps taken while a step is captured are kernel
+    nodes of the graph, so each replay writes them anew and they can be read after it."""
+    import cupy
+
+    rt, x, slots = cuda.runtime, cupy.zeros(1 << 22, dtype=cupy.float32), []
+
+    def step():
+        slots[:] = [rt.stamp()]
+        x.__iadd__(1)  # in place: nothing allocated inside the graph
+        slots.append(rt.stamp())
+
+    captured = rt.capture(step, warmup=1)
+    rt.clear_stamps()
+    captured()  # eager
+    rt.clear_stamps()
+    captured()  # recorded, then replayed
+    captured()
+    begin, end = slots
+    assert rt.stamp_seconds([begin, end])[1] > 0
+    between = rt.stamp()  # after the replays so far
+    captured()
+    assert all(t > 0 for t in rt.stamp_seconds([between, begin, end])[1:])  # rewritten
+    assert float(x[0]) == 4

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -113,10 +114,21 @@ def test_sigkill_of_one_rank_ends_the_job(job):
     assert not _ranks_of(proc), "a rank survived the job"
 
 
+def _rank_of(pid):
+    """The MPI rank of process `pid`, from the variables its launcher gave it."""
+    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    for line in env:
+        name, _, value = line.decode(errors="replace").partition("=")
+        if name in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"):
+            return int(value)
+    raise AssertionError(f"process {pid} carries no rank variable")
+
+
 def _stop_rank_1_and_judge(proc, ranks=2, timeout=4):
     pids = _wait_for_ranks(proc, ranks)
     _wait_training(proc)
-    os.kill(pids[1], signal.SIGSTOP)
+    stopped = next(pid for pid in pids if _rank_of(pid) == 1)
+    os.kill(stopped, signal.SIGSTOP)
     took, _, err = _finish(proc, timeout=timeout + 10)
     verdicts = [line for line in err.splitlines() if "dptrain: watchdog:" in line]
     assert len(verdicts) == 1, err[-3000:]

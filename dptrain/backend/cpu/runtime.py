@@ -84,6 +84,9 @@ class Runtime(RuntimeBase):
     def stamp_seconds(self, stamps) -> list:
         return [s - stamps[0] for s in stamps] if stamps else []
 
+    def clear_stamps(self):
+        pass
+
     # -- cold start: nothing to compile
     def prebuild(self, dtypes) -> None:
         pass

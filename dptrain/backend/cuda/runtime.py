@@ -19,6 +19,8 @@
 """
 from __future__ import annotations
 
+import os
+
 import cupy
 import numpy as np
 
@@ -26,6 +28,9 @@ from dptrain.backend.bfloat16 import BFLOAT16
 from dptrain.backend.runtime import RuntimeBase
 
 PRECISIONS = ("tf32", "fp32")
+# Under measurement (4 x H200): the communication stream at the highest priority, kept by
+# the captured graph's nodes. Off until the scaling runs decide.
+COMM_PRIORITY = os.environ.get("DPTRAIN_COMM_PRIORITY", "0") != "0"
 
 
 def _order(waiter, signaller):
@@ -67,7 +72,56 @@ class CapturedStep:
             except BaseException:
                 self.stream.end_capture()
                 raise
-            self.graph = self.stream.end_capture()
+            if COMM_PRIORITY:
+                self.graph = NodePriorityGraph(cupy.cuda.runtime.streamEndCapture(self.stream.ptr))
+            else:
+                self.graph = self.stream.end_capture()
+
+
+class NodePriorityGraph:
+    """A captured graph instantiated so that each kernel node keeps the priority of the
+    stream it was captured on (CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY): the
+    collectives, captured on the high-priority communication stream, get SMs ahead of the
+    compute kernels. CuPy instantiates without flags (the launch stream's priority for every
+    node), hence the driver API here."""
+
+    USE_NODE_PRIORITY = 8
+
+    def __init__(self, graph: int):
+        import ctypes
+
+        self._cu = cu = ctypes.CDLL("libcuda.so.1")
+        self.graph, self.exec = ctypes.c_void_p(graph), ctypes.c_void_p()
+        _check_driver(cu.cuGraphInstantiateWithFlags(ctypes.byref(self.exec), self.graph,
+                                                     ctypes.c_ulonglong(self.USE_NODE_PRIORITY)),
+                      "cuGraphInstantiateWithFlags")
+
+    def launch(self, stream):
+        import ctypes
+
+        _check_driver(self._cu.cuGraphLaunch(self.exec, ctypes.c_void_p(stream.ptr)),
+                      "cuGraphLaunch")
+
+    def __del__(self):
+        if self.exec:
+            self._cu.cuGraphExecDestroy(self.exec)
+        if self.graph:
+            self._cu.cuGraphDestroy(self.graph)
+
+
+def _greatest_stream_priority() -> int:
+    """The highest stream priority of the current context (the lowest number)."""
+    import ctypes
+
+    least, greatest = ctypes.c_int(), ctypes.c_int()
+    _check_driver(ctypes.CDLL("libcuda.so.1").cuCtxGetStreamPriorityRange(
+        ctypes.byref(least), ctypes.byref(greatest)), "cuCtxGetStreamPriorityRange")
+    return greatest.value
+
+
+def _check_driver(code, call):
+    if code != 0:
+        raise RuntimeError(f"cuda: {call} failed with CUresult {code}")
 
 
 class CommTimer:
@@ -103,6 +157,38 @@ class CommTimer:
         return cupy.cuda.get_elapsed_time(self.events["begin"], self.events["end"]) / 1e3
 
 
+class Clock:
+    """Timestamps the device writes itself (kernels/clock.cu) into fixed slots of one buffer,
+    so stamps taken inside a captured step are rewritten by every replay and can be read
+    after it. ``clear()`` reuses the slots from the first (call it between eager steps, never
+    once a graph holds slots)."""
+
+    CAPACITY = 1 << 14
+
+    def __init__(self):
+        self.stamps = cupy.zeros(self.CAPACITY, dtype=np.uint64)
+        self.used = 0
+
+    def clear(self):
+        self.used = 0
+
+    def stamp(self, stream) -> int:
+        from dptrain.backend.cuda import launch
+
+        if self.used == self.CAPACITY:
+            raise RuntimeError(f"cuda clock: more than {self.CAPACITY} stamps without clear()")
+        slot, self.used = self.used, self.used + 1
+        with stream:
+            launch.kernel("clock.cu", "clock_stamp_kernel")((1,), (1,),
+                                                             (self.stamps, np.int32(slot)))
+        return slot
+
+    def seconds(self, slots) -> list:
+        cupy.cuda.runtime.deviceSynchronize()
+        ns = self.stamps[: self.used].get().astype(np.int64)
+        return [float(ns[s] - ns[slots[0]]) / 1e9 for s in slots]
+
+
 def _families(dtypes) -> tuple:
     """The kernel families (loader.PARTS) of arrays of `dtypes`."""
     from dptrain.backend.cuda import loader
@@ -120,6 +206,7 @@ class Runtime(RuntimeBase):
         self._precision = None  # None: "auto", decided on first use on the current device
         self._host_rng = np.zeros(2, dtype=np.uint64)  # [seed, offset] until on the device
         self._rng = None
+        self._clock = None
 
     # -- streams and ordering
     def current_stream(self):
@@ -127,7 +214,9 @@ class Runtime(RuntimeBase):
 
     def comm_stream(self):
         if self._comm is None:
-            self._comm = cupy.cuda.Stream(non_blocking=True)
+            # highest priority: the collectives' blocks are scheduled ahead of compute's
+            priority = _greatest_stream_priority() if COMM_PRIORITY else 0
+            self._comm = cupy.cuda.Stream(non_blocking=True, priority=priority)
         return self._comm
 
     def on(self, stream):
@@ -145,20 +234,20 @@ class Runtime(RuntimeBase):
     def synchronize(self):
         cupy.cuda.runtime.deviceSynchronize()
 
-    # -- timestamps (timelines): timing events on the stream the work runs on
+    # -- timestamps (timelines): the device's clock, written on the stream the work runs on
     def stamp(self, stream=None):
-        event = cupy.cuda.Event()  # timing enabled
-        event.record(cupy.cuda.get_current_stream() if stream is None else stream)
-        return event
+        if self._clock is None:
+            self._clock = Clock()
+        return self._clock.stamp(cupy.cuda.get_current_stream() if stream is None else stream)
 
     def stamp_seconds(self, stamps) -> list:
-        """Seconds from the first stamp to each (waits for them; eager steps only: events
-        recorded inside a captured graph cannot be read back)."""
-        if not stamps:
-            return []
-        for event in stamps:
-            event.synchronize()
-        return [cupy.cuda.get_elapsed_time(stamps[0], e) / 1e3 for e in stamps]
+        """Seconds from the first stamp to each, as the latest run of the work wrote them (a
+        replayed graph's stamps are rewritten at each replay); waits for the device."""
+        return self._clock.seconds(stamps) if stamps else []
+
+    def clear_stamps(self):
+        if self._clock is not None:
+            self._clock.clear()
 
     # -- cold start
     def prepare(self, dtypes=None, trace=None) -> dict:
