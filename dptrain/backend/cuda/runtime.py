@@ -19,8 +19,6 @@
 """
 from __future__ import annotations
 
-import os
-
 import cupy
 import numpy as np
 
@@ -28,9 +26,6 @@ from dptrain.backend.bfloat16 import BFLOAT16
 from dptrain.backend.runtime import RuntimeBase
 
 PRECISIONS = ("tf32", "fp32")
-# Under measurement (4 x H200): the communication stream at the highest priority, kept by
-# the captured graph's nodes. Off until the scaling runs decide.
-COMM_PRIORITY = os.environ.get("DPTRAIN_COMM_PRIORITY", "0") != "0"
 
 
 def _order(waiter, signaller):
@@ -72,56 +67,7 @@ class CapturedStep:
             except BaseException:
                 self.stream.end_capture()
                 raise
-            if COMM_PRIORITY:
-                self.graph = NodePriorityGraph(cupy.cuda.runtime.streamEndCapture(self.stream.ptr))
-            else:
-                self.graph = self.stream.end_capture()
-
-
-class NodePriorityGraph:
-    """A captured graph instantiated so that each kernel node keeps the priority of the
-    stream it was captured on (CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY): the
-    collectives, captured on the high-priority communication stream, get SMs ahead of the
-    compute kernels. CuPy instantiates without flags (the launch stream's priority for every
-    node), hence the driver API here."""
-
-    USE_NODE_PRIORITY = 8
-
-    def __init__(self, graph: int):
-        import ctypes
-
-        self._cu = cu = ctypes.CDLL("libcuda.so.1")
-        self.graph, self.exec = ctypes.c_void_p(graph), ctypes.c_void_p()
-        _check_driver(cu.cuGraphInstantiateWithFlags(ctypes.byref(self.exec), self.graph,
-                                                     ctypes.c_ulonglong(self.USE_NODE_PRIORITY)),
-                      "cuGraphInstantiateWithFlags")
-
-    def launch(self, stream):
-        import ctypes
-
-        _check_driver(self._cu.cuGraphLaunch(self.exec, ctypes.c_void_p(stream.ptr)),
-                      "cuGraphLaunch")
-
-    def __del__(self):
-        if self.exec:
-            self._cu.cuGraphExecDestroy(self.exec)
-        if self.graph:
-            self._cu.cuGraphDestroy(self.graph)
-
-
-def _greatest_stream_priority() -> int:
-    """The highest stream priority of the current context (the lowest number)."""
-    import ctypes
-
-    least, greatest = ctypes.c_int(), ctypes.c_int()
-    _check_driver(ctypes.CDLL("libcuda.so.1").cuCtxGetStreamPriorityRange(
-        ctypes.byref(least), ctypes.byref(greatest)), "cuCtxGetStreamPriorityRange")
-    return greatest.value
-
-
-def _check_driver(code, call):
-    if code != 0:
-        raise RuntimeError(f"cuda: {call} failed with CUresult {code}")
+            self.graph = self.stream.end_capture()
 
 
 class CommTimer:
@@ -214,9 +160,9 @@ class Runtime(RuntimeBase):
 
     def comm_stream(self):
         if self._comm is None:
-            # highest priority: the collectives' blocks are scheduled ahead of compute's
-            priority = _greatest_stream_priority() if COMM_PRIORITY else 0
-            self._comm = cupy.cuda.Stream(non_blocking=True, priority=priority)
+            # Default priority: the highest (the graph's nodes keeping it) was 1-2% slower at
+            # 2 and 4 x H200 (CNN and ResNet-18, bf16; BENCHMARKS.md).
+            self._comm = cupy.cuda.Stream(non_blocking=True)
         return self._comm
 
     def on(self, stream):
