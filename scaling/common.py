@@ -202,7 +202,11 @@ def torchrun_command(ranks: int, module_args: list[str]) -> list[str]:
 
 
 def torch_env(device: str) -> dict:
-    env = {"NCCL_NVLS_ENABLE": "0"} if device == "cuda" else {"OMP_NUM_THREADS": "1"}
+    """What torchrun's ranks need beyond the caller's environment (torchrun passes it on): on
+    GPUs NVLink multicast off, as mpirun's ranks have it."""
+    from dptrain.dist.launcher import NO_MULTICAST
+
+    env = dict(NO_MULTICAST) if device == "cuda" else {"OMP_NUM_THREADS": "1"}
     return {k: v for k, v in env.items() if k not in os.environ}
 
 
@@ -270,6 +274,8 @@ def execute(cmd: list[str], env: dict, log_path: Path | None, echo: bool = True)
 class Run:
     """One launched training run of a sweep and, once it ran, its row of results."""
     framework: str  # "ours" or "torch"
+    execution: str  # how the step runs: "eager", "compile" or "graph"
+    model: str  # "cnn" or "resnet18"
     mode: str  # e.g. "per-gpu batch 256" or "global batch 1024"
     gpus: int
     images: int
@@ -281,7 +287,7 @@ class Run:
 
     @property
     def series(self) -> str:
-        return f"{self.framework}, {self.mode}"
+        return f"{self.framework} {self.execution}, {self.mode}"
 
 
 def read_summary(log_dir: Path) -> dict:
@@ -327,8 +333,9 @@ def run_all(runs: list[Run], dry_run: bool, echo: bool, prepare: dict | None = N
 
 
 def result_row(run: Run, rc: int) -> dict:
-    row = {"framework": run.framework, "mode": run.mode, "gpus": run.gpus,
-           "images": run.images, "batch_per_gpu": run.batch, "log_dir": str(run.log_dir)}
+    row = {"framework": run.framework, "execution": run.execution, "model": run.model,
+           "mode": run.mode, "gpus": run.gpus, "images": run.images, "batch_per_gpu": run.batch,
+           "log_dir": str(run.log_dir)}
     if rc != 0:
         return {**row, "status": f"failed (exit {rc}; see {run.log_dir / 'run.log'})"}
     try:
@@ -345,23 +352,29 @@ def result_row(run: Run, rc: int) -> dict:
 
 def add_scaling(rows: list[dict], weak: bool) -> list[dict]:
     """Speedup and efficiency of each row against the fewest GPUs of its series (framework,
-    mode) that ran; base count b, time T (training seconds):
-      strong (fixed total work):   speedup S = b * T_b / T_G, efficiency E = S / G
-      weak (fixed work per GPU):   efficiency E = T_b / T_G, speedup S = G * E (throughput)
-    Both give ideal S = G and E = 100%."""
+    execution, mode) that ran; base count b, training throughput R (images/s):
+      strong (fixed total work):   speedup S = b * R_G / R_b, efficiency E = S / G
+      weak (fixed work per GPU):   efficiency E = b * R_G / (G * R_b), speedup S = G * E
+    Both give ideal S = G and E = 100%. With the same images timed at every G these are
+    b * T_b / T_G and T_b / T_G (T: training seconds); rates also stay fair where runs time
+    other numbers of steps (warm-up steps left off the clock, a last partial batch dropped)."""
     series = {}
     for row in rows:
         if row.get("status") == "ok":
-            series.setdefault((row["framework"], row["mode"]), []).append(row)
+            key = (row["framework"], row.get("execution"), row["mode"])
+            series.setdefault(key, []).append(row)
     for members in series.values():
         base = min(members, key=lambda r: r["gpus"])
+        if not base["images_per_s"]:  # no step was timed: nothing to scale against
+            continue
         for row in members:
             g, b = row["gpus"], base["gpus"]
+            gain = row["images_per_s"] / base["images_per_s"]  # R_G / R_b
             if weak:
-                eff = base["time_s"] / row["time_s"]
+                eff = b * gain / g
                 speedup = g * eff
             else:
-                speedup = b * base["time_s"] / row["time_s"]
+                speedup = b * gain
                 eff = speedup / g
             row["speedup"], row["efficiency_pct"] = speedup, 100.0 * eff
     return rows
@@ -498,10 +511,11 @@ def check_out_dir(out: Path, dry_run: bool) -> Path:
 
 # ----------------------------------------------------------------------------- sweep outputs
 
-SWEEP_FIELDS = ["framework", "mode", "gpus", "images", "batch_per_gpu", "global_batch", "steps",
-                "time_s", "wall_s", "images_per_s", "speedup", "efficiency_pct", "val_accuracy",
-                "val_loss", "train_loss", "status", "log_dir"]
-SWEEP_COLUMNS = [("Framework", "framework", ""), ("GPUs", "gpus", "d"), ("Images", "images", ","),
+SWEEP_FIELDS = ["framework", "execution", "model", "mode", "gpus", "images", "batch_per_gpu",
+                "global_batch", "steps", "time_s", "wall_s", "images_per_s", "speedup",
+                "efficiency_pct", "val_accuracy", "val_loss", "train_loss", "status", "log_dir"]
+SWEEP_COLUMNS = [("Framework", "framework", ""), ("Execution", "execution", ""),
+                 ("GPUs", "gpus", "d"), ("Images", "images", ","),
                  ("Global batch", "global_batch", "d"), ("Time (s)", "time_s", ".2f"),
                  ("Images/s", "images_per_s", ",.0f"), ("Speedup", "speedup", ".2f"),
                  ("Efficiency (%)", "efficiency_pct", ".1f"), ("Val acc", "val_accuracy", ".4f"),
@@ -517,20 +531,21 @@ def write_sweep(out: Path, name: str, title: str, runs: list[Run], meta: dict, w
     write_csv(written[0], rows, SWEEP_FIELDS)
     body = [definitions]
     for mode in dict.fromkeys(r["mode"] for r in rows):
-        mine = sorted((r for r in rows if r["mode"] == mode and r["status"] == "ok"),
-                      key=lambda r: (r["framework"] != "ours", r["framework"], r["gpus"]))
+        # in run order: ours, then each PyTorch execution, each over the counts
+        mine = [r for r in rows if r["mode"] == mode and r["status"] == "ok"]
         body += [f"## {mode}", markdown_table(SWEEP_COLUMNS, mine)]
     failed = [r for r in rows if r["status"] != "ok"]
     if failed:
         body.append("Failed runs:\n\n" + "\n".join(
-            f"- {r['framework']}, {r['mode']}, {r['gpus']} GPU(s): {r['status']}" for r in failed))
+            f"- {r['framework']} {r['execution']}, {r['mode']}, {r['gpus']} GPU(s): "
+            f"{r['status']}" for r in failed))
     write_markdown(written[1], title, meta, body)
     write_meta(written[2], meta)
 
     ok = [r for r in rows if r["status"] == "ok"]
     lines_s, lines_e = {}, {}
     for r in sorted(ok, key=lambda r: r["gpus"]):
-        key = f"{r['framework']}, {r['mode']}"
+        key = f"{r['framework']} {r['execution']}, {r['mode']}"
         lines_s.setdefault(key, ([], []))
         lines_e.setdefault(key, ([], []))
         lines_s[key][0].append(r["gpus"])
@@ -553,19 +568,52 @@ def write_sweep(out: Path, name: str, title: str, runs: list[Run], meta: dict, w
 # ----------------------------------------------------------------------------- strong / weak
 
 
+MODELS = ("cnn", "resnet18")  # the models both frameworks train (torch_ddp.py has their twins)
+TORCH_MODES = ("eager", "compile", "graph")  # how scaling/torch_ddp.py runs the step
+# PyTorch's fastest on one GPU is the whole step as a CUDA graph; the CPU has no graphs.
+DEFAULT_TORCH_MODES = {"cuda": "graph", "cpu": "eager"}
+CPU_COUNTS = [1, 2, 4, 8]  # the default counts where no GPU is counted
+
+
 def default_val_images(train_images: int) -> int:
     """10% of the training set, at least 64 and at most 10,000 images."""
     return min(10_000, max(64, train_images // 10))
 
 
+def default_counts(device: str, gpus_present: int) -> list[int]:
+    """--gpus by default: 1, 2, 4, ... up to the GPUs present on CUDA; 1, 2, 4, 8 on the CPU
+    (ranks share its cores) and where no GPU is seen (a dry run on a machine without one)."""
+    if device != "cuda" or gpus_present < 1:
+        return list(CPU_COUNTS)
+    counts = [1]
+    while counts[-1] * 2 <= gpus_present:
+        counts.append(counts[-1] * 2)
+    return counts
+
+
+def parse_torch_modes(text: str | None, device: str) -> list[str]:
+    """--torch-modes 'eager,graph' -> ['eager', 'graph'], in the order given; None: the
+    device's default."""
+    modes = list(dict.fromkeys(m.strip() for m in (text or DEFAULT_TORCH_MODES[device]).split(",")
+                               if m.strip()))
+    if not modes or any(m not in TORCH_MODES for m in modes):
+        raise ScalingError(f"--torch-modes {text!r}: choose from {', '.join(TORCH_MODES)}")
+    if device != "cuda" and "graph" in modes:
+        raise ScalingError("--torch-modes graph: CUDA graphs need --device cuda")
+    return modes
+
+
 def add_sweep_args(p, name: str, per_gpu_default: str) -> None:
     """Flags strong.py and weak.py share."""
     g = p.add_argument_group("sweep")
-    g.add_argument("--gpus", default="1,2,4,8",
-                   help="comma-separated GPU (rank) counts; on CUDA capped at the GPUs present")
+    g.add_argument("--gpus", default=None,
+                   help="comma-separated GPU (rank) counts (default 1, 2, 4, ... up to the GPUs "
+                   "present; 1,2,4,8 on the CPU); on CUDA capped at the GPUs present")
     g.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"),
                    help="auto: cuda where a GPU is visible, else cpu (ranks over MPI on the CPU "
                    "backend, for smoke tests)")
+    g.add_argument("--model", default="cnn", choices=MODELS,
+                   help="the network both frameworks train (default %(default)s)")
     g.add_argument("--batch-size", type=positive_int, default=None,
                    help=f"images per step per rank (default {per_gpu_default})")
     g.add_argument("--val-images", type=positive_int, default=None,
@@ -576,6 +624,10 @@ def add_sweep_args(p, name: str, per_gpu_default: str) -> None:
     g.add_argument("--torch", action="store_true",
                    help="also run PyTorch DDP (scaling/torch_ddp.py via torchrun): same model, "
                    "data, batches and optimizer")
+    g.add_argument("--torch-modes", default=None, metavar="MODES",
+                   help="with --torch (implies it), comma-separated from eager (DDP), compile "
+                   "(DDP + torch.compile), graph (DDP with the whole step as one CUDA graph); "
+                   "default graph, PyTorch's fastest on one GPU (eager on the CPU)")
     g.add_argument("--train-args", default="",
                    help="extra options for every run, e.g. --train-args=\"--optimizer sgd "
                    "--lr 0.05\" (dptrain train and torch_ddp.py accept the same names)")
@@ -602,25 +654,48 @@ class Sweep:
     def __init__(self, script: str, argv: list[str], args):
         self.script, self.argv, self.args = script, argv, args
         self.dry_run = args.dry_run
-        self.counts = parse_counts(args.gpus, "--gpus")
         self.gpus = gpu_names()
         self.device = resolve_device(args.device, self.gpus)
-        self.counts = cap_counts(self.counts, self.device, self.gpus, self.dry_run)
+        counts = (parse_counts(args.gpus, "--gpus") if args.gpus is not None
+                  else default_counts(self.device, len(self.gpus)))
+        self.counts = cap_counts(counts, self.device, self.gpus, self.dry_run)
         self.out = check_out_dir(Path(args.out), self.dry_run)
         self.launcher = find_launcher(args.launcher, self.dry_run)
         self.extra = shlex.split(args.train_args)
-        if args.torch and not self.dry_run and importlib.util.find_spec("torch") is None:
-            raise ScalingError("--torch: PyTorch is not installed here")
+        # (framework, execution) of each series; ours replays a CUDA graph unless told not to
+        ours = "graph" if self.device == "cuda" and "--no-cuda-graph" not in self.extra else "eager"
+        self.executions = [("ours", ours)]
+        if args.torch or args.torch_modes:
+            self.executions += [("torch", mode)
+                                for mode in parse_torch_modes(args.torch_modes, self.device)]
+            self.check_torch()
         if not self.dry_run and importlib.util.find_spec("mpi4py") is None:
             raise ScalingError("mpi4py is not installed (pip install 'dptrain[mpi]'): mpirun "
                                "would start independent one-rank runs")
-        self.frameworks = ["ours"] + (["torch"] if args.torch else [])
 
-    def run(self, framework: str, mode: str, mode_key: str, gpus: int, images: int,
-            val_images: int, batch: int, batch_args: list[str]) -> Run:
+    def check_torch(self) -> None:
+        if self.dry_run:
+            return
+        if importlib.util.find_spec("torch") is None:
+            raise ScalingError("--torch: PyTorch is not installed here")
+        if self.args.model == "resnet18" and importlib.util.find_spec("torchvision") is None:
+            raise ScalingError("--torch --model resnet18: the PyTorch twin is torchvision's "
+                               "resnet18, and torchvision is not installed here")
+
+    def runs(self, mode: str, mode_key: str, images, val_images: int, batch,
+             batch_args) -> list[Run]:
+        """The runs of one batch mode: every framework and execution at every count; images,
+        batch (per rank) and batch_args (the flags that set it) are functions of the count."""
+        return [self.run(fw, ex, mode, mode_key, g, images(g), val_images, batch(g),
+                         batch_args(g))
+                for fw, ex in self.executions for g in self.counts]
+
+    def run(self, framework: str, execution: str, mode: str, mode_key: str, gpus: int,
+            images: int, val_images: int, batch: int, batch_args: list[str]) -> Run:
         """One training epoch over `images` on `gpus` ranks; batch_args sets the batch."""
-        log_dir = self.out / "runs" / f"{framework}-{mode_key}-{gpus}gpu"
-        train = ["--device", self.device, "--train-images", str(images),
+        log_dir = self.out / "runs" / f"{framework}-{execution}-{mode_key}-{gpus}gpu"
+        model = self.args.model
+        train = ["--device", self.device, "--model", model, "--train-images", str(images),
                  "--val-images", str(val_images), "--epochs", "1", "--seed", str(self.args.seed),
                  "--log-dir", str(log_dir), *batch_args]
         if self.args.cache_dir:
@@ -633,15 +708,18 @@ class Sweep:
                                         self.device, shlex.split(self.args.mpi_args))
             env = self.launcher.env(self.device)
         else:
-            cmd, env = torchrun_command(gpus, train), torch_env(self.device)
-        return Run(framework, mode, gpus, images, batch, cmd, env, log_dir)
+            cmd = torchrun_command(gpus, [*train, "--torch-mode", execution])
+            env = torch_env(self.device)
+        return Run(framework, execution, model, mode, gpus, images, batch, cmd, env, log_dir)
 
     def warmup_command(self) -> list[str]:
-        """A few steps on one GPU before the sweep, so NVRTC compiles the kernels into CuPy's
-        disk cache now rather than inside the first run's training time."""
-        cmd = [sys.executable, "-m", "dptrain", "train", "--device", "cuda", "--train-images",
-               "256", "--val-images", "64", "--max-steps", "3", "--batch-size", "32",
-               "--seed", str(self.args.seed), "--no-progress"]
+        """A few steps on one GPU before the sweep, so NVRTC compiles the model's kernels into
+        CuPy's disk cache now rather than inside the first run's training time (the extra
+        train args first: they may pick the precision, hence the kernels)."""
+        cmd = [sys.executable, "-m", "dptrain", "train", *self.extra, "--device", "cuda",
+               "--model", self.args.model, "--train-images", "256", "--val-images", "64",
+               "--max-steps", "3", "--batch-size", "32", "--seed", str(self.args.seed),
+               "--no-progress"]
         return cmd + (["--cache-dir", self.args.cache_dir] if self.args.cache_dir else [])
 
     def execute(self, runs: list[Run], largest: int, val_images: int, title: str,
@@ -652,11 +730,12 @@ class Sweep:
             prepare["dataset"] = dataset_command(largest, val_images, args.seed, args.cache_dir)
         if self.device == "cuda":
             prepare["warm-up"] = self.warmup_command()
-        meta = machine_meta(self.script, self.argv, self.device, self.gpus,
-                            counts=self.counts, frameworks=self.frameworks)
+        meta = machine_meta(self.script, self.argv, self.device, self.gpus, counts=self.counts,
+                            model=args.model,
+                            frameworks=[f"{fw} {ex}" for fw, ex in self.executions])
         dry = " (dry run: nothing is run)" if self.dry_run else ""
-        note(f"{self.script} scaling on {describe_machine(meta)}: {self.device}, counts "
-             f"{self.counts}, {len(runs)} runs{dry}")
+        note(f"{self.script} scaling on {describe_machine(meta)}: {self.device}, {args.model}, "
+             f"counts {self.counts}, {len(runs)} runs{dry}")
         failures = run_all(runs, self.dry_run, echo=not args.quiet, prepare=prepare)
         if self.dry_run:
             return 0

@@ -97,12 +97,14 @@ def read_rows(path: Path) -> list[dict]:
 
 
 def measured_runs(results: Path) -> list[dict]:
-    """Our runs of the strong and weak sweeps: kind, gpus, per-GPU and global batch, step time."""
+    """Our runs of the strong and weak sweeps of the CNN (the model this one describes; older
+    sweeps have no model column and ran it): kind, gpus, per-GPU and global batch, step time."""
     runs = []
     for path in sorted(results.glob("*/strong.csv")) + sorted(results.glob("*/weak.csv")):
         kind = "weak" if path.name == "weak.csv" else "strong"
         for row in read_rows(path):
-            if row["framework"] != "ours" or row["status"] != "ok":
+            ours_ok = row["framework"] == "ours" and row["status"] == "ok"
+            if not ours_ok or row.get("model", "cnn") != "cnn":
                 continue
             runs.append({"source": path.parent.name, "kind": kind, "mode": row["mode"],
                          "gpus": int(row["gpus"]), "batch_per_gpu": int(row["batch_per_gpu"]),

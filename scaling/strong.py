@@ -1,4 +1,4 @@
-"""Strong scaling: one training epoch over a fixed dataset on 1, 2, 4, 8 GPUs.
+"""Strong scaling: one training epoch over a fixed dataset on 1, 2, 4, ... GPUs.
 
 The total work is fixed and split over more GPUs. Two batch modes:
   per-gpu  every rank takes --batch-size images per step (the global batch grows with G)
@@ -6,15 +6,18 @@ The total work is fixed and split over more GPUs. Two batch modes:
            optimisation at every G; fewer images per rank as G grows)
 Each run is `mpirun -n G python -m dptrain train ... --epochs 1 --log-dir DIR`; its
 DIR/summary.json gives the time (train_s: the epoch's training time, without start-up,
-data loading and validation), images/s, validation accuracy and loss. With --torch the
-same runs are made with PyTorch DDP (scaling/torch_ddp.py under torchrun).
+data loading, validation and the warm-up steps), images/s, validation accuracy and loss.
+With --torch the same runs are made with PyTorch DDP (scaling/torch_ddp.py under torchrun)
+in each execution of --torch-modes (default graph: the whole step as one CUDA graph).
 
-Speedup S(G) = b * T(b) / T(G) against the fewest GPUs b run (normally 1), efficiency
-E(G) = S(G) / G. Outputs in --out: strong.csv, strong.md, strong.png, meta.json and
-runs/<framework>-<mode>-<G>gpu/ (summary.json, metrics.jsonl, run.log).
+Speedup S(G) = b * R(G) / R(b) from the images/s R against the fewest GPUs b run (normally
+1; with the same images timed, b * T(b) / T(G)), efficiency E(G) = S(G) / G. Outputs in
+--out: strong.csv, strong.md, strong.png, meta.json and
+runs/<framework>-<execution>-<mode>-<G>gpu/ (summary.json, metrics.jsonl, run.log).
 
 Examples:
-  python -m scaling.strong --gpus 1,2,4,8 --images 1000000 --torch --out runs/scaling/strong
+  python -m scaling.strong --images 1000000 --torch --out runs/scaling/strong
+  python -m scaling.strong --model resnet18 --torch --torch-modes eager,compile,graph
   python -m scaling.strong --device cpu --gpus 1,2 --images 512     # smoke test on the CPU
   python -m scaling.strong --dry-run                                 # show the commands
 """
@@ -33,10 +36,12 @@ from scaling.common import ScalingError  # noqa: E402
 DEFAULTS = {"cuda": {"batch": 256, "global": 1024}, "cpu": {"batch": 32, "global": 64}}
 MODES = ("per-gpu", "global")
 
-DEFINITIONS = ("Time: training seconds of one epoch (summary.json `train_s`: start-up, data "
-               "loading and validation excluded). Speedup S = b x T(b) / T(G) against the fewest "
-               "GPUs b of the same framework and mode; efficiency E = S / G. Loss and Val acc: "
-               "validation loss and accuracy after the epoch.")
+DEFINITIONS = ("Execution: how the step runs (graph: captured once as a CUDA graph and "
+               "replayed; compile: torch.compile; eager: op by op). Time: training seconds of "
+               "one epoch (summary.json `train_s`: start-up, data loading, validation and the "
+               "warm-up steps excluded). Speedup S = b x R(G) / R(b) from Images/s R against "
+               "the fewest GPUs b of the same framework, execution and mode; efficiency "
+               "E = S / G. Loss and Val acc: validation loss and accuracy after the epoch.")
 
 
 def parse_args(argv):
@@ -68,13 +73,13 @@ def main(argv) -> int:
     global_batch = args.global_batch_size or defaults["global"]
     val_images = args.val_images or common.default_val_images(images)
 
-    plans = []  # (mode label, key, per-rank batch of G, batch flags of G)
+    runs = []
     if "per-gpu" in modes:
         if batch * counts[-1] > images:
             raise ScalingError(f"--batch-size {batch} x {counts[-1]} GPUs = {batch * counts[-1]} "
                                f"images per step is more than --images {images}")
-        plans.append((f"per-gpu batch {batch}", f"per-gpu-b{batch}",
-                      lambda g: batch, lambda g: ["--batch-size", str(batch)]))
+        runs += sweep.runs(f"per-gpu batch {batch}", f"per-gpu-b{batch}", lambda g: images,
+                           val_images, lambda g: batch, lambda g: ["--batch-size", str(batch)])
     if "global" in modes:
         uneven = [g for g in counts if global_batch % g]
         if uneven:
@@ -82,16 +87,11 @@ def main(argv) -> int:
                                f"{', '.join(map(str, uneven))} GPUs")
         if global_batch > images:
             raise ScalingError(f"--global-batch-size {global_batch} is more than --images {images}")
-        plans.append((f"global batch {global_batch}", f"global-b{global_batch}",
-                      lambda g: global_batch // g,
-                      lambda g: ["--global-batch-size", str(global_batch)]))
-
-    runs = [sweep.run(fw, label, key, g, images, val_images, per_rank(g), flags(g))
-            for label, key, per_rank, flags in plans
-            for fw in sweep.frameworks
-            for g in counts]
-    return sweep.execute(runs, images, val_images, f"Strong scaling: one epoch of {images:,} "
-                         "images", DEFINITIONS, weak=False)
+        runs += sweep.runs(f"global batch {global_batch}", f"global-b{global_batch}",
+                           lambda g: images, val_images, lambda g: global_batch // g,
+                           lambda g: ["--global-batch-size", str(global_batch)])
+    return sweep.execute(runs, images, val_images, f"Strong scaling: {args.model}, one epoch of "
+                         f"{images:,} images", DEFINITIONS, weak=False)
 
 
 if __name__ == "__main__":

@@ -68,6 +68,8 @@ def test_strong_cpu_smoke(tmp_path, cache):
     assert f"{launcher} -n 1{OVERSUBSCRIBE} " in result.stdout
     assert f"{launcher} -n 2{OVERSUBSCRIBE} " in result.stdout
     rows = read_csv(out / "strong.csv")
+    assert all((r["framework"], r["execution"], r["model"]) == ("ours", "eager", "cnn")
+               for r in rows)  # no CUDA graphs on the CPU
     assert [(r["mode"], r["gpus"]) for r in rows] == [
         ("per-gpu batch 16", "1"), ("per-gpu batch 16", "2"),
         ("global batch 32", "1"), ("global batch 32", "2")]
@@ -82,7 +84,7 @@ def test_strong_cpu_smoke(tmp_path, cache):
             100 * speedup / int(r["gpus"]), rel=1e-4)
     assert float(rows[0]["speedup"]) == 1.0
     md = check_outputs(out, "strong", result)
-    assert "| Framework | GPUs | Images | Global batch | Time (s) |" in md
+    assert "| Framework | Execution | GPUs | Images | Global batch | Time (s) |" in md
     assert "## per-gpu batch 16" in md and "## global batch 32" in md
 
 
@@ -153,7 +155,10 @@ def test_dry_run_prints_commands_and_creates_nothing(tmp_path, cache, name, extr
         for n in (1, 2):
             assert f"{launcher} -n {n} " in text and f"--nproc_per_node={n}" in text
         assert "-m dptrain train" in text and "-m scaling.torch_ddp" in text
-        assert f"--device {device}" in text
+        assert f"--device {device}" in text and "--model cnn" in text
+        # PyTorch's default: its fastest, the graph, on GPUs; eager on the CPU
+        torch_mode = "graph" if device == "cuda" else "eager"
+        assert text.count("--torch-mode ") == text.count(f"--torch-mode {torch_mode}") > 0
         if device == "cpu":
             assert OVERSUBSCRIBE in text and "bind-to" not in text
             assert "warm-up" not in text
@@ -177,6 +182,9 @@ def test_dry_run_prints_commands_and_creates_nothing(tmp_path, cache, name, extr
     ("strong", ["--modes", "both"], "--modes"),
     ("strong", ["--gpus", "1,2", "--images", "100", "--batch-size", "64"], "--batch-size 64"),
     ("weak", ["--images", "8", "--batch-size", "16"], "--batch-size 16"),
+    ("strong", ["--torch", "--torch-modes", "eager,fast"], "--torch-modes"),
+    ("weak", ["--torch", "--torch-modes", "graph"], "--torch-modes graph"),  # on the CPU
+    ("weak", ["--model", "vit"], "--model"),
     ("threads", ["--threads", "1,3000"], "--threads 3000"),
     ("threads", ["--steps", "100"], "--steps 100"),
     ("ops", ["--precision", "fp16"], "--precision"),
@@ -192,19 +200,203 @@ def test_bad_flags_name_the_value(tmp_path, cache, name, args, flag):
 
 
 def test_scaling_arithmetic():
+    """Speedup and efficiency from images/s: with the same images timed, the time ratios."""
     from scaling.common import add_scaling
 
-    def rows():
-        return [{"framework": "ours", "mode": "m", "gpus": g, "time_s": t, "status": "ok"}
+    def rows(weak, execution="graph"):
+        images = lambda g: 1000 * g if weak else 1000  # noqa: E731
+        return [{"framework": "ours", "execution": execution, "mode": "m", "gpus": g,
+                 "time_s": t, "images_per_s": images(g) / t, "status": "ok"}
                 for g, t in ((2, 10.0), (4, 6.0), (8, 4.0))] + [
-               {"framework": "ours", "mode": "m", "gpus": 16, "status": "failed"}]
-    strong = add_scaling(rows(), weak=False)  # base: 2 GPUs (the fewest that ran)
+               {"framework": "ours", "execution": execution, "mode": "m", "gpus": 16,
+                "status": "failed"}]
+    strong = add_scaling(rows(weak=False), weak=False)  # base: 2 GPUs (the fewest that ran)
     assert [r["speedup"] for r in strong[:3]] == pytest.approx([2.0, 20 / 6, 5.0])
     assert [r["efficiency_pct"] for r in strong[:3]] == pytest.approx([100, 250 / 3, 62.5])
     assert "speedup" not in strong[3]
-    weak = add_scaling(rows(), weak=True)
+    weak = add_scaling(rows(weak=True), weak=True)
     assert [r["efficiency_pct"] for r in weak[:3]] == pytest.approx([100, 1000 / 6, 250])
     assert [r["speedup"] for r in weak[:3]] == pytest.approx([2, 4 * 10 / 6, 20])
+    # each execution is its own series, with its own base
+    both = add_scaling(rows(weak=False) + rows(weak=False, execution="eager")[1:3], weak=False)
+    assert [r["speedup"] for r in both if r["execution"] == "eager"] == pytest.approx([4, 6])
+
+
+def test_default_gpu_counts_are_powers_of_two_up_to_the_gpus_present():
+    from scaling.common import default_counts
+
+    assert default_counts("cuda", 1) == [1]
+    assert default_counts("cuda", 4) == [1, 2, 4]
+    assert default_counts("cuda", 6) == [1, 2, 4]
+    assert default_counts("cuda", 8) == [1, 2, 4, 8]
+    assert default_counts("cuda", 0) == [1, 2, 4, 8]  # none seen: a dry run shows all
+    assert default_counts("cpu", 4) == [1, 2, 4, 8]
+
+
+def dry_run(monkeypatch, capsys, name, args, gpus=4):
+    """`python -m scaling.NAME --dry-run ARGS` in this process with `gpus` fake GPUs; its
+    stdout lines of runs (not the dataset or the warm-up)."""
+    import importlib
+
+    from scaling import common
+
+    monkeypatch.setattr(common, "gpu_names", lambda: ["Fake GPU"] * gpus)
+    module = importlib.import_module(f"scaling.{name}")
+    assert module.main(["--dry-run", "--out", "unused", *args]) == 0
+    return [line for line in capsys.readouterr().out.splitlines() if " GPU(s), " in line]
+
+
+@pytest.mark.parametrize("name", ["strong", "weak"])
+def test_default_gpus_follow_the_gpus_present(monkeypatch, capsys, name):
+    lines = dry_run(monkeypatch, capsys, name, ["--images", "4096", "--torch"], gpus=4)
+    counts = {int(re.search(r"(\d+) GPU\(s\)", line).group(1)) for line in lines}
+    assert counts == {1, 2, 4}
+    assert all("--device cuda" in line for line in lines)
+
+
+@pytest.mark.parametrize("name", ["strong", "weak"])
+def test_torch_modes_and_model_reach_the_commands(monkeypatch, capsys, name):
+    """Every PyTorch mode at every count, ours once, the model in both; each torch command's
+    flags are ones torch_ddp.py accepts."""
+    import shlex
+
+    from scaling import torch_ddp
+
+    lines = dry_run(monkeypatch, capsys, name, ["--images", "4096", "--gpus", "1,2", "--model",
+                                                "resnet18", "--torch-modes", "eager,compile,graph"])
+    series = [line.split("] ", 1)[1].split(",", 1)[0] for line in lines]
+    one_mode = ["ours graph"] * 2 + [f"torch {m}" for m in ("eager", "compile", "graph")
+                                     for _ in (1, 2)]  # each at 1 and 2 GPUs
+    batch_modes = 2 if name == "strong" else 1  # strong: per-gpu and global batch
+    assert series == one_mode * batch_modes
+    for line in lines:
+        assert "--model resnet18" in line
+        if line.split("] ", 1)[1].startswith("torch "):
+            mode = line.split("] torch ", 1)[1].split(",")[0]
+            args = shlex.split(line.split("-m scaling.torch_ddp ", 1)[1])
+            parsed = torch_ddp.parse_args(args)
+            assert (parsed.torch_mode, parsed.model, parsed.device) == (mode, "resnet18", "cuda")
+            assert f"/runs/torch-{mode}-" in line  # each mode logs into its own folder
+        else:
+            assert "/runs/ours-graph-" in line and "--torch-mode" not in line
+
+
+def test_ours_runs_eager_when_told_not_to_capture(monkeypatch, capsys):
+    lines = dry_run(monkeypatch, capsys, "weak", ["--images", "4096", "--gpus", "1",
+                                                  "--train-args=--no-cuda-graph"])
+    assert len(lines) == 1 and "] ours eager, " in lines[0] and "/runs/ours-eager-" in lines[0]
+
+
+def test_torch_ddp_flags():
+    from scaling import torch_ddp
+
+    base = ["--train-images", "64", "--val-images", "16"]
+    args = torch_ddp.parse_args(base)
+    assert (args.torch_mode, args.model, args.device) == ("eager", "cnn", "cuda")
+    args = torch_ddp.parse_args(base + ["--model", "resnet18", "--torch-mode", "graph",
+                                        "--precision", "fp16", "--loss-scale", "1024"])
+    assert (args.model, args.torch_mode, args.precision, args.loss_scale) == (
+        "resnet18", "graph", "fp16", 1024.0)
+    for bad in (["--torch-mode", "graph", "--device", "cpu"], ["--model", "vit"],
+                ["--torch-mode", "fast"]):
+        with pytest.raises(SystemExit) as exc:
+            torch_ddp.parse_args(base + bad)
+        assert exc.value.code == 2
+
+
+def test_torch_graph_runs_each_step_once():
+    """torch_ddp.graphed: the warm-up calls run eagerly on the side stream, the next call
+    captures (running nothing) and replays, and so every later call: one step per call."""
+    from contextlib import contextmanager
+    from types import SimpleNamespace
+
+    from scaling import torch_ddp
+
+    seen = {"eager": 0, "captured": 0, "replayed": 0, "stream": None, "mode": None}
+    capturing = [False]
+
+    class Graph:
+        def replay(self):
+            seen["replayed"] += 1
+
+    @contextmanager
+    def graph(g, capture_error_mode):
+        seen["mode"] = capture_error_mode
+        capturing[0] = True
+        yield
+        capturing[0] = False
+
+    @contextmanager
+    def stream(s):
+        seen["stream"] = s
+        yield
+        seen["stream"] = None
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    side = Stream()
+    cuda = SimpleNamespace(CUDAGraph=Graph, graph=graph, stream=stream,
+                           current_stream=lambda: Stream())
+
+    def step():
+        if capturing[0]:
+            seen["captured"] += 1
+        else:
+            assert seen["stream"] is side  # eager steps run on the side stream
+            seen["eager"] += 1
+
+    run = torch_ddp.graphed(SimpleNamespace(cuda=cuda), step, warmup=11, side=side)
+    for _ in range(15):
+        run()
+    assert (seen["eager"], seen["captured"], seen["replayed"]) == (11, 1, 4)
+    assert seen["mode"] == "thread_local"
+
+
+def test_sweep_outputs_name_framework_execution_and_model(tmp_path):
+    """CSV and Markdown from recorded runs: a row per (framework, execution), each series
+    scaled against its own base; failed runs listed with their execution."""
+    from scaling import common
+
+    runs = []
+    for framework, execution, rate in (("ours", "graph", 1000.0), ("torch", "eager", 500.0),
+                                       ("torch", "graph", 800.0)):
+        for gpus, gain in ((1, 1.0), (2, 1.8)):  # 90% efficient at 2 GPUs
+            run = common.Run(framework, execution, "resnet18", "per-gpu batch 256", gpus, 4096,
+                             256, [], {}, tmp_path / f"{framework}-{execution}-{gpus}")
+            run.row = {**common.result_row(run, 1), "status": "ok", "global_batch": 256 * gpus,
+                       "time_s": 4096 / (rate * gain), "images_per_s": rate * gain,
+                       "val_accuracy": 0.5, "val_loss": 1.0, "steps": 16 // gpus}
+            runs.append(run)
+    failed = common.Run("torch", "compile", "resnet18", "per-gpu batch 256", 2, 4096, 256, [],
+                        {}, tmp_path / "failed")
+    failed.row = common.result_row(failed, 1)
+    meta = common.machine_meta("strong", ["--torch"], "cuda", ["Fake GPU"] * 2)
+    common.write_sweep(tmp_path, "strong", "Strong", runs + [failed], meta, weak=False,
+                       definitions="defs")
+    rows = read_csv(tmp_path / "strong.csv")
+    assert list(rows[0])[:4] == ["framework", "execution", "model", "mode"]
+    assert [(r["framework"], r["execution"], r["gpus"]) for r in rows] == [
+        ("ours", "graph", "1"), ("ours", "graph", "2"), ("torch", "eager", "1"),
+        ("torch", "eager", "2"), ("torch", "graph", "1"), ("torch", "graph", "2"),
+        ("torch", "compile", "2")]
+    assert all(r["model"] == "resnet18" for r in rows)
+    assert [float(r["efficiency_pct"]) for r in rows[:6]] == pytest.approx([100, 90] * 3)
+    md = (tmp_path / "strong.md").read_text()
+    assert "| Framework | Execution | GPUs |" in md
+    assert "| torch | graph | 2 | 4,096 | 512 |" in md
+    assert "- torch compile, per-gpu batch 256, 2 GPU(s): failed" in md
+
+
+def test_torch_env_keeps_multicast_off(monkeypatch):
+    from scaling import common
+
+    for var in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+        monkeypatch.delenv(var, raising=False)
+    assert common.torch_env("cuda") == {"NCCL_NVLS_ENABLE": "0",
+                                        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                                        "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def test_launch_env_sets_run_as_root_only_as_root_under_open_mpi(monkeypatch):
@@ -232,7 +424,8 @@ def test_launch_commands_per_flavour():
     assert Launcher("mpirun", "openmpi").command(4, prog, "cpu") == [
         "mpirun", "-n", "4", "--oversubscribe", *prog]
     assert Launcher("mpirun", "openmpi").command(4, prog, "cuda") == [
-        "mpirun", "-n", "4", "--bind-to", "none", "-x", "NCCL_NVLS_ENABLE", *prog]
+        "mpirun", "-n", "4", "--bind-to", "none", "-x", "NCCL_NVLS_ENABLE", "-x",
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST", "-x", "NVSHMEM_DISABLE_NVLS", *prog]
     assert Launcher("mpiexec", "mpich").command(2, prog, "cpu") == ["mpiexec", "-n", "2", *prog]
     assert Launcher("mpiexec", "mpich").command(2, prog, "cuda") == [
         "mpiexec", "-n", "2", "-bind-to", "none", *prog]
@@ -364,11 +557,19 @@ def test_bench_measure_repeats_within_budget():
 # ----------------------------------------------------------------------------- the torch twin
 
 
-def test_torch_ddp_matches_dptrain_on_one_process(tmp_path, cache):
+@pytest.mark.parametrize("model, flags", [
+    ("cnn", ["--train-images", "64", "--val-images", "16", "--batch-size", "16"]),
+    # SGD: Adam's first steps turn float rounding into whole steps of the rate. Two small
+    # steps: ResNet-18 keeps 48x48 at full size through its first stage, slow on a CPU
+    ("resnet18", ["--train-images", "16", "--val-images", "8", "--batch-size", "8",
+                  "--optimizer", "sgd", "--lr", "0.01"]),
+])
+def test_torch_ddp_matches_dptrain_on_one_process(tmp_path, cache, model, flags):
     """Same init, data, batches and optimizer: the same losses (PyTorch installed only)."""
     pytest.importorskip("torch")
-    flags = ["--device", "cpu", "--train-images", "64", "--val-images", "16", "--epochs", "1",
-              "--batch-size", "16", "--seed", "5"]
+    if model == "resnet18":
+        pytest.importorskip("torchvision")
+    flags = ["--device", "cpu", "--model", model, "--epochs", "1", "--seed", "5", *flags]
     env = dict(os.environ, PYTHONPATH=str(ROOT), DPTRAIN_CACHE=str(cache))
     for module, log in (("dptrain", "ours"), ("scaling.torch_ddp", "torch")):
         cmd = [sys.executable, "-m", module] + (["train", "--no-progress"] if log == "ours" else [])
@@ -377,7 +578,7 @@ def test_torch_ddp_matches_dptrain_on_one_process(tmp_path, cache):
         assert result.returncode == 0, result.stderr
     ours, theirs = (json.loads((tmp_path / d / "summary.json").read_text())
                     for d in ("ours", "torch"))
-    assert theirs["steps"] == ours["steps"] == 4
+    assert theirs["steps"] == ours["steps"] == (4 if model == "cnn" else 2)
     for key in ("train_loss", "val_loss"):
         assert theirs[key] == pytest.approx(ours[key], rel=1e-4)
 
