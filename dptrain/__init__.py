@@ -13,7 +13,7 @@ checks):
     backend/      the device, chosen once: NumPy reference or our CUDA kernels, and the runtime
     engine/       Tensor, reverse-mode autodiff, one Function per op, the functional API, RNG
     nn/           Module, layers and models
-    dist/         the world, flat parameters, the gradient exchange, launchers, watchdog
+    distributed/  the world, flat parameters, the gradient exchange, launchers, watchdog
     optim/        optimizers over the flat buffers (ZeRO-1 shards), learning-rate schedules
     data/         datasets and formats, cache, stride-sharded sampler, device loader
     checkpoints/  model weights files and exact-resume checkpoints
@@ -31,7 +31,7 @@ __all__ = ["Tensor", "tensor", "no_grad", "is_grad_enabled", "concatenate", "man
            "functional", "DataParallel", "ArrayDataset", "launch"]
 
 # The packages a script uses, loaded on first use (``import dptrain`` stays light).
-_SUBPACKAGES = ("backend", "nn", "dist", "optim", "data", "checkpoints", "run")
+_SUBPACKAGES = ("backend", "nn", "distributed", "optim", "data", "checkpoints", "run")
 
 
 def __getattr__(name):
@@ -47,8 +47,8 @@ def __getattr__(name):
         from dptrain.data.arrays import ArrayDataset
 
         return ArrayDataset
-    if name in _SUBPACKAGES:
+    if name in _SUBPACKAGES or name == "dist":  # dp.dist: distributed, as torch's dist
         import importlib
 
-        return importlib.import_module(f"dptrain.{name}")
+        return importlib.import_module(f"dptrain.{'distributed' if name == 'dist' else name}")
     raise AttributeError(f"module 'dptrain' has no attribute {name!r}")

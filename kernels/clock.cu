@@ -1,4 +1,4 @@
-// clock.cu: the device's own clock, for a step's timeline (dptrain.dist.timeline), eager or
+// clock.cu: the device's own clock, for a step's timeline (dptrain.distributed.timeline), eager or
 // replayed as a CUDA graph. Launcher: dptrain/backend/cuda/runtime.py (Clock).
 //
 // clock_stamp_kernel writes the GPU's global nanosecond timer (%globaltimer) into

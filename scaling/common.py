@@ -185,9 +185,9 @@ def note(text: str) -> None:
 
 
 def find_launcher(choice: str, dry_run: bool):
-    """The MPI launcher (Open MPI's mpirun, MPICH's mpiexec or srun; dptrain.dist.launcher), with
+    """The MPI launcher (Open MPI's mpirun, MPICH's mpiexec or srun; dptrain.distributed.launcher), with
     the flavour-specific flags and variables it needs."""
-    from dptrain.dist.launcher import LaunchError, find_launcher as find
+    from dptrain.distributed.launcher import LaunchError, find_launcher as find
 
     try:
         return find(choice, dry_run)
@@ -204,7 +204,7 @@ def torchrun_command(ranks: int, module_args: list[str]) -> list[str]:
 def torch_env(device: str) -> dict:
     """What torchrun's ranks need beyond the caller's environment (torchrun passes it on): on
     GPUs NVLink multicast off, as mpirun's ranks have it."""
-    from dptrain.dist.launcher import NO_MULTICAST
+    from dptrain.distributed.launcher import NO_MULTICAST
 
     env = dict(NO_MULTICAST) if device == "cuda" else {"OMP_NUM_THREADS": "1"}
     return {k: v for k, v in env.items() if k not in os.environ}

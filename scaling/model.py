@@ -152,7 +152,7 @@ def fit_link(results: Path, args) -> Link:
 def bucket_bytes(model: str, image_shape, classes: int, bucket_mb: float, n: int) -> list[int]:
     """The model's gradient buckets in bytes, in the order backward produces them."""
     import dptrain
-    from dptrain.dist.flat import FlatParameters
+    from dptrain.distributed.flat import FlatParameters
     from dptrain.nn import build_model
 
     dptrain.manual_seed(0)

@@ -29,9 +29,9 @@ Kept equal to `python -m dptrain train` so the two compare like for like:
                         replayed; the batch's rows are copied into a static index buffer
                         and the learning rate into a device tensor before each replay
   metrics    loss summed on the device and read every --log-every steps; train_s counts the
-             steps after the warm-up ones (CAPTURE_WARMUP + 1, as dptrain's; the graph mode
-             GRAPH_WARMUP + 1: its eager warm-up and the capture) and those reads, not
-             start-up or validation
+             steps after the first ones (as many as dptrain leaves out, CAPTURE_WARMUP + 1,
+             where cuDNN tunes and torch.compile compiles; the graph mode GRAPH_WARMUP + 1,
+             its eager warm-up and the capture) and those reads, not start-up or validation
 DIR/summary.json has dptrain's keys (train_loss, val_loss, val_accuracy, wall_s, train_s,
 images_per_s, world_size, global_batch_size, ...) plus framework "torch" and torch_mode.
 """
@@ -51,9 +51,6 @@ import numpy as np  # noqa: E402
 
 MODELS = ("cnn", "resnet18")
 TORCH_MODES = ("eager", "compile", "graph")
-# Steps left off the clock, as dptrain leaves out its warm-up and capture steps
-# (dptrain.run.step.CAPTURE_WARMUP + 1): cuDNN's autotuning and torch.compile happen there.
-WARMUP_STEPS = 3
 # PyTorch's rules for capturing DDP's backward (its notes on CUDA graphs, "Usage with
 # DistributedDataParallel"): DDP built on a side stream, at least 11 eager DDP iterations
 # before the capture, and no async NCCL error handling.
@@ -335,6 +332,7 @@ def train(args) -> dict:
     from dptrain.data import StrideSampler, get_dataset
     from dptrain.optim import LRSchedule
     from dptrain.run.metrics import Throughput, dumps
+    from dptrain.run.step import CAPTURE_WARMUP
 
     rank, size, local_rank, device, autocast = start(torch, args)
     graph = args.torch_mode == "graph"
@@ -375,7 +373,7 @@ def train(args) -> dict:
                                        autocast, scaler))
 
     run = graphed(torch, step, GRAPH_WARMUP, side) if graph else step
-    warmup = GRAPH_WARMUP + 1 if graph else WARMUP_STEPS
+    warmup = GRAPH_WARMUP + 1 if graph else CAPTURE_WARMUP + 1  # steps off the clock
     excluded = min(warmup, max(total - 1, 0))  # at least one step stays timed
     meter = Throughput(global_batch, warmup_steps=excluded)
     step_no, since_log, last_loss, last_eval, last_print = 0, 0, float("nan"), {}, 0.0

@@ -16,13 +16,13 @@ ALLOWED = {
     "backend": set(),
     "engine": {"backend"},
     "nn": {"backend", "engine"},
-    "dist": {"backend", "engine"},
-    "optim": {"backend", "engine", "dist"},
-    "data": {"backend", "dist"},
-    "checkpoints": {"backend", "engine", "nn", "dist", "optim", "data"},
-    "run": {"backend", "engine", "nn", "dist", "optim", "data", "checkpoints"},
-    "cli": {"backend", "engine", "nn", "dist", "optim", "data", "checkpoints", "run"},
-    "bench": {"backend", "engine", "nn", "dist", "optim", "data", "checkpoints", "run", "cli"},
+    "distributed": {"backend", "engine"},
+    "optim": {"backend", "engine", "distributed"},
+    "data": {"backend", "distributed"},
+    "checkpoints": {"backend", "engine", "nn", "distributed", "optim", "data"},
+    "run": {"backend", "engine", "nn", "distributed", "optim", "data", "checkpoints"},
+    "cli": {"backend", "engine", "nn", "distributed", "optim", "data", "checkpoints", "run"},
+    "bench": {"backend", "engine", "nn", "distributed", "optim", "data", "checkpoints", "run", "cli"},
 }
 TOP_LEVEL = {"__init__", "__main__"} | FACE  # the only modules beside the packages
 

@@ -45,7 +45,8 @@ def main(argv=None) -> int:
                    "step as `train` does")
     args = p.parse_args(argv)
 
-    from dptrain import backend, dist
+    from dptrain import backend
+    from dptrain import distributed as dist
 
     device = backend.resolve_device(args.device)
     be = backend.get(device)
@@ -58,7 +59,7 @@ def main(argv=None) -> int:
         bucket_mb = "auto" if args.bucket_mb == "auto" else float(args.bucket_mb)
         path = record(world, args.timeline, args.model, args.batch, args.steps, bucket_mb,
                       args.grad_exchange, args.precision, args.png, capture=not args.eager)
-        from dptrain.dist.timeline import read, summarize
+        from dptrain.distributed.timeline import read, summarize
 
         print(f"wrote {path}: {summarize(read(path))}")
         return 0

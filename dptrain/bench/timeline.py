@@ -2,7 +2,7 @@
 
 Trains a model of dptrain.nn through dptrain.DataParallel on random images for a few steps,
 captured and replayed as `train` runs them (or eagerly, ``capture=False``), and writes the
-last step's timeline (dptrain.dist.timeline): per-bucket reduce-scatter and all-gather spans
+last step's timeline (dptrain.distributed.timeline): per-bucket reduce-scatter and all-gather spans
 on the communication stream, compute-stream marks. The stamps of a captured step are kernel
 nodes of its graph, rewritten by every replay. Rank 0 writes OUT, rank r OUT's stem with
 `.rank{r}`; `python -m dptrain plot OUT -o OUT.png` draws it (done here with --png).
@@ -25,7 +25,7 @@ def record(world, out, model="cnn", batch=16, steps=3, bucket_mb=4.0, grad_excha
            precision="fp32", png=None, capture=True, image_shape=IMAGE_SHAPE) -> Path:
     """Train `steps` steps at `batch` images per rank; write the last step's timeline."""
     import dptrain as dp
-    from dptrain.dist.timeline import Timeline
+    from dptrain.distributed.timeline import Timeline
     from dptrain.engine import functional as F
     from dptrain.nn import build_model
     from dptrain.run.step import CAPTURE_WARMUP

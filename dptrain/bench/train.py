@@ -105,12 +105,12 @@ def our_step(be, model_name, state, data, optimizer, graph, precision="fp32"):
     from the weights `state`, eager or captured and replayed; fp16 (mixed precision) runs
     with its loss scaler and the non-finite guard, as training does (bf16 needs neither)."""
     from dptrain.run import amp
-    from dptrain import dist
+    from dptrain import distributed as dist
     from dptrain.data import DeviceLoader
-    from dptrain.dist.flat import FlatParameters
+    from dptrain.distributed.flat import FlatParameters
     from dptrain.nn import build_model
     from dptrain.optim import SGD, AdamW
-    from dptrain.dist.reducer import Reducer
+    from dptrain.distributed.reducer import Reducer
     from dptrain.run.step import CAPTURE_WARMUP, TrainStep
 
     model = build_model(model_name, data.image_shape, NUM_CLASSES)
@@ -143,7 +143,7 @@ def api_step(be, model_name, state, data, optimizer, precision="fp32"):
     (dptrain.DataParallel and a compiled step function), on this batch already on the device
     (normalised images, labels): the row that shows what the public API costs."""
     import dptrain as dp
-    from dptrain import dist
+    from dptrain import distributed as dist
     from dptrain.data import DeviceLoader
     from dptrain.engine import functional as F
     from dptrain.nn import build_model

@@ -40,7 +40,7 @@ def main(argv=None) -> int:
         print(version())
         return 0
     command = argv.pop(0) if argv and argv[0] in COMMANDS else "train"
-    from dptrain.dist.world import guarded
+    from dptrain.distributed.world import guarded
 
     return guarded(lambda: _run(command, argv))
 
@@ -54,7 +54,7 @@ def _run(command, argv) -> int:
         print(f"dptrain {command}: error: {exc}", file=sys.stderr)
         return 2
     except RunStopped as exc:
-        from dptrain.dist.world import job_rank
+        from dptrain.distributed.world import job_rank
 
         if not exc.agreed or job_rank() == 0:  # an agreed stop: every rank has it, one says it
             print(f"dptrain {command}: {exc}", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""Drawing of a step's exchange timeline (dptrain.dist.timeline's JSON), for
+"""Drawing of a step's exchange timeline (dptrain.distributed.timeline's JSON), for
 `python -m dptrain plot TIMELINE.json` and `bench comm --timeline`: one row for the compute
 stream's marks, one for the communication stream's per-bucket reduce-scatters (blue) and
 all-gathers (green), each labelled with its bucket."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dptrain.cli.plot import save_figure
-from dptrain.dist import timeline as tl
+from dptrain.distributed import timeline as tl
 from dptrain.errors import UsageError
 
 COLORS = {"reduce_scatter": "tab:blue", "all_gather": "tab:green"}

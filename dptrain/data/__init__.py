@@ -24,7 +24,7 @@ The package's shape, from disk to the device:
   fixed device buffers, so the training step that reads them can be captured and replayed.
   It is the only part that touches the device, and only through the backend.
 
-May import: dptrain.backend, dptrain.dist (the host's once-only work) and the face; never
+May import: dptrain.backend, dptrain.distributed (the host's once-only work) and the face; never
 the engine, the loop or the command line (``data pack|info|synth`` live in dptrain.cli.data).
 """
 from __future__ import annotations

@@ -39,7 +39,7 @@ def mpi_initialized() -> bool:
     """Whether this process runs MPI (or the Slurm rendezvous, whose threads hold sockets):
     forking after MPI_Init is unsafe with some transports, so large sets there are best
     generated beforehand."""
-    rendezvous = sys.modules.get("dptrain.dist.rendezvous")
+    rendezvous = sys.modules.get("dptrain.distributed.rendezvous")
     if rendezvous is not None and rendezvous.connected:
         return True
     mpi = sys.modules.get("mpi4py.MPI")

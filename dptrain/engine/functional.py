@@ -229,7 +229,7 @@ def cast(x: Tensor, dtype) -> Tensor:
 def cast_parameter(p: Tensor, dtype) -> Tensor:
     """cast(p, dtype) for a parameter: the gradient returns in `dtype` and the leaf adds it
     into its own .grad with the cast folded in (one kernel instead of two per parameter).
-    A parameter whose 16-bit shadow (kept current by training, dptrain.dist.flat) has `dtype`
+    A parameter whose 16-bit shadow (kept current by training, dptrain.distributed.flat) has `dtype`
     gives that shadow instead of a fresh cast: the same bits, no kernel."""
     dtype = np.dtype(dtype)
     if p.dtype == dtype or p._ctx is not None or not p.requires_grad:

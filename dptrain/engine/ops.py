@@ -204,7 +204,7 @@ class CastParameter(Cast):
     """Cast of a parameter (a leaf) to a 16-bit dtype (mixed precision). Its gradient goes back
     in the 16-bit dtype: the leaf adds it into its fp32 ``.grad`` in one pass
     (``Tensor._accumulate``, a mixed-dtype ``add_``) rather than after a cast of its own.
-    ``shadow``: the parameter's 16-bit copy that training keeps current (dptrain.dist.flat),
+    ``shadow``: the parameter's 16-bit copy that training keeps current (dptrain.distributed.flat),
     returned as it is: no kernel."""
 
     def forward(self, a, dtype, shadow=None):

@@ -13,7 +13,7 @@ class Parameter(Tensor):
     """A tensor that a Module owns and an optimizer updates.
 
     ``shadow``: under mixed-precision training, its 16-bit copy (a view of the flat buffers'
-    shadow, dptrain.dist.flat), which F.cast_parameter hands the layers instead of casting; None
+    shadow, dptrain.distributed.flat), which F.cast_parameter hands the layers instead of casting; None
     elsewhere."""
 
     shadow = None

@@ -4,7 +4,7 @@
                    parameter buffer: each rank keeps state only for its shard (ZeRO-1)
     schedule.py    the learning rate at a step (warmup; constant, step or cosine decay)
 
-May import: dptrain.backend, dptrain.engine, dptrain.dist.flat.
+May import: dptrain.backend, dptrain.engine, dptrain.distributed.flat.
 """
 from dptrain.optim.optimizers import OPTIMIZERS, SKIP_SLOT, SGD, AdamW, Optimizer
 from dptrain.optim.schedule import LRSchedule

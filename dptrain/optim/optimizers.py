@@ -4,7 +4,7 @@ An optimizer owns some [start, stop) segments of the flat parameter buffer (its
 shard of each bucket; the whole buffer in a single process) and keeps state only
 for them (ZeRO-1).
 Under mixed precision the update ends by casting the updated shard into the flat buffers'
-16-bit shadow (dptrain.dist.flat), inside the step, so a captured graph replays that cast too.
+16-bit shadow (dptrain.distributed.flat), inside the step, so a captured graph replays that cast too.
 Per-step scalars (learning rate, Adam's bias corrections) go into a small device
 array ``hyper`` before each update, so the update itself reads no host values
 and can be replayed from a captured CUDA graph. Slot ``SKIP_SLOT`` of ``hyper`` is
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dptrain.dist.flat import FlatParameters
+from dptrain.distributed.flat import FlatParameters
 
 SKIP_SLOT = 3  # hyper[SKIP_SLOT] != 0: the optimizer kernels leave param and state untouched
 

@@ -9,7 +9,7 @@ The policy lives where the work already happens:
   * the parameters, their gradients (the 16-bit gradient is added into the fp32 one), the
     gradient exchange and the optimizer stay fp32: the flat buffers are the master weights;
   * in training those 16-bit weights are a shadow of the flat buffer (``shadow_dtype``,
-    dptrain.dist.flat): each rank casts the shard it updated, the all-gather moves the 16-bit
+    dptrain.distributed.flat): each rank casts the shard it updated, the all-gather moves the 16-bit
     shards (half the bytes of fp32) and the layers read them without a cast of their own;
     the bits are those of casting every weight in every forward, which eager use outside
     training (no shadow) still does;
@@ -61,7 +61,7 @@ SHADOW_ENV = "DPTRAIN_SHADOW"
 
 
 def shadow_dtype(precision: str):
-    """The dtype of the parameters' 16-bit shadow in training at `precision` (dptrain.dist.flat), or
+    """The dtype of the parameters' 16-bit shadow in training at `precision` (dptrain.distributed.flat), or
     None: fp32 activations need none, and DPTRAIN_SHADOW=0 turns it off."""
     if precision not in COMPUTE_DTYPES or os.environ.get(SHADOW_ENV, "1") == "0":
         return None

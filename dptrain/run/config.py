@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 from dptrain.data import DATASETS, fixed_size
-from dptrain.dist.watchdog import DEFAULT_TIMEOUT
+from dptrain.distributed.watchdog import DEFAULT_TIMEOUT
 from dptrain.nn import MODELS
 from dptrain.optim import OPTIMIZERS, LRSchedule
 from dptrain.run import amp
@@ -120,7 +120,7 @@ class TrainConfig:
     bucket_mb: float | str = option(
         4.0, "gradient bucket size for the reduce-scatter (MB), or auto: the sizes (a smaller "
         "first bucket, then the body's) whose simulated exposed reduce-scatter time is least, "
-        "from the measured link and backward time (dptrain.dist.buckets)", DEVICE,
+        "from the measured link and backward time (dptrain.distributed.buckets)", DEVICE,
         bound="positive_or_auto", metavar="MB|auto")
     grad_exchange: str = option(
         "fp32", "dtype of the gradients' reduce-scatter: fp32, or bf16 (a 16-bit copy of each "

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 import dptrain.engine.functional as F
-from dptrain.dist import LocalComm
+from dptrain.distributed import LocalComm
 from dptrain.engine.autograd import Tensor, no_grad
 
 

@@ -1,6 +1,6 @@
 """``DataParallel``: a model of the user's, trained data-parallel with `train`'s machinery.
 
-    world = dptrain.dist.init()                      # mpirun / srun / one process
+    world = dptrain.distributed.init()                      # mpirun / srun / one process
     dp.manual_seed(0)                                # the same initial weights on every rank
     ddp = dptrain.DataParallel(Net(), optimizer="adamw", lr=1e-3)
     step = ddp.compile(lambda batch: F.mse_loss(ddp(batch[0]), batch[1]))
@@ -8,7 +8,7 @@
         step((x, y))
 
 What it sets up is what `python -m dptrain train` runs: the parameters in one flat buffer
-(dptrain.dist.flat) cut into buckets, reduce-scatter of each bucket as backward completes
+(dptrain.distributed.flat) cut into buckets, reduce-scatter of each bucket as backward completes
 it, each rank updating only its shard with optimizer state for that shard only (ZeRO-1),
 all-gather at the start of the next step (of the 16-bit shadow in mixed precision), the
 non-finite guard and fp16 loss scaling (dptrain.run.nonfinite, dptrain.run.amp), the
@@ -27,14 +27,14 @@ from pathlib import Path
 import numpy as np
 
 import dptrain.engine.functional as F
-from dptrain import dist
+from dptrain import distributed as dist
 from dptrain.backend.bfloat16 import BFLOAT16
 from dptrain.checkpoints.state import MODEL, OPTIM, from_json, to_json
 from dptrain.checkpoints.store import MANIFEST, CheckpointError, CheckpointStore, load, step_dir
-from dptrain.dist import buckets
-from dptrain.dist.flat import FlatParameters
-from dptrain.dist.reducer import EXCHANGES, Reducer
-from dptrain.dist.startup import first_on_host
+from dptrain.distributed import buckets
+from dptrain.distributed.flat import FlatParameters
+from dptrain.distributed.reducer import EXCHANGES, Reducer
+from dptrain.distributed.startup import first_on_host
 from dptrain.engine.autograd import Tensor, no_grad
 from dptrain.engine.rng import init_rng, set_data_shard
 from dptrain.errors import UsageError
@@ -69,7 +69,7 @@ class DataParallel:
       sync        "check" (default): stop with one line naming the parameters that differ
                   between ranks at the start (seed every rank alike, dptrain.manual_seed);
                   "broadcast": copy rank 0's parameters to every rank
-      bucket_mb   size of the gradient-exchange buckets (MB), or "auto" (dptrain.dist.buckets:
+      bucket_mb   size of the gradient-exchange buckets (MB), or "auto" (dptrain.distributed.buckets:
                   a smaller first bucket and a body size from the link and backward time)
       grad_exchange  "fp32" (default) or "bf16": reduce-scatter a 16-bit copy of each
                   bucket, its mean widened into the fp32 gradient shard (half the bytes)
@@ -122,7 +122,7 @@ class DataParallel:
         be = world.be
         if be is None:
             raise UsageError("DataParallel: the world has no backend; build it with "
-                             "dptrain.dist.init()")
+                             "dptrain.distributed.init()")
         self.world, self.be, self.model = world, be, model.to(be.runtime.name)
         set_data_shard(world.rank, world.size)  # dropout draws the global batch's masks
         self.precision = self._resolve_precision(precision)

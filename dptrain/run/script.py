@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-from dptrain.dist.world import guarded
+from dptrain.distributed.world import guarded
 from dptrain.errors import RunStopped, UsageError
 
 

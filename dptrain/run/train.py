@@ -11,13 +11,14 @@ from dataclasses import asdict
 
 import numpy as np
 
-from dptrain import backend, dist
+from dptrain import backend
+from dptrain import distributed as dist
 from dptrain.checkpoints import Checkpointing
 from dptrain.checkpoints.weights import load_weights, save_weights, weights_metadata
 from dptrain.data import DeviceLoader, StrideSampler, get_dataset
-from dptrain.dist.startup import first_on_host, process_age_s
-from dptrain.dist.stopping import StopRequests, signal_name
-from dptrain.dist.watchdog import Watchdog
+from dptrain.distributed.startup import first_on_host, process_age_s
+from dptrain.distributed.stopping import StopRequests, signal_name
+from dptrain.distributed.watchdog import Watchdog
 from dptrain.engine.rng import manual_seed, set_data_shard
 from dptrain.errors import RunStopped, UsageError
 from dptrain.nn import build_model, sync_batch_norm

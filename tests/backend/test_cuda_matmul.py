@@ -264,7 +264,7 @@ def test_direct_conv_can_be_turned_off(cm, monkeypatch):
     x, wt, gy, stride, padding = _conv_setup((4, 1, 12, 12, 8, (3, 3), (1, 1), (1, 1)))
     ref = cpu.conv2d_forward(x.astype(np.float64), wt.astype(np.float64), None, stride, padding)
     assert conv2d._direct_kmax(9) == 12
-    monkeypatch.setenv(conv2d.DIRECT_ENV, "0")
+    monkeypatch.setenv("DPTRAIN_DIRECT_CONV", "0")
     gemm.clear_plans()
     try:
         assert conv2d._direct_kmax(9) is None
@@ -467,7 +467,7 @@ def test_wgmma_split_k_matches_reference(hopper, monkeypatch, batch, m, n, k, ta
     if bias:
         ref = ref + cp.asnumpy(gbias)
     check(out, np.maximum(ref, 0) if relu else ref, "tf32")
-    monkeypatch.setenv(gemm.WGMMA_SPLIT_ENV, "0")
+    monkeypatch.setenv("DPTRAIN_WGMMA_SPLITK", "0")
     gemm.clear_plans()
     assert hopper.matmul_kernel(ga, gb, ta, tb, bias=gbias) == "gemm_tf32_kernel"
 
@@ -496,13 +496,13 @@ def test_wgmma_switched_off_by_environment(hopper, monkeypatch):
     m, n, k = 1408, 3072, 64
     a, b = _operands((), (), m, n, k, False, True)
     ga, gb = cp.asarray(a), cp.asarray(b)
-    monkeypatch.setenv(gemm.WGMMA_ENV, "0")
+    monkeypatch.setenv("DPTRAIN_WGMMA", "0")
     gemm.clear_plans()
     assert hopper.matmul_kernel(ga, gb, False, True) == "gemm_tf32_kernel"
     out = nan_like((m, n))
     hopper.matmul(ga, gb, False, True, out=out)
     check(out, a.astype(np.float64) @ b.astype(np.float64).T, "tf32")
-    monkeypatch.setenv(gemm.WGMMA_ENV, "1")
+    monkeypatch.setenv("DPTRAIN_WGMMA", "1")
     gemm.clear_plans()
     assert hopper.matmul_kernel(ga, gb, False, True) == WGMMA
 
@@ -617,10 +617,10 @@ def test_thin_kernels_only_where_measured_faster(cm, m, n, k, ta, tb, why):
 
 def test_thin_products_switched_off_by_environment(cm, monkeypatch):
     a, b = cp.asarray(rand(256, 256)), cp.asarray(rand(7, 256))
-    monkeypatch.setenv(gemm.THIN_ENV, "0")
+    monkeypatch.setenv("DPTRAIN_GEMM_THIN", "0")
     gemm.clear_plans()
     assert "thin" not in cm.matmul_kernel(a, b, False, True)
-    monkeypatch.delenv(gemm.THIN_ENV)
+    monkeypatch.delenv("DPTRAIN_GEMM_THIN")
     gemm.clear_plans()
     assert cm.matmul_kernel(a, b, False, True) == "gemm_thin_n_kernel"
 

@@ -255,10 +255,10 @@ def test_resnet18_channels_last_gradients_equal_nchw(cu, rng, monkeypatch):
     gradients to float rounding (the batch norms' sums run in other orders). Float sums of a
     channel's statistics failed this at 0.7%: they are kept in double."""
     import dptrain.engine.functional as F
-    from dptrain.backend.cuda import gemm, tf32x3
+    from dptrain.backend.cuda import gemm
     from dptrain.engine.autograd import Tensor
 
-    monkeypatch.setenv(tf32x3.ENV, "0")
+    monkeypatch.setenv("DPTRAIN_FP32_TF32X3", "0")
     gemm.clear_plans()
 
     x = cu.asarray(rng.standard_normal((16, 1, 32, 32)).astype(F32))

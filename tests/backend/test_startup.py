@@ -45,7 +45,7 @@ def test_data_parallel_traces_the_model_on_a_copy(monkeypatch):
 
     import dptrain as dp
     from dptrain import nn
-    from dptrain.dist import world as world_module
+    from dptrain.distributed import world as world_module
 
     dp.manual_seed(0)
     model = nn.MODELS["resnet18"]((3, 8, 8), 5).to("cpu")
@@ -186,7 +186,7 @@ def test_traced_units_add_the_step_kernels_of_the_run_dtypes(monkeypatch):
 
 def test_cache_key_follows_sources_and_headers(monkeypatch, tmp_path):
     monkeypatch.setattr(loader, "cuda_include_dir", lambda: Path("/toolkit/include"))
-    monkeypatch.setenv(loader.KERNEL_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv("DPTRAIN_KERNEL_DIR", str(tmp_path))
     (tmp_path / "a.cu").write_text('#include "h.cuh"\n// instantiate: k\n')
     (tmp_path / "h.cuh").write_text("// v1\n")
     first = loader.cache_key("a.cu", "90")
@@ -279,8 +279,9 @@ def test_cli_reports_startup_apart(tmp_path):
 _FAKE = r"""
 import os, sys, time
 from pathlib import Path
-from dptrain import backend, dist
-from dptrain.dist.startup import first_on_host
+from dptrain import backend
+from dptrain import distributed as dist
+from dptrain.distributed.startup import first_on_host
 
 cache = Path(sys.argv[1])
 world = dist.init(backend.get("cpu"))

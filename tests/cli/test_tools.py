@@ -175,14 +175,14 @@ def test_bad_config_files_are_one_line(tmp_path, text, fragments):
 
 
 def test_torchrun_without_mpi_is_refused(tmp_path):
-    # (Slurm's tasks without MPI meet through the rendezvous: tests/dist/test_slurm.py)
+    # (Slurm's tasks without MPI meet through the rendezvous: tests/distributed/test_slurm.py)
     env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
     one_line_error(cli("train", *TINY, env=env, cache=tmp_path), "WORLD_SIZE=2", "torchrun",
                    "mpirun -n 2")
 
 
 def test_a_world_of_one_from_torchrun_or_slurm_trains(tmp_path):
-    from dptrain import dist
+    from dptrain import distributed as dist
 
     dist.check_foreign_launcher(1)  # nothing set here
     env = {"RANK": "0", "WORLD_SIZE": "1", "SLURM_PROCID": "0", "SLURM_NTASKS": "1"}

@@ -110,7 +110,7 @@ def _mlp_grads(monkeypatch, direct, device="cpu", shared=False, zeroed=False):
     calls in order, and the weight products that wrote (matmul_into_) or added (matmul_add_)
     into a .grad, in order."""
     from dptrain.backend import get
-    from dptrain.dist.flat import FlatParameters
+    from dptrain.distributed.flat import FlatParameters
     from dptrain.engine import autograd
 
     monkeypatch.setattr(autograd, "DIRECT_GRADS", direct)
@@ -187,7 +187,7 @@ def test_a_grad_added_to_since_zero_grad_is_not_overwritten():
     """Any gradient added into a .grad clears zero_grad's mark: after a backward that reached
     w along two paths (summed by autograd, then added to .grad), a Linear that alone uses w
     adds its gradient too, not overwrites."""
-    from dptrain.dist.flat import FlatParameters
+    from dptrain.distributed.flat import FlatParameters
 
     rng = np.random.default_rng(6)
     w = dp.tensor(rng.standard_normal((3, 4)).astype(np.float32), requires_grad=True)

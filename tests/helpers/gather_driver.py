@@ -7,7 +7,7 @@ import json
 import sys
 
 from dptrain.cli import main as cli_main
-from dptrain import dist
+from dptrain import distributed as dist
 
 calls, ranks = [], set()
 

@@ -1,5 +1,5 @@
 """The MPI launcher the tests use, whatever its flavour (Open MPI, MPICH, srun): one place
-that finds it and builds its command lines (dptrain.dist.launcher). DPTRAIN_TEST_LAUNCHER picks one
+that finds it and builds its command lines (dptrain.distributed.launcher). DPTRAIN_TEST_LAUNCHER picks one
 (mpirun, mpiexec, srun or a path); by default the first found, as the scaling scripts do."""
 import importlib.util
 import os
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dptrain.dist.launcher import LaunchError, find_launcher
+from dptrain.distributed.launcher import LaunchError, find_launcher
 
 ROOT = Path(__file__).resolve().parents[2]
 try:

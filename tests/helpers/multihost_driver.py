@@ -1,12 +1,13 @@
-"""Run under mpirun by tests/dist/test_multihost.py: do one piece of once-per-host work
+"""Run under mpirun by tests/distributed/test_multihost.py: do one piece of once-per-host work
 (first_on_host) that records who did it, and write this rank's place in the world as JSON
 (a file per rank: launchers may interleave the ranks' output lines)."""
 import json
 import sys
 from pathlib import Path
 
-from dptrain import backend, dist
-from dptrain.dist.startup import first_on_host
+from dptrain import backend
+from dptrain import distributed as dist
+from dptrain.distributed.startup import first_on_host
 
 world = dist.init(backend.get("cpu"))
 marks = Path(sys.argv[1])

@@ -1,4 +1,4 @@
-"""Started as one of several Slurm tasks by tests/dist/test_slurm.py: meets the others through the
+"""Started as one of several Slurm tasks by tests/distributed/test_slurm.py: meets the others through the
 rendezvous, runs every collective dptrain uses on its communicator, checks each result
 against the one NumPy computes, and writes "ok" (or the first mismatch) to DIR/rank-R."""
 import sys
@@ -7,9 +7,9 @@ from pathlib import Path
 
 import numpy as np
 
-from dptrain import dist
-from dptrain.dist import slurm
-from dptrain.dist.rendezvous import connect
+from dptrain import distributed as dist
+from dptrain.distributed import slurm
+from dptrain.distributed.rendezvous import connect
 
 tasks = slurm.from_env()
 comm = connect(tasks.rank, tasks.size, tasks.host, slurm.rendezvous_place(tasks), tasks.job, 30)

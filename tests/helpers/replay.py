@@ -6,12 +6,13 @@ import numpy as np
 
 import dptrain as dp
 from dptrain.run import amp
-from dptrain import backend, dist
+from dptrain import backend
+from dptrain import distributed as dist
 from dptrain.data import DeviceLoader
-from dptrain.dist.flat import FlatParameters
+from dptrain.distributed.flat import FlatParameters
 from dptrain.run.nonfinite import NonFiniteGuard
 from dptrain.optim import AdamW
-from dptrain.dist.reducer import Reducer
+from dptrain.distributed.reducer import Reducer
 from dptrain.run.step import CAPTURE_WARMUP, TrainStep
 
 

@@ -276,7 +276,7 @@ def test_sync_bn_of_two_ranks_equals_the_global_batch_in_float64():
 
 
 def test_sync_batch_norm_reaches_every_layer():
-    from dptrain.dist import LocalComm
+    from dptrain.distributed import LocalComm
 
     model = nn.resnet18((1, 16, 16), 3, widths=(4, 8, 8, 8))
     comm = LocalComm(backend.get("cpu"))

@@ -50,7 +50,7 @@ def test_fused_cnn_equals_unfused_bitwise(monkeypatch):
     fused = _forward_backward(model, x)
     for p in model.parameters():
         p.grad = None
-    monkeypatch.setenv(fusion.FUSE_ENV, "0")
+    monkeypatch.setenv("DPTRAIN_FUSE", "0")
     assert all(hasattr(s, "forward") for s in model._steps())
     unfused = _forward_backward(model, x)
     for a, b in zip([fused[0], fused[1], *fused[2]], [unfused[0], unfused[1], *unfused[2]]):
@@ -92,7 +92,7 @@ def test_fused_resnet_equals_unfused_bitwise(monkeypatch):
         return out, [b.numpy() for b in model.buffers()]
 
     fused = run()
-    monkeypatch.setenv(fusion.FUSE_ENV, "0")
+    monkeypatch.setenv("DPTRAIN_FUSE", "0")
     unfused = run()
     (fo, fx, fp), fb = fused
     (uo, ux, up), ub = unfused
@@ -148,6 +148,6 @@ def test_conv_batch_norm_falls_back_to_the_two_layers(monkeypatch):
     bn.eval()
     fusion.conv_batch_norm(conv, bn, x)
     bn.train()
-    monkeypatch.setenv(fusion.FUSE_ENV, "0")
+    monkeypatch.setenv("DPTRAIN_FUSE", "0")
     fusion.conv_batch_norm(conv, bn, x)
     assert asked == [True, False, False]

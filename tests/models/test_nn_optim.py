@@ -7,7 +7,7 @@ import pytest
 import dptrain as dp
 import dptrain.engine.functional as F
 from dptrain import nn
-from dptrain.dist.flat import ALIGN, FlatParameters
+from dptrain.distributed.flat import ALIGN, FlatParameters
 from dptrain.optim import SGD, AdamW, LRSchedule
 
 

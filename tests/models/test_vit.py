@@ -8,11 +8,12 @@ import pytest
 
 import dptrain as dp
 import dptrain.engine.functional as F
-from dptrain import backend, dist, nn
+from dptrain import backend, nn
+from dptrain import distributed as dist
 from dptrain.data import DeviceLoader, get_dataset
-from dptrain.dist.flat import FlatParameters
+from dptrain.distributed.flat import FlatParameters
 from dptrain.optim import AdamW
-from dptrain.dist.reducer import Reducer
+from dptrain.distributed.reducer import Reducer
 from dptrain.run.config import TrainConfig
 from dptrain.run.step import TrainStep
 from dptrain.run.train import train

@@ -11,7 +11,6 @@ import pytest
 
 import dptrain as dp
 from dptrain import nn
-from dptrain.nn import fusion
 from mpilaunch import ROOT, env, mpi_command, needs_mpi
 
 DRIVER = str(ROOT / "tests" / "helpers" / "between_steps_driver.py")
@@ -55,7 +54,7 @@ def test_reads_between_steps_at_two_ranks_equal_one_process(tmp_path, precision,
 def test_the_read_hooks_leave_layer_fusion_alone(monkeypatch):
     """Only the root and modules owning parameters get the forward hook: a ReLU with one
     would stop nn.fusion running Linear + ReLU as one op."""
-    monkeypatch.setenv(fusion.FUSE_ENV, "1")
+    monkeypatch.setenv("DPTRAIN_FUSE", "1")
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     fused = len(model._steps())
     dp.DataParallel(model, "sgd", lr=0.1)

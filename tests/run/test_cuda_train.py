@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 
 import dptrain as dp
-from dptrain import backend, dist, nn
+from dptrain import backend, nn
+from dptrain import distributed as dist
 from dptrain.data import DeviceLoader
-from dptrain.dist.flat import FlatParameters
+from dptrain.distributed.flat import FlatParameters
 from dptrain.optim import SGD
-from dptrain.dist.reducer import Reducer
+from dptrain.distributed.reducer import Reducer
 from dptrain.run.step import TrainStep
 from mpilaunch import LAUNCHER, mpi_command, mpi_env
 

@@ -3,9 +3,10 @@ decisions (stop at the first bad step naming it, or skip up to a budget)."""
 import numpy as np
 import pytest
 
-from dptrain import backend, dist, nn
+from dptrain import backend, nn
+from dptrain import distributed as dist
 from dptrain.errors import NonFiniteError
-from dptrain.dist.flat import FlatParameters
+from dptrain.distributed.flat import FlatParameters
 from dptrain.run.nonfinite import NonFiniteGuard
 from dptrain.optim import SGD, SKIP_SLOT, AdamW
 

@@ -115,7 +115,8 @@ def test_metrics_and_their_errors():
 @pytest.mark.parametrize("precision", ["tf32", "bf16"])
 def test_captured_and_eager_steps_agree_bitwise_on_a_gpu(precision):
     """The user's step replayed from a CUDA graph trains to the same bits as run op by op."""
-    from dptrain import backend, dist
+    from dptrain import backend
+    from dptrain import distributed as dist
 
     be = backend.get("cuda")
 

@@ -400,7 +400,7 @@ def test_torch_env_keeps_multicast_off(monkeypatch):
 
 
 def test_launch_env_sets_run_as_root_only_as_root_under_open_mpi(monkeypatch):
-    from dptrain.dist.launcher import Launcher
+    from dptrain.distributed.launcher import Launcher
 
     for var in ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "OMP_NUM_THREADS",
                 "NCCL_NVLS_ENABLE", "OMPI_MCA_rmaps_base_oversubscribe"):
@@ -418,7 +418,7 @@ def test_launch_env_sets_run_as_root_only_as_root_under_open_mpi(monkeypatch):
 
 
 def test_launch_commands_per_flavour():
-    from dptrain.dist.launcher import Launcher, flavour_of
+    from dptrain.distributed.launcher import Launcher, flavour_of
 
     prog = ["python", "-m", "dptrain", "train"]
     assert Launcher("mpirun", "openmpi").command(4, prog, "cpu") == [

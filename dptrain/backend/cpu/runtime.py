@@ -155,7 +155,7 @@ class Runtime(RuntimeBase):
             return 0, 0
 
     def communicator(self, mpi_comm):
-        return None  # host MPI carries the collectives (dptrain.dist.MPIComm)
+        return None  # host MPI carries the collectives (dptrain.distributed.MPIComm)
 
 
 runtime = Runtime()

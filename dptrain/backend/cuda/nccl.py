@@ -1,4 +1,4 @@
-"""Collectives over NCCL on CuPy arrays: the GPU communicator of dptrain.dist's interface.
+"""Collectives over NCCL on CuPy arrays: the GPU communicator of dptrain.distributed's interface.
 
     reduce_scatter(send, recv)   recv = this rank's 1/N slice of the mean of send over ranks
     all_gather(send, recv)       recv = the ranks' sends, concatenated in rank order

@@ -7,7 +7,7 @@ Per step:
      only for its own bucket, so the large late layers' gathers overlap the early layers'
      forward. (On the first step the gather changes nothing: every rank already holds
      rank 0's broadcast parameters.) Under mixed precision it gathers the parameters'
-     16-bit shadow (dptrain.dist.flat), which is all the layers read, at half the bytes; the
+     16-bit shadow (dptrain.distributed.flat), which is all the layers read, at half the bytes; the
      fp32 ``data`` then stays current only in this rank's shard.
   2. backward runs; when the last gradient of a bucket is accumulated, that bucket's
      reduce-scatter (mean over ranks) is issued on the communication stream, ordered after
@@ -27,7 +27,7 @@ the mean of this rank's shard back into the fp32 gradient shard, which the optim
 as before. The widened mean overwrites the shard: its own fp32 values were one of the summands.
 With one rank nothing is exchanged, so both dtypes train bit for bit alike.
 
-A ``Timeline`` (dptrain.dist.timeline), when set as ``reducer.timeline``, gets per-bucket
+A ``Timeline`` (dptrain.distributed.timeline), when set as ``reducer.timeline``, gets per-bucket
 reduce-scatter / all-gather spans on the communication stream and marks on the compute stream
 (a bucket's gradients complete, the forward has its gathered bucket, backward waits).
 

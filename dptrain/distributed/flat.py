@@ -17,7 +17,7 @@ fp32 ``data`` cast to the 16-bit dtype, laid out alike, with each parameter's sl
 all-gather moves it instead of ``data`` (half the bytes). Whoever writes ``data`` keeps it
 current: the optimizer its updated shard (SGD and AdamW in their update's own pass, others by
 ``cast_shadow`` after it), the reducer the whole buffer after a broadcast or a gather of
-``data`` (dptrain.dist.reducer), a resume after loading.
+``data`` (dptrain.distributed.reducer), a resume after loading.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Slurm without MPI: tasks that `srun` starts with no PMI meet through the rendezvous
-(dptrain/dist/slurm.py, dptrain/dist/rendezvous.py). The tests play srun: they start the processes
+(dptrain/distributed/slurm.py, dptrain/distributed/rendezvous.py). The tests play srun: they start the processes
 themselves with the SLURM_* variables srun would set, two simulated nodes of two tasks."""
 import importlib.util
 import json
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dptrain.dist import slurm
+from dptrain.distributed import slurm
 from weights import assert_same_weights
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,7 +8,7 @@
 Slurm sets, in every task of a step: SLURM_PROCID (rank), SLURM_STEP_NUM_TASKS and
 SLURM_NTASKS (world size), SLURM_LOCALID (position on its node), SLURM_NODEID (the node's
 index in the step) and SLURM_STEP_TASKS_PER_NODE / SLURM_TASKS_PER_NODE ("2(x3),1": two
-tasks on each of three nodes, then one). The ranks then meet through dptrain.dist.rendezvous.
+tasks on each of three nodes, then one). The ranks then meet through dptrain.distributed.rendezvous.
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
-"""The `--bucket-mb auto` rule (dptrain.dist.buckets) and the smaller first bucket."""
+"""The `--bucket-mb auto` rule (dptrain.distributed.buckets) and the smaller first bucket."""
 import numpy as np
 
-from dptrain.dist import buckets
-from dptrain.dist.flat import FlatParameters
+from dptrain.distributed import buckets
+from dptrain.distributed.flat import FlatParameters
 from dptrain.engine.autograd import Tensor
 
 MB = 2**20

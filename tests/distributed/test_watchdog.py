@@ -168,7 +168,7 @@ def test_a_rank_waking_after_the_abort_does_not_contradict_the_verdict():
     import time
     from types import SimpleNamespace
 
-    from dptrain.dist.watchdog import Watchdog
+    from dptrain.distributed.watchdog import Watchdog
 
     dog = Watchdog(SimpleNamespace(rank=1, size=3), timeout=5, interval=0.1)
     dog.named_ranks, now = True, time.monotonic()

@@ -16,10 +16,9 @@
 May import: dptrain.errors, dptrain.fileio, dptrain.backend, dptrain.engine. Never the loop,
 the command line or the benchmarks.
 """
-from dptrain.dist.world import (SIMULATED_HOSTS_ENV, LocalComm, MPIComm, World,
-                                check_foreign_launcher, constants, current, guarded, host_communicator,
-                                init, launched_by_mpi)
+from dptrain.distributed.world import (LocalComm, MPIComm, World, check_foreign_launcher,
+                                       constants, current, guarded, host_communicator, init,
+                                       launched_by_mpi)
 
 __all__ = ["World", "LocalComm", "MPIComm", "init", "current", "guarded", "constants",
-           "host_communicator", "launched_by_mpi", "check_foreign_launcher",
-           "SIMULATED_HOSTS_ENV"]
+           "host_communicator", "launched_by_mpi", "check_foreign_launcher"]

@@ -40,7 +40,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-# mpi4py's names for what the callers pass (dptrain.dist.constants picks these or mpi4py's)
+# mpi4py's names for what the callers pass (dptrain.distributed.constants picks these or mpi4py's)
 CONSTANTS = SimpleNamespace(SUM="sum", MAX="max", IN_PLACE=object(), COMM_TYPE_SHARED="shared",
                             UNDEFINED=None)
 _REDUCE = {"sum": np.add, "max": np.maximum}
@@ -374,7 +374,7 @@ class Comm:
     """The ranks `members` (world ranks, in this communicator's rank order)."""
 
     MPI = CONSTANTS
-    rendezvous = True  # what dptrain.dist.watchdog asks: no point-to-point messages here
+    rendezvous = True  # what dptrain.distributed.watchdog asks: no point-to-point messages here
 
     def __init__(self, transport, context, members):
         self.transport, self.context, self.members = transport, context, members
@@ -614,7 +614,7 @@ def _join(rank, size, host, place, job, deadline):
 
 def connect(rank, size, host, place, job, timeout) -> Comm:
     """Every rank: meet the others; returns the world communicator (rank order = `rank`).
-    `host` groups ranks for Split_type; `place` is dptrain.dist.slurm.rendezvous_place's."""
+    `host` groups ranks for Split_type; `place` is dptrain.distributed.slurm.rendezvous_place's."""
     global connected
     deadline = time.monotonic() + timeout
     if rank == 0:

@@ -29,7 +29,7 @@ FIRST_FRACTIONS = (1, 2, 4, 8)
 
 
 def exposed_s(sizes, ready_s, first_bytes, body_bytes, n, alpha_s=ALPHA_S, bus=BUS_BYTES_S):
-    """Exposed reduce-scatter seconds of buckets cut greedily (as dptrain.dist.flat does) from
+    """Exposed reduce-scatter seconds of buckets cut greedily (as dptrain.distributed.flat does) from
     parameters of `sizes` bytes, in backward order, complete at `ready_s`."""
     if n <= 1:
         return 0.0

@@ -1,4 +1,4 @@
-"""The parameters' 16-bit shadow (mixed precision, dptrain.dist.flat): the flat buffer cast to 16
+"""The parameters' 16-bit shadow (mixed precision, dptrain.distributed.flat): the flat buffer cast to 16
 bits, kept current by the optimizer (its shard) and the reducer (whole, after a gather of the
 fp32 data), all-gathered instead of the fp32 shards and read by the layers instead of a cast
 per weight. Training with it is bitwise training without it (DPTRAIN_SHADOW=0), at one rank
@@ -15,12 +15,13 @@ import pytest
 
 import dptrain.engine.functional as F
 from dptrain.run import amp
-from dptrain import backend, dist, nn
+from dptrain import backend, nn
+from dptrain import distributed as dist
 from dptrain.engine.autograd import Tensor
 from dptrain.backend.bfloat16 import BFLOAT16
-from dptrain.dist.flat import FlatParameters
+from dptrain.distributed.flat import FlatParameters
 from dptrain.optim import SGD, SKIP_SLOT, AdamW
-from dptrain.dist.reducer import Reducer
+from dptrain.distributed.reducer import Reducer
 from mpilaunch import HAVE_MPI, mpi_command, mpi_env, run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,7 +51,7 @@ def test_shadow_is_the_flat_buffer_in_16_bits_with_a_view_per_parameter():
 def test_shadow_dtype_follows_the_precision_and_the_switch(monkeypatch):
     assert amp.shadow_dtype("fp16") == HALF and amp.shadow_dtype("bf16") == BFLOAT16
     assert amp.shadow_dtype("fp32") is None and amp.shadow_dtype("tf32") is None
-    monkeypatch.setenv(amp.SHADOW_ENV, "0")
+    monkeypatch.setenv("DPTRAIN_SHADOW", "0")
     assert amp.shadow_dtype("fp16") is None
 
 
@@ -243,7 +244,7 @@ def test_gpu_steps_with_the_shadow_are_bitwise_without_it(precision, monkeypatch
     build = lambda: nn.cnn((1, 16, 16), 5, widths=(8, 16), hidden=32)  # noqa: E731
     runs = {}
     for switch in ("1", "0"):
-        monkeypatch.setenv(amp.SHADOW_ENV, switch)
+        monkeypatch.setenv("DPTRAIN_SHADOW", switch)
         for graph in (False, True):
             runs[switch, graph] = train_steps("cuda", build, (1, 16, 16), 5, graph, 12, 3,
                                               precision=precision)[1]

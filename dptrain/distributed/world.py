@@ -2,8 +2,8 @@
 
 Under ``mpirun`` the world comes from mpi4py's COMM_WORLD; the local rank (a
 shared-memory split) picks the device. Under Slurm's ``srun`` without an MPI launcher (no
-PMI, or an MPI that sees a world of one) the world comes from SLURM_* (dptrain.dist.slurm) and
-the ranks meet over TCP (dptrain.dist.rendezvous), whose communicator answers the same mpi4py
+PMI, or an MPI that sees a world of one) the world comes from SLURM_* (dptrain.distributed.slurm) and
+the ranks meet over TCP (dptrain.distributed.rendezvous), whose communicator answers the same mpi4py
 calls. The backend's runtime supplies the communicator for its arrays (GPU: rank 0 makes an
 NCCL unique id, the host communicator broadcasts it, every rank builds an NCCL communicator,
 and the host is out of the hot path); where it has none (CPU), the host communicator itself
@@ -32,7 +32,7 @@ import traceback
 import numpy as np
 
 from dptrain.backend.bfloat16 import BFLOAT16, from_bfloat16, to_bfloat16
-from dptrain.dist import slurm
+from dptrain.distributed import slurm
 from dptrain.errors import RunStopped
 
 # Environment variables that MPI launchers set in every process they start.
@@ -45,7 +45,7 @@ def launched_by_mpi() -> bool:
 
 def check_foreign_launcher(mpi_size: int) -> None:
     """Stop when torchrun started several processes that MPI sees as worlds of one: each
-    would train alone into the same files. (Slurm's tasks meet without MPI: dptrain.dist.slurm.)"""
+    would train alone into the same files. (Slurm's tasks meet without MPI: dptrain.distributed.slurm.)"""
     try:
         size = int(os.environ.get("WORLD_SIZE", "1"))
     except ValueError:
@@ -249,9 +249,9 @@ def _init(be) -> World:
 
 
 def _init_slurm(be, tasks) -> World:
-    """The world of Slurm's tasks, met through the rendezvous (dptrain.dist.rendezvous)."""
+    """The world of Slurm's tasks, met through the rendezvous (dptrain.distributed.rendezvous)."""
     global _job_comm
-    from dptrain.dist import rendezvous
+    from dptrain.distributed import rendezvous
 
     world = rendezvous.connect(tasks.rank, tasks.size, tasks.host, slurm.rendezvous_place(tasks),
                                tasks.job, slurm.rendezvous_timeout())

@@ -44,7 +44,7 @@ class StopRequests:
         """Called by every rank after every step: the signal all ranks stop for, or 0."""
         if self._comm is None:
             return self.signum
-        from dptrain.dist.world import constants
+        from dptrain.distributed.world import constants
 
         agreed = 0
         if self._req is not None:
