@@ -1,15 +1,17 @@
 """The layering of dptrain's packages, checked from the source's import statements.
 
 Each package may import only the packages listed for it (lower layers); the README's Layout
-section draws the same picture. Lazy imports inside functions count too. Two more rules:
-nothing outside dptrain/backend/ imports CuPy, and no package of the product imports
-dptrain.bench (the `bench` command is loaded by name, by the dispatcher).
+section draws the same picture. Lazy imports inside functions count too. Three more rules:
+nothing outside dptrain/backend/ imports CuPy, no package of the product imports
+dptrain.bench (the `bench` command is loaded by name, by the dispatcher), and the face's
+helpers, which every layer imports, import only the standard library.
 """
 import ast
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FACE = {"errors", "fileio"}  # the package face's helpers: any layer may use them
+FACE = {"errors", "fileio", "switches"}  # the package face's helpers: any layer may use them
 
 # package -> the packages it may import (besides itself and FACE), lowest layer first
 ALLOWED = {
@@ -55,6 +57,10 @@ def violations(root: Path) -> list[str]:
             parts = module.split(".")
             if parts[0] == "cupy" and owner != "backend":
                 found.append(f"{where}:{line}: imports CuPy outside dptrain/backend/")
+            if owner in FACE and parts[0] not in sys.stdlib_module_names:
+                found.append(f"{where}:{line}: a face helper imports {module}, not the "
+                             f"standard library")
+                continue
             if parts[0] != "dptrain" or len(parts) < 2:
                 continue
             target = parts[1]
@@ -75,7 +81,8 @@ def test_packages_import_only_lower_layers():
 
 def test_the_check_catches_a_forbidden_import(tmp_path):
     """The rules bite: an engine module that imports the loop, a layer importing CuPy, the
-    loop importing a benchmark and a loose module at the top are each reported."""
+    loop importing a benchmark, a face helper importing NumPy and a loose module at the top
+    are each reported."""
     pkg = tmp_path / "dptrain"
     for sub in ("engine", "nn", "run"):
         (pkg / sub).mkdir(parents=True)
@@ -83,13 +90,15 @@ def test_the_check_catches_a_forbidden_import(tmp_path):
     (pkg / "nn" / "layers.py").write_text("import cupy\nfrom dptrain import engine\n")
     (pkg / "run" / "loop.py").write_text("import dptrain.bench.train\n")
     (pkg / "helpers.py").write_text("")
+    (pkg / "switches.py").write_text("import os\nimport numpy\n")
     found = violations(tmp_path)
     assert found == [
         "dptrain/engine/ops.py:2: engine may not import dptrain.run",
         "dptrain/helpers.py: a module at the top of dptrain/ that is neither a package nor "
-        "the face (__init__, __main__, errors, fileio)",
+        "the face (__init__, __main__, errors, fileio, switches)",
         "dptrain/nn/layers.py:1: imports CuPy outside dptrain/backend/",
         "dptrain/run/loop.py:1: run may not import dptrain.bench",
+        "dptrain/switches.py:2: a face helper imports numpy, not the standard library",
     ]
 
 

@@ -23,6 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from dptrain import switches
+
 _PREPARE = ("import json, sys; from dptrain import backend; "
             "print(json.dumps(backend.get(sys.argv[1]).runtime.prepare()))")
 
@@ -34,7 +36,7 @@ def _env(cache, extra=None):
 
 
 def prepare_in_fresh_process(device, cache, workers) -> dict:
-    env = _env(cache, {"DPTRAIN_COMPILE_WORKERS": str(workers)})
+    env = _env(cache, {switches.var("COMPILE_WORKERS"): str(workers)})
     out = subprocess.run([sys.executable, "-c", _PREPARE, device], env=env, check=True,
                          capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])

@@ -31,6 +31,7 @@ import warnings
 
 import numpy as np
 
+from dptrain import switches
 from dptrain.fileio import atomic_write
 
 _LABELS, _IMAGES, _ENTRY = "-labels.npy", "-images.npy", "-entry.json"
@@ -39,8 +40,7 @@ VERSION = 1
 
 def default_cache_dir() -> str:
     """``$DPTRAIN_CACHE``, else ``~/.cache/dptrain``."""
-    return os.environ.get("DPTRAIN_CACHE") or os.path.join(os.path.expanduser("~"), ".cache",
-                                                           "dptrain")
+    return switches.value("CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dptrain")
 
 
 def entry_stem(cache_dir: str, name: str, size) -> str:

@@ -40,6 +40,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from dptrain import switches
+
 # mpi4py's names for what the callers pass (dptrain.distributed.constants picks these or mpi4py's)
 CONSTANTS = SimpleNamespace(SUM="sum", MAX="max", IN_PLACE=object(), COMM_TYPE_SHARED="shared",
                             UNDEFINED=None)
@@ -505,8 +507,8 @@ def _serve_rendezvous(size, host, place, job, deadline):
                                 "secret": secret, "job": job, "size": size})
     except OSError as exc:
         raise RendezvousError(f"rank 0: cannot open the {_where(place)}: {exc}; point "
-                              f"DPTRAIN_RENDEZVOUS at a directory every node can write, or at "
-                              f"host:port") from None
+                              f"{switches.var('RENDEZVOUS')} at a directory every node can "
+                              f"write, or at host:port") from None
     peers, hosts = {}, {0: host}
     note_at = time.monotonic() + 30.0
     try:

@@ -18,8 +18,8 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-RENDEZVOUS_ENV = "DPTRAIN_RENDEZVOUS"  # host:port, or a directory for the rendezvous file
-RENDEZVOUS_TIMEOUT_ENV = "DPTRAIN_RENDEZVOUS_TIMEOUT"  # seconds the ranks wait to meet
+from dptrain import switches
+
 DEFAULT_RENDEZVOUS_TIMEOUT = 300.0  # srun starts tasks at once; imports on a busy NFS are slow
 
 
@@ -97,14 +97,14 @@ def from_env(env=None) -> SlurmTasks | None:
 
 
 def rendezvous_timeout(env=None) -> float:
-    env = os.environ if env is None else env
-    text = env.get(RENDEZVOUS_TIMEOUT_ENV)
+    text = switches.value("RENDEZVOUS_TIMEOUT", env=env)
     if not text:
         return DEFAULT_RENDEZVOUS_TIMEOUT
     try:
         return float(text)
     except ValueError:
-        raise SlurmError(f"{RENDEZVOUS_TIMEOUT_ENV}={text!r}: expected seconds") from None
+        name = switches.var("RENDEZVOUS_TIMEOUT")
+        raise SlurmError(f"{name}={text!r}: expected seconds") from None
 
 
 def rendezvous_place(tasks: SlurmTasks, env=None):
@@ -113,7 +113,7 @@ def rendezvous_place(tasks: SlurmTasks, env=None):
     address into a file in a directory every node sees. The default directory is the job's
     submit directory (usually shared), else the working directory."""
     env = os.environ if env is None else env
-    value = env.get(RENDEZVOUS_ENV, "")
+    value = switches.value("RENDEZVOUS", "", env=env)
     host, _, port = value.rpartition(":")
     if host and port.isdigit() and not Path(value).is_dir():
         return ("tcp", host, int(port))

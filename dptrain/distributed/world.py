@@ -31,6 +31,7 @@ import traceback
 
 import numpy as np
 
+from dptrain import switches
 from dptrain.backend.bfloat16 import BFLOAT16, from_bfloat16, to_bfloat16
 from dptrain.distributed import slurm
 from dptrain.errors import RunStopped
@@ -171,9 +172,6 @@ class World:
         return self.rank == 0
 
 
-SIMULATED_HOSTS_ENV = "DPTRAIN_SIMULATED_HOSTS"  # tests: "a,a,b,b" = rank r's host name
-
-
 def host_communicator(world, key=None):
     """The ranks of this rank's host, as an MPI communicator (ordered by `key`, by default
     the world rank; under Slurm SLURM_LOCALID, so that the local rank is Slurm's).
@@ -181,16 +179,16 @@ def host_communicator(world, key=None):
     The one place that decides which ranks share a host: the local rank (which picks the
     GPU), the once-per-host work (dataset generation, kernel compilation) and the per-host
     caches all follow it. Normally it is MPI's shared-memory split (under Slurm without MPI:
-    SLURM_NODEID); a test can instead name every rank's host in DPTRAIN_SIMULATED_HOSTS
+    SLURM_NODEID); a test can instead name every rank's host in DPTRAIN_TEST_SIMULATED_HOSTS
     (comma-separated, one entry per rank), so one machine plays several hosts."""
-    simulated = os.environ.get(SIMULATED_HOSTS_ENV)
+    simulated = switches.value("TEST_SIMULATED_HOSTS")
     if not simulated:
         key = world.Get_rank() if key is None else key
         return world.Split_type(constants(world).COMM_TYPE_SHARED, key=key)
     hosts = [h.strip() for h in simulated.split(",")]
     if len(hosts) != world.Get_size() or not all(hosts):
-        raise RuntimeError(f"{SIMULATED_HOSTS_ENV}={simulated!r}: expected {world.Get_size()} "
-                           f"comma-separated host names, one per rank")
+        raise RuntimeError(f"{switches.var('TEST_SIMULATED_HOSTS')}={simulated!r}: expected "
+                           f"{world.Get_size()} comma-separated host names, one per rank")
     order = sorted(set(hosts), key=hosts.index)  # hosts in order of their first rank
     return world.Split(order.index(hosts[world.Get_rank()]), key=world.Get_rank())
 

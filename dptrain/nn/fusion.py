@@ -18,13 +18,11 @@ batch statistics (the GPU sums them in the convolution's epilogue).
 """
 from __future__ import annotations
 
-import os
-
-FUSE_ENV = "DPTRAIN_FUSE"
+from dptrain import switches
 
 
 def enabled() -> bool:
-    return os.environ.get(FUSE_ENV, "1") != "0"
+    return switches.on("FUSE")
 
 
 def plan(layers) -> list:

@@ -29,10 +29,9 @@ inside the step: ``read()`` reports the overflows at the loop's metric reads.
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
+from dptrain import switches
 from dptrain.engine.autograd import Tensor
 from dptrain.backend.bfloat16 import BFLOAT16
 from dptrain.errors import NonFiniteError
@@ -55,15 +54,12 @@ def compute_dtype(precision: str) -> np.dtype:
     return COMPUTE_DTYPES.get(precision, np.dtype(np.float32))
 
 
-# DPTRAIN_SHADOW=0: no 16-bit shadow; each layer casts its fp32 weights every forward and the
-# all-gather moves fp32 (the same results, for comparison)
-SHADOW_ENV = "DPTRAIN_SHADOW"
-
-
 def shadow_dtype(precision: str):
-    """The dtype of the parameters' 16-bit shadow in training at `precision` (dptrain.distributed.flat), or
-    None: fp32 activations need none, and DPTRAIN_SHADOW=0 turns it off."""
-    if precision not in COMPUTE_DTYPES or os.environ.get(SHADOW_ENV, "1") == "0":
+    """The dtype of the parameters' 16-bit shadow in training at `precision`
+    (dptrain.distributed.flat), or None: fp32 activations need none, and DPTRAIN_SHADOW=0
+    turns it off (each layer then casts its fp32 weights every forward and the all-gather
+    moves fp32: the same results, for comparison)."""
+    if precision not in COMPUTE_DTYPES or not switches.on("SHADOW"):
         return None
     return COMPUTE_DTYPES[precision]
 

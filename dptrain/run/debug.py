@@ -2,6 +2,14 @@
 
 Each hook is a callable ``hook(step)``; the loop calls them in order after every step and
 knows nothing of what they do. They synchronise with the device, so none is on by default.
+The fault injectors are test switches (dptrain/switches.py):
+
+    DPTRAIN_TEST_FAULT     "RANK:STEP": that rank raises after that step
+    DPTRAIN_TEST_STALL     "RANK:STEP:SECONDS": that rank sleeps after that step
+    DPTRAIN_TEST_KILL      "RANK:STEP": that rank SIGKILLs itself after that step
+    DPTRAIN_TEST_OVERFLOW  "RANK:STEP" (STEP >= 2): fp16 gradients of that rank overflow at
+                           that step (its loss scale is raised after step STEP-1, so that
+                           step's logged scale shows it, and lowered after STEP)
 """
 from __future__ import annotations
 
@@ -10,12 +18,8 @@ import os
 import signal
 import time
 
-FAULT_ENV = "DPTRAIN_FAULT"  # "RANK:STEP": that rank raises after that step
-STALL_ENV = "DPTRAIN_STALL"  # "RANK:STEP:SECONDS": that rank sleeps after that step
-KILL_ENV = "DPTRAIN_KILL"  # "RANK:STEP": that rank SIGKILLs itself after that step
-# "RANK:STEP" (STEP >= 2): fp16 gradients of that rank overflow at that step (its loss scale
-# is raised after step STEP-1, so that step's logged scale shows it, and lowered after STEP)
-OVERFLOW_ENV = "DPTRAIN_OVERFLOW"
+from dptrain import switches
+
 OVERFLOW_FACTOR = 2.0**40  # far beyond fp16's range (65504) from any loss scale in use
 
 
@@ -32,7 +36,7 @@ def verify_replicas(flat, world, step):
 def step_hooks(cfg, world, reducer, flat, scaler=None) -> list:
     """The hooks that `cfg` and the environment ask for."""
     hooks = []
-    overflow = os.environ.get(OVERFLOW_ENV)
+    overflow = switches.value("TEST_OVERFLOW")
     if overflow and scaler is not None:
         rank, at = (int(v) for v in overflow.split(":"))
 
@@ -48,14 +52,14 @@ def step_hooks(cfg, world, reducer, flat, scaler=None) -> list:
             reducer.sync_parameters()
             verify_replicas(flat, world, step)
         hooks.append(check)
-    fault = os.environ.get(FAULT_ENV)
+    fault = switches.value("TEST_FAULT")
     if fault:
         def inject(step):
             if fault == f"{world.rank}:{step}":
                 raise RuntimeError(f"injected fault on rank {world.rank} at step {step} "
-                                   f"({FAULT_ENV})")
+                                   f"({switches.var('TEST_FAULT')})")
         hooks.append(inject)
-    stall = os.environ.get(STALL_ENV)
+    stall = switches.value("TEST_STALL")
     if stall:
         rank, at, seconds = stall.split(":")
 
@@ -63,7 +67,7 @@ def step_hooks(cfg, world, reducer, flat, scaler=None) -> list:
             if f"{rank}:{at}" == f"{world.rank}:{step}":
                 time.sleep(float(seconds))
         hooks.append(sleep)
-    kill = os.environ.get(KILL_ENV)
+    kill = switches.value("TEST_KILL")
     if kill:
         def die(step):  # a crash no handler sees: the process just ends
             if kill == f"{world.rank}:{step}":

@@ -40,8 +40,8 @@ def fresh_plans(cu, monkeypatch):
     """The direct kernels off (they would take the small-K cases, the 1x1 one included) and so
     is the Hopper wgmma backward-weight (test_cuda_conv_wgmma.py); TF32 for float; plans rebuilt
     so the switches are read afresh; NaN in the pool."""
-    monkeypatch.setenv(conv2d.DIRECT_ENV, "0")
-    monkeypatch.setenv(conv2d.WGMMA_BWDW_ENV, "0")
+    monkeypatch.setenv("DPTRAIN_DIRECT_CONV", "0")
+    monkeypatch.setenv("DPTRAIN_WGMMA_BWDW", "0")
     with fresh_conv_plans(cu):
         yield
 
@@ -59,7 +59,7 @@ def test_channels_last_and_nchw_kernels_agree(cu, dt, monkeypatch):
     xs, ws, stride, pad = CASES[0]
     x, w, gy = inputs(dt, xs, ws, stride, pad)
     nhwc = passes(cu, dt, x, w, gy, stride, pad)
-    monkeypatch.setenv(conv2d.NHWC_ENV, "0")
+    monkeypatch.setenv("DPTRAIN_NHWC_CONV", "0")
     gemm.clear_plans()
     assert planned_kernels(cu, x, w, gy, stride, pad)["backward_weight"] != NHWC_KERNEL
     nchw = passes(cu, dt, x, w, gy, stride, pad)
@@ -128,7 +128,7 @@ def test_fp32_nchw_backward_weight_where_channels_leave_chunks_or_switched_off(c
     fp32_passes_match_reference(cu, *inputs(F, xs, ws, stride, pad), stride, pad,
                                 "conv2d_bwdw_fp32_kernel")
     xs, ws, stride, pad = CASES[0]
-    monkeypatch.setenv(conv2d.NHWC_ENV, "0")
+    monkeypatch.setenv("DPTRAIN_NHWC_CONV", "0")
     gemm.clear_plans()
     fp32_passes_match_reference(cu, *inputs(F, xs, ws, stride, pad), stride, pad,
                                 "conv2d_bwdw_fp32_kernel")

@@ -25,7 +25,7 @@ def cu():
 @pytest.fixture(autouse=True)
 def fp32(cu, monkeypatch):
     """The route on, the convolution switches at their defaults, plans rebuilt, fp32."""
-    monkeypatch.setenv(tf32x3.ENV, "1")
+    monkeypatch.setenv("DPTRAIN_FP32_TF32X3", "1")
     with fresh_conv_plans(cu), cu.runtime.precision_scope("fp32"):
         yield
 
@@ -108,7 +108,7 @@ def test_switched_off_or_nchw_stays_on_ffma(cu, monkeypatch):
             xc, w, gc, stride, pad, channels_last=True).values())
         assert cu.conv2d_channels_last_native(np.float32)
     assert cu.conv2d_channels_last_native(np.float32)
-    monkeypatch.setenv(tf32x3.ENV, "0")
+    monkeypatch.setenv("DPTRAIN_FP32_TF32X3", "0")
     gemm.clear_plans()
     assert not any(k.startswith("3xtf32") for k in conv2d.conv2d_kernels(
         xc, w, gc, stride, pad, channels_last=True).values())
@@ -135,7 +135,7 @@ def test_resnet_fp32_alike_either_way(cu, monkeypatch):
     model = nn.resnet18((1, 12, 12), 3, widths=(16, 32, 64, 128)).to("cuda")
     results = {}
     for route in ("1", "0"):
-        monkeypatch.setenv(tf32x3.ENV, route)
+        monkeypatch.setenv("DPTRAIN_FP32_TF32X3", route)
         gemm.clear_plans()
         for p in model.parameters():
             p.grad = None

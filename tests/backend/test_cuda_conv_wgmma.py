@@ -57,11 +57,11 @@ def fresh_plans(cu, monkeypatch):
     """The gathering wgmma kernel on (the TMA-fed one where a test asks) and the direct
     kernels off (they would take the small-K cases, the 1x1 one included); TF32 for float;
     plans rebuilt so the switches are read afresh; NaN in the pool."""
-    monkeypatch.setenv(conv2d.WGMMA_CONV_ENV, "1")
-    monkeypatch.setenv(conv2d.WGMMA_TMA_ENV, "0")  # the gathering kernel (its own tests)
-    monkeypatch.setenv(conv2d.WGMMA_BWDW_ENV, "1")
-    monkeypatch.setenv(conv2d.WGMMA_BWDW_TF32_ENV, "1")
-    monkeypatch.setenv(conv2d.DIRECT_ENV, "0")
+    monkeypatch.setenv("DPTRAIN_WGMMA_CONV", "1")
+    monkeypatch.setenv("DPTRAIN_WGMMA_CONV_TMA", "0")  # the gathering kernel (its own tests)
+    monkeypatch.setenv("DPTRAIN_WGMMA_BWDW", "1")
+    monkeypatch.setenv("DPTRAIN_WGMMA_BWDW_TF32", "1")
+    monkeypatch.setenv("DPTRAIN_DIRECT_CONV", "0")
     with fresh_conv_plans(cu):
         yield
 
@@ -99,7 +99,7 @@ def test_tma_fed_kernel_is_bitwise_the_same(cu, dt, xs, ws, stride, pad, monkeyp
     forward always takes it here; backward-data where one box serves every phase."""
     x, w, gy = inputs(dt, xs, ws, stride, pad)
     base = passes(cu, dt, x, w, gy, stride, pad)[:2]
-    monkeypatch.setenv(conv2d.WGMMA_TMA_ENV, "1")
+    monkeypatch.setenv("DPTRAIN_WGMMA_CONV_TMA", "1")
     gemm.clear_plans()
     ran = planned_kernels(cu, x, w, gy, stride, pad)
     assert ran["forward"] == WGMMA_TMA
@@ -130,7 +130,7 @@ def test_tma_stores_equal_the_register_stores(cu, dt, xs, ws, stride, pad, monke
     tensor's edges), else by a rolled loop (NCHW, phases, rows not in 16 bytes); other tiles
     straight from the registers. All hold the same accumulators, so the forward (with a bias)
     and backward-data agree to the bit, channels-last against NCHW, whichever store ran."""
-    monkeypatch.setenv(conv2d.WGMMA_TMA_ENV, "1")
+    monkeypatch.setenv("DPTRAIN_WGMMA_CONV_TMA", "1")
     gemm.clear_plans()
     x, w, gy = inputs(dt, xs, ws, stride, pad)
     b = to_dt(np.linspace(-1, 1, ws[0], dtype=np.float32), dt)
@@ -168,7 +168,7 @@ def test_turned_tiles_equal_the_plain_ones(cu, dt, xs, ws, stride, pad, monkeypa
     the weights as wgmma's A) hold the same sums, so the forward (with a bias; NCHW and
     channels-last) and backward-data equal the plain tiles' to the bit; the epilogue's
     statistics, summed in another order, agree within the statistics test's bounds."""
-    monkeypatch.setenv(conv2d.WGMMA_TMA_ENV, "1")
+    monkeypatch.setenv("DPTRAIN_WGMMA_CONV_TMA", "1")
     x, w, gy = inputs(dt, xs, ws, stride, pad)
     b = to_dt(np.linspace(-1, 1, ws[0], dtype=np.float32), dt)
     dx, dw, db, dgy = cu.asarray(x), cu.asarray(w), cu.asarray(b), cu.asarray(gy)
@@ -183,9 +183,9 @@ def test_turned_tiles_equal_the_plain_ones(cu, dt, xs, ws, stride, pad, monkeypa
             cu.conv2d_forward(xl, dw, db, stride, pad, channels_last=True),
             cu.conv2d_backward_data(dgy, dw, xs, stride, pad), y, mean, var)]
 
-    monkeypatch.setenv(conv2d.WGMMA_TURN_ENV, "0")
+    monkeypatch.setenv("DPTRAIN_WGMMA_CONV_TURN", "0")
     plain = run()
-    monkeypatch.delenv(conv2d.WGMMA_TURN_ENV)  # on by default
+    monkeypatch.delenv("DPTRAIN_WGMMA_CONV_TURN")  # on by default
     turned = run()
     ctype = "__half" if np.dtype(dt) == np.float16 else "__nv_bfloat16"
     assert f"{WGMMA_TMA}<{ctype}, 64, true>" in _instantiations(
@@ -223,7 +223,7 @@ def test_strided_1x1_backward_data_spreads_the_dense_product(cu, dt, xs, ws, str
     It sums the same slabs in the same order as the one pass over every pixel of x with
     zero-filled taps (DPTRAIN_CONV_SPREAD=0), so both agree to the bit, and with the
     reference; the pixels no tap reaches hold exact zeros."""
-    monkeypatch.setenv(conv2d.WGMMA_TMA_ENV, "1")
+    monkeypatch.setenv("DPTRAIN_WGMMA_CONV_TMA", "1")
     x, w, gy = inputs(dt, xs, ws, stride, pad)
     dw, gyl = cu.asarray(w), cu.asarray(_channels_last(gy))
     nhwc = (xs[0], xs[2], xs[3], xs[1])
@@ -238,7 +238,7 @@ def test_strided_1x1_backward_data_spreads_the_dense_product(cu, dt, xs, ws, str
     assert any(name.startswith("stride_spread_kernel") for name in seen)
     assert ("stride_spread_kernel<uint4>" in seen) == vector
     spread = backward_data()
-    monkeypatch.setenv(conv2d.SPREAD_ENV, "0")
+    monkeypatch.setenv("DPTRAIN_CONV_SPREAD", "0")
     assert not any(name.startswith("stride_spread_kernel") for name in _instantiations(
         lambda: conv2d._backward_data(gyl, dw, nhwc, stride, pad, True)))
     assert spread.tobytes() == backward_data().tobytes()
@@ -267,7 +267,7 @@ def test_forward_statistics_from_the_epilogue(cu, dt, xs, ws, stride, pad, offse
     the float64 statistics of y as stored within 1e-5 of its spread (the variance within
     2e-5 of itself), as close as batch_norm_stats' (one read of y) are; tiles of every
     width sum them. With DPTRAIN_CONV_STATS=0 they are batch_norm_stats' bits."""
-    monkeypatch.setenv(conv2d.WGMMA_TMA_ENV, "1")
+    monkeypatch.setenv("DPTRAIN_WGMMA_CONV_TMA", "1")
     gemm.clear_plans()
     x, w, _ = inputs(dt, xs, ws, stride, pad)
     x = to_dt(to_f32(x, dt) + offset, dt)
@@ -287,7 +287,7 @@ def test_forward_statistics_from_the_epilogue(cu, dt, xs, ws, stride, pad, offse
         assert got_mean.dtype == got_var.dtype == np.float32
         assert np.all(np.abs(got_mean - ref_mean) <= 1e-5 * spread)
         assert np.all(np.abs(got_var - ref_var) <= 2e-5 * ref_var + 1e-30)
-    monkeypatch.setenv(conv2d.CONV_STATS_ENV, "0")
+    monkeypatch.setenv("DPTRAIN_CONV_STATS", "0")
     gemm.clear_plans()
     assert conv2d._forward(dx, dw, None, stride, pad, cl).stat_tiles is None
     _, mean0, var0 = cu.conv2d_forward_stats(dx, dw, stride, pad, channels_last=cl)
@@ -298,7 +298,7 @@ def test_forward_statistics_from_the_epilogue(cu, dt, xs, ws, stride, pad, offse
 def test_tma_box_covers_resnet_passes(monkeypatch):
     """ResNet-18's passes fit one box (stride 1 and 2, 3x3 and 1x1, even sizes, into 64
     channels too); the strided backward-data of 1x1 filters stays on the gathering kernel."""
-    monkeypatch.setenv(conv2d.WGMMA_TMA_ENV, "1")
+    monkeypatch.setenv("DPTRAIN_WGMMA_CONV_TMA", "1")
     bf16 = np.dtype(np.uint16)
 
     def box(mode, stride, pad, k, src, out, c):
@@ -338,7 +338,7 @@ def test_wgmma_backward_weight_agrees_with_the_mma_kernel(cu, dt, monkeypatch):
     xs, ws, stride, pad = CASES[0]
     x, w, gy = inputs(dt, xs, ws, stride, pad)
     fast = passes(cu, dt, x, w, gy, stride, pad)[2]
-    monkeypatch.setenv(conv2d.WGMMA_BWDW_ENV, "0")
+    monkeypatch.setenv("DPTRAIN_WGMMA_BWDW", "0")
     gemm.clear_plans()
     assert planned_kernels(cu, x, w, gy, stride, pad)["backward_weight"] != bwdw_kernel(dt)
     close(fast, passes(cu, dt, x, w, gy, stride, pad)[2], dt, 2)
@@ -364,8 +364,8 @@ def test_tma_backward_weight_matches_reference(cu, dt, xs, ws, stride, pad, tile
     """conv2d_bwdw_tma_kernel (DPTRAIN_BWDW_TMA, on by default) within the 16-bit tolerance
     of float64, as close to the gathering wgmma kernel, bitwise repeatable, channels-last
     bitwise the same."""
-    monkeypatch.setenv(conv2d.WGMMA_TMA_ENV, "1")
-    monkeypatch.setenv(conv2d.BWDW_TMA_ENV, "1")
+    monkeypatch.setenv("DPTRAIN_WGMMA_CONV_TMA", "1")
+    monkeypatch.setenv("DPTRAIN_BWDW_TMA", "1")
     gemm.clear_plans()
     x, w, gy = inputs(dt, xs, ws, stride, pad)
     dx, dgy = cu.asarray(x), cu.asarray(gy)
@@ -385,7 +385,7 @@ def test_tma_backward_weight_matches_reference(cu, dt, xs, ws, stride, pad, tile
     xl, gyl = cu.asarray(_channels_last(x)), cu.asarray(_channels_last(gy))
     cl = cu.conv2d_backward_weight(xl, gyl, ws, stride, pad, channels_last=True)
     assert cu.to_numpy(cl).tobytes() == got.tobytes()
-    monkeypatch.setenv(conv2d.BWDW_TMA_ENV, "0")
+    monkeypatch.setenv("DPTRAIN_BWDW_TMA", "0")
     gemm.clear_plans()
     assert planned_kernels(cu, x, w, gy, stride, pad)["backward_weight"] == WGMMA_BWDW
     close(to_f32(got, dt), to_f32(run(), dt), dt, 2)
@@ -404,14 +404,14 @@ def test_tiled_reduce_equals_a_thread_per_output(cu, dt, xs, ws, stride, pad, mo
     """The split-K partials summed a tile at a time through shared memory
     (DPTRAIN_BWDW_REDUCE_TILED=1; by default where the tiles fill the SMs) and a thread per
     output (=0): the same additions in the same order, so the same bits."""
-    monkeypatch.setenv(conv2d.WGMMA_TMA_ENV, "1")
-    monkeypatch.setenv(conv2d.BWDW_TMA_ENV, "1")
+    monkeypatch.setenv("DPTRAIN_WGMMA_CONV_TMA", "1")
+    monkeypatch.setenv("DPTRAIN_BWDW_TMA", "1")
     dt = dt.values[0]
     x, w, gy = inputs(dt, xs, ws, stride, pad)
     dx, dgy = cu.asarray(_channels_last(x)), cu.asarray(_channels_last(gy))
 
     def run(tiled):
-        monkeypatch.setenv(conv2d.REDUCE_TILED_ENV, tiled)
+        monkeypatch.setenv("DPTRAIN_BWDW_REDUCE_TILED", tiled)
         gemm.clear_plans()
         assert conv2d._backward_weight(dx, dgy, ws, stride, pad, True).splits > 1
         seen = _instantiations(lambda: conv2d._backward_weight(dx, dgy, ws, stride, pad, True))
@@ -424,7 +424,7 @@ def test_tiled_reduce_equals_a_thread_per_output(cu, dt, xs, ws, stride, pad, mo
     assert got.tobytes() == run("0").tobytes()
     close(to_f32(got, dt), reference(dt, x, w, gy, stride, pad)[2], dt, 2)
     if xs[1] == 256:
-        monkeypatch.delenv(conv2d.REDUCE_TILED_ENV)
+        monkeypatch.delenv("DPTRAIN_BWDW_REDUCE_TILED")
         gemm.clear_plans()
         seen = _instantiations(lambda: conv2d._backward_weight(dx, dgy, ws, stride, pad, True))
         assert any(name.startswith("conv2d_bwdw_reduce_tiled_kernel") for name in seen)
@@ -447,8 +447,8 @@ def test_tma_backward_weight_tiles_as_measured(monkeypatch):
     ((4, 64, 12, 12), (128, 64, 3, 3), (2, 2), (1, 1)),  # a stride: slower here (measured)
 ])
 def test_tma_backward_weight_leaves_what_it_cannot_take(cu, xs, ws, stride, pad, monkeypatch):
-    monkeypatch.setenv(conv2d.WGMMA_TMA_ENV, "1")
-    monkeypatch.setenv(conv2d.BWDW_TMA_ENV, "1")
+    monkeypatch.setenv("DPTRAIN_WGMMA_CONV_TMA", "1")
+    monkeypatch.setenv("DPTRAIN_BWDW_TMA", "1")
     gemm.clear_plans()
     x, w, gy = inputs(HALVES[0].values[0], xs, ws, stride, pad)
     assert planned_kernels(cu, x, w, gy, stride, pad)["backward_weight"] == WGMMA_BWDW
@@ -457,7 +457,7 @@ def test_tma_backward_weight_leaves_what_it_cannot_take(cu, xs, ws, stride, pad,
 def test_tf32_backward_weight_takes_wgmma_where_its_rows_fill_a_tile(cu, monkeypatch):
     """By default TF32 backward-weight runs on wgmma where it measured faster: C_in*KH*KW of
     TF32_BWDW_MIN_ROWS or more; below, conv2d_nhwc.cu's kernel."""
-    monkeypatch.delenv(conv2d.WGMMA_BWDW_TF32_ENV)
+    monkeypatch.delenv("DPTRAIN_WGMMA_BWDW_TF32")
     f32, nhwc = DTYPES[0].values[0], "conv2d_bwdw_nhwc_kernel"
     for cin, k, kernel in ((64, 1, nhwc), (128, 1, WGMMA_BWDW_TF32), (64, 3, WGMMA_BWDW_TF32)):
         gemm.clear_plans()
@@ -482,7 +482,7 @@ def test_wgmma_and_mma_kernels_agree(cu, dt, monkeypatch):
     xs, ws, stride, pad = CASES[0]
     x, w, gy = inputs(dt, xs, ws, stride, pad)
     fast = passes(cu, dt, x, w, gy, stride, pad)[:2]
-    monkeypatch.setenv(conv2d.WGMMA_CONV_ENV, "0")
+    monkeypatch.setenv("DPTRAIN_WGMMA_CONV", "0")
     gemm.clear_plans()
     assert planned_kernels(cu, x, w, gy, stride, pad)["forward"] != WGMMA
     slow = passes(cu, dt, x, w, gy, stride, pad)[:2]
@@ -529,8 +529,8 @@ def test_channels_last_passes_equal_nchw_bitwise(cu, dt, xs, ws, stride, pad, tm
     NCHW plan's kernel. A strided 1x1 filter's backward-data is the exception: channels-last,
     it runs the dense product at the pixels reached (on the TMA kernel where it applies),
     the same slabs in the same order, spread."""
-    monkeypatch.setenv(conv2d.WGMMA_TMA_ENV, tma)
-    monkeypatch.setenv(conv2d.DIRECT_ENV, "1")
+    monkeypatch.setenv("DPTRAIN_WGMMA_CONV_TMA", tma)
+    monkeypatch.setenv("DPTRAIN_DIRECT_CONV", "1")
     gemm.clear_plans()
     x, w, gy = inputs(dt, xs, ws, stride, pad)
     b = to_dt(np.random.default_rng(7).standard_normal(ws[0]), dt)
@@ -559,7 +559,7 @@ def test_channels_last_stem_backward_weight_needs_no_copies(cu, monkeypatch):
     """A one-channel stem's tensor-core backward-weight takes channels-last activations as
     they lie: it reads gy so, and x of one channel is its own NCHW view. No transpose or copy
     kernel is planned."""
-    monkeypatch.setenv(conv2d.DIRECT_ENV, "1")
+    monkeypatch.setenv("DPTRAIN_DIRECT_CONV", "1")
     x, w, gy = inputs(HALVES[0].values[0], (4, 1, 12, 12), (64, 1, 3, 3), (1, 1), (1, 1))
     xl, gyl = cu.asarray(_channels_last(x)), cu.asarray(_channels_last(gy))
     seen = _instantiations(
@@ -584,7 +584,7 @@ def test_direct_forward_writes_channels_last_itself(cu, dt, xs, ws, stride, pad,
     and without bias, and no transpose; conv2d_forward_stats takes its tiles' statistics on
     the way: within 1e-5 of the spread of float64 statistics of y as stored (the variance
     within 2e-5 of itself), and batch_norm_stats' bits with DPTRAIN_CONV_STATS=0."""
-    monkeypatch.setenv(conv2d.DIRECT_ENV, "1")
+    monkeypatch.setenv("DPTRAIN_DIRECT_CONV", "1")
     gemm.clear_plans()
     x, w, _ = inputs(dt, xs, ws, stride, pad)
     dx, dw = cu.asarray(x), cu.asarray(w)
@@ -611,7 +611,7 @@ def test_direct_forward_writes_channels_last_itself(cu, dt, xs, ws, stride, pad,
     got_mean, got_var = cu.to_numpy(mean), cu.to_numpy(var)
     assert np.all(np.abs(got_mean - ref_mean) <= 1e-5 * spread)
     assert np.all(np.abs(got_var - ref_var) <= 2e-5 * ref_var + 1e-30)
-    monkeypatch.setenv(conv2d.CONV_STATS_ENV, "0")
+    monkeypatch.setenv("DPTRAIN_CONV_STATS", "0")
     gemm.clear_plans()
     _, mean0, var0 = cu.conv2d_forward_stats(xl, dw, stride, pad, channels_last=True)
     for got, want in zip((mean0, var0), cu.batch_norm_stats(rows)):
@@ -634,11 +634,10 @@ def test_channels_last_native_where_wgmma_runs(cu, monkeypatch):
     with DPTRAIN_WGMMA_CONV=0 a channels-last pass copies, and a ResNet of
     channels_last="auto" then runs NCHW (both layouts: the same loss to rounding)."""
     from dptrain import nn
-    from dptrain.backend.cuda import tf32x3
     from dptrain.engine import functional as F
     from dptrain.engine.autograd import Tensor
 
-    monkeypatch.setenv(tf32x3.ENV, "0")
+    monkeypatch.setenv("DPTRAIN_FP32_TF32X3", "0")
 
     f32, f16 = np.dtype(np.float32), np.dtype(np.float16)
     assert cu.conv2d_channels_last_native(f32) and cu.conv2d_channels_last_native(f16)
@@ -653,5 +652,5 @@ def test_channels_last_native_where_wgmma_runs(cu, monkeypatch):
             assert model.layout(xt) == (prec == "tf32")
             losses[prec] = float(F.cross_entropy(model(xt), np.array([0, 2])).numpy())
     assert abs(losses["tf32"] - losses["fp32"]) <= 1e-2 * abs(losses["fp32"])
-    monkeypatch.setenv(conv2d.WGMMA_CONV_ENV, "0")
+    monkeypatch.setenv("DPTRAIN_WGMMA_CONV", "0")
     assert not cu.conv2d_channels_last_native(f16)

@@ -63,7 +63,7 @@ def test_ragged_dataset_does_not_hang(tmp_path):
 def test_failing_rank_aborts_the_job(tmp_path):
     env_args = COMMON + ["--global-batch-size", "48"]
     cmd = mpi_command(2, [sys.executable, "-m", "dptrain", "train", *env_args])
-    env = dict(_env(tmp_path / "cache"), DPTRAIN_FAULT="1:3")
+    env = dict(_env(tmp_path / "cache"), DPTRAIN_TEST_FAULT="1:3")
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
     assert result.returncode != 0
     assert "[rank 1]" in result.stderr and "injected fault" in result.stderr

@@ -1,5 +1,6 @@
-"""Several hosts simulated on one machine: DPTRAIN_SIMULATED_HOSTS names each rank's host,
-and everything that depends on the host (local rank, once-per-host work, training) follows.
+"""Several hosts simulated on one machine: DPTRAIN_TEST_SIMULATED_HOSTS names each rank's
+host, and everything that depends on the host (local rank, once-per-host work, training)
+follows.
 Runs under Open MPI, MPICH or srun (tests/helpers/mpilaunch.py)."""
 import json
 import os
@@ -19,7 +20,7 @@ HOSTS = "hostA,hostA,hostB,hostB"
 def _run(ranks, cmd, tmp, hosts=None, timeout=300):
     env = dict(os.environ, PYTHONPATH=str(ROOT), DPTRAIN_CACHE=str(tmp / "cache"))
     if hosts:
-        env["DPTRAIN_SIMULATED_HOSTS"] = hosts
+        env["DPTRAIN_TEST_SIMULATED_HOSTS"] = hosts
     env = mpi_env(env) if ranks else env
     cmd = mpi_command(ranks, cmd) if ranks else cmd
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
@@ -40,12 +41,12 @@ def test_two_simulated_hosts_of_two_ranks(tmp_path):
 
 
 def test_a_bad_host_list_is_one_clear_error(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), DPTRAIN_SIMULATED_HOSTS="a,b")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), DPTRAIN_TEST_SIMULATED_HOSTS="a,b")
     result = subprocess.run(mpi_command(4, [sys.executable, "-m", "dptrain", "train",
                                             "--device", "cpu"]),
                             capture_output=True, text=True, env=mpi_env(env), timeout=300)
     assert result.returncode != 0
-    assert "DPTRAIN_SIMULATED_HOSTS" in result.stderr
+    assert "DPTRAIN_TEST_SIMULATED_HOSTS" in result.stderr
 
 
 def test_training_on_two_simulated_hosts_equals_one_process(tmp_path):

@@ -127,7 +127,7 @@ def test_every_collective_over_the_rendezvous(tmp_path, where):
 def test_local_ranks_and_once_per_host_work(tmp_path, nodes, simulated):
     marks = tmp_path / "marks"
     marks.mkdir()
-    extra = {"DPTRAIN_SIMULATED_HOSTS": simulated} if simulated else {}
+    extra = {"DPTRAIN_TEST_SIMULATED_HOSTS": simulated} if simulated else {}
     results = finish(start(tmp_path, [sys.executable, str(ROOT / "tests" / "helpers" / "multihost_driver.py"),
                                       str(marks)], nodes, **extra), timeout=60)
     assert all(code == 0 for code, _, _ in results), [err[-2000:] for _, _, err in results]
@@ -178,7 +178,7 @@ def test_a_rank_that_dies_ends_the_job(tmp_path, victim):
     nodes = [0, 0, 1]
     began = time.monotonic()
     results = finish(start(tmp_path, TRAIN + ["--batch-size", "16", "--max-steps", "200"],
-                           nodes, DPTRAIN_KILL=f"{victim}:2"), timeout=60)
+                           nodes, DPTRAIN_TEST_KILL=f"{victim}:2"), timeout=60)
     assert time.monotonic() - began < 60
     assert all(code != 0 for code, _, _ in results), [code for code, _, _ in results]
     others = "".join(err for r, (_, _, err) in enumerate(results) if r != victim)
@@ -195,7 +195,7 @@ def test_a_rank_alone_gives_up_naming_the_rendezvous(tmp_path):
 
 def test_an_exception_on_one_rank_aborts_all_with_its_traceback(tmp_path):
     results = finish(start(tmp_path, TRAIN + ["--batch-size", "16", "--max-steps", "200"],
-                           [0, 1], DPTRAIN_FAULT="1:2"), timeout=60)
+                           [0, 1], DPTRAIN_TEST_FAULT="1:2"), timeout=60)
     assert all(code != 0 for code, _, _ in results)
     assert "[rank 1]" in results[1][2] and "injected fault on rank 1" in results[1][2]
 
@@ -204,7 +204,7 @@ def test_a_rank_that_stops_answering_trips_the_watchdog(tmp_path):
     # the watchdog cannot name the late rank here (no point-to-point messages): it says so
     results = finish(start(tmp_path, TRAIN + ["--batch-size", "16", "--max-steps", "200",
                                               "--collective-timeout", "2"],
-                           [0, 0, 1], DPTRAIN_STALL="2:2:60"), timeout=40)
+                           [0, 0, 1], DPTRAIN_TEST_STALL="2:2:60"), timeout=40)
     assert all(code != 0 for code, _, _ in results), [code for code, _, _ in results]
     text = "".join(err for _, _, err in results)
     assert "has not finished after 2 s" in text and "cannot be named" in text, text[-3000:]

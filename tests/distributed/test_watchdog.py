@@ -153,7 +153,7 @@ def test_sigstopped_rank_ends_a_gpu_job(job, ranks):
 
 def test_rank_sleeping_before_a_collective_is_named(cache):
     t0 = time.time()
-    result = run(2, ARGS, cache, timeout=120, DPTRAIN_STALL="1:3:600")
+    result = run(2, ARGS, cache, timeout=120, DPTRAIN_TEST_STALL="1:3:600")
     assert result.returncode != 0
     line = next(l for l in result.stderr.splitlines() if "watchdog" in l)
     assert "at step 3" in line or "at step 4" in line, line

@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from dptrain import switches
 from dptrain.distributed.launcher import LaunchError, find_launcher
 
 ROOT = Path(__file__).resolve().parents[2]
 try:
-    LAUNCHER = find_launcher(os.environ.get("DPTRAIN_TEST_LAUNCHER", "auto"))
+    LAUNCHER = find_launcher(switches.value("TEST_LAUNCHER", "auto"))
 except LaunchError:
     LAUNCHER = None
 HAVE_MPI = LAUNCHER is not None and importlib.util.find_spec("mpi4py") is not None

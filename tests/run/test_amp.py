@@ -10,7 +10,8 @@ import pytest
 import dptrain as dp
 import dptrain.engine.functional as F
 from dptrain.run import amp
-from dptrain import backend, dist, nn
+from dptrain import backend, nn
+from dptrain import distributed as dist
 from dptrain.engine.autograd import Tensor
 from dptrain.errors import NonFiniteError
 from dptrain.run.nonfinite import NonFiniteGuard
@@ -320,12 +321,13 @@ def test_fp16_training_follows_fp32(tmp_path, cache):
 
 @pytest.mark.parametrize("ranks", [0, pytest.param(2, marks=needs_mpi)])
 def test_injected_overflow_on_one_rank_skips_that_step_on_every_rank(ranks, tmp_path, cache):
-    """DPTRAIN_OVERFLOW=1:3 blows up the last rank's loss scale for step 3 only: every rank
-    skips step 3 and halves its scale, so the weights after 3 steps are those after 2."""
+    """DPTRAIN_TEST_OVERFLOW=1:3 blows up the last rank's loss scale for step 3 only: every
+    rank skips step 3 and halves its scale, so the weights after 3 steps are those after 2."""
     rank = 1 if ranks else 0
     fp16 = ARGS + ["--precision", "fp16"] + (["--verify-replicas"] if ranks else [])
     out = run(ranks, fp16 + ["--max-steps", "3", "--log-dir", str(tmp_path / "hit"), "--save",
-                             str(tmp_path / "hit.npz")], cache, DPTRAIN_OVERFLOW=f"{rank}:3")
+                             str(tmp_path / "hit.npz")], cache,
+              DPTRAIN_TEST_OVERFLOW=f"{rank}:3")
     assert out.returncode == 0, out.stderr
     recs = records(tmp_path / "hit")
     assert [r["overflow_steps"] for r in recs] == [0, 0, 1]

@@ -337,8 +337,8 @@ def _records(log_dir):
 
 @pytest.mark.skipif(_gpus() < 2, reason="needs 2 GPUs")
 def test_overflow_on_one_of_two_gpus_skips_that_step_on_both(tmp_path):
-    """DPTRAIN_OVERFLOW=1:3 overflows rank 1's fp16 gradients at step 3 (its loss scale raised
-    2^40-fold for that step): both GPUs skip step 3 and halve their scale (the flag is
+    """DPTRAIN_TEST_OVERFLOW=1:3 overflows rank 1's fp16 gradients at step 3 (its loss scale
+    raised 2^40-fold for that step): both GPUs skip step 3 and halve their scale (the flag is
     all-reduced over NCCL inside the captured step), so the weights after 3 steps are those
     after 2 and the replicas stay identical."""
     from mpilaunch import LAUNCHER, mpi_command, mpi_env
@@ -363,7 +363,7 @@ def test_overflow_on_one_of_two_gpus_skips_that_step_on_both(tmp_path):
         assert out.returncode == 0, out.stderr[-3000:]
 
     run(["--max-steps", "3", "--log-dir", str(tmp_path / "hit"), "--save",
-         str(tmp_path / "hit.npz")], DPTRAIN_OVERFLOW="1:3")
+         str(tmp_path / "hit.npz")], DPTRAIN_TEST_OVERFLOW="1:3")
     recs = _records(tmp_path / "hit")
     assert [r["overflow_steps"] for r in recs] == [0, 0, 1]
     assert recs[0]["loss_scale"] == 65536.0 and recs[2]["loss_scale"] == 32768.0

@@ -70,7 +70,7 @@ def test_sigkill_then_resume_auto_is_bitwise_the_full_run(ranks, tmp_path, cache
     kill_at = random.Random().randint(4, 17)
     ck = tmp_path / "ck"
     args = ARGS + ["--checkpoint-dir", str(ck), "--checkpoint-every", "3"]
-    killed = run(ranks, args, cache, DPTRAIN_KILL=f"{ranks - 1 if ranks else 0}:{kill_at}")
+    killed = run(ranks, args, cache, DPTRAIN_TEST_KILL=f"{ranks - 1 if ranks else 0}:{kill_at}")
     assert killed.returncode != 0, killed.stdout
     last = (kill_at - 1) // 3 * 3  # the kill comes before that step's checkpoint
     assert (ck / f"step-{last:08d}" / "manifest.json").is_file()
@@ -151,7 +151,7 @@ def test_resumed_run_continues_its_own_metrics_exactly(ranks, tmp_path, cache):
     assert full.returncode == 0, full.stderr
     logged = args + ["--log-dir", str(tmp_path / "L"), "--checkpoint-dir", str(tmp_path / "ck"),
                      "--checkpoint-every", "5"]
-    killed = run(ranks, logged, cache, DPTRAIN_KILL=f"{max(ranks - 1, 0)}:14")
+    killed = run(ranks, logged, cache, DPTRAIN_TEST_KILL=f"{max(ranks - 1, 0)}:14")
     assert killed.returncode != 0
     assert any(r.get("step") == 12 for r in records(tmp_path / "L"))
     out = run(ranks, logged + ["--resume", "auto"], cache)

@@ -66,10 +66,9 @@ Conventions (the .cu file's header has the kernel side):
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
+from dptrain import switches
 from dptrain.backend.cuda import launch, tf32x3, tma
 from dptrain.backend.cuda.arrays import fill_
 from dptrain.backend.cuda.gemm import (operand_dtype, output, plan, reducer, sig, split_k,
@@ -83,39 +82,36 @@ from dptrain.backend.registry import op
 
 CONV = "conv2d.cu"
 DIRECT = "conv2d_direct.cu"
-DIRECT_ENV = "DPTRAIN_DIRECT_CONV"  # "0": the implicit GEMM for every shape
 NHWC = "conv2d_nhwc.cu"
 WGMMA_CONV = "conv2d_wgmma.cu"
-# "0": forward / backward-data keep conv2d.cu's mma.sync kernels on Hopper. On by default: the
-# reference CNN's captured step ran 6-8% faster with it on an H200 (2026-11-24, bench train,
-# TF32 and bf16, batch 256 and 1024; BENCHMARKS.md).
-WGMMA_CONV_ENV = "DPTRAIN_WGMMA_CONV"
-# "0": forward / backward-data keep conv2d_wgmma_kernel's cp.async gathers. On by default:
-# conv2d_wgmma_tma_kernel, the warp-specialized kernel fed by the tensor memory accelerator
-# (an im2col map of the channels-last source, a tiled map of the weight; tma.py), takes the
-# passes whose summed channels come in whole 128-byte slabs and where one box of base pixels
-# serves every phase (_tma_box); bitwise equal to conv2d_wgmma_kernel. ResNet-18's step
-# 12.29 -> 10.90 ms in bf16, 23.8 -> 22.1 in TF32; the reference CNN's 0.63 -> 0.60 and
-# 0.95 -> 0.89 (H100, 2026-11-25, BENCHMARKS.md).
-WGMMA_TMA_ENV = "DPTRAIN_WGMMA_CONV_TMA"
-# The TMA kernel's 16-bit tiles of 64 channels turned around (weights as wgmma's A, one
-# m64n128 a step where two m64n64 read the weights twice; conv2d_wgmma.cu's TURN); "0": not.
-# ResNet-18's 64-channel forward and backward-data 5% faster (H200; the same bits)
-WGMMA_TURN_ENV = "DPTRAIN_WGMMA_CONV_TURN"
-# "0": a strided 1x1 filter's channels-last backward-data sums zero-filled taps over every
-# pixel of x instead of the dense product at the pixels it reaches, spread (_spread)
-SPREAD_ENV = "DPTRAIN_CONV_SPREAD"
-NHWC_ENV = "DPTRAIN_NHWC_CONV"  # "0": backward-weight keeps the NCHW gathers
-CONV_STATS_ENV = "DPTRAIN_CONV_STATS"  # see _epilogue_stats
 WGMMA_BWDW = "conv2d_bwdw_wgmma.cu"
-WGMMA_BWDW_ENV = "DPTRAIN_WGMMA_BWDW"  # "0": 16-bit backward-weight keeps conv2d_nhwc.cu
-# 16-bit backward-weight fed by TMA (conv2d_bwdw_tma_kernel) where it applies (_bwdw_tma_route;
-# "0": never): tiles of 64 output channels by 192 (tap, c) columns, or 128 by 128 where there
-# are more than 64 output channels and they are faster (_bwdw_tma_tiling). ResNet-18's
-# stride-1 passes 2.0x (64 channels) and 1.4-1.5x (128-512) faster than the gathering kernel,
-# split-K reduce included; its fp16 step 8.05 -> 7.20 ms with the 64 x 192 tiles alone (H200)
-BWDW_TMA_ENV = "DPTRAIN_BWDW_TMA"
-REDUCE_TILED_ENV = "DPTRAIN_BWDW_REDUCE_TILED"  # see _bwdw_wgmma_reducer
+# The routes' switches (dptrain/switches.py), each on by default, and why:
+# - WGMMA_CONV, "0": forward / backward-data keep conv2d.cu's mma.sync kernels on Hopper. The
+#   reference CNN's captured step ran 6-8% faster with it on an H200 (2026-11-24, bench
+#   train, TF32 and bf16, batch 256 and 1024; BENCHMARKS.md).
+# - WGMMA_CONV_TMA, "0": forward / backward-data keep conv2d_wgmma_kernel's cp.async gathers.
+#   conv2d_wgmma_tma_kernel, the warp-specialized kernel fed by the tensor memory accelerator
+#   (an im2col map of the channels-last source, a tiled map of the weight; tma.py), takes the
+#   passes whose summed channels come in whole 128-byte slabs and where one box of base
+#   pixels serves every phase (_tma_box); bitwise equal to conv2d_wgmma_kernel. ResNet-18's
+#   step 12.29 -> 10.90 ms in bf16, 23.8 -> 22.1 in TF32; the reference CNN's 0.63 -> 0.60
+#   and 0.95 -> 0.89 (H100, 2026-11-25, BENCHMARKS.md).
+# - WGMMA_CONV_TURN: the TMA kernel's 16-bit tiles of 64 channels turned around (weights as
+#   wgmma's A, one m64n128 a step where two m64n64 read the weights twice; conv2d_wgmma.cu's
+#   TURN); "0": not. ResNet-18's 64-channel forward and backward-data 5% faster (H200; the
+#   same bits).
+# - CONV_SPREAD, "0": a strided 1x1 filter's channels-last backward-data sums zero-filled taps
+#   over every pixel of x instead of the dense product at the pixels it reaches, spread
+#   (_spread).
+# - NHWC_CONV, "0": backward-weight keeps the NCHW gathers. CONV_STATS: see _epilogue_stats.
+# - WGMMA_BWDW, "0": 16-bit backward-weight keeps conv2d_nhwc.cu.
+# - BWDW_TMA: 16-bit backward-weight fed by TMA (conv2d_bwdw_tma_kernel) where it applies
+#   (_bwdw_tma_route; "0": never): tiles of 64 output channels by 192 (tap, c) columns, or
+#   128 by 128 where there are more than 64 output channels and they are faster
+#   (_bwdw_tma_tiling). ResNet-18's stride-1 passes 2.0x (64 channels) and 1.4-1.5x
+#   (128-512) faster than the gathering kernel, split-K reduce included; its fp16 step
+#   8.05 -> 7.20 ms with the 64 x 192 tiles alone (H200).
+# - BWDW_REDUCE_TILED: see _bwdw_wgmma_reducer. WGMMA_BWDW_TF32: see TF32_BWDW_MIN_ROWS.
 # A 64 x 192 tile's time per multiply-add over a 128 x 128 one's (more operand bytes per
 # multiply-add), the median of ResNet-18's stride-1 passes of 128, 256 and 512 channels at
 # batch 256 on 48 x 48 images: 1.27, 1.15 and 1.12 times slower per multiply-add of their
@@ -123,9 +119,8 @@ REDUCE_TILED_ENV = "DPTRAIN_BWDW_REDUCE_TILED"  # see _bwdw_wgmma_reducer
 BWDW_WIDE_RATE = 1.15
 # TF32 backward-weight on wgmma (conv2d_bwdw_wgmma_tf32_kernel): by default where C_in*KH*KW
 # fills its 128-row tiles (ResNet-18's passes on an H100, 2026-11-25: 1.03-2.5x faster than
-# conv2d_nhwc.cu from 128 rows on, 0.76x at 64, a 1x1 filter on 64 channels); "1": every
-# shape it takes, "0": none
-WGMMA_BWDW_TF32_ENV = "DPTRAIN_WGMMA_BWDW_TF32"
+# conv2d_nhwc.cu from 128 rows on, 0.76x at 64, a 1x1 filter on 64 channels); switch
+# WGMMA_BWDW_TF32 "1": every shape it takes, "0": none
 TF32_BWDW_MIN_ROWS = 128
 # fp32 backward-weight as 3xTF32 (tf32x3.py) where C_out and C_in*KH*KW both fill the TF32
 # kernel's 128-wide tiles; with 64 output channels FFMA was faster (ResNet-18's layer1:
@@ -138,7 +133,7 @@ _DIRECT_MG = {4: 8, 8: 4, 12: 4, 16: 4, 20: 2, 24: 2, 28: 2, 32: 2}  # KMAX -> c
 
 def _direct_kmax(k: int):
     """The direct kernels' tap count for K = C_in*KH*KW, or None where they do not apply."""
-    if os.environ.get(DIRECT_ENV, "1") == "0" or not 0 < k <= DIRECT_MAX_K:
+    if not switches.on("DIRECT_CONV") or not 0 < k <= DIRECT_MAX_K:
         return None
     return -(-k // 4) * 4
 
@@ -167,7 +162,7 @@ def _channels_last(dt, c: int, nb: int) -> bool:
 def _nhwc(dt, c: int, nb: int) -> bool:
     """Whether a channels-last backward-weight kernel (conv2d_nhwc.cu: one for tensor cores,
     one for FFMA) may gather c input channels of a batch of nb (DPTRAIN_NHWC_CONV not "0")."""
-    return os.environ.get(NHWC_ENV, "1") != "0" and _chunks_fit(dt, c, nb)
+    return switches.on("NHWC_CONV") and _chunks_fit(dt, c, nb)
 
 
 def _to_nhwc(shape, dt):
@@ -456,7 +451,7 @@ def _epilogue_stats(dt) -> bool:
     while the other multiplies: on ResNet-18's 3x3 layers the sums cost 0.8-10 us a
     convolution against the 12-37 us statistics pass they spare (H100, batch 256, 48x48;
     BENCHMARKS.md)."""
-    return os.environ.get(CONV_STATS_ENV, "1") != "0" and dt in launch.HALVES
+    return switches.on("CONV_STATS") and dt in launch.HALVES
 
 
 def _weight_reorder(mode, m, c, khw, dt):
@@ -479,7 +474,7 @@ def conv2d_channels_last_native(dtype) -> bool:
     back (_via_nchw), and NCHW activations run faster (ResNet-18 with FFMA fp32
     convolutions: 75.5 against 81.4 ms a step)."""
     dt = np.dtype(dtype)
-    return (os.environ.get(WGMMA_CONV_ENV, "1") != "0" and wgmma_available()
+    return (switches.on("WGMMA_CONV") and wgmma_available()
             and (dt in launch.HALVES or dt == np.float32)
             and (_tensor_cores(dt) or tf32x3.enabled(dt)))
 
@@ -488,7 +483,7 @@ def _wgmma_conv(dt, c: int, nb: int, npix: int, m: int) -> bool:
     """Whether conv2d_wgmma.cu computes a forward / backward-data pass summing c channels
     (DPTRAIN_WGMMA_CONV not "0"): a Hopper GPU, a channels-last gather (each 16-byte chunk is then
     one tap) and a grid within its limits."""
-    return (os.environ.get(WGMMA_CONV_ENV, "1") != "0" and wgmma_available()
+    return (switches.on("WGMMA_CONV") and wgmma_available()
             and _channels_last(dt, c, nb) and -(-npix // 128) <= launch.INT32_MAX
             and -(-m // 128) <= launch.GRID_YZ_MAX)
 
@@ -501,7 +496,7 @@ def _wgmma_kernel(m, npix, dt, tma_fed=False):
     if tma_fed:
         name, threads = "conv2d_wgmma_tma_kernel", 384
         smem = _tma_smem(dt, bn)
-        if bn == 64 and dt in launch.HALVES and os.environ.get(WGMMA_TURN_ENV, "1") != "0":
+        if bn == 64 and dt in launch.HALVES and switches.on("WGMMA_CONV_TURN"):
             turn = ("true",)  # the tile turned around (conv2d_wgmma.cu's TURN)
     else:
         name, threads = "conv2d_wgmma_kernel", 256
@@ -540,7 +535,7 @@ def _tma_box(mode, stride, padding, ksize, src_hw, out_hw, c, dt):
     Forward: the bases o * s - p for o < out. Backward-data: per phase, its pixels i plus
     (r + p - rk) / s - (nk - 1) (conv2d_wgmma.cu), one box for every phase that has taps.
     (ResNet-18's strided backward-data into 64 channels: 169 us gathering, 95 us here.)"""
-    if (os.environ.get(WGMMA_TMA_ENV, "1") == "0" or c % (128 // np.dtype(dt).itemsize)
+    if (not switches.on("WGMMA_CONV_TMA") or c % (128 // np.dtype(dt).itemsize)
             or _tma_slower(mode, stride, ksize)):
         return None
     lower, upper, steps = [], [], []
@@ -743,7 +738,7 @@ def _spread(dense, f, x_shape, dense_hw, stride, padding, dt):
     at (s^2 - 1) / s^2 of them: ResNet-18's three shortcuts, batch 256 on 48 x 48 images,
     took 0.227 ms that way and 0.099 this way in fp16, 0.265 / 0.179 in TF32, 0.661 / 0.412
     in fp32 (3xTF32; H200). The same bits."""
-    if os.environ.get(SPREAD_ENV, "1") == "0":
+    if not switches.on("CONV_SPREAD"):
         return None
     inner = dense()
     if "wgmma" not in inner.kernel:
@@ -911,10 +906,10 @@ def _wgmma_bwdw(dt, cin: int, cout: int, nb: int, rows: int) -> bool:
     "0") of `rows` = C_in*KH*KW: a Hopper GPU, 16-bit operands (or TF32 ones, see
     TF32_BWDW_MIN_ROWS), both channel counts in whole 16-byte chunks and the NHWC copies
     within their grids."""
-    tf32_env = os.environ.get(WGMMA_BWDW_TF32_ENV, "")
+    tf32_env = switches.value("WGMMA_BWDW_TF32", "")
     tf32 = (dt == np.float32 and runtime.precision == "tf32" and tf32_env != "0"
             and (tf32_env == "1" or rows >= TF32_BWDW_MIN_ROWS))
-    return (os.environ.get(WGMMA_BWDW_ENV, "1") != "0" and (dt in launch.HALVES or tf32)
+    return (switches.on("WGMMA_BWDW") and (dt in launch.HALVES or tf32)
             and wgmma_available() and _channels_last(dt, cin, nb)
             and _channels_last(dt, cout, nb) and -(-cout // 256) <= launch.GRID_YZ_MAX)
 
@@ -946,7 +941,7 @@ def _bwdw_tma_route(dt, x_shape, w_shape, ho, wo, stride, padding):
     three stride-2 3x3 passes took 0.086, 0.078 and 0.082 ms this way, 0.063, 0.064 and 0.079
     gathering; fp16, H200), C_in*KH*KW not in whole tiles, or no TMA box for the forward."""
     (n, c, h, wd), (cout, _, kh, kw) = x_shape, w_shape
-    if (os.environ.get(BWDW_TMA_ENV, "1") == "0" or dt not in launch.HALVES
+    if (not switches.on("BWDW_TMA") or dt not in launch.HALVES
             or tuple(stride) != (1, 1)):
         return None
     tiling = _bwdw_tma_tiling(cout, c * kh * kw, n * ho * wo)
@@ -990,7 +985,7 @@ def _bwdw_wgmma_reducer(splits: int, cout: int, c: int, taps: int, dt):
     few tiles left SMs idle.)"""
     ctile = max(1, 64 // taps)  # the kernel's 64 rows
     grid = (-(-cout // 32), -(-c // ctile))
-    env = os.environ.get(REDUCE_TILED_ENV, "")
+    env = switches.value("BWDW_REDUCE_TILED", "")
     if taps <= 64 and grid[1] <= launch.GRID_YZ_MAX and (
             env == "1" or env != "0" and grid[0] * grid[1] >= launch.sm_count()):
         fn = launch.kernel(WGMMA_BWDW, "conv2d_bwdw_reduce_tiled_kernel", launch.ctype(dt))

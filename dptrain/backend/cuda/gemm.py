@@ -41,11 +41,11 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import cupy
 import numpy as np
 
+from dptrain import switches
 from dptrain.backend.cuda import launch
 from dptrain.backend.cuda.launch import i32
 from dptrain.backend.cuda.elementwise import add_
@@ -53,8 +53,6 @@ from dptrain.backend.cuda.runtime import runtime
 from dptrain.backend.cuda.transpose import broadcast_to, transposer
 from dptrain.backend.registry import op
 
-WGMMA_ENV = "DPTRAIN_WGMMA"  # "0" turns the Hopper wgmma path off
-_WGMMA_DEFAULT = True  # on where it applies, unless the environment says "0"
 _WGMMA_BM, _WGMMA_BN, _WGMMA_ROW = 128, 256, 128
 EPI_RELU = 4  # bias_mode's ReLU bit (gemm_tiles.cuh)
 
@@ -199,11 +197,6 @@ def _broadcast_batches(a, b):
     return a, b
 
 
-def _wgmma_enabled() -> bool:
-    v = os.environ.get(WGMMA_ENV)
-    return _WGMMA_DEFAULT if v is None else v.strip() != "0"
-
-
 @functools.lru_cache(maxsize=None)
 def _is_sm90(device_id: int) -> bool:
     return int(cupy.cuda.Device(device_id).compute_capability) == 90
@@ -212,7 +205,7 @@ def _is_sm90(device_id: int) -> bool:
 def wgmma_available() -> bool:
     """Whether the wgmma kernels may run: a compute capability 9.0 device, and DPTRAIN_WGMMA
     not "0"."""
-    return _wgmma_enabled() and _is_sm90(cupy.cuda.Device().id)
+    return switches.on("WGMMA") and _is_sm90(cupy.cuda.Device().id)
 
 
 def _wgmma_splits(a, b, ta, tb, m, n, k, nb) -> int:
@@ -257,7 +250,6 @@ def _wgmma_faster(dtype, ta, tb, m, n, k, tiles) -> bool:
     return transposed == 0 or (k >= 256 and transposed < m * n)
 
 
-WGMMA_SPLIT_ENV = "DPTRAIN_WGMMA_SPLITK"  # "0": no split of K on wgmma
 _WGMMA_MIN_SLABS = 4  # slabs of K per split at the least
 
 
@@ -269,7 +261,7 @@ def _wgmma_split_k(dtype, ta, k: int, bk: int, tiles: int) -> int:
     2026-11-27) against gemm.cu's split K: 1.06-1.87x faster on five such products from K
     1024 (the MLP's first layer 15.5 -> 12.1 us, the CNN's fc1 15.8 -> 12.2), slower below K
     1024 or with A transposed first (0.75-0.84x on three)."""
-    if (os.environ.get(WGMMA_SPLIT_ENV, "1").strip() == "0" or dtype in launch.HALVES
+    if (not switches.on("WGMMA_SPLITK") or dtype in launch.HALVES
             or ta or k < 1024):
         return 0
     splits = min(-(-launch.sm_count() // max(tiles, 1)), k // bk // _WGMMA_MIN_SLABS)
@@ -277,12 +269,7 @@ def _wgmma_split_k(dtype, ta, k: int, bk: int, tiles: int) -> int:
 
 
 THIN = 16  # gemm_thin.cu's small dimension, at most
-THIN_ENV = "DPTRAIN_GEMM_THIN"  # "0": thin products keep the tiled kernels
 THIN_MACS = 1 << 21  # larger thin products keep the tiled kernels (and int offsets suffice)
-
-
-def _thin_enabled() -> bool:
-    return os.environ.get(THIN_ENV, "1").strip() != "0"
 
 
 def _thin_kernel(m: int, n: int, k: int, nb: int):
@@ -422,7 +409,7 @@ def _plan_matmul(a, b, ta, tb, bias, relu=False, accumulate=False):
         m, nb, s_a = m * nb, 1, 0  # (batch, M, K) @ (K, N) is one (batch*M, K) @ (K, N)
     lda, ldb, ldc, s_c = a.shape[-1], b.shape[-1], n, m * n
     beta = 1.0 if accumulate else 0.0  # the wgmma kernel only writes C
-    thin = _thin_kernel(m, n, k, nb) if _thin_enabled() else None
+    thin = _thin_kernel(m, n, k, nb) if switches.on("GEMM_THIN") else None
     if thin:
         # element strides of A[m, k] and B[k, n]: a transposed operand swaps its own
         a_strides = (1, lda) if ta else (lda, 1)

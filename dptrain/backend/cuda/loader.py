@@ -50,12 +50,12 @@ import threading
 import time
 from pathlib import Path
 
-KERNEL_DIR_ENV = "DPTRAIN_KERNEL_DIR"
+from dptrain import switches
 
 
 def kernel_dir() -> Path:
     """Where the .cu files are: beside the package in a source tree, inside it in a wheel."""
-    return _kernel_dir(os.environ.get(KERNEL_DIR_ENV))
+    return _kernel_dir(switches.value("KERNEL_DIR"))
 
 
 @functools.lru_cache(maxsize=None)
@@ -270,9 +270,6 @@ def _build(filename: str, names, key: str):
         return _modules[key]
 
 
-WORKERS_ENV = "DPTRAIN_COMPILE_WORKERS"
-
-
 def part_holding(filename: str, name: str) -> str:
     """The module part of kernels/`filename` that instantiation `name` is built in."""
     return _part_table(filename).get(name, part_of(name))
@@ -403,10 +400,11 @@ class Builds:
         import cupy
 
         self.device = cupy.cuda.Device().id
-        env = os.environ.get(WORKERS_ENV, "")
+        env = switches.value("COMPILE_WORKERS", "")
         if not workers and env:
             if not env.isdigit() or int(env) < 1:
-                raise ValueError(f"{WORKERS_ENV}={env!r}: expected a positive integer")
+                raise ValueError(f"{switches.var('COMPILE_WORKERS')}={env!r}: expected a "
+                                 "positive integer")
             workers = int(env)
         self.workers = workers or max(1, os.cpu_count() or 1)
         self.pool = concurrent.futures.ThreadPoolExecutor(self.workers, "dptrain-nvrtc")

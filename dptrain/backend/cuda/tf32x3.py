@@ -19,15 +19,14 @@ DPTRAIN_FP32_TF32X3: "0" keeps every fp32 convolution on FFMA kernels.
 from __future__ import annotations
 
 import math
-import os
 
 import numpy as np
 
+from dptrain import switches
 from dptrain.backend.cuda import launch
 from dptrain.backend.cuda.gemm import wgmma_available
 from dptrain.backend.cuda.runtime import runtime
 
-ENV = "DPTRAIN_FP32_TF32X3"
 FILE = "tf32x3.cu"
 # The parts along the tripled K: the first operand's (hi, lo, hi) meet the second's
 # (hi, hi, lo), so the three products are hi*hi, lo*hi and hi*lo.
@@ -38,7 +37,7 @@ def enabled(dt) -> bool:
     """Whether float32 passes of dtype dt may run as 3xTF32 now: precision "fp32" on a GPU
     with wgmma (Hopper), DPTRAIN_FP32_TF32X3 not "0"."""
     return (np.dtype(dt) == np.float32 and runtime.precision == "fp32"
-            and os.environ.get(ENV, "1") != "0" and wgmma_available())
+            and switches.on("FP32_TF32X3") and wgmma_available())
 
 
 def fits(*sizes) -> bool:
