@@ -224,7 +224,11 @@ def _two_ranks_with_and_without_shadow(flags, tmp, cache, device="cpu", half="fl
     moved = [n for dtype, n in gathers["shadow"] if dtype == half]
     fp32 = [n for dtype, n in gathers["shadow"] if dtype == "float32"]
     assert len(moved) + len(fp32) == len(gathers["shadow"])
-    assert moved and len(moved) % steps == 0  # the same gathers in each step
+    # the same gathers in each step the host issued: every step on the CPU; on the GPU the
+    # eager and capturing ones (a replayed graph gathers without calling back into Python)
+    issued = moved.count(moved[0]) if moved else 0
+    assert issued and moved == moved[: len(moved) // issued] * issued
+    assert issued == steps or device == "cuda", (issued, steps)
     assert Counter(moved) + Counter(fp32) == Counter(n for _, n in gathers["cast"])
 
 
