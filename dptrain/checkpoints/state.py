@@ -84,6 +84,20 @@ def from_json(value):
     return value
 
 
+def restore_weights(files, where, model, optimizer, named) -> None:
+    """A checkpoint's weights into `model` and its optimizer state (saved per parameter, as
+    'parameter:slot' keys) into this rank's shard of `optimizer`; UsageError naming `where`."""
+    try:
+        model.load_state_dict(files[MODEL], source=where)
+        per = {}
+        for full, a in files[OPTIM].items():
+            key, _, name = full.partition(":")
+            per.setdefault(key, {})[name] = a
+        optimizer.scatter_state(per, named, source=where)
+    except (KeyError, ValueError) as exc:
+        raise UsageError(f"{where}: {exc}") from None
+
+
 class Checkpointing:
     """The loop's view of checkpoints: ``resume()`` once before training, ``due(step)`` and
     ``save(step)`` after steps. Every rank calls each of them at the same step."""
@@ -229,15 +243,7 @@ class Checkpointing:
         if state.get("steps_per_epoch") != self.steps_per_epoch:
             raise UsageError(f"{where}: {state.get('steps_per_epoch')} steps per epoch in the "
                              f"checkpoint, {self.steps_per_epoch} in this run")
-        try:
-            self.model.load_state_dict(files[MODEL], source=where)
-            per = {}
-            for full, a in files[OPTIM].items():
-                key, _, name = full.partition(":")
-                per.setdefault(key, {})[name] = a
-            self.opt.scatter_state(per, self.named, source=where)
-        except (KeyError, ValueError) as exc:
-            raise UsageError(f"{where}: {exc}") from None
+        restore_weights(files, where, self.model, self.opt, self.named)
         self.opt.steps = int(state["optimizer_steps"])
         if self.scaler is not None and state.get("loss_scale"):
             self.scaler.load_state_dict(state["loss_scale"])

@@ -29,7 +29,7 @@ import numpy as np
 import dptrain.engine.functional as F
 from dptrain import distributed as dist
 from dptrain.backend.bfloat16 import BFLOAT16
-from dptrain.checkpoints.state import MODEL, OPTIM, from_json, to_json
+from dptrain.checkpoints.state import MODEL, OPTIM, from_json, restore_weights, to_json
 from dptrain.checkpoints.store import MANIFEST, CheckpointError, CheckpointStore, load, step_dir
 from dptrain.distributed import buckets
 from dptrain.distributed.flat import FlatParameters
@@ -314,15 +314,7 @@ class DataParallel:
         if theirs is not None and theirs != type(self.optimizer).__name__:
             raise UsageError(f"{where}: saved with optimizer {theirs}, this DataParallel has "
                              f"{type(self.optimizer).__name__}")
-        try:
-            self.model.load_state_dict(files[MODEL], source=where)
-            per = {}
-            for full, a in files[OPTIM].items():
-                key, _, name = full.partition(":")
-                per.setdefault(key, {})[name] = a
-            self.optimizer.scatter_state(per, self._trained_named(), source=where)
-        except (KeyError, ValueError) as exc:
-            raise UsageError(f"{where}: {exc}") from None
+        restore_weights(files, where, self.model, self.optimizer, self._trained_named())
         self.optimizer.steps = int(state["optimizer_steps"])
         if state.get("lr") is not None:
             self.optimizer.lr = float(state["lr"])
