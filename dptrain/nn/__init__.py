@@ -3,8 +3,10 @@
 May import: dptrain.backend, dptrain.engine (and the face: errors, fileio).
 """
 from dptrain.nn.layers import (
-    AvgPool2d, Conv2d, Dropout, Flatten, Linear, MaxPool2d, ReLU, Sequential,
+    AvgPool2d, Conv2d, Dropout, Flatten, Identity, Linear, MaxPool2d, ReLU, Sequential, Sigmoid,
+    Tanh,
 )
+from dptrain.nn.containers import ModuleDict, ModuleList
 from dptrain.nn.models import MODELS, build_model, cnn, mlp
 from dptrain.nn.module import Module, Parameter
 from dptrain.nn.attention import MultiHeadAttention
@@ -16,7 +18,7 @@ from dptrain.nn.resnet import BasicBlock, ResNet, resnet18
 
 __all__ = [
     "Module", "Parameter", "Linear", "Conv2d", "MaxPool2d", "AvgPool2d", "ReLU", "Flatten",
-    "Dropout", "Sequential", "MODELS", "build_model", "cnn", "mlp",
+    "Dropout", "Sequential", "ModuleList", "ModuleDict", "Identity", "Sigmoid", "Tanh", "MODELS", "build_model", "cnn", "mlp",
     "MultiHeadAttention", "LayerNorm", "GELU", "TransformerEncoderLayer", "VisionTransformer",
     "vit",
     "BatchNorm2d", "sync_batch_norm", "AdaptiveAvgPool2d", "BasicBlock", "ResNet", "resnet18",

@@ -129,6 +129,26 @@ class ReLU(Module):
                                            workspace=following.workspace(x))
 
 
+class Identity(Module):
+    """Returns its input; any constructor arguments are ignored (as PyTorch's)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__()
+
+    def forward(self, x):
+        return x
+
+
+class Sigmoid(Module):
+    def forward(self, x):
+        return F.sigmoid(x)
+
+
+class Tanh(Module):
+    def forward(self, x):
+        return F.tanh(x)
+
+
 class Flatten(Module):
     def __init__(self, start_axis: int = 1):
         super().__init__()

@@ -1,6 +1,7 @@
 """Module and Parameter: the bookkeeping every layer and model shares (PyTorch-style)."""
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 
 import numpy as np
@@ -20,6 +21,15 @@ class Parameter(Tensor):
 
     def __init__(self, data):
         super().__init__(data, requires_grad=True)
+
+
+def _holds_modules(value) -> bool:
+    """Whether value is a plain list, tuple or dict with a Module among its items (values)."""
+    if isinstance(value, dict):
+        value = value.values()
+    elif not isinstance(value, (list, tuple)):
+        return False
+    return any(isinstance(v, Module) for v in value)
 
 
 class Module:
@@ -46,6 +56,11 @@ class Module:
             self._buffers[name] = value
         elif isinstance(value, Module):
             self._modules[name] = value
+        elif _holds_modules(value):
+            warnings.warn(
+                f"{type(self).__name__}.{name} is a plain {type(value).__name__} of Modules: "
+                "they are not registered (never trained, exchanged or saved); use "
+                "nn.ModuleList or nn.ModuleDict", stacklevel=2)
         object.__setattr__(self, name, value)
 
     def forward(self, *args):
