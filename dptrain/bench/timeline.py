@@ -22,7 +22,7 @@ def rank_path(out, rank: int) -> Path:
 
 
 def record(world, out, model="cnn", batch=16, steps=3, bucket_mb=4.0, grad_exchange="fp32",
-           precision="fp32", png=None, capture=True, image_shape=IMAGE_SHAPE) -> Path:
+           precision="fp32", png=None, capture=True) -> Path:
     """Train `steps` steps at `batch` images per rank; write the last step's timeline."""
     import dptrain as dp
     from dptrain.distributed.timeline import Timeline
@@ -32,7 +32,7 @@ def record(world, out, model="cnn", batch=16, steps=3, bucket_mb=4.0, grad_excha
 
     be = world.be
     dp.manual_seed(0)
-    ddp = dp.DataParallel(build_model(model, image_shape, CLASSES), "sgd", world=world,
+    ddp = dp.DataParallel(build_model(model, IMAGE_SHAPE, CLASSES), "sgd", world=world,
                           precision=precision, bucket_mb=bucket_mb,
                           grad_exchange=grad_exchange, lr=0.01)
     timeline = Timeline(be.runtime, world.rank, world.size, device=be.runtime.name,
@@ -41,7 +41,7 @@ def record(world, out, model="cnn", batch=16, steps=3, bucket_mb=4.0, grad_excha
     ddp.reducer.timeline = timeline
     step = ddp.compile(lambda b: F.cross_entropy(ddp(b[0]), b[1]), capture=capture)
     rng = np.random.default_rng(world.rank)
-    x = rng.standard_normal((batch, *image_shape)).astype(np.float32)
+    x = rng.standard_normal((batch, *IMAGE_SHAPE)).astype(np.float32)
     y = rng.integers(0, CLASSES, batch)
     replayed = timeline.meta["replayed"]
     for i in range(max(steps, CAPTURE_WARMUP + 2) if replayed else steps):

@@ -119,7 +119,7 @@ class Reducer:
                 if not self.waited[i]:  # once per step: later layers of the bucket have it
                     self.rt.wait(self.gathered[i])
                     self.waited[i] = True
-                    self._mark("have_gather", i)
+                    self.mark("have_gather", i)
 
     def wait_gathered(self):
         """Make the compute stream wait for every bucket's all-gather."""
@@ -150,7 +150,7 @@ class Reducer:
         bucket = self.flat.buckets[i]
         start, stop = bucket.shard(self.rank, self.size)
         rt, comm_stream, grad = self.rt, self.rt.comm_stream(), self.flat.grad
-        self._mark("grads_ready", i)
+        self.mark("grads_ready", i)
         rt.order(comm_stream, rt.current_stream())  # after backward wrote this bucket
         with rt.on(comm_stream), self._span("reduce_scatter", i, comm_stream):
             if self.grad16 is None:
@@ -173,19 +173,16 @@ class Reducer:
         for i in range(len(self.flat.buckets)):
             self._reduce_scatter(i)
         if self.size > 1:
-            self._mark("backward_end")
+            self.mark("backward_end")
             self.rt.order(self.rt.current_stream(), self.rt.comm_stream())
-            self._mark("exchange_waited")
+            self.mark("exchange_waited")
             self.timer.wait_end()
             self.gathering = False  # the wait above also covered this step's gathers
         self.begin_step()
 
     # -- timeline marks (nothing without a timeline)
-    def mark(self, name):
+    def mark(self, name, bucket=None):
         """A mark on the compute stream of the step's timeline, if it has one."""
-        self._mark(name)
-
-    def _mark(self, name, bucket=None):
         if self.timeline is not None:
             self.timeline.mark("compute", name, self.rt.current_stream(), bucket)
 

@@ -7,7 +7,7 @@ CPU, where each collective is finished when its call returns; on the GPU the dev
 clock, written by a one-thread kernel on the stream the work runs on. So a step captured as
 a CUDA graph keeps its stamps as kernel nodes: record the timeline while the step is
 captured (``clear()`` before each eager call, not after the capture) and read it after any
-replay, which rewrote them. A stamp costs one launch (about 1 us inside a graph).
+replay, which rewrote them. A stamp costs one kernel launch on its stream.
 
 JSON (``to_dict``), one file per rank:
   {"format": "dptrain-timeline", "version": 1, "rank": r, "ranks": n, "device": "cpu",

@@ -22,7 +22,7 @@ from dptrain.backend.bfloat16 import BFLOAT16
 from dptrain.distributed.flat import FlatParameters
 from dptrain.optim import SGD, SKIP_SLOT, AdamW
 from dptrain.distributed.reducer import Reducer
-from mpilaunch import HAVE_MPI, mpi_command, mpi_env, run
+from mpilaunch import HAVE_MPI, gpu_count, mpi_command, mpi_env, run
 
 ROOT = Path(__file__).resolve().parents[2]
 cpu = backend.get("cpu")
@@ -258,17 +258,8 @@ def test_gpu_steps_with_the_shadow_are_bitwise_without_it(precision, monkeypatch
             assert np.array_equal(a, b), f"{key}: weights differ after step {step + 1}"
 
 
-def _gpus():
-    try:
-        import cupy
-
-        return cupy.cuda.runtime.getDeviceCount()
-    except Exception:
-        return 0
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(_gpus() < 2 or not HAVE_MPI, reason="needs 2 GPUs and MPI")
+@pytest.mark.skipif(gpu_count() < 2 or not HAVE_MPI, reason="needs 2 GPUs and MPI")
 @pytest.mark.parametrize("precision, half", [("bf16", "uint16"), ("fp16", "float16")])
 def test_two_gpus_gather_16_bits_and_match_the_fp32_gather_bitwise(precision, half, tmp_path,
                                                                   cache):

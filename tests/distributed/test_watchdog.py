@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from mpilaunch import HAVE_MPI, run, start
+from mpilaunch import HAVE_MPI, gpu_count, run, start
 
 pytestmark = pytest.mark.skipif(not HAVE_MPI, reason="needs mpirun and mpi4py")
 ARGS = ["--device", "cpu", "--model", "mlp", "--train-images", "256", "--val-images", "32",
@@ -41,16 +41,6 @@ def _ranks_of(proc):
 GPU_ARGS = ["--device", "cuda", "--model", "cnn", "--train-images", "20000", "--val-images",
             "256", "--epochs", "1000", "--batch-size", "256", "--log-every", "50",
             "--no-progress", "--collective-timeout", "4"]
-
-
-def _gpus():
-    from dptrain.backend import cuda_available
-
-    if not cuda_available():
-        return 0
-    import cupy
-
-    return cupy.cuda.runtime.getDeviceCount()
 
 
 @pytest.fixture
@@ -145,7 +135,7 @@ def test_sigstopped_rank_trips_the_watchdog(job):
 @pytest.mark.gpu
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_sigstopped_rank_ends_a_gpu_job(job, ranks):
-    if _gpus() < ranks:
+    if gpu_count() < ranks:
         pytest.skip(f"needs {ranks} GPUs")
     took = _stop_rank_1_and_judge(job(GPU_ARGS, "cuda", ranks), ranks)
     print(f"the {ranks}-GPU job ended {took:.1f} s after the stop")

@@ -22,6 +22,16 @@ needs_mpi = pytest.mark.skipif(not HAVE_MPI, reason="needs an MPI launcher and m
                                "(pip install '.[mpi-bundled]')")
 
 
+def gpu_count() -> int:
+    """The GPUs this process sees (0 without CuPy or a GPU): multi-GPU tests skip below theirs."""
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount()
+    except Exception:  # noqa: BLE001 - no CuPy, no driver, no device
+        return 0
+
+
 def mpi_command(ranks, program, device="cpu", extra=()):
     """`program` started as `ranks` ranks by the launcher, with its flavour's flags."""
     return LAUNCHER.command(ranks, list(program), device, list(extra))

@@ -18,6 +18,7 @@ import pytest
 
 from dptrain import backend
 from dptrain.backend.bfloat16 import BFLOAT16, from_bfloat16, to_bfloat16
+from mpilaunch import gpu_count
 from replay import train_steps
 
 pytestmark = pytest.mark.gpu
@@ -321,21 +322,12 @@ def test_16bit_training_reaches_the_fp32_runs_validation_accuracy(tmp_path):
     assert acc["bf16"] >= acc["fp32"] - 0.01 and acc["fp16"] >= acc["fp32"] - 0.01, acc
 
 
-def _gpus():
-    try:
-        import cupy
-
-        return cupy.cuda.runtime.getDeviceCount()
-    except Exception:
-        return 0
-
-
 def _records(log_dir):
     lines = (log_dir / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if "loss" in r]
 
 
-@pytest.mark.skipif(_gpus() < 2, reason="needs 2 GPUs")
+@pytest.mark.skipif(gpu_count() < 2, reason="needs 2 GPUs")
 def test_overflow_on_one_of_two_gpus_skips_that_step_on_both(tmp_path):
     """DPTRAIN_TEST_OVERFLOW=1:3 overflows rank 1's fp16 gradients at step 3 (its loss scale
     raised 2^40-fold for that step): both GPUs skip step 3 and halve their scale (the flag is

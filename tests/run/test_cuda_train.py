@@ -19,19 +19,10 @@ from dptrain.distributed.flat import FlatParameters
 from dptrain.optim import SGD
 from dptrain.distributed.reducer import Reducer
 from dptrain.run.step import TrainStep
-from mpilaunch import LAUNCHER, mpi_command, mpi_env
+from mpilaunch import LAUNCHER, gpu_count, mpi_command, mpi_env
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.gpu
-
-
-def _gpu_count():
-    try:
-        import cupy
-
-        return cupy.cuda.runtime.getDeviceCount()
-    except Exception:
-        return 0
 
 
 def test_training_step_memory_is_flat():
@@ -88,7 +79,7 @@ def test_gpu_training_reaches_cpu_accuracy(tmp_path):
     assert acc["cuda"] >= acc["cpu"] - 0.01, acc
 
 
-@pytest.mark.skipif(_gpu_count() < 2 or LAUNCHER is None,
+@pytest.mark.skipif(gpu_count() < 2 or LAUNCHER is None,
                     reason="needs 2 GPUs and an MPI launcher")
 def test_two_gpus_over_nccl_match_one_gpu(tmp_path):
     common = ["--device", "cuda", "--precision", "fp32", "--train-images", "960",

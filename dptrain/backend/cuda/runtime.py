@@ -160,8 +160,8 @@ class Runtime(RuntimeBase):
 
     def comm_stream(self):
         if self._comm is None:
-            # Default priority: the highest (the graph's nodes keeping it) was 1-2% slower at
-            # 2 and 4 x H200 (CNN and ResNet-18, bf16; BENCHMARKS.md).
+            # Default priority: the highest (the graph's nodes keeping it) was 0.3-2.2% slower
+            # at 2 and 4 x H200 (CNN and ResNet-18, bf16; BENCHMARKS.md).
             self._comm = cupy.cuda.Stream(non_blocking=True)
         return self._comm
 
