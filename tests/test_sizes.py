@@ -31,7 +31,6 @@ FUNCTION_ALLOW = {
     "dptrain/bench/comm.py: main": (93, "bench, to be split"),
     "dptrain/bench/train.py: main": (123, "bench, to be split"),
     "dptrain/run/torch_twin.py: train_twin": (106, "twin, mirrors train()"),
-    "dptrain/run/train.py: train": (189, "loop, to be split"),
 }
 
 

@@ -4,7 +4,7 @@ its metadata) are ``weights``.
 
 May import: backend, engine, nn, dist, optim, data (and the face); never run, cli or bench.
 """
-from .state import Checkpointing
+from .state import CheckpointOptions, Checkpointing
 from .store import CheckpointError, CheckpointStore, load
 
-__all__ = ["Checkpointing", "CheckpointError", "CheckpointStore", "load"]
+__all__ = ["CheckpointOptions", "Checkpointing", "CheckpointError", "CheckpointStore", "load"]

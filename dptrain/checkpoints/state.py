@@ -9,7 +9,8 @@ Saved (a collective: every rank takes part, rank 0 writes):
     function of the seed and the epoch; the learning rate a pure function of the step);
   * every random state: each rank's device generator (dropout), the init generator;
   * with fp16 mixed precision, the loss scale and its count of good steps;
-  * the configuration, checked on resume against the settings that must not change.
+  * the run's identity (``run_identity``), checked on resume against the settings that must
+    not change.
 
 Restored in place: parameters through ``load_state_dict`` (copies into the flat buffer, and
 its 16-bit shadow under mixed precision),
@@ -24,7 +25,7 @@ taken from rank 0 then.
 """
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -32,7 +33,7 @@ from dptrain.checkpoints.store import CheckpointError, CheckpointStore, load
 from dptrain.errors import UsageError
 from dptrain.engine.rng import init_rng
 
-# Settings a resumed run must share with the checkpoint (flag name, config field).
+# Settings a resumed run must share with the checkpoint (flag name, identity key).
 MUST_MATCH = (("--model", "model"), ("--dataset", "dataset"), ("--train-images", "train_images"),
               ("--seed", "seed"), ("--optimizer", "optimizer"))
 MODEL, OPTIM = "model.npz", "optimizer.npz"
@@ -98,22 +99,33 @@ def restore_weights(files, where, model, optimizer, named) -> None:
         raise UsageError(f"{where}: {exc}") from None
 
 
+@dataclass
+class CheckpointOptions:
+    """Where and when a run writes checkpoints, and which one it resumes from."""
+    directory: str | None = None  # --checkpoint-dir (None: no checkpoints)
+    every: int = 0  # --checkpoint-every: steps between checkpoints (0: only when stopped)
+    keep: int = 3  # --keep-checkpoints
+    resume: str | None = None  # --resume: "auto", a checkpoint directory, or None
+
+
 class Checkpointing:
     """The loop's view of checkpoints: ``resume()`` once before training, ``due(step)`` and
-    ``save(step)`` after steps. Every rank calls each of them at the same step."""
+    ``save(step)`` after steps. Every rank calls each of them at the same step. `identity` is
+    the run's ``run_identity``: saved with each checkpoint and checked on resume."""
 
-    def __init__(self, cfg, world, model, optimizer, reducer, steps_per_epoch, echo=print,
-                 warn=None, loader=None, scaler=None):
-        self.cfg, self.world, self.model, self.opt = cfg, world, model, optimizer
+    def __init__(self, options: CheckpointOptions, identity: dict, world, model, optimizer,
+                 reducer, steps_per_epoch, echo=print, warn=None, loader=None, scaler=None):
+        self.options, self.identity = options, identity
+        self.world, self.model, self.opt = world, model, optimizer
         self.loader = loader  # the training loader: its augmentation draws are saved too
         self.scaler = scaler  # fp16's loss scale (dptrain.run.amp), or None
         self.reducer, self.steps_per_epoch = reducer, steps_per_epoch
         self.be = optimizer.be
         self.echo = echo
         self.warn = warn or echo
-        self.every = cfg.checkpoint_every or 0
-        self.store = CheckpointStore(cfg.checkpoint_dir, cfg.keep_checkpoints) \
-            if cfg.checkpoint_dir else None
+        self.every = options.every or 0
+        self.store = CheckpointStore(options.directory, options.keep) \
+            if options.directory else None
         self.named = list(model.named_parameters())
         self.last_saved = None
         # the loop's metric sums since its last log (window_state / set_window_state), saved
@@ -160,7 +172,7 @@ class Checkpointing:
             return None
         meta = {
             "world_size": self.world.size,
-            "global_batch_size": self.cfg.batch_size * self.world.size,
+            "global_batch_size": self.identity["batch_size"] * self.world.size,
             "state": {
                 "step": step,
                 "epoch": step // self.steps_per_epoch,
@@ -172,7 +184,7 @@ class Checkpointing:
                 "rng": {"device": rng, "init": to_json(init_rng().bit_generator.state),
                         "augment": self._augment_state()},
             },
-            "config": asdict(self.cfg),
+            "config": self.identity,
         }
         files = {MODEL: model_state,
                  OPTIM: {f"{key}:{name}": a for key, per in optim.items() for name, a in per.items()}}
@@ -183,17 +195,17 @@ class Checkpointing:
     # -- resuming
     def _find(self):
         """Rank 0: (path, manifest, files) to resume from, or None for a fresh start."""
-        cfg = self.cfg
-        if cfg.resume == "auto":
+        opts = self.options
+        if opts.resume == "auto":
             found = self.store.latest(warn=lambda m: self.warn(f"dptrain: warning: {m}"))
             if found is None:
-                self.echo(f"dptrain: no usable checkpoint in {cfg.checkpoint_dir}; starting "
+                self.echo(f"dptrain: no usable checkpoint in {opts.directory}; starting "
                           f"from step 0")
             return found
         try:
-            return (cfg.resume, *load(cfg.resume))
+            return (opts.resume, *load(opts.resume))
         except CheckpointError as exc:
-            raise UsageError(f"--resume {cfg.resume}: {exc}") from None
+            raise UsageError(f"--resume {opts.resume}: {exc}") from None
 
     def _window_share(self, saved) -> list[float]:
         """This rank's metric sums: its own at the same world size; at another, the mean
@@ -206,10 +218,10 @@ class Checkpointing:
     def resume(self) -> int:
         """Restore the state of the checkpoint --resume names; returns the step to go on
         from (0 when there is nothing to resume)."""
-        cfg, world = self.cfg, self.world
-        if not cfg.resume:
+        resume, world = self.options.resume, self.world
+        if not resume:
             return 0
-        if cfg.resume == "auto" and self.store is None:
+        if resume == "auto" and self.store is None:
             raise UsageError("--resume auto needs --checkpoint-dir (where to look)")
         found = None
         if world.is_root:
@@ -227,18 +239,18 @@ class Checkpointing:
         return self._restore(path, manifest, files)
 
     def _restore(self, path, manifest, files) -> int:
-        cfg, world = self.cfg, self.world
+        mine, world = self.identity, self.world
         where = f"--resume {path}"
         saved = manifest.get("config", {})
         for flag, key in MUST_MATCH:
-            if key in saved and saved[key] != getattr(cfg, key):
+            if key in saved and saved[key] != mine[key]:
                 raise UsageError(f"{where}: the checkpoint was trained with {flag} {saved[key]}, "
-                                 f"this run has {flag} {getattr(cfg, key)}")
-        global_batch = cfg.batch_size * world.size
+                                 f"this run has {flag} {mine[key]}")
+        global_batch = mine["batch_size"] * world.size
         if manifest.get("global_batch_size") != global_batch:
             raise UsageError(f"{where}: the checkpoint was trained at global batch "
                              f"{manifest.get('global_batch_size')}, this run has {global_batch} "
-                             f"({world.size} ranks x --batch-size {cfg.batch_size})")
+                             f"({world.size} ranks x --batch-size {mine['batch_size']})")
         state = manifest["state"]
         if state.get("steps_per_epoch") != self.steps_per_epoch:
             raise UsageError(f"{where}: {state.get('steps_per_epoch')} steps per epoch in the "

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import functools
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
 from dptrain import backend
 from dptrain import distributed as dist
-from dptrain.checkpoints import Checkpointing
+from dptrain.checkpoints import CheckpointOptions, Checkpointing
+from dptrain.checkpoints.state import run_identity
 from dptrain.checkpoints.weights import load_weights, save_weights, weights_metadata
 from dptrain.data import DeviceLoader, StrideSampler, get_dataset
 from dptrain.distributed.startup import first_on_host, process_age_s
@@ -100,193 +101,253 @@ def _setup(cfg: TrainConfig):
 
 def train(cfg: TrainConfig, echo=print) -> dict:
     """Train as `cfg` says; returns the summary (rank 0 also writes LOGDIR/summary.json)."""
-    cfg, device, be, world, train_set, val_set, model, notes = _setup(cfg)
-    root = world.is_root
-    # the kernels of the run's dtypes (built once per host, up front, in parallel), the flat
-    # parameters, ZeRO-1 optimizer shards, the bucketed exchange, the 16-bit shadow (mixed
-    # precision), the loss scaler (fp16) and the non-finite guard: the library's own
-    ddp = DataParallel(model, functools.partial(build_optimizer, cfg), world=world,
-                       precision=cfg.precision, sync="broadcast", bucket_mb=cfg.bucket_mb,
-                       grad_exchange=cfg.grad_exchange,
-                       skip_nonfinite=cfg.skip_nonfinite, loss_scale=cfg.loss_scale,
-                       loss_scale_interval=cfg.loss_scale_interval,
-                       input_shapes=[(cfg.batch_size, *train_set.image_shape)]
-                       + [(n, *val_set.image_shape)
-                          for n in eval_batch_sizes(len(val_set.labels), world)])
-    flat, opt, reducer, scaler, guard = ddp.flat, ddp.optimizer, ddp.reducer, ddp.scaler, ddp.guard
+    run = _Run(cfg, echo)  # set-up: device, world, data, model
+    run.build()  # the model and its step: exchange, optimizer, data order, loaders
+    first_step = run.resume()  # resume: the checkpoint's state, restored in place
+    run.open_log(first_step)  # the metrics log and the run's opening lines
+    state = run.loop(first_step)  # the loop: epochs, logs, evaluations, checkpoints, stops
+    return run.finish(state)  # the end: weights, summary, the torch twin
 
-    sampler = StrideSampler(len(train_set.labels), cfg.batch_size, world.size, world.rank,
-                            seed=cfg.seed, drop_last=cfg.drop_last)
-    steps_per_epoch = len(sampler)
-    total_steps = steps_per_epoch * cfg.epochs
-    if cfg.max_steps is not None:
-        total_steps = min(total_steps, cfg.max_steps)
-    schedule = LRSchedule(cfg.lr, cfg.lr_schedule, total_steps, cfg.warmup_steps)
-    cfg.warmup_steps = schedule.warmup_steps
-    global_batch = cfg.batch_size * world.size
-    for note in notes:
-        echo(f"dptrain: note: {note}")
 
-    loader = DeviceLoader(train_set, be, cfg.batch_size, augment=cfg.augment,
-                          augment_pad=cfg.augment_pad, augment_seed=cfg.seed,
-                          shard=(world.rank, world.size))
-    val_loader = DeviceLoader(val_set, be, cfg.batch_size)
-    # Exact resume: restores parameters, optimizer shards, step, RNG and augmentation states
-    # in place.
-    dtype = ddp.dtype
-    ckpt = Checkpointing(cfg, world, model, opt, reducer, steps_per_epoch, echo=echo,
-                         warn=lambda text: print(text, file=sys.stderr, flush=True),
-                         loader=loader, scaler=scaler)
-    step_fn = TrainStep(model, opt, reducer, loader, guard, dtype)
-    ckpt.window = step_fn  # its metric sums are saved and restored too
-    first_step = ckpt.resume()
-    run_step = ddp.capture(step_fn) if cfg.cuda_graph else step_fn
-    hooks = step_hooks(cfg, world, reducer, flat, scaler)
-    # a resumed run drops what its log holds past the checkpoint (steps it runs again)
-    log = MetricsLog(cfg.log_dir if root else None, resume_step=first_step)
-    log.config(asdict(cfg))
-    if root:
-        echo(f"dptrain: {cfg.model} on {cfg.dataset} ({len(train_set.labels)} train / "
-             f"{len(val_set.labels)} val images), {device} x {world.size}, batch "
-             f"{cfg.batch_size} per rank ({global_batch} global), {total_steps} steps")
+@dataclass
+class _LoopState:
+    """What the loop carries from step to step, and the summary reads at the end."""
+    step: int
+    since_log: int  # a resume lands inside a logging window: its sums were restored
+    startup_s: float | None  # process start to the timed steps
+    ran: int = 0
+    last_loss: float = float("nan")
+    last_eval: dict = field(default_factory=dict)
+    comm_exposed: float | None = 0.0  # seconds of communication that compute waited for
+    stopped: int = 0  # the signal that stopped the run, 0 while none did
+
+
+class _Run:
+    """One training run's parts, built phase by phase; ``train`` walks the phases in order."""
+
+    def __init__(self, cfg: TrainConfig, echo):
+        self.echo = echo
+        (self.cfg, self.device, self.be, self.world, self.train_set, self.val_set, self.model,
+         self.notes) = _setup(cfg)
+        self.root = self.world.is_root
+
+    def build(self):
+        """The kernels of the run's dtypes (built once per host, up front, in parallel), the flat
+        parameters, ZeRO-1 optimizer shards, the bucketed exchange, the 16-bit shadow (mixed
+        precision), the loss scaler (fp16) and the non-finite guard: the library's own."""
+        cfg, world, train_set, val_set = self.cfg, self.world, self.train_set, self.val_set
+        self.ddp = ddp = DataParallel(
+            self.model, functools.partial(build_optimizer, cfg), world=world,
+            precision=cfg.precision, sync="broadcast", bucket_mb=cfg.bucket_mb,
+            grad_exchange=cfg.grad_exchange, skip_nonfinite=cfg.skip_nonfinite,
+            loss_scale=cfg.loss_scale, loss_scale_interval=cfg.loss_scale_interval,
+            input_shapes=[(cfg.batch_size, *train_set.image_shape)]
+            + [(n, *val_set.image_shape) for n in eval_batch_sizes(len(val_set.labels), world)])
+        self.opt, self.reducer, self.scaler, self.guard = (ddp.optimizer, ddp.reducer, ddp.scaler,
+                                                           ddp.guard)
+        self.sampler = StrideSampler(len(train_set.labels), cfg.batch_size, world.size,
+                                     world.rank, seed=cfg.seed, drop_last=cfg.drop_last)
+        self.steps_per_epoch = len(self.sampler)
+        self.total_steps = self.steps_per_epoch * cfg.epochs
+        if cfg.max_steps is not None:
+            self.total_steps = min(self.total_steps, cfg.max_steps)
+        self.schedule = LRSchedule(cfg.lr, cfg.lr_schedule, self.total_steps, cfg.warmup_steps)
+        cfg.warmup_steps = self.schedule.warmup_steps
+        self.global_batch = cfg.batch_size * world.size
+        for note in self.notes:
+            self.echo(f"dptrain: note: {note}")
+        self.loader = DeviceLoader(train_set, self.be, cfg.batch_size, augment=cfg.augment,
+                                   augment_pad=cfg.augment_pad, augment_seed=cfg.seed,
+                                   shard=(world.rank, world.size))
+        self.val_loader = DeviceLoader(val_set, self.be, cfg.batch_size)
+
+    def resume(self) -> int:
+        """Exact resume: parameters, optimizer shards, step, RNG and augmentation states are
+        restored in place, before the step is captured. Returns the step to go on from."""
+        cfg = self.cfg
+        options = CheckpointOptions(cfg.checkpoint_dir, cfg.checkpoint_every or 0,
+                                    cfg.keep_checkpoints, cfg.resume)
+        self.ckpt = Checkpointing(options, run_identity(cfg), self.world, self.model, self.opt,
+                                  self.reducer, self.steps_per_epoch, echo=self.echo,
+                                  warn=lambda text: print(text, file=sys.stderr, flush=True),
+                                  loader=self.loader, scaler=self.scaler)
+        self.step_fn = TrainStep(self.model, self.opt, self.reducer, self.loader, self.guard,
+                                 self.ddp.dtype)
+        self.ckpt.window = self.step_fn  # its metric sums are saved and restored too
+        first_step = self.ckpt.resume()
+        self.run_step = self.ddp.capture(self.step_fn) if cfg.cuda_graph else self.step_fn
+        self.hooks = step_hooks(cfg, self.world, self.reducer, self.ddp.flat, self.scaler)
+        return first_step
+
+    def open_log(self, first_step: int):
+        cfg = self.cfg
+        # a resumed run drops what its log holds past the checkpoint (steps it runs again)
+        self.log = MetricsLog(cfg.log_dir if self.root else None, resume_step=first_step)
+        self.log.config(asdict(cfg))
+        if not self.root:
+            return
+        self.echo(f"dptrain: {cfg.model} on {cfg.dataset} ({len(self.train_set.labels)} train / "
+                  f"{len(self.val_set.labels)} val images), {self.device} x {self.world.size}, "
+                  f"batch {cfg.batch_size} per rank ({self.global_batch} global), "
+                  f"{self.total_steps} steps")
         if not (cfg.log_dir or cfg.save or cfg.checkpoint_dir):
-            echo("dptrain: note: no --log-dir, --save or --checkpoint-dir: this run keeps no "
-                 "files (`make train` keeps them in runs/latest)")
-        if schedule.fit_warning():
-            echo(f"dptrain: warning: {schedule.fit_warning()}")
+            self.echo("dptrain: note: no --log-dir, --save or --checkpoint-dir: this run keeps "
+                      "no files (`make train` keeps them in runs/latest)")
+        if self.schedule.fit_warning():
+            self.echo(f"dptrain: warning: {self.schedule.fit_warning()}")
 
-    progress = Progress(total_steps, enabled=cfg.progress and root)
-    # images/s leaves out the warm-up and capture steps (at least one step stays timed)
-    excluded = min(CAPTURE_WARMUP + 1, max(total_steps - first_step - 1, 0))
-    meter = Throughput(global_batch, warmup_steps=excluded)
-    startup_s = process_age_s() if excluded == 0 else None  # process start to timed steps
-    # a resume lands inside a logging window: its sums were restored from the checkpoint
-    since_log = first_step % cfg.log_every
-    step, ran, last_loss, last_eval = first_step, 0, float("nan"), {}
-    comm_exposed = 0.0  # seconds of communication that compute waited for
-    eval_every = cfg.eval_every or steps_per_epoch
-    watchdog = Watchdog(world, cfg.collective_timeout).start()
-    watch = watchdog.watch
-    stops = StopRequests(world).install()
-    stopped = 0
-    try:
-        for epoch in range(first_step // steps_per_epoch, cfg.epochs):
-            batches = sampler.epoch_batches(epoch)
-            first = step - epoch * steps_per_epoch  # > 0 only in the epoch a resume lands in
-            for local in range(first, min(steps_per_epoch, first + total_steps - step)):
-                opt.lr = schedule(step)
-                opt.begin_step()
-                loader.set_batch(batches[local])
-                with watch("training step", step + 1):
-                    run_step()
-                    stopped = stops.poll()
-                step, ran, since_log = step + 1, ran + 1, since_log + 1
-                if ran == excluded:  # warm-up and capture done; the timed steps start here
-                    be.runtime.synchronize()
-                    startup_s = process_age_s()
-                meter.step()
-                progress.advance(step)
-                for hook in hooks:
-                    hook(step)
-                if step % cfg.log_every == 0 or step == total_steps:
-                    timed_steps = meter.window_steps
-                    with watch("metrics all-reduce", step):
-                        loss_sum, correct = step_fn.read_metrics(world.comm)
-                    skipped = guard.read(step)  # stops the run on a non-finite step
-                    exposed = reducer.read_exposed_comm()
-                    comm_exposed = None if exposed is None or comm_exposed is None else (
-                        comm_exposed + exposed * timed_steps)
-                    rate = meter.window()
-                    last_loss = loss_sum / since_log
-                    accuracy = correct / (since_log * global_batch)
-                    since_log = 0
-                    record = {"step": step, "epoch": epoch, "loss": last_loss,
-                              "accuracy": accuracy, "lr": opt.lr, "images_per_s": rate}
-                    if scaler is not None:  # fp16: the scale now, overflowed (skipped) steps
-                        record["loss_scale"], record["overflow_steps"] = scaler.read(step)
-                    log.write({**record, "skipped_steps": skipped} if skipped else record)
-                    progress.update(step, loss=last_loss, acc=accuracy, images_per_s=rate)
-                if step % eval_every == 0 or step == total_steps:
-                    meter.pause()  # evaluation is not training time
-                    with watch("evaluation", step):
-                        reducer.sync_parameters()
-                        broadcast_buffers(model, world.comm)  # evaluate with rank 0's estimates
-                        last_eval = evaluate(model, val_loader, world=world, dtype=dtype)
-                    log.write({"step": step, "epoch": epoch, **last_eval})
-                    progress.note(f"step {step}: val_loss {last_eval['val_loss']:.4f} "
-                                  f"val_accuracy {last_eval['val_accuracy']:.4f}")
-                    meter.resume()
-                if ckpt.due(step) or (stopped and ckpt.enabled):
-                    guard.read(step)  # never checkpoint past a non-finite step
-                    with watch("checkpoint gather", step):
-                        path = ckpt.save(step)
-                    if path is not None and stopped:
-                        progress.note(f"step {step}: checkpoint {path}")
-                if stopped:
+    def loop(self, first_step: int) -> _LoopState:
+        """Every step from `first_step` on, under the watchdog and the stop requests."""
+        cfg, total_steps, per_epoch = self.cfg, self.total_steps, self.steps_per_epoch
+        self.progress = Progress(total_steps, enabled=cfg.progress and self.root)
+        # images/s leaves out the warm-up and capture steps (at least one step stays timed)
+        self.excluded = min(CAPTURE_WARMUP + 1, max(total_steps - first_step - 1, 0))
+        self.meter = Throughput(self.global_batch, warmup_steps=self.excluded)
+        s = _LoopState(step=first_step, since_log=first_step % cfg.log_every,
+                       startup_s=process_age_s() if self.excluded == 0 else None)
+        self.eval_every = cfg.eval_every or per_epoch
+        watchdog = Watchdog(self.world, cfg.collective_timeout).start()
+        self.watch = watchdog.watch
+        stops = StopRequests(self.world).install()
+        try:
+            for epoch in range(first_step // per_epoch, cfg.epochs):
+                batches = self.sampler.epoch_batches(epoch)
+                first = s.step - epoch * per_epoch  # > 0 only in the epoch a resume lands in
+                for local in range(first, min(per_epoch, first + total_steps - s.step)):
+                    self.opt.lr = self.schedule(s.step)
+                    self.opt.begin_step()
+                    self.loader.set_batch(batches[local])
+                    with self.watch("training step", s.step + 1):
+                        self.run_step()
+                        s.stopped = stops.poll()
+                    self._after_step(s, epoch)
+                    if s.stopped:
+                        break
+                if s.step >= total_steps or s.stopped:
                     break
-            if step >= total_steps or stopped:
-                break
-        if stopped:
-            where = f"; checkpoint in {cfg.checkpoint_dir}" if ckpt.enabled else ""
-            raise RunStopped(f"stopped by {signal_name(stopped)} after step {step}{where}",
-                             exit_code=128 + stopped, agreed=True)
-        guard.read(step)
-        if scaler is not None:
-            scaler.read(step)
-        stops.close()
-    except RunStopped as exc:
-        if exc.agreed:  # every rank issued the pending stop all-reduce: finish it
+            if s.stopped:
+                where = f"; checkpoint in {cfg.checkpoint_dir}" if self.ckpt.enabled else ""
+                raise RunStopped(f"stopped by {signal_name(s.stopped)} after step {s.step}{where}",
+                                 exit_code=128 + s.stopped, agreed=True)
+            self.guard.read(s.step)
+            if self.scaler is not None:
+                self.scaler.read(s.step)
             stops.close()
-        raise
-    finally:
-        stops.close(complete=False)
-        watchdog.stop()
-        progress.close()
-        log.close()
-    reducer.sync_parameters()
-    broadcast_buffers(model, world.comm)
-    if startup_s is None:  # no step ran
-        startup_s = process_age_s()
-    wall = meter.wall()
-    if cfg.save and root:
-        save_weights(model, cfg.save, weights_metadata(
-            cfg.model, train_set, cfg.dataset, data={**data_options(cfg), "seed": cfg.seed}))
-    train_time, train_rate = meter.total_s, meter.rate
-    summary = {
-        "train_loss": last_loss,
-        "val_loss": last_eval.get("val_loss"),
-        "val_accuracy": last_eval.get("val_accuracy"),
-        "steps": step,
-        "images": step * global_batch,
-        "world_size": world.size,
-        "global_batch_size": global_batch,
-        "device": device,
-        "wall_s": wall,
-        "train_s": train_time,
-        "images_per_s": train_rate,
-        "warmup_steps_excluded": excluded,
-        "startup_s": startup_s,
-        "prepare_s": ddp.prepare_s,
-        "prepare_modules": ddp.prepare_report.get("built"),  # kernel modules built or loaded
-        "images_per_s_per_rank": train_rate / world.size,
-        "overflow_steps": scaler.overflows if scaler is not None else None,  # fp16 skips
-        "comm_exposed_s": comm_exposed,  # None: not measurable under graph replay
-        "comm_exposed_fraction": (comm_exposed / train_time if comm_exposed is not None
-                                  and train_time > 0 else None),
-        "config": asdict(cfg),
-    }
-    if root:
-        log.summary(summary)
-        accuracy = summary["val_accuracy"]
-        echo(f"dptrain: done: {step} steps in {wall:.1f} s ({train_rate:.0f} images/s training, "
-             f"after {startup_s:.1f} s of start-up), train_loss {last_loss:.4f}, val_accuracy "
-             f"{'n/a' if accuracy is None else format(accuracy, '.4f')}")
-        if cfg.torch:
-            from dptrain.run.torch_twin import train_twin
+        except RunStopped as exc:
+            if exc.agreed:  # every rank issued the pending stop all-reduce: finish it
+                stops.close()
+            raise
+        finally:
+            stops.close(complete=False)
+            watchdog.stop()
+            self.progress.close()
+            self.log.close()
+        return s
 
-            train_twin(cfg, device, global_batch, echo)
-        echo(f"dptrain: {where_files_went(cfg)}")
-    return summary
+    def _after_step(self, s: _LoopState, epoch: int):
+        """Count the step; log, evaluate and checkpoint when due."""
+        s.step, s.ran, s.since_log = s.step + 1, s.ran + 1, s.since_log + 1
+        if s.ran == self.excluded:  # warm-up and capture done; the timed steps start here
+            self.be.runtime.synchronize()
+            s.startup_s = process_age_s()
+        self.meter.step()
+        self.progress.advance(s.step)
+        for hook in self.hooks:
+            hook(s.step)
+        if s.step % self.cfg.log_every == 0 or s.step == self.total_steps:
+            self._log_window(s, epoch)
+        if s.step % self.eval_every == 0 or s.step == self.total_steps:
+            self._evaluate(s, epoch)
+        if self.ckpt.due(s.step) or (s.stopped and self.ckpt.enabled):
+            self.guard.read(s.step)  # never checkpoint past a non-finite step
+            with self.watch("checkpoint gather", s.step):
+                path = self.ckpt.save(s.step)
+            if path is not None and s.stopped:
+                self.progress.note(f"step {s.step}: checkpoint {path}")
+
+    def _log_window(self, s: _LoopState, epoch: int):
+        """Read the metrics summed on the device since the last log (one all-reduce)."""
+        timed_steps = self.meter.window_steps
+        with self.watch("metrics all-reduce", s.step):
+            loss_sum, correct = self.step_fn.read_metrics(self.world.comm)
+        skipped = self.guard.read(s.step)  # stops the run on a non-finite step
+        exposed = self.reducer.read_exposed_comm()
+        s.comm_exposed = None if exposed is None or s.comm_exposed is None else (
+            s.comm_exposed + exposed * timed_steps)
+        rate = self.meter.window()
+        s.last_loss = loss_sum / s.since_log
+        accuracy = correct / (s.since_log * self.global_batch)
+        s.since_log = 0
+        record = {"step": s.step, "epoch": epoch, "loss": s.last_loss, "accuracy": accuracy,
+                  "lr": self.opt.lr, "images_per_s": rate}
+        if self.scaler is not None:  # fp16: the scale now, overflowed (skipped) steps
+            record["loss_scale"], record["overflow_steps"] = self.scaler.read(s.step)
+        self.log.write({**record, "skipped_steps": skipped} if skipped else record)
+        self.progress.update(s.step, loss=s.last_loss, acc=accuracy, images_per_s=rate)
+
+    def _evaluate(self, s: _LoopState, epoch: int):
+        self.meter.pause()  # evaluation is not training time
+        with self.watch("evaluation", s.step):
+            self.reducer.sync_parameters()
+            broadcast_buffers(self.model, self.world.comm)  # evaluate with rank 0's estimates
+            s.last_eval = evaluate(self.model, self.val_loader, world=self.world,
+                                   dtype=self.ddp.dtype)
+        self.log.write({"step": s.step, "epoch": epoch, **s.last_eval})
+        self.progress.note(f"step {s.step}: val_loss {s.last_eval['val_loss']:.4f} "
+                           f"val_accuracy {s.last_eval['val_accuracy']:.4f}")
+        self.meter.resume()
+
+    def finish(self, s: _LoopState) -> dict:
+        """Gather the parameters, save the weights, write and print the summary."""
+        cfg, world = self.cfg, self.world
+        self.reducer.sync_parameters()
+        broadcast_buffers(self.model, world.comm)
+        startup_s = process_age_s() if s.startup_s is None else s.startup_s  # None: no step ran
+        wall = self.meter.wall()
+        if cfg.save and self.root:
+            save_weights(self.model, cfg.save, weights_metadata(
+                cfg.model, self.train_set, cfg.dataset,
+                data={**data_options(cfg), "seed": cfg.seed}))
+        summary = self._summary(s, wall, startup_s)
+        if self.root:
+            self.log.summary(summary)
+            accuracy = summary["val_accuracy"]
+            self.echo(f"dptrain: done: {s.step} steps in {wall:.1f} s "
+                      f"({self.meter.rate:.0f} images/s training, after {startup_s:.1f} s of "
+                      f"start-up), train_loss {s.last_loss:.4f}, val_accuracy "
+                      f"{'n/a' if accuracy is None else format(accuracy, '.4f')}")
+            if cfg.torch:
+                from dptrain.run.torch_twin import train_twin
+
+                train_twin(cfg, self.device, self.global_batch, self.echo)
+            self.echo(f"dptrain: {where_files_went(cfg)}")
+        return summary
+
+    def _summary(self, s: _LoopState, wall: float, startup_s: float) -> dict:
+        train_time, train_rate, comm = self.meter.total_s, self.meter.rate, s.comm_exposed
+        return {
+            "train_loss": s.last_loss,
+            "val_loss": s.last_eval.get("val_loss"),
+            "val_accuracy": s.last_eval.get("val_accuracy"),
+            "steps": s.step,
+            "images": s.step * self.global_batch,
+            "world_size": self.world.size,
+            "global_batch_size": self.global_batch,
+            "device": self.device,
+            "wall_s": wall,
+            "train_s": train_time,
+            "images_per_s": train_rate,
+            "warmup_steps_excluded": self.excluded,
+            "startup_s": startup_s,
+            "prepare_s": self.ddp.prepare_s,
+            "prepare_modules": self.ddp.prepare_report.get("built"),  # kernel modules built
+            "images_per_s_per_rank": train_rate / self.world.size,
+            "overflow_steps": self.scaler.overflows if self.scaler is not None else None,
+            "comm_exposed_s": comm,  # None: not measurable under graph replay
+            "comm_exposed_fraction": (comm / train_time if comm is not None and train_time > 0
+                                      else None),
+            "config": asdict(self.cfg),
+        }
 
 
 def where_files_went(cfg) -> str:
