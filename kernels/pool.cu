@@ -1,4 +1,5 @@
-// pool.cu: 2-D max and average pooling over NCHW, forward and backward.
+// pool.cu: 2-D max and average pooling over NCHW (max pooling channels-last too), forward
+// and backward.
 // Launchers: dptrain/backend/cuda/pool.py.
 //
 // Conventions
@@ -220,6 +221,75 @@ __global__ void avg_pool_bwd_kernel(T* dx, const T* gy, PoolGeom g) {
   }
 }
 
+// Channels-last max pool: x (N, H, W, C), y and idx (N, Ho, Wo, C); PoolGeom's n_c is N * C
+// and `c` is C. idx keeps the NCHW kernels' meaning (the flat h*W + w position of the window's
+// first maximum, -1 for ReLU's zero windows), so the CPU reference holds it through NCHW
+// copies. A thread takes kV neighbouring channels of one pixel (one 4- or 8-byte load per
+// tap; the launcher picks kV dividing C) and neighbouring threads the next channels, with
+// 32-bit index arithmetic (the launcher checks the sizes fit).
+template <typename T, int kV>
+struct alignas(sizeof(T) * kV) Lanes {
+  T v[kV];
+};
+
+template <typename T, int kV>
+__device__ __forceinline__ Lanes<T, kV> load_lanes(const T* p) {
+  return *reinterpret_cast<const Lanes<T, kV>*>(p);
+}
+
+template <typename T, bool kRelu, int kV>
+__global__ void max_pool_fwd_nhwc_kernel(T* y, int* idx, const T* x, PoolGeom g, int c) {
+  using C = compute_t<T>;
+  const int groups = c / kV, out_pixels = g.ho * g.wo;
+  GRID_STRIDE_32(i, g.n_c / kV * out_pixels) {
+    const int pix = i / groups, ch = (i - pix * groups) * kV;
+    const int n = pix / out_pixels, r = pix - n * out_pixels;
+    const int oh = r / g.wo, ow = r - oh * g.wo;
+    const PoolWindow win{n, oh * g.sh - g.ph, ow * g.sw - g.pw};
+    const T* xp = x + n * g.h * g.w * c + ch;
+    MaxScan<C, kRelu> scan[kV];
+    for_each_tap(g, win, [&](int pos) {
+      const Lanes<T, kV> t = load_lanes<T, kV>(xp + pos * c);
+#pragma unroll
+      for (int v = 0; v < kV; ++v) scan[v].take(as<C>(t.v[v]), pos);
+    });
+#pragma unroll
+    for (int v = 0; v < kV; ++v) scan[v].store(y, idx, pix * c + ch + v);
+  }
+}
+
+// Its backward: a thread per kV channels of an input pixel gathers gy from every window that
+// contains the pixel and chose it (idx), in window order (rows, then columns), summed in
+// float and rounded once; writes dx with `=`, no atomics. Needs the forward's window.
+template <typename T, int kV>
+__global__ void max_pool_bwd_nhwc_kernel(T* dx, const T* gy, const int* idx, PoolGeom g, int c) {
+  using C = compute_t<T>;
+  const int groups = c / kV, in_pixels = g.h * g.w;
+  GRID_STRIDE_32(i, g.n_c / kV * in_pixels) {
+    const int pix = i / groups, ch = (i - pix * groups) * kV;
+    const int n = pix / in_pixels, r = pix - n * in_pixels;
+    const int hh = r / g.w, ww = r - hh * g.w;
+    const int oh0 = first_window(hh, g.kh, g.sh, g.ph), oh1 = min(g.ho - 1, (hh + g.ph) / g.sh);
+    const int ow0 = first_window(ww, g.kw, g.sw, g.pw), ow1 = min(g.wo - 1, (ww + g.pw) / g.sw);
+    C acc[kV];
+#pragma unroll
+    for (int v = 0; v < kV; ++v) acc[v] = C(0);
+    for (int oh = oh0; oh <= oh1; ++oh)
+      for (int ow = ow0; ow <= ow1; ++ow) {
+        const int o = ((n * g.ho + oh) * g.wo + ow) * c + ch;
+        const Lanes<T, kV> t = load_lanes<T, kV>(gy + o);
+        const Lanes<int, kV> k = load_lanes<int, kV>(idx + o);
+#pragma unroll
+        for (int v = 0; v < kV; ++v)
+          if (k.v[v] == r) acc[v] += as<C>(t.v[v]);
+      }
+    Lanes<T, kV> out;
+#pragma unroll
+    for (int v = 0; v < kV; ++v) out.v[v] = as<T>(acc[v]);
+    *reinterpret_cast<Lanes<T, kV>*>(dx + pix * c + ch) = out;
+  }
+}
+
 // instantiate: max_pool_fwd_kernel<float, false>; max_pool_fwd_kernel<double, false>
 // instantiate: max_pool_fwd_kernel<float, true>; max_pool_fwd_kernel<double, true>
 // instantiate: max_pool_bwd_kernel<float>; max_pool_bwd_kernel<double>
@@ -239,3 +309,15 @@ __global__ void avg_pool_bwd_kernel(T* dx, const T* gy, PoolGeom g) {
 // instantiate: max_pool_bwd_kernel<__nv_bfloat16>
 // instantiate: avg_pool_fwd_kernel<__half>; avg_pool_bwd_kernel<__half>
 // instantiate: avg_pool_fwd_kernel<__nv_bfloat16>; avg_pool_bwd_kernel<__nv_bfloat16>
+// instantiate: max_pool_fwd_nhwc_kernel<float, false, 1>; max_pool_fwd_nhwc_kernel<float, true, 1>
+// instantiate: max_pool_fwd_nhwc_kernel<float, false, 2>; max_pool_fwd_nhwc_kernel<float, true, 2>
+// instantiate: max_pool_fwd_nhwc_kernel<double, false, 1>; max_pool_fwd_nhwc_kernel<double, true, 1>
+// instantiate: max_pool_fwd_nhwc_kernel<__half, false, 1>; max_pool_fwd_nhwc_kernel<__half, true, 1>
+// instantiate: max_pool_fwd_nhwc_kernel<__half, false, 2>; max_pool_fwd_nhwc_kernel<__half, true, 2>
+// instantiate: max_pool_fwd_nhwc_kernel<__half, false, 4>; max_pool_fwd_nhwc_kernel<__half, true, 4>
+// instantiate: max_pool_fwd_nhwc_kernel<__nv_bfloat16, false, 1>; max_pool_fwd_nhwc_kernel<__nv_bfloat16, true, 1>
+// instantiate: max_pool_fwd_nhwc_kernel<__nv_bfloat16, false, 2>; max_pool_fwd_nhwc_kernel<__nv_bfloat16, true, 2>
+// instantiate: max_pool_fwd_nhwc_kernel<__nv_bfloat16, false, 4>; max_pool_fwd_nhwc_kernel<__nv_bfloat16, true, 4>
+// instantiate: max_pool_bwd_nhwc_kernel<float, 1>; max_pool_bwd_nhwc_kernel<float, 2>; max_pool_bwd_nhwc_kernel<double, 1>
+// instantiate: max_pool_bwd_nhwc_kernel<__half, 1>; max_pool_bwd_nhwc_kernel<__half, 2>; max_pool_bwd_nhwc_kernel<__half, 4>
+// instantiate: max_pool_bwd_nhwc_kernel<__nv_bfloat16, 1>; max_pool_bwd_nhwc_kernel<__nv_bfloat16, 2>; max_pool_bwd_nhwc_kernel<__nv_bfloat16, 4>

@@ -75,16 +75,19 @@ def _pool_args(x, kernel_size, stride, padding, op):
     return dict(kernel=kernel, stride=stride, padding=padding)
 
 
-def max_pool2d(x: Tensor, kernel_size, stride=None, padding=0, *, workspace=None) -> Tensor:
-    """Max-pooling; `workspace` as in conv2d."""
+def max_pool2d(x: Tensor, kernel_size, stride=None, padding=0, *, workspace=None,
+               channels_last=False) -> Tensor:
+    """Max-pooling; `workspace` and `channels_last` as in conv2d."""
     args = _pool_args(x, kernel_size, stride, padding, "max_pool2d")
-    return ops.MaxPool2d.apply(x, **args, workspace=workspace)
+    return ops.MaxPool2d.apply(x, **args, workspace=workspace, channels_last=bool(channels_last))
 
 
-def relu_max_pool2d(x: Tensor, kernel_size, stride=None, padding=0, *, workspace=None) -> Tensor:
+def relu_max_pool2d(x: Tensor, kernel_size, stride=None, padding=0, *, workspace=None,
+                    channels_last=False) -> Tensor:
     """max_pool2d(relu(x)) in one op (what nn.Sequential runs for a ReLU then a MaxPool2d)."""
     args = _pool_args(x, kernel_size, stride, padding, "relu_max_pool2d")
-    return ops.ReLUMaxPool2d.apply(x, **args, workspace=workspace)
+    return ops.ReLUMaxPool2d.apply(x, **args, workspace=workspace,
+                                   channels_last=bool(channels_last))
 
 
 def avg_pool2d(x: Tensor, kernel_size, stride=None, padding=0) -> Tensor:
@@ -269,6 +272,13 @@ def concatenate(tensors, axis: int = 0) -> Tensor:
     if not tensors:
         raise ValueError("concatenate needs at least one tensor")
     return ops.Concatenate.apply(*tensors, axis=axis)
+
+
+def pad_zeros(x: Tensor, axis: int, count: int) -> Tensor:
+    """x with `count` zeros appended along `axis` (their gradient is dropped)."""
+    shape = list(x.shape)
+    shape[axis] = count
+    return concatenate([x, Tensor(x.be.zeros(tuple(shape), x.dtype))], axis)
 
 
 # ----------------------------------------------------------------------------- transformer

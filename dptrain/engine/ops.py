@@ -354,15 +354,19 @@ class Conv2d(Function):
 
 
 class MaxPool2d(Function):
-    def forward(self, x, kernel, stride, padding, workspace=None):
+    """`channels_last`: x and y are (N, H, W, C)."""
+
+    def forward(self, x, kernel, stride, padding, workspace=None, channels_last=False):
         self.x_shape, self.workspace = x.shape, workspace
-        self.window = (kernel, stride, padding)
-        y, self.idx = self.be.max_pool2d_forward(x, kernel, stride, padding, workspace=workspace)
+        self.window, self.channels_last = (kernel, stride, padding), channels_last
+        y, self.idx = self.be.max_pool2d_forward(x, kernel, stride, padding, workspace=workspace,
+                                                 channels_last=channels_last)
         return y
 
     def backward(self, gy):
         return (self.be.max_pool2d_backward(gy, self.idx, self.x_shape, window=self.window,
-                                            workspace=self.workspace),)
+                                            workspace=self.workspace,
+                                            channels_last=self.channels_last),)
 
 
 class ReLUMaxPool2d(Function):
@@ -370,11 +374,12 @@ class ReLUMaxPool2d(Function):
     windows whose maximum is not > 0 carry idx -1 and get no gradient), so neither relu's
     output nor its backward pass exists. Same values and gradients as the two ops."""
 
-    def forward(self, x, kernel, stride, padding, workspace=None):
+    def forward(self, x, kernel, stride, padding, workspace=None, channels_last=False):
         self.x_shape, self.workspace = x.shape, workspace
-        self.window = (kernel, stride, padding)
+        self.window, self.channels_last = (kernel, stride, padding), channels_last
         y, self.idx = self.be.relu_max_pool2d_forward(x, kernel, stride, padding,
-                                                      workspace=workspace)
+                                                      workspace=workspace,
+                                                      channels_last=channels_last)
         return y
 
     backward = MaxPool2d.backward

@@ -83,13 +83,28 @@ class Conv2d(Module):
         """conv(x); with `batch_stats` (no bias), (conv(x), its batch statistics): see
         F.conv2d and nn.fusion.conv_batch_norm."""
         weight, bias = in_dtype_of(x, self.weight, self.bias)
+        if self.channels_last:
+            x, weight = _zero_channels(x, weight)
         return F.conv2d(x, weight, bias, self.stride, self.padding,
                         workspace=self.workspace(x), channels_last=self.channels_last,
                         batch_stats=batch_stats)
 
 
+def _zero_channels(x, weight):
+    """Channels-last x and its weight with the zero input channels the backend's native
+    channels-last kernels need (``conv2d_channels_last_pad``: ImageNet's 3-channel stem runs
+    them with 8), which change no result; x may already carry them."""
+    c, kh, kw = weight.shape[1:]
+    pad = x.be.conv2d_channels_last_pad(c, kh, kw, x.dtype)
+    if not pad:
+        return x, weight
+    if x.shape[-1] == c:
+        x = F.pad_zeros(x, -1, pad)
+    return x, F.pad_zeros(weight, 1, pad)
+
+
 class MaxPool2d(Module):
-    """Max-pooling; a ``channels_last`` one (see Conv2d) pools through an NCHW copy."""
+    """Max-pooling; ``channels_last`` as in Conv2d."""
 
     def __init__(self, kernel_size, stride=None, padding=0):
         super().__init__()
@@ -98,10 +113,8 @@ class MaxPool2d(Module):
         self.channels_last = False
 
     def forward(self, x):
-        if self.channels_last:
-            x = F.to_channels_first(x)
-        y = F.max_pool2d(x, *self.args, workspace=self.workspace(x))
-        return F.to_channels_last(y) if self.channels_last else y
+        return F.max_pool2d(x, *self.args, workspace=self.workspace(x),
+                            channels_last=self.channels_last)
 
 
 class AvgPool2d(Module):
@@ -126,7 +139,8 @@ class ReLU(Module):
         if type(following) is not MaxPool2d:
             return None
         return lambda x: F.relu_max_pool2d(x, *following.args,
-                                           workspace=following.workspace(x))
+                                           workspace=following.workspace(x),
+                                           channels_last=following.channels_last)
 
 
 class Identity(Module):

@@ -86,6 +86,13 @@ def conv2d_channels_last_native(dtype) -> bool:
     return False
 
 
+@op
+def conv2d_channels_last_pad(channels, kh, kw, dtype) -> int:
+    """Zero input channels a channels-last convolution of `channels` inputs and a kh x kw
+    filter should gain to run on native kernels: none here."""
+    return 0
+
+
 @op(fp32_math=True)
 def conv2d_forward(x, w, b, stride, padding, *, channels_last=False, workspace=None):
     """Cross-correlation of NCHW x with w (C_out, C_in, kH, kW), plus b (or None); x and the
@@ -209,11 +216,16 @@ def conv2d_backward_weight(x, gy, w_shape, stride, padding, *, channels_last=Fal
 
 
 @op
-def max_pool2d_forward(x, kernel, stride, padding, *, workspace=None):
+def max_pool2d_forward(x, kernel, stride, padding, *, workspace=None, channels_last=False):
     """Returns (y, idx): idx is the flat h*W+w position in x of each window's maximum (int32).
 
     Ties go to the first maximum in window order (rows, then columns), as np.argmax picks.
+    `channels_last`: x, y and idx are (N, H, W, C) (through NCHW copies: the reference).
     """
+    if channels_last:
+        y, idx = max_pool2d_forward(np.ascontiguousarray(_nchw(x, True)), kernel, stride,
+                                    padding, workspace=workspace)
+        return _layout(y, True), _layout(idx, True)
     workspace = checked(workspace)
     if tuple(kernel) == (2, 2) and tuple(stride) == (2, 2) and tuple(padding) == (0, 0):
         return _max_pool_2x2(x, workspace)
@@ -267,20 +279,26 @@ def _max_pool_2x2(x, workspace):
 
 
 @op
-def relu_max_pool2d_forward(x, kernel, stride, padding, *, workspace=None):
+def relu_max_pool2d_forward(x, kernel, stride, padding, *, workspace=None, channels_last=False):
     """max_pool2d_forward(relu(x)), with idx = -1 where the window's maximum is not > 0:
     relu's gradient is zero there, and max_pool2d_backward skips idx < 0."""
     y, idx = max_pool2d_forward(np.maximum(x, x.dtype.type(0)), kernel, stride, padding,
-                                workspace=workspace)
+                                workspace=workspace, channels_last=channels_last)
     idx[~(y > 0)] = -1
     return y, idx
 
 
 @op
-def max_pool2d_backward(gy, idx, x_shape, *, window=None, workspace=None):
+def max_pool2d_backward(gy, idx, x_shape, *, window=None, workspace=None, channels_last=False):
     """Gradient of max_pool2d_forward: gy added at each window's argmax idx (none where
     idx < 0, as relu_max_pool2d_forward marks windows whose gradient is zero). `window`
-    (the forward's kernel, stride, padding) is not needed here: idx says it all."""
+    (the forward's kernel, stride, padding) is not needed here: idx says it all.
+    `channels_last`: gy, idx and x_shape are (N, H, W, C)."""
+    if channels_last:
+        n, h, w, c = x_shape
+        dx = max_pool2d_backward(_nchw(gy, True), _nchw(idx, True), (n, c, h, w),
+                                 window=window, workspace=workspace)
+        return _layout(dx, True)
     workspace = checked(workspace)
     n, c, h, w = x_shape
     planes = np.arange(0, n * c * h * w, h * w, dtype=np.int64).reshape(n, c, 1, 1)

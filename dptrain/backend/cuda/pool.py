@@ -1,4 +1,5 @@
-"""Launchers of kernels/pool.cu: 2-D max and average pooling over NCHW.
+"""Launchers of kernels/pool.cu: 2-D max and average pooling over NCHW, max pooling
+channels-last (N, H, W, C) too (``channels_last=True``).
 
 Conventions (the .cu file's header has the kernel side):
   * Contiguous NCHW in and out; the geometry travels as one PoolGeom struct (launch.POOL_GEOM:
@@ -44,9 +45,11 @@ def _pool_geom(op, x_shape, kernel, stride, padding):
     return geom, (n, c, ho, wo)
 
 
-def _max_pool(op, relu, x, kernel, stride, padding):
+def _max_pool(op, relu, x, kernel, stride, padding, channels_last=False):
     launch.check_float(op, x, half=True)
     launch.check_contiguous(op, x)
+    if channels_last:
+        return _max_pool_nhwc(op, relu, x, kernel, stride, padding)
     geom, y_shape = _pool_geom(op, x.shape, kernel, stride, padding)
     y, idx = launch.new(y_shape, x.dtype), launch.new(y_shape, np.int32)
     two = (_pair(kernel), _pair(stride), _pair(padding)) == ((2, 2), (2, 2), (0, 0))
@@ -57,16 +60,46 @@ def _max_pool(op, relu, x, kernel, stride, padding):
     return y, idx
 
 
-@op
-def max_pool2d_forward(x, kernel, stride, padding, *, workspace=None):
-    """Returns (y, idx): idx is the flat h*W+w position in x of each window's maximum (int32)."""
-    return _max_pool("max_pool2d_forward", False, x, kernel, stride, padding)
+def _nhwc_geom(op, x_shape, window):
+    """(struct PoolGeom with n_c = N * C, C, the output's (N, Ho, Wo, C) shape) for
+    channels-last input `x_shape` and the window (kernel, stride, padding)."""
+    if len(x_shape) != 4:
+        raise ValueError(f"cuda.{op}: input must be (N, H, W, C), got shape {tuple(x_shape)}")
+    n, h, w, c = (int(v) for v in x_shape)
+    geom, (_, _, ho, wo) = _pool_geom(op, (n, c, h, w), *window)
+    return geom, c, (n, ho, wo, c)
+
+
+def _lanes(dtype, c: int) -> str:
+    """Channels per thread of the channels-last kernels: the most, up to 8 bytes, that divide
+    c (the loads stay aligned)."""
+    size = np.dtype(dtype).itemsize
+    return str(next(v for v in (4, 2, 1) if v * size <= 8 and c % v == 0))
+
+
+def _max_pool_nhwc(op, relu, x, kernel, stride, padding):
+    geom, c, y_shape = _nhwc_geom(op, x.shape, (kernel, stride, padding))
+    y, idx = launch.new(y_shape, x.dtype), launch.new(y_shape, np.int32)
+    if y.size:
+        lanes = _lanes(x.dtype, c)
+        fn = launch.kernel(POOL, "max_pool_fwd_nhwc_kernel", launch.ctype(x.dtype),
+                           "true" if relu else "false", lanes)
+        launch.grid_stride(fn, y.size // int(lanes), (y, idx, x, geom, np.int32(c)))
+    return y, idx
 
 
 @op
-def relu_max_pool2d_forward(x, kernel, stride, padding, *, workspace=None):
+def max_pool2d_forward(x, kernel, stride, padding, *, workspace=None, channels_last=False):
+    """Returns (y, idx): idx is the flat h*W+w position in x of each window's maximum (int32);
+    x, y and idx (N, H, W, C) where `channels_last`."""
+    return _max_pool("max_pool2d_forward", False, x, kernel, stride, padding, channels_last)
+
+
+@op
+def relu_max_pool2d_forward(x, kernel, stride, padding, *, workspace=None, channels_last=False):
     """max_pool2d_forward(relu(x)) in one pass; idx = -1 where the maximum is not > 0."""
-    return _max_pool("relu_max_pool2d_forward", True, x, kernel, stride, padding)
+    return _max_pool("relu_max_pool2d_forward", True, x, kernel, stride, padding,
+                     channels_last)
 
 
 def _tiles(window, x_shape, y_shape) -> tuple[int, int] | None:
@@ -81,15 +114,18 @@ def _tiles(window, x_shape, y_shape) -> tuple[int, int] | None:
 
 
 @op
-def max_pool2d_backward(gy, idx, x_shape, *, window=None, workspace=None):
+def max_pool2d_backward(gy, idx, x_shape, *, window=None, workspace=None, channels_last=False):
     """dx: gy at each window's idx. `window` = (kernel, stride, padding) of the forward, if
-    given, lets windows that tile the input take the one-thread-per-window kernel."""
+    given, lets windows that tile the input take the one-thread-per-window kernel; a
+    channels-last backward (gy, idx, x_shape (N, H, W, C)) needs it."""
     launch.check_float("max_pool2d_backward", gy, half=True)
     launch.check_arrays("max_pool2d_backward", idx)
     launch.check_contiguous("max_pool2d_backward", gy, idx)
     if idx.dtype != np.int32 or idx.shape != gy.shape or gy.ndim != 4:
         raise ValueError(f"cuda.max_pool2d_backward: idx {idx.shape} {idx.dtype} must be int32 "
-                         f"of gy's NCHW shape {gy.shape}")
+                         f"of gy's shape {gy.shape}")
+    if channels_last:
+        return _max_pool_backward_nhwc(gy, idx, x_shape, window)
     n, c, h, w = (int(v) for v in x_shape)
     if gy.shape[:2] != (n, c):
         raise ValueError(f"cuda.max_pool2d_backward: gy {gy.shape} does not match x {tuple(x_shape)}")
@@ -110,6 +146,24 @@ def max_pool2d_backward(gy, idx, x_shape, *, window=None, workspace=None):
     if dx.size:
         launch.grid_stride(launch.kernel(POOL, "max_pool_bwd_kernel", launch.ctype(gy.dtype)),
                            n * c, (dx, gy, idx, geom), launch.WARPS)
+    return dx
+
+
+def _max_pool_backward_nhwc(gy, idx, x_shape, window):
+    """One thread per input element gathers from the windows that chose it (pool.cu)."""
+    op = "max_pool2d_backward"
+    if window is None:
+        raise ValueError(f"cuda.{op}: a channels-last backward needs window=(kernel, stride, "
+                         f"padding)")
+    geom, c, y_shape = _nhwc_geom(op, x_shape, window)
+    if tuple(gy.shape) != y_shape:
+        raise ValueError(f"cuda.{op}: gy {gy.shape} does not match x {tuple(x_shape)} pooled "
+                         f"to {y_shape}")
+    dx = launch.new(tuple(int(v) for v in x_shape), gy.dtype)
+    if dx.size:
+        lanes = _lanes(gy.dtype, c)
+        fn = launch.kernel(POOL, "max_pool_bwd_nhwc_kernel", launch.ctype(gy.dtype), lanes)
+        launch.grid_stride(fn, dx.size // int(lanes), (dx, gy, idx, geom, np.int32(c)))
     return dx
 
 

@@ -1,0 +1,81 @@
+"""Channels-last max pooling (pool.cu's *_nhwc kernels) against the CPU reference, which pools
+through NCHW copies. Outputs are poisoned before every launch (the `cu` fixture)."""
+import numpy as np
+import pytest
+
+from dptrain.backend import cpu
+from dptrain.backend.bfloat16 import BFLOAT16, from_bfloat16, to_bfloat16
+
+gpu = pytest.mark.gpu
+DTYPES = [np.float32, np.float64, np.float16, BFLOAT16]
+WINDOWS = [((3, 3), (2, 2), (1, 1)),  # ImageNet's stem
+           ((2, 2), (2, 2), (0, 0)), ((3, 3), (1, 1), (1, 1)), ((2, 3), (1, 2), (0, 1)),
+           ((3, 2), (3, 2), (1, 0))]
+
+
+def nhwc(rng, shape, dtype):
+    """A random (N, H, W, C) array in `dtype` (bfloat16 held as uint16)."""
+    a = rng.standard_normal(shape).astype(np.float32)
+    return to_bfloat16(a) if dtype == BFLOAT16 else a.astype(dtype)
+
+
+def as_f64(a):
+    a = np.asarray(a)
+    return (from_bfloat16(a) if a.dtype == BFLOAT16 else a).astype(np.float64)
+
+
+def test_cpu_channels_last_equals_nchw(rng=np.random.default_rng(3)):
+    """The reference itself: channels-last pooling is the NCHW pooling of the transposed
+    array, idx included, and so is its backward."""
+    x = nhwc(rng, (2, 9, 7, 5), np.float32)
+    window = WINDOWS[0]
+    y, idx = cpu.max_pool2d_forward(x, *window, channels_last=True)
+    y1, idx1 = cpu.max_pool2d_forward(np.ascontiguousarray(x.transpose(0, 3, 1, 2)), *window)
+    assert np.array_equal(y, y1.transpose(0, 2, 3, 1))
+    assert np.array_equal(idx, idx1.transpose(0, 2, 3, 1))
+    gy = nhwc(rng, y.shape, np.float32)
+    dx = cpu.max_pool2d_backward(gy, idx, x.shape, window=window, channels_last=True)
+    dx1 = cpu.max_pool2d_backward(np.ascontiguousarray(gy.transpose(0, 3, 1, 2)), idx1,
+                                  (2, 5, 9, 7), window=window)
+    assert np.array_equal(dx, dx1.transpose(0, 2, 3, 1))
+
+
+def reference_input(a):
+    """What the CPU reference pools: bfloat16 widened to float32 (exactly), others as they are."""
+    return from_bfloat16(a) if a.dtype == BFLOAT16 else a
+
+
+@gpu
+@pytest.mark.parametrize("window", WINDOWS, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("relu", [False, True])
+def test_max_pool_channels_last(cu, rng, window, dtype, relu):
+    """y and idx exactly the reference's; dx to one rounding of the sum (overlapping windows
+    add in another order on each side, and the GPU rounds once)."""
+    x = nhwc(rng, (3, 11, 9, 13), dtype)  # odd sizes, 13 channels
+    x[0, :2, :2, :] = x[0, 0, 0, 0]  # ties
+    forward = "relu_max_pool2d_forward" if relu else "max_pool2d_forward"
+    y, idx = getattr(cpu, forward)(reference_input(x), *window, channels_last=True)
+    dy, didx = getattr(cu, forward)(cu.asarray(x), *window, channels_last=True)
+    assert np.array_equal(as_f64(cu.to_numpy(dy)), as_f64(y))
+    assert np.array_equal(cu.to_numpy(didx), idx)
+    if relu:
+        assert (idx < 0).any() and (idx >= 0).any()
+    gy = nhwc(rng, y.shape, dtype)
+    ref = as_f64(cpu.max_pool2d_backward(reference_input(gy), idx, x.shape, window=window,
+                                         channels_last=True))
+    got = as_f64(cu.to_numpy(cu.max_pool2d_backward(cu.asarray(gy), didx, x.shape,
+                                                    window=window, channels_last=True)))
+    assert got.shape == ref.shape and not np.isnan(got).any()
+    # float64 and float32 sum at most 4 terms; 16-bit results are rounded once (the reference
+    # sums in float32 for bfloat16, in float16 for float16)
+    tol = {np.dtype(np.float64): 1e-12, np.dtype(np.float32): 1e-6}.get(np.dtype(dtype), 1e-2)
+    assert np.abs(got - ref).max() <= tol * max(1.0, np.abs(ref).max())
+
+
+@gpu
+def test_channels_last_backward_needs_the_window(cu, rng):
+    x = cu.asarray(nhwc(rng, (1, 4, 4, 2), np.float32))
+    y, idx = cu.max_pool2d_forward(x, (2, 2), (2, 2), (0, 0), channels_last=True)
+    with pytest.raises(ValueError, match="needs window"):
+        cu.max_pool2d_backward(y, idx, x.shape, channels_last=True)
