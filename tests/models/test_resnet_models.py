@@ -58,6 +58,19 @@ def test_resnet50_is_torchvisions_v1_5_layout():
 
 
 @pytest.mark.parametrize("name", ["resnet34", "resnet50"])
+def test_auto_precision_is_bf16_for_them_on_a_gpu(name):
+    """Every layer has a 16-bit path, so --precision auto means bf16 where the GPU has it."""
+    from types import SimpleNamespace
+
+    from dptrain.run import amp
+
+    model = nn.build_model(name, (3, 96, 96), 10)
+    amp.check_model(model, "bf16")
+    gpu = SimpleNamespace(precision="tf32", mixed_precisions=lambda: ("bf16", "fp16"))
+    assert amp.resolve("auto", gpu, model) == "bf16"
+
+
+@pytest.mark.parametrize("name", ["resnet34", "resnet50"])
 @pytest.mark.parametrize("image_shape", [(3, 65, 65), (3, 32, 32)], ids=["imagenet", "small"])
 def test_forward_and_backward_shapes(name, image_shape):
     """65 px is just above the small-image stem's limit (ImageNet's 7x7/2 + max-pool: 65 -> 33
