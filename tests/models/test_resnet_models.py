@@ -167,14 +167,25 @@ SHAPE = (3, 64, 64)  # the largest image the small-image stem takes
 STEPS, SEED = 4, 5
 
 
-def _rgb_shapes(seed, n):
-    """n synthetic shapes as 3x64x64 RGB: edge-padded 48 -> 64, the channels differing."""
+def _rgb_shapes(seed, n, size=64):
+    """n synthetic shapes as 3 x size x size RGB: edge-padded from 48, the channels
+    differing."""
     from dptrain.data.synthetic import generate
 
     images, labels = generate(seed, np.arange(n))
-    images = np.pad(images, ((0, 0), (0, 0), (8, 8), (8, 8)), mode="edge")
+    pad = (size - 48) // 2
+    images = np.pad(images, ((0, 0), (0, 0), (pad, size - 48 - pad), (pad, size - 48 - pad)),
+                    mode="edge")
     return np.ascontiguousarray(np.concatenate([images, 255 - images, images // 2 + 64],
                                                axis=1)), labels
+
+
+def _pack(out, train, val, size):
+    from dptrain.data.formats import packed
+    from dptrain.data.synthetic import CLASSES
+
+    packed.write(str(out), {"train": _rgb_shapes(1, train, size),
+                            "val": _rgb_shapes(2, val, size)}, CLASSES, [0.5] * 3, [0.25] * 3)
 
 
 def run_cli(*args, cache):
@@ -206,12 +217,8 @@ def _weights(path):
 def resnet50_run(tmp_path_factory):
     """resnet50 trained STEPS steps on 3x64x64 images through the CLI, with a checkpoint
     every 2 steps (about 20 s on 2 cores)."""
-    from dptrain.data.formats import packed
-    from dptrain.data.synthetic import CLASSES
-
     tmp = tmp_path_factory.mktemp("resnet50")
-    packed.write(str(tmp / "data"), {"train": _rgb_shapes(1, 2), "val": _rgb_shapes(2, 2)},
-                 CLASSES, [0.5] * 3, [0.25] * 3)
+    _pack(tmp / "data", 2, 2, SHAPE[1])
     out = run_cli(*_train_args(tmp / "data", tmp / "full", tmp / "full.npz", "--checkpoint-dir",
                                str(tmp / "ck"), "--checkpoint-every", "2"), cache=tmp / "cache")
     assert out.returncode == 0, out.stderr[-3000:]
@@ -245,5 +252,66 @@ def test_resnet50_resumes_bitwise(resnet50_run):
     assert sorted(again) == list(range(3, STEPS + 1))
     assert all(again[s] == full[s] for s in again), (again, full)
     resumed, ref = _weights(tmp / "again.npz"), _weights(tmp / "full.npz")
+    for key, value in ref.items():
+        assert np.array_equal(resumed[key], value), key
+
+
+# --------------------------------------------------------------- on the GPU, in bf16
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("image_shape", [(3, 96, 96), (3, 32, 32)], ids=["imagenet", "small"])
+def test_resnet50_bf16_graph_replay_equals_eager_bitwise(image_shape):
+    """resnet50's captured bf16 step (channels-last where the GPU's convolutions take it, the
+    16-bit parameter shadow, batch statistics and running estimates updated inside the graph)
+    replays exactly like the eager step: the weights after every step and the running
+    estimates at the end, bit for bit."""
+    from replay import train_steps
+
+    from dptrain.optim import SGD
+
+    runs = {}
+    for graph in (False, True):
+        model, snapshots = train_steps(
+            "cuda", lambda: nn.resnet50(image_shape, 7), image_shape, 7, graph, 4, 3,
+            images=32, batch=16, optimizer=lambda flat: SGD(flat, lr=0.05, momentum=0.9),
+            precision="bf16")
+        runs[graph] = snapshots, dict(model.state_dict())
+    (eager, eager_state), (replayed, replayed_state) = runs[False], runs[True]
+    for step, (a, b) in enumerate(zip(eager, replayed)):
+        assert np.array_equal(a, b), f"weights differ after step {step + 1}"
+    assert not np.array_equal(eager[0], eager[-1])
+    assert int(replayed_state["bn1.num_batches_tracked"]) == 4
+    for key, value in eager_state.items():
+        assert np.array_equal(replayed_state[key], value), f"{key} differs after replay"
+
+
+@pytest.mark.gpu
+def test_resnet50_bf16_resumes_bitwise_on_the_gpu(tmp_path):
+    """8 steps of resnet50 in bf16 at 3x96x96 (ImageNet's stem) with a checkpoint at step 4;
+    the run resumed from it logs the same losses and saves the same weights, bit for bit."""
+    _pack(tmp_path / "data", 64, 16, 96)
+    common = ["train", "--model", "resnet50", "--dataset", "packed", "--data-dir",
+              str(tmp_path / "data"), "--device", "cuda", "--precision", "bf16",
+              "--batch-size", "16", "--epochs", "2", "--max-steps", "8", "--seed", str(SEED),
+              "--optimizer", "sgd", "--lr", "0.05", "--log-every", "1", "--eval-every", "100",
+              "--no-progress"]
+    full = run_cli(*common, "--log-dir", str(tmp_path / "full"), "--save",
+                   str(tmp_path / "full.npz"), "--checkpoint-dir", str(tmp_path / "ck"),
+                   "--checkpoint-every", "4", cache=tmp_path / "cache")
+    assert full.returncode == 0, full.stderr[-3000:]
+    again = run_cli(*common, "--log-dir", str(tmp_path / "again"), "--save",
+                    str(tmp_path / "again.npz"), "--resume",
+                    str(tmp_path / "ck" / "step-00000004"), cache=tmp_path / "cache")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "at step 4" in again.stdout
+    full_losses, again_losses = _losses(tmp_path / "full"), _losses(tmp_path / "again")
+    assert sorted(full_losses) == list(range(1, 9)) and sorted(again_losses) == [5, 6, 7, 8]
+    assert all(np.isfinite(v) for v in full_losses.values()), full_losses
+    summary = json.loads((tmp_path / "full" / "summary.json").read_text())
+    assert summary["config"]["precision"] == "bf16"
+    assert all(again_losses[s] == full_losses[s] for s in again_losses), (again_losses,
+                                                                          full_losses)
+    resumed, ref = _weights(tmp_path / "again.npz"), _weights(tmp_path / "full.npz")
     for key, value in ref.items():
         assert np.array_equal(resumed[key], value), key
