@@ -124,6 +124,9 @@ def test_our_weights_load_into_torchvision_and_agree_in_float64(name, image_shap
     else:
         ref = getattr(torchvision.models, name)(num_classes=10)
         ref.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
+        stem = twin(ours)  # the twin keeps torchvision's own stem at this size
+        assert (stem.conv1.stride, stem.conv1.padding) == ((2, 2), (3, 3))
+        assert isinstance(stem.maxpool, torch.nn.MaxPool2d)
     assert ref is not None and list(ref.state_dict()) == list(state)
     ref = ref.double().train()
     _float64(ours)
