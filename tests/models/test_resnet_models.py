@@ -290,6 +290,42 @@ def test_resnet50_bf16_graph_replay_equals_eager_bitwise(image_shape):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("channels_last", [True, False], ids=["channels_last", "nchw"])
+def test_resnet50_on_the_gpu_computes_the_cpu_forward(cu, channels_last):
+    """resnet50 in fp32 on the GPU (outputs poisoned before each launch) against the CPU in
+    float64 from the same weights, at 3x96x96 through ImageNet's stem, 8 images in training
+    mode: the logits, the gradient of fc (the layers below it amplify rounding: float32
+    against float64 differ by 3% in some batch norms' gradients on the CPU too) and the
+    running estimates, among them those of the 2048-channel batch norms."""
+    from dptrain.engine.autograd import Tensor
+
+    shape = (3, 96, 96)
+    dp.manual_seed(3)
+    state = nn.resnet50(shape, 10).state_dict()
+    rng = np.random.default_rng(4)
+    x, y = rng.standard_normal((8, *shape)), np.arange(8) % 10
+    ref = _float64(nn.resnet50(shape, 10)).load_state_dict(state)
+    ref_logits = ref(dp.tensor(x))
+    F.cross_entropy(ref_logits, dp.tensor(y)).backward()
+
+    model = nn.resnet50(shape, 10, channels_last=channels_last).load_state_dict(state)
+    model.to("cuda")
+    precision = cu.runtime.precision
+    cu.runtime.set_precision("fp32")
+    try:
+        logits = model(Tensor(cu.asarray(x.astype(np.float32))))
+        F.cross_entropy(logits, Tensor(cu.asarray(y))).backward()
+    finally:
+        cu.runtime.set_precision(precision)
+    assert rel(cu.to_numpy(logits.data), ref_logits.numpy()) <= 1e-3
+    assert rel(cu.to_numpy(model.fc.weight.grad.data), ref.fc.weight.grad.numpy()) <= 1e-3
+    got, want = model.state_dict(), ref.state_dict()
+    for key in want:
+        if "running" in key:
+            assert rel(got[key], want[key]) <= 1e-3, key
+
+
+@pytest.mark.gpu
 def test_resnet50_bf16_resumes_bitwise_on_the_gpu(tmp_path):
     """8 steps of resnet50 in bf16 at 3x96x96 (ImageNet's stem) with a checkpoint at step 4;
     the run resumed from it logs the same losses and saves the same weights, bit for bit."""
