@@ -20,11 +20,12 @@ and (max-autotune) benchmarks its kernels, apart from the timed steps: a note in
 ``compile_s`` in the CSV and JSON (Inductor's on-disk cache shortens it on a second run).
 Both sides start from the same weights (PyTorch's twin of our model gets our state_dict: cnn
 and mlp as Sequential stacks, resnet18/34/50 as torchvision's with our stem for the image
-size, vit with nn.TransformerEncoderLayer blocks; models without a twin get no PyTorch rows), use the same optimizer (``--optimizer``:
-SGD with momentum 0.9, or AdamW), read uint8 images already on the device and gather and
-normalise them inside the step. Each is warmed up (``--warmup`` steps: kernels compiled,
-graphs captured), then ``--repeats`` runs of ``--steps`` steps are timed on the host clock
-around a device synchronisation; a row is the median.
+size, vit with nn.TransformerEncoderLayer blocks; models without a twin get no PyTorch
+rows), use the same optimizer (``--optimizer``: SGD with momentum 0.9, or AdamW), read uint8
+images already on the device and gather and normalise them inside the step. Each is warmed
+up (``--warmup`` steps: kernels compiled, graphs captured), then ``--repeats`` runs of
+``--steps`` steps are timed on the host clock around a device synchronisation; a row is the
+median.
 
 Columns: ms/step; images/s; ``vs best torch`` = PyTorch's fastest mode in the same precision
 (TF32 rows against PyTorch's TF32 modes, bf16 against its bf16 modes, compile-max-autotune
