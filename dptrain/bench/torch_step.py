@@ -2,7 +2,7 @@
 
 ``twin(model)`` (dptrain.run.torch_twin) builds the PyTorch module equal to one of our models
 (Sequential stacks of Conv2d, Linear, ReLU, MaxPool2d, AvgPool2d, Flatten, Dropout;
-torchvision's resnet18; the ViT with nn.TransformerEncoderLayer blocks) and loads our
+torchvision's resnet18/34/50; the ViT with nn.TransformerEncoderLayer blocks) and loads our
 weights into it (the names agree: "0.weight", ...); None for a model with other layers (no
 torch columns for it). ``training_step(...)`` returns the step in one of PyTorch's modes
 (``MODES``), on uint8 images already on the device, gathered and normalised inside the step

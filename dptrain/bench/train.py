@@ -19,12 +19,13 @@ compile modes report the wall time of their first step, where torch.compile trac
 and (max-autotune) benchmarks its kernels, apart from the timed steps: a note in the table and
 ``compile_s`` in the CSV and JSON (Inductor's on-disk cache shortens it on a second run).
 Both sides start from the same weights (PyTorch's twin of our model gets our state_dict: cnn
-and mlp as Sequential stacks, resnet18 as torchvision's, vit with nn.TransformerEncoderLayer
-blocks; models without a twin get no PyTorch rows), use the same optimizer (``--optimizer``:
-SGD with momentum 0.9, or AdamW), read uint8 images already on the device and gather and
-normalise them inside the step. Each is warmed up (``--warmup`` steps: kernels compiled,
-graphs captured), then ``--repeats`` runs of ``--steps`` steps are timed on the host clock
-around a device synchronisation; a row is the median.
+and mlp as Sequential stacks, resnet18/34/50 as torchvision's with our stem for the image
+size, vit with nn.TransformerEncoderLayer blocks; models without a twin get no PyTorch
+rows), use the same optimizer (``--optimizer``: SGD with momentum 0.9, or AdamW), read uint8
+images already on the device and gather and normalise them inside the step. Each is warmed
+up (``--warmup`` steps: kernels compiled, graphs captured), then ``--repeats`` runs of
+``--steps`` steps are timed on the host clock around a device synchronisation; a row is the
+median.
 
 Columns: ms/step; images/s; ``vs best torch`` = PyTorch's fastest mode in the same precision
 (TF32 rows against PyTorch's TF32 modes, bf16 against its bf16 modes, compile-max-autotune
@@ -37,8 +38,12 @@ step's time per op (CUDA events around each op, ``dptrain.bench.profile``). ``--
 ``--json`` write the rows (JSON adds the profiles); the table prints last. On the CPU only
 eager rows run (PyTorch's eager CPU step if torch is installed).
 
+Images are ``--channels`` x ``--image-size`` x ``--image-size`` (default 1x48x48; 3x224x224
+runs the ResNets through ImageNet's stem), the same uint8 batch on both sides.
+
     python -m dptrain bench train [--batch-sizes 64 256 1024] [--optimizer sgd|adamw]
-        [--models cnn] [--precisions tf32] [--profile] [--csv F.csv] [--json F.json]
+        [--models cnn] [--precisions tf32] [--channels 3 --image-size 224]
+        [--profile] [--csv F.csv] [--json F.json]
         [--torch-modes graph-autocast-cl compile-max-autotune]
 """
 from __future__ import annotations
@@ -195,6 +200,21 @@ def buildable_models(names, image_shape) -> dict:
     return result
 
 
+def chosen_models(names, image_shape) -> dict:
+    """buildable_models of `names` (--models; None: every model); UsageError for an unknown
+    name, or for a named model that does not build for `image_shape`."""
+    from dptrain.nn import MODELS
+
+    for name in names or ():
+        if name not in MODELS:
+            raise UsageError(f"--models {name}: unknown model; choose from {', '.join(MODELS)}")
+    status = buildable_models(names or list(MODELS), image_shape)
+    if names and any(status.values()):
+        bad = next(n for n, why in status.items() if why)
+        raise UsageError(f"--models {bad}: does not build for {image_shape}: {status[bad]}")
+    return status
+
+
 def peak_tflops(text, gpu_name):
     """{precision: TFLOP/s} from --peak-tflops ("495" for every precision, or
     "tf32=495,bf16=989"), else from PEAK_TFLOPS by `gpu_name`; {} where unknown."""
@@ -290,7 +310,10 @@ def _parser():
     p.add_argument("--optimizer", default="sgd", choices=("sgd", "adamw"),
                    help="sgd: momentum 0.9, lr 0.01; adamw: lr 1e-3, weight decay 0.01")
     p.add_argument("--image-size", type=_positive_int, default=48,
-                   help="height and width of the 1-channel images")
+                   help="height and width of the images")
+    p.add_argument("--channels", type=int, choices=(1, 3), default=1,
+                   help="channels of the images: 1 (grayscale) or 3 (RGB; 3x224x224 is "
+                   "ImageNet's shape)")
     p.add_argument("--steps", type=_positive_int, default=30, help="steps per timed run")
     p.add_argument("--warmup", type=_positive_int, default=5, help="steps before timing")
     p.add_argument("--repeats", type=_positive_int, default=5, help="timed runs (median)")
@@ -330,16 +353,8 @@ def main(argv=None, echo=print) -> int:
         if p not in offered:
             raise UsageError(f"--precisions {p}: the {device} runtime offers "
                              f"{', '.join(offered)}")
-    image_shape = (1, args.image_size, args.image_size)
-    names = args.models or list(nn.MODELS)
-    unknown = [n for n in names if n not in nn.MODELS]
-    if unknown:
-        raise UsageError(f"--models {unknown[0]}: unknown model; choose from "
-                         f"{', '.join(nn.MODELS)}")
-    status = buildable_models(names, image_shape)
-    if args.models and any(status.values()):
-        bad = next(n for n, why in status.items() if why)
-        raise UsageError(f"--models {bad}: does not build for {image_shape}: {status[bad]}")
+    image_shape = (args.channels, args.image_size, args.image_size)
+    status = chosen_models(args.models, image_shape)
     models = [n for n, why in status.items() if why is None]
     graphs = be.runtime.records_graphs
     use_torch = not args.no_torch and torch_step.available()
@@ -426,7 +441,7 @@ def main(argv=None, echo=print) -> int:
         echo(format_rows(prof["ops"], f"\nour eager step, {prof['model']} batch {prof['batch']} "
                          f"{prof['precision']}: device time per op (ms per step)"))
     skipped = {n: why for n, why in status.items() if why}
-    echo(f"\ntraining step, {image_shape[1]}x{image_shape[2]}x1 images, {args.optimizer}, "
+    echo(f"\ntraining step, {'x'.join(map(str, image_shape))} images, {args.optimizer}, "
          f"{device}{' (' + gpu + ')' if gpu else ''}, {header['date']}; median of "
          f"{args.repeats} x {args.steps} steps"
          + (f"; PyTorch {header['torch']}" if use_torch else "; no PyTorch")

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dptrain.nn.layers import Conv2d, Flatten, Linear, MaxPool2d, ReLU, Sequential
-from dptrain.nn.resnet import resnet18
+from dptrain.nn.resnet import resnet18, resnet34, resnet50
 from dptrain.nn.user import build_user_model, is_user_model
 from dptrain.nn.vit import vit
 
@@ -36,7 +36,8 @@ def mlp(image_shape=(1, 48, 48), num_classes=7, hidden=(512, 256)):
     return Sequential(*layers)
 
 
-MODELS = {"cnn": cnn, "mlp": mlp, "resnet18": resnet18, "vit": vit}
+MODELS = {"cnn": cnn, "mlp": mlp, "resnet18": resnet18, "resnet34": resnet34,
+          "resnet50": resnet50, "vit": vit}
 
 
 def build_model(name: str, image_shape, num_classes: int, hidden=None):

@@ -134,7 +134,7 @@ class TrainConfig:
         "gradient exchange (bf16 on a GPU only; fp16 with dynamic loss scaling; layers "
         "without 16-bit kernels compute in fp32 between casts). auto: bf16 on a GPU with bf16 "
         "tensor cores for the models where it is the fastest at fp32's accuracy (cnn, mlp, "
-        "resnet18), else TF32 where the GPU has it, else fp32",
+        "resnet18, resnet34, resnet50), else TF32 where the GPU has it, else fp32",
         DEVICE, choices=PRECISIONS)
     loss_scale: float = option(
         amp.INIT_SCALE, "fp16: the initial loss scale; halved on every step whose gradients "

@@ -6,9 +6,10 @@ trains it one process at our global batch on the same batches: the sampler of on
 the global batch draws exactly the union of our ranks' batches. Same optimizer, learning-rate
 schedule, logging and evaluation steps. It writes LOGDIR/torch/metrics.jsonl, summary.json and
 config.json, so `python -m dptrain plot LOGDIR` draws both runs. Twins exist for Sequential
-stacks of Conv2d, Linear, ReLU, pooling, Flatten and Dropout (cnn, mlp), for resnet18
-(torchvision's) and for vit (nn.TransformerEncoderLayer blocks); other models are refused
-with one line. Dropout draws other masks than ours.
+stacks of Conv2d, Linear, ReLU, pooling, Flatten and Dropout (cnn, mlp), for resnet18,
+resnet34 and resnet50 (torchvision's, with our stem for the image size) and for vit
+(nn.TransformerEncoderLayer blocks); other models are refused with one line. Dropout draws
+other masks than ours.
 """
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ def torch_model(torch, model, source: str):
     net = twin(model)
     if net is None:
         raise UsageError(f"--torch: {source} has no PyTorch twin here (Sequential stacks of "
-                         f"Conv2d/Linear/ReLU/pooling/Flatten/Dropout, resnet18 and vit)")
+                         f"Conv2d/Linear/ReLU/pooling/Flatten/Dropout, resnet18/34/50 "
+                         f"with torchvision, and vit)")
     return net
 
 
@@ -170,7 +172,7 @@ def train_twin(cfg, device: str, global_batch: int, echo=print) -> dict:
 
 def twin(model):
     """The torch.nn.Module equal to `model` with its weights (a Sequential for our Sequential
-    stacks, torchvision's resnet18, the ViT below), or None."""
+    stacks, torchvision's resnet18/34/50, the ViT below), or None."""
     import numpy as np
     import torch
     import torch.nn as tnn
@@ -211,17 +213,19 @@ def twin(model):
 
 
 def _resnet_twin(model):
-    """torchvision's resnet18 with our stem (input channels; for small images a 3x3 stride-1
-    conv and no max-pool) and our weights: the state_dict names are torchvision's. None when
-    torchvision is missing or the model is not the [2, 2, 2, 2] layout."""
+    """torchvision's ResNet of our layout (basic or bottleneck blocks, the same counts: its
+    resnet18, resnet34 or resnet50) with our stem (input channels; for small images a 3x3
+    stride-1 conv and no max-pool) and our weights: the state_dict names are torchvision's.
+    None when torchvision is missing or the widths are not torchvision's."""
     import torch.nn as tnn
 
     try:
-        from torchvision.models import resnet18
+        from torchvision.models import resnet as tv
     except ImportError:
         return None
+    block = tv.Bottleneck if model.block.expansion == 4 else tv.BasicBlock
     cout, cin, kh, kw = model.conv1.weight.shape
-    net = resnet18(num_classes=model.fc.out_features)
+    net = tv.ResNet(block, list(model.blocks), num_classes=model.fc.out_features)
     net.conv1 = tnn.Conv2d(cin, cout, (kh, kw), 1 if kh == 3 else 2, kh // 2, bias=False)
     if model.maxpool is None:
         net.maxpool = tnn.Identity()
