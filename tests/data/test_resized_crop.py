@@ -6,7 +6,10 @@ import math
 import numpy as np
 import pytest
 
+from test_loader import GraphBackend, toy
+
 from dptrain import backend
+from dptrain.data import DeviceLoader, augment
 from dptrain.backend.bfloat16 import BFLOAT16, from_bfloat16, to_bfloat16
 from dptrain.backend.cpu import augment as ref
 
@@ -207,6 +210,94 @@ def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         cpu.augment_resized_crop(images(), np.arange(3), np.array([0, 0], np.uint64),
                                  args["size"], args["scale"], args["ratio"], MEAN, STD)
+
+
+# ----------------------------------------------------------------------------- the loader
+
+
+def rrc_toy(n=40):
+    data = toy(n=n, shape=(3, 12, 9))
+    data.mean, data.std = np.array(MEAN), np.array(STD)
+    return data
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_loader_resamples_batches_and_views_gather(streaming):
+    data = rrc_toy()
+    train, view = augment.resamplers(cpu, augment.RESIZED_CROP, (3, 12, 9), 7, SCALE, RATIO, 5,
+                                     (0, 1))
+    loader = DeviceLoader(data, cpu, 8, max_device_bytes=0 if streaming else None,
+                          resample=train)
+    assert loader.augment and loader.input_shape == (3, 7, 7) and loader.image_shape == (3, 12, 9)
+    idx = np.array([3, 1, 4, 1, 5, 9, 2, 6])
+    loader.set_batch(idx)
+    x1, y1 = loader.batch()
+    x2, _ = loader.batch()
+    for counter, x in enumerate((x1, x2)):
+        want = cpu.augment_resized_crop(data.images, idx, np.array([5, counter], np.uint64), 7,
+                                        SCALE, RATIO, MEAN, STD)
+        np.testing.assert_array_equal(x, want)
+    np.testing.assert_array_equal(y1, data.labels[idx])
+    assert loader.get_augment_state().tolist() == [5, 2]
+    every = np.arange(20)  # more than one staging buffer when streaming
+    xs, ys = loader.gather(every)
+    np.testing.assert_array_equal(xs, cpu.resize_center_crop(data.images, every, 7, MEAN, STD))
+    assert loader.get_augment_state().tolist() == [5, 2]  # evaluation draws nothing
+    loader.set_augment_state([5, 0])  # a checkpoint's restore: the draws repeat
+    np.testing.assert_array_equal(loader.batch()[0], x1)
+    plain = DeviceLoader(data, cpu, 8, resample=view)
+    plain.set_batch(idx)
+    np.testing.assert_array_equal(plain.batch()[0],
+                                  cpu.resize_center_crop(data.images, idx, 7, MEAN, STD))
+
+
+def test_captured_step_draws_new_crops_each_replay():
+    data = rrc_toy()
+    be = GraphBackend()
+    train, _ = augment.resamplers(be, augment.RESIZED_CROP, (3, 12, 9), None, SCALE, RATIO, 11,
+                                  (0, 1))
+    loader = DeviceLoader(data, be, 6, resample=train)
+    assert loader.input_shape == (3, 9, 9)  # default: the stored shorter side
+    idx = np.arange(6)
+    loader.set_batch(idx)
+    replay = be.capture(loader.batch)
+    assert replay.ops == ["augment_resized_crop", "getitem"]
+    seen = [replay()[0].copy() for _ in range(3)]  # counters 1..3 (0 was the capture)
+    for k, x in enumerate(seen, start=1):
+        np.testing.assert_array_equal(x, cpu.augment_resized_crop(
+            data.images, idx, np.array([11, k], np.uint64), 9, SCALE, RATIO, MEAN, STD))
+    assert all(not np.array_equal(a, b) for a, b in zip(seen, seen[1:]))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sharded_loaders_resample_like_one_process(world):
+    data = rrc_toy()
+    idx = np.arange(16)[::-1].copy()
+
+    def loader(batch, shard):
+        train, _ = augment.resamplers(cpu, augment.RESIZED_CROP, (3, 12, 9), 6, SCALE, RATIO,
+                                      3, shard)
+        return DeviceLoader(data, cpu, batch, resample=train)
+    whole = loader(16, (0, 1))
+    whole.set_batch(idx)
+    x = [whole.batch()[0] for _ in range(2)]
+    for rank in range(world):
+        part = loader(16 // world, (rank, world))
+        part.set_batch(idx[rank::world])
+        for step in range(2):
+            np.testing.assert_array_equal(part.batch()[0], x[step][rank::world])
+
+
+def test_augment_kind_and_input_shape():
+    assert augment.kind(None) is None and augment.kind(False) is None
+    assert augment.kind(True) == augment.CROP_FLIP
+    assert augment.kind("random-resized-crop") == augment.RESIZED_CROP
+    with pytest.raises(ValueError, match="'zoom'"):
+        augment.kind("zoom")
+    assert augment.input_shape("crop-flip", (1, 28, 28), 64) == (1, 28, 28)
+    assert augment.input_shape("random-resized-crop", (1, 28, 30), None) == (1, 28, 28)
+    with pytest.raises(ValueError, match="--rrc-scale"):
+        augment.ResizedCrop(cpu, 8, scale=(0.0, 1.0))
 
 
 # ----------------------------------------------------------------------------- the kernels
