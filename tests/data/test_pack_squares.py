@@ -172,3 +172,26 @@ def test_bad_augment_options_are_refused_in_one_line(tmp_path, capsys, args, nam
     assert code == 2 and len(lines) == 1, err
     assert all(n in lines[0] for n in names), lines[0]
     assert not (tmp_path / "log").exists()
+
+
+@pytest.mark.parametrize("argv,toml,want", [
+    ([], "", None),
+    (["--augment"], "", "crop-flip"),
+    (["--augment", "--lr", "0.1"], "", "crop-flip"),
+    (["--augment", "random-resized-crop"], "", "random-resized-crop"),
+    ([], "augment = true\n", "crop-flip"),
+    ([], "augment = false\n", None),
+    ([], 'augment = "random-resized-crop"\nrrc-scale = "0.25,1"\n', "random-resized-crop"),
+])
+def test_augment_flag_forms(tmp_path, argv, toml, want):
+    from dptrain.cli.config import apply_config
+    from dptrain.cli.train import train_parser
+
+    parser = train_parser()
+    if toml:
+        (tmp_path / "c.toml").write_text(toml)
+        argv = argv + ["--config", str(tmp_path / "c.toml")]
+    apply_config(parser, argv)
+    args = parser.parse_args(argv)
+    assert args.augment == want
+    assert args.rrc_scale == ((0.25, 1.0) if "rrc-scale" in toml else (0.08, 1.0))
