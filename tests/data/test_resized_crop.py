@@ -359,3 +359,38 @@ def test_cuda_resize_center_crop_equals_cpu(cu, dtype, channels_last):
     want = cpu.resize_center_crop(x, idx, 27, MEAN, STD, dtype=dtype,
                                   channels_last=channels_last)
     compare(cu.to_numpy(got), want, dtype)
+
+
+@gpu
+@pytest.mark.parametrize("streaming", [False, True])
+def test_cuda_resampled_graph_step_replays_new_crops(cuda, streaming):
+    """The loader's random-resized-crop captured as a CUDA graph: each replay draws the next
+    counter's crops, what the CPU loader draws for the same seed; gather() is the eval view."""
+    data = rrc_toy()
+
+    def loader(be):
+        train, _ = augment.resamplers(be, augment.RESIZED_CROP, (3, 12, 9), 7, SCALE, RATIO, 21,
+                                      (0, 1))
+        return DeviceLoader(data, be, 6, max_device_bytes=0 if streaming else None,
+                            resample=train)
+    dev, host = loader(cuda), loader(cpu)
+    out = cuda.empty((6, 3, 7, 7), np.float32)
+    idx = np.array([7, 3, 3, 0, 39, 12])
+    dev.set_batch(idx)
+    host.set_batch(idx)
+
+    def step():
+        cuda.copy_(out, dev.batch()[0])
+
+    run = cuda.runtime.capture(step, warmup=1)
+    seen = []
+    for _ in range(5):  # one eager call, the capture (and its launch), three replays
+        run()
+        seen.append(cuda.to_numpy(out))
+    cuda.runtime.synchronize()
+    assert dev.get_augment_state().tolist() == [21, 5]
+    for x in seen:
+        compare(x, host.batch()[0], np.float32)
+    assert all(not np.array_equal(a, b) for a, b in zip(seen, seen[1:]))
+    every = np.arange(20)
+    compare(cuda.to_numpy(dev.gather(every)[0]), host.gather(every)[0], np.float32)
