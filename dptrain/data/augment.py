@@ -37,10 +37,11 @@ def kind(augment) -> str | None:
 class ResizedCrop:
     """Batches resampled to ``size`` x ``size`` on the device of ``be``: ``train`` draws a
     random-resized-crop and flip (when ``random``), ``view`` is evaluation's resize + centre
-    crop. Outputs are float32 NCHW, what the model's first layer reads today."""
+    crop. Outputs are NCHW (what the models read) in ``dtype``: the model's activation dtype,
+    so a 16-bit step's input cast finds nothing to do (the same values: one rounding)."""
 
     def __init__(self, be, size: int, *, random: bool = True, scale=RRC_SCALE, ratio=RRC_RATIO,
-                 seed: int = 0, shard: tuple = (0, 1)):
+                 seed: int = 0, shard: tuple = (0, 1), dtype=np.float32):
         from dptrain.backend.cpu.augment import RATIO_OK, SCALE_OK, check_range
 
         if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size <= 0:
@@ -49,6 +50,7 @@ class ResizedCrop:
         self.scale = check_range("--rrc-scale", scale, SCALE_OK)
         self.ratio = check_range("--rrc-ratio", ratio, RATIO_OK)
         self.shard = (int(shard[0]), int(shard[1]))
+        self.dtype = np.dtype(dtype)
         self.state = be.asarray(np.array([int(seed) % 2**64, 0], np.uint64)) if random else None
 
     def output_shape(self, image_shape) -> tuple:
@@ -58,10 +60,11 @@ class ResizedCrop:
         if not self.random:
             return self.view(images, rows, mean, std)
         return self.be.augment_resized_crop(images, rows, self.state, self.size, self.scale,
-                                            self.ratio, mean, std, self.shard[0], self.shard[1])
+                                            self.ratio, mean, std, self.shard[0], self.shard[1],
+                                            dtype=self.dtype)
 
     def view(self, images, rows, mean, std):
-        return self.be.resize_center_crop(images, rows, self.size, mean, std)
+        return self.be.resize_center_crop(images, rows, self.size, mean, std, dtype=self.dtype)
 
 
 def input_shape(augment, image_shape, size) -> tuple:
@@ -72,10 +75,11 @@ def input_shape(augment, image_shape, size) -> tuple:
     return (image_shape[0],) + (int(size or min(image_shape[1:])),) * 2
 
 
-def resamplers(be, augment, image_shape, size, scale, ratio, seed, shard) -> tuple:
+def resamplers(be, augment, image_shape, size, scale, ratio, seed, shard,
+               dtype=np.float32) -> tuple:
     """(training's, evaluation's) ResizedCrop under random-resized-crop, else (None, None)."""
     if kind(augment) != RESIZED_CROP:
         return None, None
     side = input_shape(augment, image_shape, size)[1]
-    return (ResizedCrop(be, side, scale=scale, ratio=ratio, seed=seed, shard=shard),
-            ResizedCrop(be, side, random=False, scale=scale, ratio=ratio))
+    return (ResizedCrop(be, side, scale=scale, ratio=ratio, seed=seed, shard=shard, dtype=dtype),
+            ResizedCrop(be, side, random=False, scale=scale, ratio=ratio, dtype=dtype))

@@ -36,7 +36,7 @@ exactly as one process at the same global batch. ``gather()`` never augments.
 With ``resample`` (a ``dptrain.data.augment.ResizedCrop``), the uint8 rows are resampled to
 its size instead of only normalised: ``batch()`` through its ``train`` (random-resized-crop
 and flip, its device state saved and restored as the augmentation's), ``gather()`` through
-its ``view`` (resize + centre crop); ``input_shape`` is then its output's shape.
+its ``view`` (resize + centre crop), in its dtype; ``input_shape`` is then its output's shape.
 
 ``gather(indices)`` serves evaluation: any number of indices, eagerly; in streaming mode
 in chunks of at most ``batch_size`` rows through a staging buffer of its own, so it never

@@ -161,7 +161,7 @@ class _Run:
             self.echo(f"dptrain: note: {note}")
         rrc, view = augment.resamplers(self.be, cfg.augment, train_set.image_shape,
                                        cfg.image_size, cfg.rrc_scale, cfg.rrc_ratio, cfg.seed,
-                                       (world.rank, world.size))
+                                       (world.rank, world.size), dtype=ddp.dtype)
         self.loader = DeviceLoader(train_set, self.be, cfg.batch_size,
                                    augment=augment.kind(cfg.augment) == augment.CROP_FLIP,
                                    augment_pad=cfg.augment_pad, augment_seed=cfg.seed,

@@ -269,6 +269,21 @@ def test_captured_step_draws_new_crops_each_replay():
     assert all(not np.array_equal(a, b) for a, b in zip(seen, seen[1:]))
 
 
+def test_loader_writes_the_models_dtype():
+    data = rrc_toy()
+    train, view = augment.resamplers(cpu, augment.RESIZED_CROP, (3, 12, 9), 5, SCALE, RATIO, 2,
+                                     (0, 1), dtype=np.float16)
+    loader = DeviceLoader(data, cpu, 4, resample=train)
+    idx = np.array([0, 7, 7, 1])
+    loader.set_batch(idx)
+    x = loader.batch()[0]
+    assert x.dtype == np.float16
+    np.testing.assert_array_equal(x, cpu.augment_resized_crop(
+        data.images, idx, np.array([2, 0], np.uint64), 5, SCALE, RATIO, MEAN, STD,
+        dtype=np.float16))
+    assert loader.gather(idx)[0].dtype == np.float16
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_sharded_loaders_resample_like_one_process(world):
     data = rrc_toy()
