@@ -350,9 +350,9 @@ def test_cuda_resized_crop_equals_cpu(cu, dtype, channels_last, shape, size):
 
 
 @gpu
-def test_cuda_boxes_are_exact(cu):
-    # scale (1, 1) at the stored size: the crop is the whole image only where the box is
-    # exact, and the values are then gather_normalize's bit for bit.
+def test_cuda_resized_crop_is_bit_for_bit(cu):
+    # The intent behind the tolerances above: boxes exact, and every float operation rounded
+    # once on both sides (no FMA), so float32 values equal NumPy's bit for bit.
     x = images(n=9, shape=(3, 31, 31))
     state = cu.asarray(np.array([4, 0], np.uint64))
     idx = np.arange(9)
