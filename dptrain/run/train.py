@@ -312,9 +312,12 @@ class _Run:
         startup_s = process_age_s() if s.startup_s is None else s.startup_s  # None: no step ran
         wall = self.meter.wall()
         if cfg.save and self.root:
+            # random-resized-crop: evaluation's view (resize + centre crop to the model's side)
+            crop = ({"eval_crop": self.loader.input_shape[1]} if self.val_loader.input_shape
+                    != self.val_loader.image_shape else {})
             save_weights(self.model, cfg.save, weights_metadata(
                 cfg.model, self.train_set, cfg.dataset,
-                data={**data_options(cfg), "seed": cfg.seed}))
+                data={**data_options(cfg), "seed": cfg.seed, **crop}))
         summary = self._summary(s, wall, startup_s)
         if self.root:
             self.log.summary(summary)

@@ -153,9 +153,16 @@ def test_training_random_resized_crops_the_store(tmp_path, capsys):
                                 "--data-dir", out, "--cache-dir", tmp_path / "cache",
                                 "--no-progress", "--max-steps", 2, "--batch-size", 4,
                                 "--augment", "random-resized-crop", "--image-size", 12,
-                                "--log-dir", tmp_path / "log")
+                                "--log-dir", tmp_path / "log", "--save", tmp_path / "w.npz")
     assert code == 0, err
     assert "done: 2 steps" in stdout
+    # `eval` of those weights sees the run's own view: resize + centre crop to 12
+    summary = json.loads((tmp_path / "log" / "summary.json").read_text())
+    code, _, err = run_cli(capsys, "eval", "--load", tmp_path / "w.npz", "--device", "cpu",
+                           "--cache-dir", tmp_path / "cache", "--out", tmp_path / "e.json")
+    assert code == 0, err
+    result = json.loads((tmp_path / "e.json").read_text())
+    assert result["images"] == 2 and result["accuracy"] == summary["val_accuracy"]
 
 
 @pytest.mark.parametrize("args,names", [
