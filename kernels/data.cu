@@ -22,6 +22,15 @@
 //    (2*pad+1), dx = ((h >> 24) & 0xFFFFFF) % (2*pad+1), flip = (h >> 48) & 1 -- the same
 //    integer arithmetic as the CPU backend's augment_draws, so both draw the same crops.
 //    out[b,c,i,j] = x[b, c, i+dy-pad, j'+dx-pad], j' = flip ? W-1-j : j; 0 outside. `=`.
+//  * rrc_boxes_kernel + resized_crop_kernel: random-resized-crop, flip and normalisation of
+//    uint8 images straight into the model's input (T = float, __half, __nv_bfloat16; NHWC or
+//    NCHW). The definition, draws and float rounding included, is the CPU backend's
+//    dptrain/backend/cpu/augment.py: every operation is one IEEE operation rounded once
+//    (__d*_rn / __f*_rn, so no fused multiply-add), and exp is the same +,*,/ polynomial, so
+//    boxes are exact and values equal NumPy's bit for bit. boxes: int32 rows of BOX_INTS =
+//    top, left, h, w, virtual_h, virtual_w, off_y, off_x, flip; resized_crop_kernel reads row
+//    b (box_stride BOX_INTS) or one shared row (box_stride 0: evaluation's centre crop).
+//    The state's counter is advanced by rng_advance_kernel after the box draw. `=`.
 
 #include "common.cuh"
 #include "philox.cuh"
@@ -101,6 +110,140 @@ __global__ void augment_crop_flip_kernel(T* out, const T* x, long long B, int C,
   }
 }
 
+// ---- random-resized-crop (dptrain/backend/cpu/augment.py is the definition)
+#define DP_BOX_INTS 9
+
+// e**x from +, *, / rounded once each: halve to |x| <= 1/8, degree-12 Horner, square back.
+__device__ __forceinline__ double det_exp(double x) {
+  int n = 0;
+  while (fabs(x) > 0.125) {
+    x = __dmul_rn(x, 0.5);
+    ++n;
+  }
+  double p = 1.0;
+  for (int k = 12; k >= 1; --k) p = __dadd_rn(1.0, __dmul_rn(__ddiv_rn(x, (double)k), p));
+  for (int i = 0; i < n; ++i) p = __dmul_rn(p, p);
+  return p;
+}
+
+__device__ __forceinline__ double unit53(unsigned long long r) {
+  return __dmul_rn((double)(r >> 11), 1.1102230246251565e-16);  // 2^-53
+}
+
+// One thread per image: torchvision's RandomResizedCrop.get_params with our draws.
+__global__ void rrc_boxes_kernel(int* boxes, long long B, int H, int W, int size, double s0,
+                                 double s1, double l0, double l1, double r0, double r1,
+                                 const unsigned long long* state, unsigned long long first,
+                                 unsigned long long stride) {
+  const unsigned long long base = splitmix64(splitmix64(state[0]) + state[1]);
+  GRID_STRIDE(b, B) {
+    const unsigned long long key = splitmix64(first + (unsigned long long)b * stride + base);
+    const double area = (double)H * (double)W;
+    long long top = -1, left = 0, h = 0, w = 0;
+    for (int a = 0; a < 10 && top < 0; ++a) {
+      const double target =
+          __dmul_rn(area, __dadd_rn(s0, __dmul_rn(__dsub_rn(s1, s0), unit53(splitmix64(key + 2 * a)))));
+      const double aspect =
+          det_exp(__dadd_rn(l0, __dmul_rn(__dsub_rn(l1, l0), unit53(splitmix64(key + 2 * a + 1)))));
+      const long long cw = (long long)rint(__dsqrt_rn(__dmul_rn(target, aspect)));
+      const long long ch = (long long)rint(__dsqrt_rn(__ddiv_rn(target, aspect)));
+      if (0 < cw && cw <= W && 0 < ch && ch <= H) {
+        w = cw;
+        h = ch;
+        top = (long long)(splitmix64(key + 20) % (unsigned long long)(H - h + 1));
+        left = (long long)(splitmix64(key + 21) % (unsigned long long)(W - w + 1));
+      }
+    }
+    if (top < 0) {  // torchvision's fallback: the whole image clamped to the ratio range
+      const double in_ratio = __ddiv_rn((double)W, (double)H);
+      h = H;
+      w = W;
+      if (in_ratio < r0) {
+        h = (long long)rint(__ddiv_rn((double)W, r0));
+      } else if (in_ratio > r1) {
+        w = (long long)rint(__dmul_rn((double)H, r1));
+      }
+      top = (H - h) / 2;
+      left = (W - w) / 2;
+    }
+    int* box = boxes + b * DP_BOX_INTS;
+    box[0] = (int)top;
+    box[1] = (int)left;
+    box[2] = (int)h;
+    box[3] = (int)w;
+    box[4] = size;
+    box[5] = size;
+    box[6] = 0;
+    box[7] = 0;
+    box[8] = (int)(splitmix64(key + 22) & 1ull);
+  }
+}
+
+// Bilinear source of output o (PyTorch's upsample_bilinear2d, align_corners=False).
+struct Tap {
+  int lo, hi;
+  float lam;
+};
+__device__ __forceinline__ Tap bilinear_tap(int o, int in, int virt) {
+  const float scale = __fdiv_rn((float)in, (float)virt);
+  const float src = fmaxf(__fsub_rn(__fmul_rn(__fadd_rn((float)o, 0.5f), scale), 0.5f), 0.0f);
+  Tap t;
+  t.lo = (int)src;
+  t.hi = t.lo + (t.lo < in - 1 ? 1 : 0);
+  t.lam = fminf(__fsub_rn(src, (float)t.lo), 1.0f);
+  return t;
+}
+
+// One output element per thread: out (B, C, S, S), or (B, S, S, C) when NHWC.
+template <typename T, bool NHWC>
+__global__ void resized_crop_kernel(T* out, const unsigned char* images, const long long* idx,
+                                    long long B, long long M, int C, int H, int W, int S,
+                                    const int* boxes, int box_stride, ChannelAffine a) {
+  __shared__ float scale[DP_MAX_CHANNELS], shift[DP_MAX_CHANNELS];
+  if (threadIdx.x < DP_MAX_CHANNELS) {
+    scale[threadIdx.x] = a.scale[threadIdx.x];
+    shift[threadIdx.x] = a.shift[threadIdx.x];
+  }
+  __syncthreads();
+  GRID_STRIDE(i, B * C * S * S) {
+    long long t = i;
+    int c, ox, oy;
+    if (NHWC) {
+      c = (int)(t % C);
+      t /= C;
+      ox = (int)(t % S);
+      t /= S;
+      oy = (int)(t % S);
+      t /= S;
+    } else {
+      ox = (int)(t % S);
+      t /= S;
+      oy = (int)(t % S);
+      t /= S;
+      c = (int)(t % C);
+      t /= C;
+    }
+    const long long b = t;
+    const long long row = idx[b];
+    if (row < 0 || row >= M) {
+      out[i] = quiet_nan<T>();
+      continue;
+    }
+    const int* box = boxes + b * box_stride;
+    const Tap ty = bilinear_tap(oy + box[6], box[2], box[4]);
+    const Tap tx = bilinear_tap((box[8] ? S - 1 - ox : ox) + box[7], box[3], box[5]);
+    const unsigned char* plane = images + (row * C + c) * (long long)H * W;
+    const unsigned char* r0 = plane + (long long)(box[0] + ty.lo) * W + box[1];
+    const unsigned char* r1 = plane + (long long)(box[0] + ty.hi) * W + box[1];
+    const float wx1 = tx.lam, wx0 = __fsub_rn(1.0f, tx.lam);
+    const float wy1 = ty.lam, wy0 = __fsub_rn(1.0f, ty.lam);
+    const float top = __fadd_rn(__fmul_rn(wx0, (float)r0[tx.lo]), __fmul_rn(wx1, (float)r0[tx.hi]));
+    const float bot = __fadd_rn(__fmul_rn(wx0, (float)r1[tx.lo]), __fmul_rn(wx1, (float)r1[tx.hi]));
+    const float v = __fadd_rn(__fmul_rn(wy0, top), __fmul_rn(wy1, bot));
+    out[i] = as<T>(__fsub_rn(__fmul_rn(v, scale[c]), shift[c]));
+  }
+}
+
 template <typename T>
 __global__ void dropout_mask_kernel(T* out, long long n, const unsigned long long* state, float p,
                                     compute_t<T> scale) {
@@ -128,3 +271,6 @@ __global__ void rng_advance_kernel(unsigned long long* state, unsigned long long
 // instantiate: dropout_mask_kernel<float>; dropout_mask_kernel<double>; rng_advance_kernel
 // instantiate: dropout_mask_kernel<__half>; dropout_mask_kernel<__nv_bfloat16>
 // instantiate: augment_crop_flip_kernel<float>; augment_crop_flip_kernel<double>
+// instantiate: rrc_boxes_kernel; resized_crop_kernel<float, false>; resized_crop_kernel<float, true>
+// instantiate: resized_crop_kernel<__half, false>; resized_crop_kernel<__half, true>
+// instantiate: resized_crop_kernel<__nv_bfloat16, false>; resized_crop_kernel<__nv_bfloat16, true>

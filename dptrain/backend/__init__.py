@@ -25,7 +25,8 @@ Conventions shared by all backends:
     linear weight (out, in).
   * Augmentation draws come from a counter-based hash (splitmix64 of seed, step counter and
     image index) over a small uint64 device array [seed, counter] that the caller owns and
-    ``augment_crop_flip`` advances itself, so both backends draw the same crops and flips.
+    ``augment_crop_flip`` / ``augment_resized_crop`` advance themselves, so both backends
+    draw the same crops and flips.
   * No op keeps state between calls: where reusing work or memory pays (the CPU's im2col
     columns, from a convolution's forward to its weight gradient), the caller owns a
     ``new_workspace()`` object and passes it as ``workspace=`` (conv2d_*, max_pool2d_*,

@@ -40,7 +40,7 @@ MODEL, OPTIM = "model.npz", "optimizer.npz"
 # The settings that decide a run's trajectory: a --checkpoint-dir records them (run.json), and
 # a fresh run with others is refused there (dptrain.run.preflight).
 IDENTITY = ("model", "hidden", "dataset", "data_dir", "channels", "image_size", "val_fraction",
-            "augment", "augment_pad", "train_images", "batch_size", "global_batch_size",
+            "augment", "augment_pad", "rrc_scale", "rrc_ratio", "train_images", "batch_size", "global_batch_size",
             "drop_last", "optimizer", "lr", "lr_schedule", "warmup_steps", "momentum",
             "nesterov", "weight_decay", "seed", "precision", "loss_scale",
             "loss_scale_interval", "sync_bn", "load")

@@ -70,3 +70,19 @@ def widths(text):
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"widths must be positive, got {text!r}")
     return values
+
+
+def float_range(low: float, high: float):
+    """An argparse type: MIN,MAX with low < MIN <= MAX <= high (--rrc-scale, --rrc-ratio)."""
+    def parse(text):
+        parts = text.split(",")
+        try:
+            lo, hi = (float(p) for p in parts)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not MIN,MAX (two numbers)") from None
+        if not low < lo <= hi <= high:  # NaN fails too
+            raise argparse.ArgumentTypeError(f"must be MIN,MAX with {low:g} < MIN <= MAX <= "
+                                             f"{high:g}, got {text!r}")
+        return (lo, hi)
+
+    return parse

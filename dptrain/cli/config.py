@@ -64,6 +64,9 @@ def config_defaults(parser: argparse.ArgumentParser, path, table: dict) -> dict:
                 value = action.const if value else action.default
             values[action.dest] = value
             continue
+        if isinstance(value, bool) and action.nargs == "?":  # augment = true: the bare flag
+            values[action.dest] = action.const if value else action.default
+            continue
         if isinstance(value, (bool, dict, list)):
             raise UsageError(f"{where}: expected a single {'value' if action.type else 'string'}")
         if action.type is not None:

@@ -86,6 +86,7 @@ def evaluate_weights(args) -> dict:
     from dptrain import backend
     from dptrain.checkpoints.weights import class_names, load_weights, read_metadata
     from dptrain.data import DeviceLoader, fixed_size, get_dataset
+    from dptrain.data.augment import ResizedCrop
     from dptrain.nn import build_model
     from dptrain.run.evaluate import predict
     from dptrain.run.config import DEVICE_DEFAULTS
@@ -107,7 +108,11 @@ def evaluate_weights(args) -> dict:
         if n is None and not fixed_size(dataset_name):
             n = DEVICE_DEFAULTS[device]["val_images"]
         dataset = get_dataset(dataset_name, args.split, n, seed, args.cache_dir, **options)
-        model = build_model(model_name, dataset.image_shape, dataset.num_classes).to(device)
+        # weights trained with random-resized-crop see resize + centre crop to their side
+        crop = trained.get("eval_crop") if args.image_size is None else None
+        view_of = ResizedCrop(be, int(crop), random=False) if crop else None
+        shape = view_of.output_shape(dataset.image_shape) if crop else dataset.image_shape
+        model = build_model(model_name, shape, dataset.num_classes).to(device)
     except (ValueError, RuntimeError) as exc:
         raise UsageError(str(exc)) from None
     except UsageError as exc:  # the dataset names train's flag for a size; ours is --images
@@ -118,7 +123,7 @@ def evaluate_weights(args) -> dict:
         names = [str(name) for name in meta["class_names"]]
     view = _Normalised(dataset, _stat(meta.get("mean", dataset.mean)),
                        _stat(meta.get("std", dataset.std)))
-    loader = DeviceLoader(view, be, args.batch_size)
+    loader = DeviceLoader(view, be, args.batch_size, resample=view_of)
     labels = np.asarray(dataset.labels, dtype=np.int64)
     total = len(labels)
     predictions, loss_sum = predict(model, loader, labels, args.batch_size)

@@ -8,9 +8,10 @@ import typing
 from dataclasses import MISSING
 
 from dptrain.errors import UsageError
-from dptrain.cli.argtypes import (HelpFormatter, Parser, non_negative_float, non_negative_int,
-                                  positive_float, positive_float_or_auto, positive_int,
-                                  widths)
+from dptrain.cli.argtypes import (HelpFormatter, Parser, float_range, non_negative_float,
+                                  non_negative_int, positive_float, positive_float_or_auto,
+                                  positive_int, widths)
+from dptrain.data.augment import RATIO_BOUNDS, SCALE_BOUNDS
 
 def model_name(text):
     """An argparse type: a model of dptrain.nn.MODELS, or FILE.py:FUNCTION /
@@ -29,7 +30,8 @@ ARG_TYPES = {
     (int, "positive"): positive_int, (int, "non_negative"): non_negative_int,
     (float, "positive"): positive_float, (float, "non_negative"): non_negative_float,
     (float, "positive_or_auto"): positive_float_or_auto,
-    (tuple, "widths"): widths, (int, None): int, (float, None): float, (str, None): None,
+    (tuple, "widths"): widths, (tuple, "scale_range"): float_range(*SCALE_BOUNDS),
+    (tuple, "ratio_range"): float_range(*RATIO_BOUNDS), (int, None): int, (float, None): float, (str, None): None,
 }
 
 
@@ -65,9 +67,11 @@ def train_parser() -> argparse.ArgumentParser:
             group.add_argument(flag(f), dest=f.name, help=meta["help"].replace("%", "%%"),
                                action="store_false" if f.default else "store_true")
             continue
+        # a field with a const takes an optional value: the bare flag means the const
+        optional = dict(nargs="?", const=meta["const"]) if meta.get("const") else {}
         group.add_argument(flag(f), dest=f.name, default=f.default, help=meta["help"].replace("%", "%%"),
                            type=ARG_TYPES[kind, meta["bound"]], choices=meta["choices"],
-                           metavar=meta["metavar"])
+                           metavar=meta["metavar"], **optional)
     return p
 
 

@@ -33,6 +33,11 @@ work. The padding is zeros after normalisation (the training set's mean pixel). 
 of rank r of N is drawn as position r + N*b of the global batch, so N ranks augment
 exactly as one process at the same global batch. ``gather()`` never augments.
 
+With ``resample`` (a ``dptrain.data.augment.ResizedCrop``), the uint8 rows are resampled to
+its size instead of only normalised: ``batch()`` through its ``train`` (random-resized-crop
+and flip, its device state saved and restored as the augmentation's), ``gather()`` through
+its ``view`` (resize + centre crop), in its dtype; ``input_shape`` is then its output's shape.
+
 ``gather(indices)`` serves evaluation: any number of indices, eagerly; in streaming mode
 in chunks of at most ``batch_size`` rows through a staging buffer of its own, so it never
 disturbs the training batch.
@@ -74,7 +79,7 @@ class DeviceLoader:
 
     def __init__(self, dataset, be, batch_size: int, max_device_bytes: int | None = None,
                  augment: bool = False, augment_pad: int = 4, augment_seed: int = 0,
-                 shard: tuple = (0, 1)):
+                 shard: tuple = (0, 1), resample=None):
         self.be = be
         self._batch_size = _positive_int("batch_size", batch_size)
         images, labels = dataset.images, np.asarray(dataset.labels)
@@ -101,6 +106,11 @@ class DeviceLoader:
             self._augment_pad = int(augment_pad)
             self._shard = (int(shard[0]), int(shard[1]))
             self._augment_state = be.asarray(np.array([int(augment_seed) % 2**64, 0], np.uint64))
+        self._resample = resample
+        if resample is not None:
+            if self._augment:
+                raise ValueError("DeviceLoader: augment and resample exclude each other")
+            self._augment, self._augment_state = resample.random, resample.state
         self.nbytes = self._num_images * math.prod(self._image_shape)  # the images, uint8
         self._resident = self._fits(max_device_bytes)
 
@@ -132,6 +142,13 @@ class DeviceLoader:
     @property
     def image_shape(self) -> tuple:
         return self._image_shape
+
+    @property
+    def input_shape(self) -> tuple:
+        """The shape of one image of ``batch()``: the stored one, or the resampled one."""
+        if self._resample is None:
+            return self._image_shape
+        return self._resample.output_shape(self._image_shape)
 
     @property
     def num_classes(self) -> int:
@@ -208,12 +225,19 @@ class DeviceLoader:
         if not self._has_batch:
             raise RuntimeError(f"{self!r}.batch: no batch chosen yet; call set_batch first")
         be = self.be
-        x = be.gather_normalize(self._images, self._rows, self._mean, self._std)
-        if self._augment:
+        x = self._normalise(self._images, self._rows, train=True)
+        if self._augment and self._resample is None:
             x = be.augment_crop_flip(x, self._augment_state, self._augment_pad,
                                      self._shard[0], self._shard[1])
         y = be.getitem(self._labels, self._indices)
         return x, y
+
+    def _normalise(self, images, rows, train: bool):
+        """float32 rows of uint8 images: normalised, or resampled by ``resample``."""
+        if self._resample is None:
+            return self.be.gather_normalize(images, rows, self._mean, self._std)
+        view = self._resample.train if train else self._resample.view
+        return view(images, rows, self._mean, self._std)
 
     def gather(self, host_indices):
         """``(x, y)`` for any number of dataset indices (evaluation), eagerly."""
@@ -221,7 +245,7 @@ class DeviceLoader:
         idx = self._check_indices("gather", host_indices, None)
         if self._resident or idx.size == 0:
             device_idx = be.asarray(idx)
-            return (be.gather_normalize(self._images, device_idx, self._mean, self._std),
+            return (self._normalise(self._images, device_idx, train=False),
                     be.getitem(self._labels, device_idx))
         if self._eval_images is None:
             B = self._batch_size
@@ -237,7 +261,7 @@ class DeviceLoader:
             be.runtime.upload_(self._eval_images, self._eval_host)
             rows = self._eval_rows if k == self._batch_size else be.asarray(
                 np.arange(k, dtype=np.int64))
-            xs.append(be.gather_normalize(self._eval_images, rows, self._mean, self._std))
+            xs.append(self._normalise(self._eval_images, rows, train=False))
             ys.append(be.getitem(self._labels, be.asarray(part)))
         if len(xs) == 1:
             return xs[0], ys[0]

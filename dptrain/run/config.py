@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 from dptrain.data import DATASETS, fixed_size
+from dptrain.data.augment import AUGMENTATIONS, CROP_FLIP, RESIZED_CROP, RRC_RATIO, RRC_SCALE
 from dptrain.distributed.watchdog import DEFAULT_TIMEOUT
 from dptrain.nn import MODELS
 from dptrain.optim import OPTIMIZERS, LRSchedule
@@ -28,10 +29,13 @@ _CPU, _GPU = DEVICE_DEFAULTS["cpu"], DEVICE_DEFAULTS["cuda"]
 PRECISIONS = ("auto", "tf32", "fp32", "bf16", "fp16")
 
 
-def option(default, help, group, *, bound=None, choices=None, metavar=None, flag=None):
-    """A TrainConfig field with what its command-line flag needs."""
+def option(default, help, group, *, bound=None, choices=None, metavar=None, flag=None,
+           const=None):
+    """A TrainConfig field with what its command-line flag needs (``const``: the value of the
+    flag given bare, which then takes an optional value)."""
     return field(default=default, metadata=dict(help=help, group=group, bound=bound,
-                                                choices=choices, metavar=metavar, flag=flag))
+                                                choices=choices, metavar=metavar, flag=flag,
+                                                const=const))
 
 
 DATA, OPTIM, DEVICE, OUTPUT, FAILURES, TESTING = (
@@ -59,7 +63,8 @@ class TrainConfig:
     channels: int | None = option(None, "1: grayscale, 3: RGB (default: the dataset's own)",
                                   DATA, choices=(1, 3))
     image_size: int | None = option(
-        None, "resize images to SxS (needed when an image folder mixes sizes)", DATA,
+        None, "resize images to SxS (needed when an image folder mixes sizes); with --augment "
+        f"{RESIZED_CROP}: the side of the crops the model reads, the images read as stored", DATA,
         bound="positive", metavar="S")
     val_fraction: float = option(
         0.1, "share held out for validation when the dataset has no test split", DATA,
@@ -67,11 +72,21 @@ class TrainConfig:
     on_bad_image: str = option(
         "error", "an unreadable image file: stop with its name, or skip it (counted)", DATA,
         choices=("error", "skip"))
-    augment: bool = option(
-        False, "random crop (zero padding) and horizontal flip of training batches, on the "
-        "device", DATA)
-    augment_pad: int = option(4, "padding of the --augment crop, pixels", DATA,
+    augment: str | None = option(
+        None, f"augment training batches on the device. {CROP_FLIP} (a bare --augment): random "
+        "crop from the image padded by --augment-pad pixels, and horizontal flip, at the stored "
+        f"size; {RESIZED_CROP}: torchvision's RandomResizedCrop (area share --rrc-scale, aspect "
+        "--rrc-ratio), bilinear to --image-size SxS (default: the stored size), horizontal "
+        "flip; evaluation then resizes (shorter side S*256/224) and centre-crops to SxS", DATA,
+        choices=AUGMENTATIONS, metavar="KIND", const=CROP_FLIP)
+    augment_pad: int = option(4, f"padding of the {CROP_FLIP} crop, pixels", DATA,
                               bound="non_negative", metavar="P")
+    rrc_scale: tuple = option(
+        RRC_SCALE, f"{RESIZED_CROP}: range of the crop's share of the image's area (default "
+        "0.08,1)", DATA, bound="scale_range", metavar="MIN,MAX")
+    rrc_ratio: tuple = option(
+        RRC_RATIO, f"{RESIZED_CROP}: range of the crop's aspect ratio w/h, drawn log-uniformly "
+        "(default 0.75,1.3333)", DATA, bound="ratio_range", metavar="MIN,MAX")
     train_images: int | None = option(
         None, f"training images (synthetic: default {_CPU['train_images']} on CPU, "
         f"{_GPU['train_images']} on GPU; datasets read from files: all)", DATA,
@@ -186,7 +201,9 @@ class TrainConfig:
 def data_options(cfg) -> dict:
     """How `cfg` reads its dataset, beyond its name, size and seed (get_dataset's options):
     the training loop, the --torch twin and the weights' metadata all take them from here."""
-    return dict(data_dir=cfg.data_dir, channels=cfg.channels, image_size=cfg.image_size,
+    # random-resized-crop reads the stored images and resamples them to --image-size itself
+    stored = cfg.image_size if cfg.augment != RESIZED_CROP else None
+    return dict(data_dir=cfg.data_dir, channels=cfg.channels, image_size=stored,
                 val_fraction=cfg.val_fraction, on_bad_image=cfg.on_bad_image)
 
 

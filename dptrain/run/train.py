@@ -17,6 +17,7 @@ from dptrain.checkpoints import CheckpointOptions, Checkpointing
 from dptrain.checkpoints.state import run_identity
 from dptrain.checkpoints.weights import load_weights, save_weights, weights_metadata
 from dptrain.data import DeviceLoader, StrideSampler, get_dataset
+from dptrain.data import augment
 from dptrain.distributed.startup import first_on_host, process_age_s
 from dptrain.distributed.stopping import StopRequests, signal_name
 from dptrain.distributed.watchdog import Watchdog
@@ -80,7 +81,8 @@ def _setup(cfg: TrainConfig):
         manual_seed(cfg.seed)
         set_data_shard(world.rank, world.size)  # dropout draws the global batch's masks
         train_set, val_set = _load_datasets(cfg, world)
-        model = build_model(cfg.model, train_set.image_shape, train_set.num_classes,
+        model = build_model(cfg.model, augment.input_shape(cfg.augment, train_set.image_shape,
+                                                           cfg.image_size), train_set.num_classes,
                             hidden=cfg.hidden).to(device)
         if cfg.sync_bn:
             sync_batch_norm(model, world.comm)
@@ -136,13 +138,14 @@ class _Run:
         parameters, ZeRO-1 optimizer shards, the bucketed exchange, the 16-bit shadow (mixed
         precision), the loss scaler (fp16) and the non-finite guard: the library's own."""
         cfg, world, train_set, val_set = self.cfg, self.world, self.train_set, self.val_set
+        shape = augment.input_shape(cfg.augment, train_set.image_shape, cfg.image_size)
         self.ddp = ddp = DataParallel(
             self.model, functools.partial(build_optimizer, cfg), world=world,
             precision=cfg.precision, sync="broadcast", bucket_mb=cfg.bucket_mb,
             grad_exchange=cfg.grad_exchange, skip_nonfinite=cfg.skip_nonfinite,
             loss_scale=cfg.loss_scale, loss_scale_interval=cfg.loss_scale_interval,
-            input_shapes=[(cfg.batch_size, *train_set.image_shape)]
-            + [(n, *val_set.image_shape) for n in eval_batch_sizes(len(val_set.labels), world)])
+            input_shapes=[(cfg.batch_size, *shape)]
+            + [(n, *shape) for n in eval_batch_sizes(len(val_set.labels), world)])
         self.opt, self.reducer, self.scaler, self.guard = (ddp.optimizer, ddp.reducer, ddp.scaler,
                                                            ddp.guard)
         self.sampler = StrideSampler(len(train_set.labels), cfg.batch_size, world.size,
@@ -156,10 +159,14 @@ class _Run:
         self.global_batch = cfg.batch_size * world.size
         for note in self.notes:
             self.echo(f"dptrain: note: {note}")
-        self.loader = DeviceLoader(train_set, self.be, cfg.batch_size, augment=cfg.augment,
+        rrc, view = augment.resamplers(self.be, cfg.augment, train_set.image_shape,
+                                       cfg.image_size, cfg.rrc_scale, cfg.rrc_ratio, cfg.seed,
+                                       (world.rank, world.size), dtype=ddp.dtype)
+        self.loader = DeviceLoader(train_set, self.be, cfg.batch_size,
+                                   augment=augment.kind(cfg.augment) == augment.CROP_FLIP,
                                    augment_pad=cfg.augment_pad, augment_seed=cfg.seed,
-                                   shard=(world.rank, world.size))
-        self.val_loader = DeviceLoader(val_set, self.be, cfg.batch_size)
+                                   shard=(world.rank, world.size), resample=rrc)
+        self.val_loader = DeviceLoader(val_set, self.be, cfg.batch_size, resample=view)
 
     def resume(self) -> int:
         """Exact resume: parameters, optimizer shards, step, RNG and augmentation states are
@@ -305,9 +312,12 @@ class _Run:
         startup_s = process_age_s() if s.startup_s is None else s.startup_s  # None: no step ran
         wall = self.meter.wall()
         if cfg.save and self.root:
+            # random-resized-crop: evaluation's view (resize + centre crop to the model's side)
+            crop = ({"eval_crop": self.loader.input_shape[1]} if self.val_loader.input_shape
+                    != self.val_loader.image_shape else {})
             save_weights(self.model, cfg.save, weights_metadata(
                 cfg.model, self.train_set, cfg.dataset,
-                data={**data_options(cfg), "seed": cfg.seed}))
+                data={**data_options(cfg), "seed": cfg.seed, **crop}))
         summary = self._summary(s, wall, startup_s)
         if self.root:
             self.log.summary(summary)

@@ -41,6 +41,7 @@ def _full_run(ranks, tmp, cache, extra=()):
 @pytest.mark.parametrize("ranks, extra", [
     (0, ()), pytest.param(2, (), marks=needs_mpi),
     (0, ("--augment",)),  # the augmentation's draws resume where they stopped
+    (0, ("--augment", "random-resized-crop", "--image-size", "40")),  # its device counter too
     # fp16: the loss scale and its good-step count resume too (this scale overflows at first,
     # and the interval doubles it again within the run)
     (0, ("--model", "cnn", "--precision", "fp16", "--loss-scale", str(2.0**20),

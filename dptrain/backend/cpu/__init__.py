@@ -17,7 +17,8 @@ import functools as _functools
 import numpy as _np
 
 from dptrain.backend import registry as _registry
-from dptrain.backend.cpu import attention, conv, norm, ops, workspace  # noqa: F401  (register)
+from dptrain.backend.cpu import (  # noqa: F401  (register)
+    attention, augment, conv, norm, ops, workspace)
 from dptrain.backend.cpu.ops import name  # noqa: F401
 from dptrain.backend.cpu.workspace import Workspace  # noqa: F401
 from dptrain.backend.cpu.runtime import runtime  # noqa: F401

@@ -14,7 +14,8 @@ beside its .cu file and headed by that layer's conventions:
     softmax.py      softmax.cu: softmax, log_softmax, cross-entropy
     pool.py         pool.cu: max and average pooling
     optim.py        optim.cu: SGD and AdamW over flat buffers
-    data.py         data.cu: gather_normalize, augment_crop_flip, dropout_mask
+    data.py         data.cu: gather_normalize, augment_crop_flip, augment_resized_crop,
+                    resize_center_crop, dropout_mask
     gemm.py         gemm.cu, gemm_wgmma.cu, gemm_thin.cu: matmul (and the plans conv2d shares)
     conv2d.py       conv2d.cu: implicit-GEMM convolutions
     norm.py         norm.cu: batch normalisation (statistics, forward, running estimates, backward)

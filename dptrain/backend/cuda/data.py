@@ -12,6 +12,13 @@ Conventions (the .cu file's header has the kernel side):
     the same draws as the CPU backend (a splitmix64 hash of seed, counter and image index:
     kernels/data.cu). A one-thread kernel then adds 1 to the counter on the device, so a
     replayed graph draws a new crop and flip each step.
+  * augment_resized_crop(images uint8 (M, C, H, W), idx, state, size, scale, ratio, mean,
+    std, first, stride, dtype, channels_last) and resize_center_crop(images, idx, size, mean,
+    std, dtype, channels_last): random-resized-crop + flip, or evaluation's resize + centre
+    crop, normalised and written in the model's dtype (float32, float16, bfloat16) and layout;
+    the definition is dptrain/backend/cpu/augment.py, computed bit for bit (the boxes by a
+    one-thread-per-image kernel into a small int32 table, then one thread per output value).
+    The random one advances state[1] by one on the device, as augment_crop_flip does.
   * dropout_mask(shape, p) keeps each element with probability 1 - p and scales it by
     1 / (1 - p) (inverted dropout). Philox4x32-10 keyed by the seed; the seed and the counter
     offset live in runtime.rng_state on the device. After each draw a one-thread kernel adds
@@ -26,6 +33,7 @@ import math
 import cupy
 import numpy as np
 
+from dptrain.backend.cpu import augment as reference
 from dptrain.backend.cuda import launch
 from dptrain.backend.cuda.runtime import runtime
 from dptrain.backend.cuda.transpose import copy
@@ -112,6 +120,83 @@ def augment_crop_flip(x, state, pad, first=0, stride=1):
                             np.int32(pad), state, np.uint64(first), np.uint64(stride)))
     launch.kernel(DATA, "rng_advance_kernel")((1,), (1,), (state, np.uint64(1)))
     return out
+
+
+BOX_INTS = 9  # DP_BOX_INTS in kernels/data.cu
+
+
+def _resample(where, images, idx, size, mean, std, dtype, channels_last, boxes, box_stride):
+    """The resized_crop_kernel launch shared by both ops: checks, then out (B, ...) in dtype."""
+    B, C, H, W = len(idx), images.shape[1], images.shape[2], images.shape[3]
+    S = int(size)
+    launch.check_int32(where, C * S * S, H * W, C)
+    # per-channel pairs even for scalars: the kernel reads scale[c] for every channel c
+    _, affine = _channel_affine(images, np.broadcast_to(np.asarray(mean, np.float64), (C,)),
+                                np.broadcast_to(np.asarray(std, np.float64), (C,)))
+    shape = (B, S, S, C) if channels_last else (B, C, S, S)
+    out = launch.new(shape, dtype)
+    if out.size:
+        fn = launch.kernel(DATA, "resized_crop_kernel", launch.ctype(dtype),
+                           "true" if channels_last else "false")
+        launch.grid_stride(fn, out.size, (out, images, idx, np.int64(B), np.int64(images.shape[0]),
+                                          np.int32(C), np.int32(H), np.int32(W), np.int32(S),
+                                          boxes, np.int32(box_stride), affine))
+    return out
+
+
+def _checked(where, images, idx, size, dtype):
+    launch.check_arrays(where, images)
+    if images.dtype != np.uint8 or images.ndim != 4:
+        raise TypeError(f"cuda.{where}: images must be uint8 (M, C, H, W), got {images.dtype} "
+                        f"{images.shape}")
+    launch.check_contiguous(where, images)
+    if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size <= 0:
+        raise ValueError(f"cuda.{where}: size must be a positive integer, got {size!r}")
+    if np.dtype(dtype) not in reference.OUT_DTYPES:
+        raise TypeError(f"cuda.{where}: dtype must be float32, float16 or bfloat16 (uint16), "
+                        f"got {np.dtype(dtype)}")
+    if not launch.is_cupy(idx):
+        idx = cupy.asarray(np.asarray(idx))  # host indices: uploaded (outside a captured step)
+    if idx.ndim != 1 or idx.dtype.kind != "i":
+        raise TypeError(f"cuda.{where}: idx must be 1-D integers, got {idx.shape} {idx.dtype}")
+    return idx if idx.dtype == np.int64 and idx.flags.c_contiguous else idx.astype(np.int64)
+
+
+@op
+def augment_resized_crop(images, idx, state, size, scale, ratio, mean, std, first=0,
+                         stride=1, dtype=np.float32, channels_last=False):
+    """Random-resized-crop + flip + normalisation of rows idx, in dtype and layout; advances
+    state[1] by one on the device."""
+    where = "augment_resized_crop"
+    idx = _checked(where, images, idx, size, dtype)
+    launch.check_arrays(where, state)
+    if state.dtype != np.uint64 or state.shape != (2,):
+        raise ValueError(f"cuda.{where}: state must be uint64 (2,), got {state.dtype} "
+                         f"{state.shape}")
+    s0, s1 = reference.check_range("scale", scale, reference.SCALE_OK)
+    r0, r1 = reference.check_range("ratio", ratio, reference.RATIO_OK)
+    B, H, W = idx.size, images.shape[2], images.shape[3]
+    boxes = launch.new((max(B, 1), BOX_INTS), np.int32)
+    if B:
+        launch.grid_stride(launch.kernel(DATA, "rrc_boxes_kernel"), B,
+                           (boxes, np.int64(B), np.int32(H), np.int32(W), np.int32(size),
+                            np.float64(s0), np.float64(s1), np.float64(math.log(r0)),
+                            np.float64(math.log(r1)), np.float64(r0), np.float64(r1), state,
+                            np.uint64(first), np.uint64(stride)))
+    out = _resample(where, images, idx, size, mean, std, np.dtype(dtype), channels_last, boxes,
+                    BOX_INTS)
+    launch.kernel(DATA, "rng_advance_kernel")((1,), (1,), (state, np.uint64(1)))
+    return out
+
+
+@op
+def resize_center_crop(images, idx, size, mean, std, dtype=np.float32, channels_last=False):
+    """Evaluation's view: resize (shorter side round(size * 256/224)) + centre crop, no draws."""
+    where = "resize_center_crop"
+    idx = _checked(where, images, idx, size, dtype)
+    box = reference.eval_box(images.shape[2], images.shape[3], int(size)) + (0,)
+    boxes = cupy.asarray(np.array(box, np.int32))  # one row for all (uploaded: eager only)
+    return _resample(where, images, idx, size, mean, std, np.dtype(dtype), channels_last, boxes, 0)
 
 
 @op

@@ -212,3 +212,72 @@ def decode(data_dir: str, channels=None, image_size=None, on_bad_image="error") 
     if n_train == 0:
         raise UsageError(f"{train_dir}: no readable images (the dataset is empty)")
     return Decoded(train, val, classes, skipped=len(bad))
+
+
+# ----------------------------------------------------------------------------- big folders
+# `data pack --max-size S`: every image's shorter side resized to S (Pillow's bilinear, which
+# filters when it shrinks), then its centre S x S square kept; decoded by worker processes
+# (decoding holds the GIL) in chunks of fixed size, so the output does not depend on how many.
+
+def read_square(path: str, channels: int, side: int) -> np.ndarray:
+    """uint8 (C, side, side): the image's shorter side resized to ``side``, the centre
+    square kept. BadImage as ``read_image``."""
+    from PIL import Image
+
+    try:
+        with Image.open(path, formats=PIL_FORMATS) as im:
+            w, h = im.size
+            if w * h > MAX_PIXELS or w <= 0 or h <= 0:
+                raise BadImage(f"{w}x{h} pixels exceeds the limit of {MAX_PIXELS} "
+                               f"(a decompression bomb?)")
+            im.draft("L" if channels == 1 else "RGB", (side, side))  # JPEG: decode smaller
+            im = im.convert("L" if channels == 1 else "RGB")
+            w, h = im.size
+            scale = side / min(w, h)
+            nw, nh = max(side, round(w * scale)), max(side, round(h * scale))
+            if (nw, nh) != (w, h):
+                im = im.resize((nw, nh), Image.BILINEAR)
+            left, top = (nw - side) // 2, (nh - side) // 2
+            arr = np.asarray(im.crop((left, top, left + side, top + side)), np.uint8)
+    except BadImage:
+        raise
+    except Exception as err:  # noqa: BLE001 - any failure of a hostile file is a bad image
+        text = str(err) or type(err).__name__
+        if os.path.exists(path) and os.path.getsize(path) == 0:
+            text = "empty file"
+        raise BadImage(text) from None
+    return arr[None] if arr.ndim == 2 else np.ascontiguousarray(arr.transpose(2, 0, 1))
+
+
+def first_channels(paths) -> int:
+    """1 when the first readable image is grey, else 3 (--max-size's default --channels)."""
+    from PIL import Image
+
+    for path in paths:
+        try:
+            with Image.open(path, formats=PIL_FORMATS) as im:
+                return 1 if im.mode in GRAY_MODES else 3
+        except Exception:  # noqa: BLE001 - a bad file is judged when it is decoded
+            continue
+    return 3
+
+
+def worker_init() -> None:
+    """A decoding process leaves Ctrl-C to its parent, which stops the pool and cleans up."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def decode_squares(job) -> tuple:
+    """A worker's chunk: job = (paths, channels, side) -> (images uint8 (k, C, S, S) of the
+    readable ones, [(position in the chunk, reason)] of the others)."""
+    paths, channels, side = job
+    images, bad = [], []
+    for i, path in enumerate(paths):
+        try:
+            images.append(read_square(path, channels, side))
+        except BadImage as err:
+            bad.append((i, str(err)))
+    shape = (len(images), channels, side, side)
+    return (np.stack(images) if images else np.zeros(shape, np.uint8)), bad

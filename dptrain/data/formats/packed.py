@@ -11,8 +11,11 @@ A packed dataset is a directory:
     train-labels.npy     int64 (N,)
     val-images.npy, val-labels.npy
 
-``write`` puts every array file in place first (each written to a temporary name and
-renamed) and the header last, so a directory with a header is complete. ``load`` checks
+``write`` (and ``Writer``, which big folders fill chunk by chunk) builds the whole dataset in
+a temporary folder beside OUT (``.OUT.XXXX.tmp``), the header last, then renames it to OUT:
+OUT is either absent, the previous dataset, or the complete new one; a failure or Ctrl-C
+removes the temporary folder. A header may also say how the images were stored
+(``"stored": {"layout": "center-square", "max_size": S}``: `data pack --max-size S`). ``load`` checks
 the header, each file's size and SHA-256 (``verify=True``), dtype, shape and label range,
 and memory-maps the images. A file is hashed on its first load only: a stamp in the cache
 directory remembers its size, modification time and inode, so later runs open a million
@@ -23,6 +26,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
+import tempfile
 
 import numpy as np
 
@@ -30,7 +35,7 @@ from dptrain.data import cache as disk_cache
 from dptrain.data.cache import sha256_file
 from dptrain.data.formats.common import ImageDataset, check_options, subset_rows, val_split
 from dptrain.errors import UsageError
-from dptrain.fileio import atomic_write
+from dptrain.fileio import atomic_write, fsync_dir
 
 NAME = "packed"
 FORMAT, VERSION = "dptrain-packed", 1
@@ -46,29 +51,102 @@ def _dir(path: str) -> str:
 def write(out: str, splits: dict, class_names, mean, std, source: str = "") -> dict:
     """Write a packed dataset to directory ``out``: ``splits`` maps "train" (and "val") to
     (images uint8 (n, C, H, W), labels). Returns the header."""
-    image_shape = None
-    header = {"format": FORMAT, "version": VERSION, "class_names": list(map(str, class_names)),
-              "mean": [float(v) for v in np.atleast_1d(mean)],
-              "std": [float(v) for v in np.atleast_1d(std)], "source": str(source), "splits": {}}
-    os.makedirs(out, exist_ok=True)
-    for split, (images, labels) in splits.items():
-        if images.dtype != np.uint8 or images.ndim != 4:
-            raise ValueError(f"packed.write: {split} images must be uint8 (n, C, H, W)")
-        if image_shape is None:
-            image_shape = [int(d) for d in images.shape[1:]]
-        labels = np.ascontiguousarray(labels, np.int64)
-        entry = {"count": int(len(labels))}
-        for kind, array in (("labels", labels), ("images", images)):
-            name = f"{split}-{kind}.npy"
-            path = os.path.join(out, name)
-            atomic_write(path, lambda f, a=array: np.save(f, a, allow_pickle=False))
-            entry[kind] = {"file": name, "bytes": os.path.getsize(path),
-                           "sha256": sha256_file(path)}
-        header["splits"][split] = entry
-    header["image_shape"] = image_shape
-    atomic_write(os.path.join(out, HEADER),
-                 lambda f: f.write((json.dumps(header, indent=1) + "\n").encode("utf-8")))
-    return header
+    with Writer(out) as w:
+        for split, (images, labels) in splits.items():
+            if images.dtype != np.uint8 or images.ndim != 4:
+                raise ValueError(f"packed.write: {split} images must be uint8 (n, C, H, W)")
+            w.split(split, len(images), images.shape[1:])[:] = images
+            w.labels(split, labels)
+        return w.commit(class_names, mean, std, source)
+
+
+class Writer:
+    """A packed dataset built in a temporary folder beside ``out`` and renamed into place by
+    ``commit``; leaving the ``with`` block without a commit (an error, Ctrl-C) removes it.
+
+    ``split(name, n, shape)`` gives a writable memory map of n images; ``truncate(name, k)``
+    keeps its first k (skipped bad images); ``labels(name, labels)`` writes the labels."""
+
+    def __init__(self, out: str):
+        self.out = os.path.abspath(out)
+        os.makedirs(os.path.dirname(self.out), exist_ok=True)
+        self.tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(self.out)}.", suffix=".tmp",
+                                    dir=os.path.dirname(self.out))
+        self.maps, self.counts = {}, {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.maps.clear()
+        if os.path.isdir(self.tmp):
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        return False
+
+    def split(self, name: str, n: int, shape) -> np.ndarray:
+        path = os.path.join(self.tmp, f"{name}-images.npy")
+        self.maps[name] = np.lib.format.open_memmap(path, "w+", np.uint8,
+                                                    (int(n),) + tuple(map(int, shape)))
+        self.counts[name] = int(n)
+        return self.maps[name]
+
+    def truncate(self, name: str, k: int) -> None:
+        """Keep the first k images: the .npy header rewritten in place (the same length,
+        padded with spaces as the format allows), the file cut after row k."""
+        images = self.maps.pop(name)
+        shape, offset = (int(k),) + images.shape[1:], images.offset
+        images.flush()
+        del images
+        path = os.path.join(self.tmp, f"{name}-images.npy")
+        with open(path, "r+b") as f:
+            f.seek(8)  # magic (6), version (2): 1.0 has a 2-byte header length
+            length = int.from_bytes(f.read(2), "little")
+            text = repr({"descr": "|u1", "fortran_order": False, "shape": shape})
+            f.write((text.ljust(length - 1) + "\n").encode("latin1"))
+            f.truncate(offset + int(np.prod(shape)))
+        self.counts[name] = int(k)
+
+    def labels(self, name: str, labels) -> None:
+        np.save(os.path.join(self.tmp, f"{name}-labels.npy"),
+                np.ascontiguousarray(labels, np.int64), allow_pickle=False)
+
+    def commit(self, class_names, mean, std, source: str = "", stored=None) -> dict:
+        """Hash the files, write the header, rename the folder to ``out``. The header."""
+        for images in self.maps.values():
+            images.flush()
+        self.maps.clear()
+        header = {"format": FORMAT, "version": VERSION,
+                  "class_names": list(map(str, class_names)),
+                  "mean": [float(v) for v in np.atleast_1d(mean)],
+                  "std": [float(v) for v in np.atleast_1d(std)], "source": str(source),
+                  "splits": {}}
+        if stored:
+            header["stored"] = dict(stored)
+        for split in self.counts:
+            path = os.path.join(self.tmp, f"{split}-images.npy")
+            header.setdefault("image_shape", [int(d) for d in np.load(path, mmap_mode="r").shape[1:]])
+            entry = {"count": self.counts[split]}
+            for kind in ("labels", "images"):
+                name = f"{split}-{kind}.npy"
+                path = os.path.join(self.tmp, name)
+                entry[kind] = {"file": name, "bytes": os.path.getsize(path),
+                               "sha256": sha256_file(path)}
+            header["splits"][split] = entry
+        atomic_write(os.path.join(self.tmp, HEADER),
+                     lambda f: f.write((json.dumps(header, indent=1) + "\n").encode("utf-8")))
+        self._swap()
+        return header
+
+    def _swap(self) -> None:
+        old = None
+        if os.path.isdir(self.out):  # empty, or a packed dataset to replace (checked before)
+            old = tempfile.mkdtemp(prefix=f".{os.path.basename(self.out)}.old.",
+                                   dir=os.path.dirname(self.out))
+            os.rename(self.out, os.path.join(old, "data"))
+        os.rename(self.tmp, self.out)
+        fsync_dir(os.path.dirname(self.out))
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def read_header(path: str) -> dict:
