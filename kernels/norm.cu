@@ -339,13 +339,13 @@ __global__ void bn_backward_data_kernel(T* dx, const T* gy, const T* x, const P*
 
 // ---------------------------------------------------------------------------- channels-last
 // x as (rows, C) with the channel last (an NHWC activation, or any (N, C) batch), C a whole
-// number of 16-byte groups and at most CL_MAX_C, every array 16-byte aligned (the launcher
+// number of 16-byte groups and at most CL_THREADS groups, every array 16-byte aligned (the launcher
 // checks; else the kernels above run with S = 1). A thread moves one group of V consecutive
 // channels of a row; the block's 256 threads cover RPI = 256 / (C / V) rows at a time.
 // A thread keeps to one channel group, its per-channel constants in registers. The
 // elementwise kernels do the NCHW kernels' arithmetic, per element, so a forward and a
 // backward round alike; the reductions sum a thread's rows in the compute type (below).
-constexpr int CL_THREADS = 256, CL_MAX_C = 512;  // (256 / (C / V) rows at a time)
+constexpr int CL_THREADS = 256;  // (256 / (C / V) rows at a time)
 
 // Thread t's channel group in every channels-last kernel: channels c0.. of rows t / (C / V)
 // + RPI * i (cl_rows).

@@ -18,9 +18,11 @@ RTOL = {np.dtype(F32): 1e-5, np.dtype(F64): 1e-11}
 SHAPES = [(5, 3, 7, 9), (3, 17, 1, 1), (2, 64, 13, 11), (7, 5), (1, 33, 31, 3), (300, 2, 9, 7),
           (4, 6, 8, 8), (3, 5, 6, 6)]
 # (rows, C), as channels-last activations come: C in whole 16-byte groups of every dtype
-# (the channels-last kernels; 512 their widest), of 4-byte and wider types only (12), and
-# past the channels-last kernels' limit (1024: the NCHW kernels with S = 1)
-CL_SHAPES = [(2000, 64), (37, 512), (301, 24), (9, 8), (130, 12), (40, 1024)]
+# (the channels-last kernels: at most 256 groups, 2048 channels in 16 bits, 1024 in float32,
+# 512 in float64), of 4-byte and wider types only (12), and past the channels-last kernels'
+# limit in some dtypes (1024, 2048: the NCHW kernels with S = 1 there)
+CL_SHAPES = [(2000, 64), (37, 512), (301, 24), (9, 8), (130, 12), (40, 1024), (21, 2048),
+             (300, 768)]
 SHAPES += CL_SHAPES
 
 
@@ -239,11 +241,13 @@ def test_resnet18_graph_replay_equals_eager_bitwise():
 
 def test_channels_last_kernels_take_rows_of_whole_groups(cu):
     """The (rows, C) batches the channels-last kernels take: C in whole 16-byte groups of
-    the dtype, at most norm.CL_MAX_C; everything else runs the NCHW kernels."""
+    the dtype, at most norm.CL_THREADS groups; everything else runs the NCHW kernels."""
     from dptrain.backend.cuda import norm
 
     for shape, dtype, takes in [((2000, 64), F32, True), ((130, 12), F32, True),
-                                ((130, 12), np.float16, False), ((40, 1024), F32, False),
+                                ((130, 12), np.float16, False), ((40, 1024), F32, True),
+                                ((40, 2048), F32, False), ((40, 1024), F64, False),
+                                ((21, 2048), np.float16, True), ((21, 4096), np.float16, False),
                                 ((4, 64, 8, 8), F32, False), ((37, 512), np.float16, True)]:
         assert norm._cl(cu.asarray(np.zeros(shape, dtype))) is takes, (shape, dtype)
 
@@ -346,7 +350,7 @@ def _as(dtype, a):
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
-@pytest.mark.parametrize("shape", [(2000, 64), (37, 512), (301, 24), (3, 8, 5, 5)])
+@pytest.mark.parametrize("shape", [(2000, 64), (37, 512), (301, 24), (3, 8, 5, 5), (21, 2048)])
 @pytest.mark.parametrize("join", ["parts", "mask", "parts+mask", "parts+relu"])
 def test_joined_backward_sums_equal_the_ops_in_turn(cu, rng, shape, dtype, join):
     """batch_norm_backward_reduce_joined (gy = ga + gb, masked by the ReLU output after a

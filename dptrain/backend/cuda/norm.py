@@ -18,7 +18,7 @@ reference with the same signatures):
     to the int64 0-d num_batches_tracked on the device (no host sync).
   * A 2-D x (rows, C), which is how a channels-last activation (N, H, W, C) comes (the
     engine reshapes it), runs the *_cl kernels where C is a whole number of 16-byte groups,
-    at most CL_MAX_C, and every array is 16-byte aligned: each thread moves a group of
+    at most CL_THREADS of them, and every array is 16-byte aligned: each thread moves a group of
     channels of a row, coalesced (the NCHW kernels would read it one strided element at a
     time, S = 1).
   * Host scalars (eps, momentum, count) are cast to the element type; they are constants of a
@@ -35,7 +35,10 @@ from dptrain.backend.cuda import elementwise, launch
 from dptrain.backend.registry import op
 
 NORM = "norm.cu"
-CL_MAX_C, CL_THREADS = 512, 256  # norm.cu's
+# norm.cu's: a block's threads cover at least one row, so C is at most CL_THREADS groups
+# (2048 channels in 16 bits: ResNet-50's widest, whose NCHW kernels took 2.5 ms of a
+# 27 ms step at 1024 channels alone, batch 128 at 224 px)
+CL_THREADS = 256
 FOLD_BLOCK = (32, 32)  # the finalize kernels' blocks: 32 outputs x FOLD_LANES
 TILE_PIXELS = 128  # the pixels of a convolution tile (batch_norm_tile_stats)
 # Blocks an SM of the channels-last reductions: 3, but 2 for the backward's (its registers
@@ -100,7 +103,8 @@ def _channel_sums(name, x, geometry, rows, grouped, args):
 def _cl(x, *arrays) -> bool:
     """Whether the channels-last kernels take x (and the other activations of its shape)."""
     c = int(x.shape[-1])
-    return (x.ndim == 2 and 0 < c <= CL_MAX_C and c % launch.group_size(x.dtype) == 0
+    group = launch.group_size(x.dtype)
+    return (x.ndim == 2 and 0 < c <= CL_THREADS * group and c % group == 0
             and x.shape[0] > 0 and all(a.data.ptr % 16 == 0 for a in (x, *arrays)))
 
 
