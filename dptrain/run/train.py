@@ -17,6 +17,7 @@ from dptrain.checkpoints import CheckpointOptions, Checkpointing
 from dptrain.checkpoints.state import run_identity
 from dptrain.checkpoints.weights import load_weights, save_weights, weights_metadata
 from dptrain.data import DeviceLoader, StrideSampler, get_dataset
+from dptrain.data.stream import check_depth, planned_batches
 from dptrain.distributed.startup import first_on_host, process_age_s
 from dptrain.distributed.stopping import StopRequests, signal_name
 from dptrain.distributed.watchdog import Watchdog
@@ -67,6 +68,7 @@ def _setup(cfg: TrainConfig):
         if world.local_rank == 0:  # the step's float32 kernels build while data and model load
             be.runtime.prebuild([np.float32])
         cfg = defaults_for(cfg, device)
+        check_depth(cfg.prefetch_depth, cfg.data_workers)  # --prefetch-depth 1: one line
         # --save, --log-dir, --checkpoint-dir: writable and nobody else's, before training
         notes = check_outputs(cfg) if world.is_root else []
         if cfg.global_batch_size is not None:
@@ -156,9 +158,14 @@ class _Run:
         self.global_batch = cfg.batch_size * world.size
         for note in self.notes:
             self.echo(f"dptrain: note: {note}")
-        self.loader = DeviceLoader(train_set, self.be, cfg.batch_size, augment=cfg.augment,
-                                   augment_pad=cfg.augment_pad, augment_seed=cfg.seed,
-                                   shard=(world.rank, world.size))
+        try:  # --data-on device with images larger than the device: one line
+            self.loader = DeviceLoader(train_set, self.be, cfg.batch_size, augment=cfg.augment,
+                                       augment_pad=cfg.augment_pad, augment_seed=cfg.seed,
+                                       shard=(world.rank, world.size), data_on=cfg.data_on,
+                                       prefetch_depth=cfg.prefetch_depth,
+                                       data_workers=cfg.data_workers)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
         self.val_loader = DeviceLoader(val_set, self.be, cfg.batch_size)
 
     def resume(self) -> int:
@@ -175,6 +182,9 @@ class _Run:
                                  self.ddp.dtype)
         self.ckpt.window = self.step_fn  # its metric sums are saved and restored too
         first_step = self.ckpt.resume()
+        # --data-on host gathers ahead along the sampler's order from the resumed step on
+        self.loader.plan(planned_batches(self.sampler, first_step, self.total_steps))
+        self.data_path = self.loader.mode
         self.run_step = self.ddp.capture(self.step_fn) if cfg.cuda_graph else self.step_fn
         self.hooks = step_hooks(cfg, self.world, self.reducer, self.ddp.flat, self.scaler)
         return first_step
@@ -239,6 +249,7 @@ class _Run:
             raise
         finally:
             stops.close(complete=False)
+            self.loader.close()  # the stream's threads, also when the run stops early
             watchdog.stop()
             self.progress.close()
             self.log.close()
@@ -342,6 +353,7 @@ class _Run:
             "prepare_s": self.ddp.prepare_s,
             "prepare_modules": self.ddp.prepare_report.get("built"),  # kernel modules built
             "images_per_s_per_rank": train_rate / self.world.size,
+            "data_path": self.data_path,  # resident, streamed (gathered ahead) or staged
             "overflow_steps": self.scaler.overflows if self.scaler is not None else None,
             "comm_exposed_s": comm,  # None: not measurable under graph replay
             "comm_exposed_fraction": (comm / train_time if comm is not None and train_time > 0
