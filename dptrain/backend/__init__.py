@@ -91,7 +91,7 @@ The runtime (``be.runtime``), with the CPU's trivial meaning in brackets:
                                              current stream, unstaged: ``host`` must not
                                              change until an event recorded after it is done
                                              [a copy]
-  ``copy_(dst, src)``                       device to device, same shape and dtype, on the
+  ``device_copy_(dst, src)``                device to device, same shape and dtype, on the
                                              current stream by the copy engine [a copy]
   ``host_wait(event)``                      the host waits for ``event`` [no-op]
   ``thread_target(fn) -> fn``               ``fn`` made to run in another thread on this
@@ -121,7 +121,7 @@ import importlib
 RUNTIME = (
     "current_stream", "comm_stream", "on", "record", "wait", "order", "synchronize",
     "stamp", "stamp_seconds", "clear_stamps", "prebuild", "prepare", "capture", "records_graphs", "comm_timer", "upload_",
-    "clone", "copy_stream", "pinned_empty", "upload_async_", "copy_", "host_wait",
+    "clone", "copy_stream", "pinned_empty", "upload_async_", "device_copy_", "host_wait",
     "thread_target", "PRECISIONS", "precision", "set_precision", "precision_scope",
     "mixed_precisions",
     "manual_seed", "rng_state", "get_rng_state", "set_rng_state",

@@ -145,8 +145,9 @@ def pipeline_rate(spec: dict) -> dict:
             raise RuntimeError(f"bench data: {procs - len(runs)} of {procs} processes gave no "
                                f"result (exit codes {codes})")
     slowest = max(r["seconds"] for r in runs)
+    runs.sort(key=lambda r: r["rank"])
     return {"images_per_s": sum(r["images"] for r in runs) / slowest,
-            "per_process": [r["images"] / r["seconds"] for r in sorted(runs, key=lambda r: r["rank"])]}
+            "per_process": [r["images"] / r["seconds"] for r in runs]}
 
 
 # ----------------------------------------------------------------------------- the step

@@ -11,10 +11,10 @@ and a device buffer of one batch of uint8 rows::
     -------------------------------------        ---------------------------------
     wait until step t - depth was taken           wait until step t is ready
     host_wait(slot.copied)   host rows are free   compute stream waits slot.copied
-    np.take(images, idx, out=slot.host)           copy_(fixed, slot.device)  (D2D)
+    np.take(images, idx, out=slot.host)           device_copy_(fixed, slot.device)
     copy stream waits slot.consumed               slot.consumed = record()
-    upload_async_(slot.device, slot.host)         step t may be gathered into the next
-    slot.copied = record(copy stream)               use of this slot's ring position
+    upload_async_(slot.device, slot.host)         step t + depth may now claim the slot
+    slot.copied = record(copy stream)
 
 The captured step reads one fixed device buffer (the loader's), so the graph sees the same
 address every step. Each batch reaches it by a device-to-device copy on the compute stream,
@@ -30,7 +30,8 @@ finish reading it, which is the overlap this path exists for.
 Threads, not processes: ``np.take`` on a memory map releases the GIL (measured: a Python
 loop keeps 0.98-1.03 of its solo rate while another thread takes rows of a memory map), the
 pinned buffers are this process's, and the copies are issued from the threads themselves
-(``runtime.thread_target`` puts them on the process's GPU). Capture is unaffected: CuPy
+(``runtime.thread_target`` puts them on the process's GPU; CuPy waits for an event with
+the GIL released). Capture is unaffected: CuPy
 captures in relaxed mode, in which other threads may issue copies and wait for events on
 streams that are not capturing.
 
@@ -179,7 +180,7 @@ class BatchStream:
                                f"planned ones (the loop and the plan disagree)")
         rt = self.rt
         rt.wait(slot.copied)
-        rt.copy_(fixed, slot.device)
+        rt.device_copy_(fixed, slot.device)
         slot.consumed = rt.record()
         with self._cond:
             self._taken += 1

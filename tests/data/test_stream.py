@@ -214,8 +214,8 @@ def test_cuda_streamed_equals_resident_through_a_captured_step():
 
         def step(loader=loader, out_x=out_x, out_y=out_y):
             x, y = loader.batch()
-            cu.runtime.copy_(out_x, x)
-            cu.runtime.copy_(out_y, y)
+            cu.runtime.device_copy_(out_x, x)
+            cu.runtime.device_copy_(out_y, y)
 
         run = cu.runtime.capture(step, warmup=1)
         results[data_on] = _walk(loader, sampler, 0, last, be=cu,

@@ -123,9 +123,10 @@ class Runtime(RuntimeBase):
     def upload_async_(self, dst, host):
         return self.upload_(dst, host)
 
-    def copy_(self, dst, src):
+    def device_copy_(self, dst, src):
         if src.shape != dst.shape or src.dtype != dst.dtype:
-            raise ValueError(f"cpu.copy_: {src.dtype} {src.shape} into {dst.dtype} {dst.shape}")
+            raise ValueError(f"cpu.device_copy_: {src.dtype} {src.shape} into {dst.dtype} "
+                             f"{dst.shape}")
         np.copyto(dst, src)
         return dst
 

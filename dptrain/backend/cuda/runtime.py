@@ -303,12 +303,12 @@ class Runtime(RuntimeBase):
                                           cupy.cuda.get_current_stream())
         return dst
 
-    def copy_(self, dst, src):
+    def device_copy_(self, dst, src):
         """dst[...] = src, device to device by the copy engine on the current stream."""
         if src.shape != dst.shape or src.dtype != dst.dtype or not (
                 src.flags.c_contiguous and dst.flags.c_contiguous):
-            raise ValueError(f"cuda.copy_: {src.dtype} {src.shape} into {dst.dtype} {dst.shape} "
-                             f"(both C-contiguous, same shape and dtype)")
+            raise ValueError(f"cuda.device_copy_: {src.dtype} {src.shape} into {dst.dtype} "
+                             f"{dst.shape} (both C-contiguous, same shape and dtype)")
         if dst.nbytes:
             dst.data.copy_from_device_async(src.data, dst.nbytes, cupy.cuda.get_current_stream())
         return dst
