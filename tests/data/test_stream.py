@@ -173,15 +173,16 @@ def test_bad_stream_options_exit_2_with_one_line(argv, fault, tmp_path):
     assert len(lines) == 1 and fault in lines[0], out.stderr
 
 
-def test_weights_equal_with_data_on_host_and_device(tmp_path):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_weights_equal_with_data_on_host_and_device(device, tmp_path):
     """Training through the stream gives the resident run's weights bit for bit, across an
-    epoch boundary, with padded batches and the augmentation on."""
+    epoch boundary, with padded batches and the augmentation on (GPU: the captured step)."""
     from dptrain.run.config import TrainConfig
     from dptrain.run.train import train
 
     weights, summaries = {}, {}
     for data_on in ("device", "host"):
-        cfg = TrainConfig(device="cpu", model="mlp", dataset="synthetic", train_images=200,
+        cfg = TrainConfig(device=device, model="mlp", dataset="synthetic", train_images=200,
                           val_images=32, epochs=3, max_steps=12, batch_size=24, drop_last=False,
                           augment=True, log_every=3, data_on=data_on, prefetch_depth=2,
                           cache_dir=str(tmp_path / "cache"), save=str(tmp_path / f"{data_on}.npz"),
@@ -196,6 +197,32 @@ def test_weights_equal_with_data_on_host_and_device(tmp_path):
     for name, value in weights["device"].items():
         assert np.array_equal(value, weights["host"][name]), name
     assert not _stream_threads()
+
+
+def test_resume_with_the_other_data_on_continues_the_run_bitwise(tmp_path):
+    """A run checkpointed mid-epoch with --data-on device and resumed with --data-on host
+    ends with the uninterrupted run's weights: the choice is not part of a run's identity."""
+    from dptrain.run.config import TrainConfig
+    from dptrain.run.train import train
+
+    said = []
+
+    def run(name, data_on, max_steps, **extra):
+        train(TrainConfig(device="cpu", model="mlp", dataset="synthetic", train_images=200,
+                          val_images=32, epochs=3, max_steps=max_steps, batch_size=24,
+                          drop_last=False, augment=True, lr_schedule="constant",
+                          warmup_steps=0, log_every=100, data_on=data_on,
+                          cache_dir=str(tmp_path / "cache"), save=str(tmp_path / f"{name}.npz"),
+                          progress=False, seed=5, **extra), echo=said.append)
+        with np.load(tmp_path / f"{name}.npz") as w:
+            return {k: w[k] for k in w.files}
+
+    full = run("full", "device", 14)
+    run("part", "device", 11, checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=11)
+    resumed = run("resumed", "host", 14, checkpoint_dir=str(tmp_path / "ck"), resume="auto")
+    assert any("resumed from" in line and "at step 11" in line for line in said), said
+    for name, value in full.items():
+        assert np.array_equal(value, resumed[name]), name
 
 
 @pytest.mark.gpu
@@ -223,3 +250,31 @@ def test_cuda_streamed_equals_resident_through_a_captured_step():
         loader.close()
     assert results["host"] == results["device"]
     assert not _stream_threads()
+
+
+@pytest.mark.gpu
+def test_cuda_streaming_primitives():
+    """pinned_empty, upload_async_ on the copy stream from another thread (thread_target),
+    events between the streams, device_copy_ on the compute stream."""
+    cu = backend.get("cuda")
+    rt = cu.runtime
+    host = rt.pinned_empty((5, 3, 7), np.uint8)
+    host[...] = np.random.default_rng(0).integers(0, 256, host.shape, dtype=np.uint8)
+    slot, fixed = cu.zeros((5, 3, 7), np.uint8), cu.zeros((5, 3, 7), np.uint8)
+    events = []
+
+    def copy():
+        with rt.on(rt.copy_stream()):
+            rt.upload_async_(slot, host)
+        events.append(rt.record(rt.copy_stream()))
+
+    thread = threading.Thread(target=rt.thread_target(copy))
+    thread.start()
+    thread.join()
+    rt.host_wait(events[0])
+    rt.wait(events[0])
+    rt.device_copy_(fixed, slot)
+    rt.synchronize()
+    assert np.array_equal(cu.to_numpy(fixed), host)
+    with pytest.raises(ValueError, match="device_copy_"):
+        rt.device_copy_(fixed, cu.zeros((5, 3, 6), np.uint8))
