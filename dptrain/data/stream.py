@@ -130,6 +130,9 @@ class BatchStream:
                 self._planned = step
                 self._cond.notify_all()
                 return None
+            except Exception as exc:  # noqa: BLE001 - the plan's failure, for the main thread
+                self._fail(step, f"planning step {step + 1} of the stream failed", exc)
+                return None
             self._claimed += 1
             return step, self._slots[step % self.depth], indices
 
@@ -150,15 +153,19 @@ class BatchStream:
                 slot.indices = np.asarray(indices)
             except Exception as exc:  # noqa: BLE001 - any failure is the run's, said in one line
                 with self._cond:
-                    if self._error is None:
-                        text = " ".join(str(exc).split()) or type(exc).__name__
-                        self._error = (step, f"reading {self.source} for step {step + 1} of "
-                                             f"the stream failed: {type(exc).__name__}: {text}")
-                    self._cond.notify_all()
+                    self._fail(step, f"reading {self.source} for step {step + 1} of the stream "
+                                     f"failed", exc)
                 return
             with self._cond:
                 self._ready[step] = slot
                 self._cond.notify_all()
+
+    def _fail(self, step, what, exc):
+        """Record the first failure as one line (call holding the lock)."""
+        if self._error is None:
+            text = " ".join(str(exc).split()) or "no message"
+            self._error = (step, f"data stream: {what}: {type(exc).__name__}: {text}")
+        self._cond.notify_all()
 
     # -- the main thread
     def take_into(self, fixed, indices) -> None:
@@ -168,7 +175,9 @@ class BatchStream:
         with self._cond:
             while step not in self._ready and self._error is None and not self._stopping \
                     and (self._planned is None or step < self._planned):
-                self._cond.wait()
+                if not self._cond.wait(timeout=1.0) and not any(
+                        t.is_alive() for t in self._threads):
+                    break  # every worker is gone without a word: never wait forever
             slot = self._ready.pop(step, None)
         if slot is None:
             if self._error is not None:

@@ -135,6 +135,21 @@ def test_a_worker_error_surfaces_in_one_line_naming_the_file():
     assert not _stream_threads()
 
 
+def test_a_failing_plan_surfaces_in_one_line():
+    def plan():
+        yield np.arange(4)
+        raise ValueError("epoch 7 is out of range")
+
+    host = DeviceLoader(toy(), cpu, 4, data_on="host")
+    host.plan(plan())
+    host.set_batch(np.arange(4))
+    with pytest.raises(RunStopped, match=r"planning step 2 of the stream failed: ValueError: "
+                                         r"epoch 7 is out of range$"):
+        host.set_batch(np.arange(4))
+    host.close()
+    assert not _stream_threads()
+
+
 def test_closing_early_stops_threads_blocked_on_a_full_ring():
     host = DeviceLoader(toy(n=50), cpu, 5, data_on="host", prefetch_depth=2, data_workers=3)
     host.plan(planned_batches(StrideSampler(50, 5), 0, 1000))
