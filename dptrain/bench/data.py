@@ -95,7 +95,8 @@ def _shard_rate(spec: dict, barrier=None, results=None) -> dict:
                           data_on="host", prefetch_depth=spec["depth"],
                           data_workers=spec["workers"])
     sampler = StrideSampler(len(images), batch, world, rank, seed=spec["seed"])
-    loader.plan(planned_batches(sampler, 0, total))
+    # planned past the last timed step, so the ring is as full at the end as at the start
+    loader.plan(planned_batches(sampler, 0, total + spec["depth"]))
     per_epoch, start = len(sampler), None
     try:
         for step in range(total):
@@ -262,7 +263,11 @@ def main(argv=None, echo=print) -> int:
     tmp = tempfile.mkdtemp(prefix="dptrain-bench-data-")
     try:
         path = _store(args, tmp)
-        shape = tuple(np.load(path, mmap_mode="r").shape[1:])
+        count, *shape = np.load(path, mmap_mode="r").shape
+        shape = tuple(shape)
+        if args.batch_size * max(args.procs) > count:
+            raise UsageError(f"--batch-size {args.batch_size} x {max(args.procs)} processes is "
+                             f"more than the store's {count} images")
         step, step_note = _consumption(args, device, shape)
         rows = _measure(args, device, path, step)
     finally:

@@ -34,7 +34,9 @@ def test_bench_data_reports_rates_bounds_and_cache(tmp_path):
 def test_bench_data_refuses_bad_options(tmp_path):
     for argv, fault in ((["--prefetch-depth", "1"], "--prefetch-depth 1"),
                         (["--procs", "0"], "--procs"),
-                        (["--model", "cnn", "--step-images-per-s", "5"], "give one of them")):
+                        (["--model", "cnn", "--step-images-per-s", "5"], "give one of them"),
+                        (["--images", "64", "--batch-size", "64", "--procs", "2",
+                          "--image-size", "4"], "--batch-size 64 x 2 processes")):
         out = _bench(*argv, cwd=tmp_path)
         assert out.returncode == 2, out.stderr
         lines = out.stderr.strip().splitlines()
