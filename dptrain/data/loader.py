@@ -214,16 +214,18 @@ class DeviceLoader:
         set_batch)."""
         return "resident" if self._resident else "streamed" if self._stream else "staged"
 
-    def plan(self, batches) -> bool:
+    def plan(self, batches, first_step: int = 0) -> bool:
         """Hand over the indices of every step to come (an iterable of ``batch_size`` index
-        arrays, in order; dptrain.data.stream.planned_batches). With ``data_on="host"`` they
-        are gathered ahead from now on and ``set_batch`` must follow them; otherwise this
-        does nothing. True when the stream runs."""
+        arrays, in order; dptrain.data.stream.planned_batches), the first being training step
+        `first_step` (0-based; for errors). With ``data_on="host"`` they are gathered ahead
+        from now on and ``set_batch`` must follow them; otherwise this does nothing. True
+        when the stream runs."""
         self.close()
         if self._resident or self._data_on != "host":
             return False
         self._stream = BatchStream(self._host_images, self.be, self._batch_size, batches,
-                                   self._depth, self._workers, _source(self._host_images))
+                                   self._depth, self._workers, _source(self._host_images),
+                                   first_step)
         return True
 
     def close(self) -> None:

@@ -82,11 +82,12 @@ class BatchStream:
 
     ``take_into(fixed, indices)`` puts the next planned batch into the device array `fixed`
     (on the current stream) and checks that `indices` are the plan's; `source` names the
-    file in errors."""
+    file, and `first_step` (the plan's first training step, 0-based) the step, in errors."""
 
     def __init__(self, images, be, batch_size: int, plan, depth: int = DEFAULT_DEPTH,
-                 workers: int = DEFAULT_WORKERS, source: str | None = None):
+                 workers: int = DEFAULT_WORKERS, source: str | None = None, first_step: int = 0):
         depth, workers = check_depth(depth, workers)
+        self._first = int(first_step)
         self.images, self.be, self.rt = images, be, be.runtime
         self.source = source or "the dataset's images"
         shape = (int(batch_size),) + tuple(images.shape[1:])
@@ -131,7 +132,7 @@ class BatchStream:
                 self._cond.notify_all()
                 return None
             except Exception as exc:  # noqa: BLE001 - the plan's failure, for the main thread
-                self._fail(step, f"planning step {step + 1} of the stream failed", exc)
+                self._fail(step, f"planning step {self._first + step + 1} failed", exc)
                 return None
             self._claimed += 1
             return step, self._slots[step % self.depth], indices
@@ -153,8 +154,8 @@ class BatchStream:
                 slot.indices = np.asarray(indices)
             except Exception as exc:  # noqa: BLE001 - any failure is the run's, said in one line
                 with self._cond:
-                    self._fail(step, f"reading {self.source} for step {step + 1} of the stream "
-                                     f"failed", exc)
+                    self._fail(step, f"reading {self.source} for step "
+                                     f"{self._first + step + 1} failed", exc)
                 return
             with self._cond:
                 self._ready[step] = slot
@@ -182,11 +183,11 @@ class BatchStream:
         if slot is None:
             if self._error is not None:
                 raise RunStopped(self._error[1])
-            raise RuntimeError(f"data stream: no planned batch for step {step + 1} (the plan "
-                               f"held {self._planned}; or the stream was closed)")
+            raise RuntimeError(f"data stream: no planned batch for step {self._first + step + 1} "
+                               f"(the plan held {self._planned} steps, or the stream was closed)")
         if not np.array_equal(slot.indices, indices):
-            raise RuntimeError(f"data stream: step {step + 1} asked for other indices than the "
-                               f"planned ones (the loop and the plan disagree)")
+            raise RuntimeError(f"data stream: step {self._first + step + 1} asked for other "
+                               f"indices than the planned ones (the loop and the plan disagree)")
         rt = self.rt
         rt.wait(slot.copied)
         rt.device_copy_(fixed, slot.device)

@@ -183,7 +183,7 @@ class _Run:
         self.ckpt.window = self.step_fn  # its metric sums are saved and restored too
         first_step = self.ckpt.resume()
         # --data-on host gathers ahead along the sampler's order from the resumed step on
-        self.loader.plan(planned_batches(self.sampler, first_step, self.total_steps))
+        self.loader.plan(planned_batches(self.sampler, first_step, self.total_steps), first_step)
         self.data_path = self.loader.mode
         self.run_step = self.ddp.capture(self.step_fn) if cfg.cuda_graph else self.step_fn
         self.hooks = step_hooks(cfg, self.world, self.reducer, self.ddp.flat, self.scaler)

@@ -143,7 +143,7 @@ def test_a_failing_plan_surfaces_in_one_line():
     host = DeviceLoader(toy(), cpu, 4, data_on="host")
     host.plan(plan())
     host.set_batch(np.arange(4))
-    with pytest.raises(RunStopped, match=r"planning step 2 of the stream failed: ValueError: "
+    with pytest.raises(RunStopped, match=r"planning step 2 failed: ValueError: "
                                          r"epoch 7 is out of range$"):
         host.set_batch(np.arange(4))
     host.close()
