@@ -85,6 +85,18 @@ The runtime (``be.runtime``), with the CPU's trivial meaning in brackets:
   ``clone(a) -> copy``                      a copy of device array ``a`` by the copy engine,
                                              no kernel (real inside a kernel recording) [a
                                              copy]
+  ``copy_stream()``                         the stream host-to-device copies use, so they
+                                             overlap the compute stream [the host]
+  ``pinned_empty(shape, dtype)``            a host array in page-locked memory [np.empty]
+  ``upload_async_(dst, host)``              copy a ``pinned_empty`` array into ``dst`` on the
+                                             current stream, unstaged: ``host`` must not
+                                             change until an event recorded after it is done
+                                             [a copy]
+  ``device_copy_(dst, src)``                device to device, same shape and dtype, on the
+                                             current stream by the copy engine [a copy]
+  ``host_wait(event)``                      the host waits for ``event`` [no-op]
+  ``thread_target(fn) -> fn``               ``fn`` made to run in another thread on this
+                                             thread's device [fn itself]
   ``PRECISIONS``, ``precision``,            the precision policy: which arithmetic the matrix
   ``set_precision(name)``,                  ops (matmul, conv2d) use; ``set_precision("auto")``
   ``precision_scope(name)``                 picks the device's best [fp32 only]
@@ -110,7 +122,9 @@ import importlib
 RUNTIME = (
     "current_stream", "comm_stream", "on", "record", "wait", "order", "synchronize",
     "stamp", "stamp_seconds", "clear_stamps", "prebuild", "prepare", "capture", "records_graphs", "comm_timer", "upload_",
-    "clone", "PRECISIONS", "precision", "set_precision", "precision_scope", "mixed_precisions",
+    "clone", "copy_stream", "pinned_empty", "upload_async_", "device_copy_", "host_wait",
+    "thread_target", "PRECISIONS", "precision", "set_precision", "precision_scope",
+    "mixed_precisions",
     "manual_seed", "rng_state", "get_rng_state", "set_rng_state",
     "device_count", "select_device", "memory_info", "communicator",
 )

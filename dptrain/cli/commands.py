@@ -17,7 +17,8 @@ COMMANDS = {
     "train": ("dptrain.cli.train", "train a model (the default when no command is given)"),
     "eval": ("dptrain.cli.eval", "accuracy, per-class accuracy and confusion matrix of weights"),
     "plot": ("dptrain.cli.plot", "loss and accuracy curves of one or several runs, as a PNG"),
-    "bench": ("dptrain.bench", "benchmarks: `bench ops`, `bench train`, `bench comm`, `bench startup`"),
+    "bench": ("dptrain.bench", "benchmarks: `bench ops`, `bench train`, `bench comm`, `bench startup`, "
+              "`bench data`"),
     "data": ("dptrain.cli.data", "datasets: `data pack SRC OUT`, `data info`, `data synth`"),
 }
 

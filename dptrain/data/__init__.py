@@ -23,6 +23,9 @@ The package's shape, from disk to the device:
   streamed through a staging buffer when it does not fit) and serves batches through
   fixed device buffers, so the training step that reads them can be captured and replayed.
   It is the only part that touches the device, and only through the backend.
+* **Stream** (``stream.py``): ``--data-on host``'s ``BatchStream``, worker threads that
+  gather the sampler's planned batches ahead into pinned host buffers and copy them on a
+  copy stream, for the loader to hand to the step.
 
 May import: dptrain.backend, dptrain.distributed (the host's once-only work) and the face; never
 the engine, the loop or the command line (``data pack|info|synth`` live in dptrain.cli.data).

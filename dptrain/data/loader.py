@@ -22,8 +22,16 @@ Two modes, chosen once, give bitwise identical batches:
   into a fixed staging buffer of ``batch_size`` rows, which ``batch()`` reads through the
   fixed indices 0..B-1; the labels stay resident and are picked by the uploaded indices.
 
-``max_device_bytes=None`` means: resident if the images take at most half of the free
-device memory that ``be.runtime.memory_info()`` reports, or when it reports none (0).
+``data_on`` chooses: "auto" (default) resident if the images take at most
+``max_device_bytes``, or with ``max_device_bytes=None`` at most half of the free device
+memory that ``be.runtime.memory_info()`` reports (or when it reports none, 0); "device"
+resident whatever that rule says (a ValueError when the images exceed the free memory);
+"host" streaming. With "host", ``plan(batches)`` hands the loader the indices of every step
+to come, and a ``BatchStream`` (dptrain.data.stream) gathers them ahead in worker threads
+into pinned buffers and copies them on a copy stream while the steps before run;
+``set_batch`` then checks its indices against the plan and copies the gathered batch into
+the staging buffer on the device. Without a plan, or under "auto", streaming gathers and
+uploads in ``set_batch`` itself, as it always did. ``close()`` stops the stream's threads.
 
 With ``augment=True``, ``batch()`` also applies ``be.augment_crop_flip``: a random crop
 with ``augment_pad`` pixels of padding and a horizontal flip, drawn per image and step on
@@ -48,11 +56,21 @@ import math
 
 import numpy as np
 
+from dptrain.data.stream import DEFAULT_DEPTH, DEFAULT_WORKERS, BatchStream, check_depth
+
+DATA_ON = ("auto", "device", "host")
+
 
 def _positive_int(name, value) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
         raise ValueError(f"DeviceLoader: {name} must be a positive integer, got {value!r}")
     return int(value)
+
+
+def _source(images) -> str:
+    """The file a memory map reads, for errors; else a description."""
+    name = getattr(images, "filename", None)
+    return str(name) if name else f"the images in memory ({type(images).__name__})"
 
 
 def _normalisation(name, value, image_shape):
@@ -74,12 +92,19 @@ class DeviceLoader:
     ``dataset`` offers ``images`` uint8 (n, C, H, W), ``labels`` int (n,),
     ``num_classes``, ``mean`` and ``std`` (of [0,1]-scaled pixels: scalars, or one value
     per channel). ``augment``, ``augment_pad``, ``augment_seed`` and ``shard`` = (rank,
-    world size) set up ``batch()``'s augmentation (see the module's notes).
+    world size) set up ``batch()``'s augmentation; ``data_on``, ``prefetch_depth`` and
+    ``data_workers`` where the images live and how they stream (see the module's notes).
     """
 
     def __init__(self, dataset, be, batch_size: int, max_device_bytes: int | None = None,
                  augment: bool = False, augment_pad: int = 4, augment_seed: int = 0,
-                 shard: tuple = (0, 1), resample=None):
+                 shard: tuple = (0, 1), resample=None, data_on: str = "auto",
+                 prefetch_depth: int = DEFAULT_DEPTH, data_workers: int = DEFAULT_WORKERS):
+        if data_on not in DATA_ON:
+            raise ValueError(f"DeviceLoader: data_on must be one of {', '.join(DATA_ON)}, got "
+                             f"{data_on!r}")
+        self._depth, self._workers = check_depth(prefetch_depth, data_workers)
+        self._data_on, self._stream = data_on, None
         self.be = be
         self._batch_size = _positive_int("batch_size", batch_size)
         images, labels = dataset.images, np.asarray(dataset.labels)
@@ -112,7 +137,7 @@ class DeviceLoader:
                 raise ValueError("DeviceLoader: augment and resample exclude each other")
             self._augment, self._augment_state = resample.random, resample.state
         self.nbytes = self._num_images * math.prod(self._image_shape)  # the images, uint8
-        self._resident = self._fits(max_device_bytes)
+        self._resident = self._choose(data_on, max_device_bytes)
 
         B = self._batch_size
         self._labels = be.asarray(labels.astype(np.int64, copy=False))
@@ -127,6 +152,20 @@ class DeviceLoader:
             self._rows = be.asarray(np.arange(B, dtype=np.int64))
             self._eval_images = self._eval_rows = None  # gather()'s staging, made on first use
         self._has_batch = False
+
+    def _choose(self, data_on, max_device_bytes) -> bool:
+        """Resident (True) or streaming, as `data_on` says."""
+        if data_on == "host":
+            return False
+        if data_on == "auto":
+            return self._fits(max_device_bytes)
+        free = int(self.be.runtime.memory_info()[0])
+        if free and self.nbytes > free:
+            raise ValueError(f"--data-on device: the training images take "
+                             f"{self.nbytes / 2**30:.2f} GiB, more than the "
+                             f"{free / 2**30:.2f} GiB free on the device (use --data-on host "
+                             f"or auto)")
+        return True
 
     def _fits(self, max_device_bytes) -> bool:
         if max_device_bytes is not None:
@@ -182,6 +221,36 @@ class DeviceLoader:
     def batch_size(self) -> int:
         return self._batch_size
 
+    @property
+    def data_on(self) -> str:
+        return self._data_on
+
+    @property
+    def mode(self) -> str:
+        """"resident", "streamed" (gathered ahead by the stream) or "staged" (gathered in
+        set_batch)."""
+        return "resident" if self._resident else "streamed" if self._stream else "staged"
+
+    def plan(self, batches, first_step: int = 0) -> bool:
+        """Hand over the indices of every step to come (an iterable of ``batch_size`` index
+        arrays, in order; dptrain.data.stream.planned_batches), the first being training step
+        `first_step` (0-based; for errors). With ``data_on="host"`` they are gathered ahead
+        from now on and ``set_batch`` must follow them; otherwise this does nothing. True
+        when the stream runs."""
+        self.close()
+        if self._resident or self._data_on != "host":
+            return False
+        self._stream = BatchStream(self._host_images, self.be, self._batch_size, batches,
+                                   self._depth, self._workers, _source(self._host_images),
+                                   first_step)
+        return True
+
+    def close(self) -> None:
+        """Stop the stream's threads (if any); set_batch gathers in place again."""
+        if self._stream is not None:
+            stream, self._stream = self._stream, None
+            stream.close()
+
     def __repr__(self) -> str:
         mode = "resident" if self._resident else "streaming"
         return (f"DeviceLoader({mode}, {self._num_images} images of "
@@ -210,7 +279,9 @@ class DeviceLoader:
         Host work and asynchronous uploads only; the host arrays may change at once."""
         idx = self._check_indices("set_batch", host_indices, self._batch_size)
         upload = self.be.runtime.upload_
-        if not self._resident:
+        if self._stream is not None:
+            self._stream.take_into(self._images, idx)
+        elif not self._resident:
             # mode="clip" skips a buffered bounds check: the indices were checked above.
             np.take(self._host_images, idx, axis=0, out=self._host_rows, mode="clip")
             upload(self._images, self._host_rows)

@@ -87,6 +87,17 @@ class TrainConfig:
     rrc_ratio: tuple = option(
         RRC_RATIO, f"{RESIZED_CROP}: range of the crop's aspect ratio w/h, drawn log-uniformly "
         "(default 0.75,1.3333)", DATA, bound="ratio_range", metavar="MIN,MAX")
+    data_on: str = option(
+        "auto", "where the training images live: device (resident, gathered inside the step; an "
+        "error if they do not fit), host (streamed: batches gathered ahead by --data-workers "
+        "threads into pinned buffers and copied while the previous step runs), auto (device "
+        "when they take at most half the free device memory, else streamed without "
+        "gathering ahead)", DATA, choices=("auto", "device", "host"))
+    prefetch_depth: int = option(
+        3, "--data-on host: batches in flight (gathered, copied, read by the step); at least 2",
+        DATA, bound="positive", metavar="N")
+    data_workers: int = option(2, "--data-on host: threads gathering batches", DATA,
+                               bound="positive", metavar="N")
     train_images: int | None = option(
         None, f"training images (synthetic: default {_CPU['train_images']} on CPU, "
         f"{_GPU['train_images']} on GPU; datasets read from files: all)", DATA,

@@ -18,6 +18,7 @@ from dptrain.checkpoints.state import run_identity
 from dptrain.checkpoints.weights import load_weights, save_weights, weights_metadata
 from dptrain.data import DeviceLoader, StrideSampler, get_dataset
 from dptrain.data import augment
+from dptrain.data.stream import check_depth, planned_batches
 from dptrain.distributed.startup import first_on_host, process_age_s
 from dptrain.distributed.stopping import StopRequests, signal_name
 from dptrain.distributed.watchdog import Watchdog
@@ -68,6 +69,7 @@ def _setup(cfg: TrainConfig):
         if world.local_rank == 0:  # the step's float32 kernels build while data and model load
             be.runtime.prebuild([np.float32])
         cfg = defaults_for(cfg, device)
+        check_depth(cfg.prefetch_depth, cfg.data_workers)  # --prefetch-depth 1: one line
         # --save, --log-dir, --checkpoint-dir: writable and nobody else's, before training
         notes = check_outputs(cfg) if world.is_root else []
         if cfg.global_batch_size is not None:
@@ -162,10 +164,15 @@ class _Run:
         rrc, view = augment.resamplers(self.be, cfg.augment, train_set.image_shape,
                                        cfg.image_size, cfg.rrc_scale, cfg.rrc_ratio, cfg.seed,
                                        (world.rank, world.size), dtype=ddp.dtype)
-        self.loader = DeviceLoader(train_set, self.be, cfg.batch_size,
-                                   augment=augment.kind(cfg.augment) == augment.CROP_FLIP,
-                                   augment_pad=cfg.augment_pad, augment_seed=cfg.seed,
-                                   shard=(world.rank, world.size), resample=rrc)
+        try:  # --data-on device with images larger than the device: one line
+            self.loader = DeviceLoader(train_set, self.be, cfg.batch_size,
+                                       augment=augment.kind(cfg.augment) == augment.CROP_FLIP,
+                                       augment_pad=cfg.augment_pad, augment_seed=cfg.seed,
+                                       shard=(world.rank, world.size), resample=rrc,
+                                       data_on=cfg.data_on, prefetch_depth=cfg.prefetch_depth,
+                                       data_workers=cfg.data_workers)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
         self.val_loader = DeviceLoader(val_set, self.be, cfg.batch_size, resample=view)
 
     def resume(self) -> int:
@@ -182,6 +189,9 @@ class _Run:
                                  self.ddp.dtype)
         self.ckpt.window = self.step_fn  # its metric sums are saved and restored too
         first_step = self.ckpt.resume()
+        # --data-on host gathers ahead along the sampler's order from the resumed step on
+        self.loader.plan(planned_batches(self.sampler, first_step, self.total_steps), first_step)
+        self.data_path = self.loader.mode
         self.run_step = self.ddp.capture(self.step_fn) if cfg.cuda_graph else self.step_fn
         self.hooks = step_hooks(cfg, self.world, self.reducer, self.ddp.flat, self.scaler)
         return first_step
@@ -246,6 +256,7 @@ class _Run:
             raise
         finally:
             stops.close(complete=False)
+            self.loader.close()  # the stream's threads, also when the run stops early
             watchdog.stop()
             self.progress.close()
             self.log.close()
@@ -352,6 +363,7 @@ class _Run:
             "prepare_s": self.ddp.prepare_s,
             "prepare_modules": self.ddp.prepare_report.get("built"),  # kernel modules built
             "images_per_s_per_rank": train_rate / self.world.size,
+            "data_path": self.data_path,  # resident, streamed (gathered ahead) or staged
             "overflow_steps": self.scaler.overflows if self.scaler is not None else None,
             "comm_exposed_s": comm,  # None: not measurable under graph replay
             "comm_exposed_fraction": (comm / train_time if comm is not None and train_time > 0

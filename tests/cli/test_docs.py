@@ -39,6 +39,7 @@ COMMAND_DOCS = {
     ("bench", "train"): (USAGE, "Benchmarks"),
     ("bench", "comm"): (USAGE, "Benchmarks"),
     ("bench", "startup"): (USAGE, "Benchmarks"),
+    ("bench", "data"): (USAGE, "Benchmarks"),
     ("data", "pack"): (DATASETS, None),
     ("data", "info"): (DATASETS, None),
     ("data", "synth"): (DATASETS, None),

@@ -113,6 +113,29 @@ class Runtime(RuntimeBase):
     def clone(self, a):
         return np.array(a, copy=True)
 
+    # -- the streaming input path: the host is the device, so a copy is an assignment
+    def copy_stream(self):
+        return self.host
+
+    def pinned_empty(self, shape, dtype):
+        return np.empty(shape, dtype)
+
+    def upload_async_(self, dst, host):
+        return self.upload_(dst, host)
+
+    def device_copy_(self, dst, src):
+        if src.shape != dst.shape or src.dtype != dst.dtype:
+            raise ValueError(f"cpu.device_copy_: {src.dtype} {src.shape} into {dst.dtype} "
+                             f"{dst.shape}")
+        np.copyto(dst, src)
+        return dst
+
+    def host_wait(self, event):
+        pass
+
+    def thread_target(self, fn):
+        return fn
+
     # -- precision: NumPy computes in the arrays' own dtype
     @staticmethod
     def mixed_precisions() -> tuple:

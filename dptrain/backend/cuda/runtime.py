@@ -19,6 +19,8 @@
 """
 from __future__ import annotations
 
+import ctypes
+
 import cupy
 import numpy as np
 
@@ -149,6 +151,7 @@ class Runtime(RuntimeBase):
 
     def __init__(self):
         self._comm = None
+        self._copy = None
         self._precision = None  # None: "auto", decided on first use on the current device
         self._host_rng = np.zeros(2, dtype=np.uint64)  # [seed, offset] until on the device
         self._rng = None
@@ -271,6 +274,59 @@ class Runtime(RuntimeBase):
             out.data.copy_from_device_async(a.data, a.nbytes, cupy.cuda.get_current_stream())
         return out
 
+    # -- the streaming input path (dptrain.data.stream): pinned host rows, a copy stream
+    def copy_stream(self):
+        """One non-blocking stream per process for host-to-device copies, so a batch's upload
+        overlaps the step running on the compute stream."""
+        if self._copy is None:
+            self._copy = cupy.cuda.Stream(non_blocking=True)
+        return self._copy
+
+    def pinned_empty(self, shape, dtype):
+        """A NumPy array in page-locked host memory (CuPy's pinned pool): the copy engine reads
+        it directly, so an upload from it is truly asynchronous. Allocate before any capture."""
+        dtype, count = np.dtype(dtype), int(np.prod(shape))
+        memory = cupy.cuda.alloc_pinned_memory(max(count * dtype.itemsize, 1))
+        return np.frombuffer(memory, dtype, count).reshape(shape)  # the array keeps it alive
+
+    def upload_async_(self, dst, host):
+        """dst[...] = host by cudaMemcpyAsync on the current stream, with no staging copy:
+        `host` (a ``pinned_empty`` array of dst's dtype and size) must stay unchanged until
+        an event recorded after this call has completed (``host_wait``)."""
+        if not isinstance(dst, cupy.ndarray) or not dst.flags.c_contiguous:
+            raise ValueError("cuda.upload_async_: dst must be a C-contiguous CuPy array")
+        if host.dtype != dst.dtype or host.size != dst.size or not host.flags.c_contiguous:
+            raise ValueError(f"cuda.upload_async_: a contiguous {host.dtype} host array of "
+                             f"{host.size} values does not fit {dst.dtype} x {dst.size}")
+        if dst.nbytes:
+            dst.data.copy_from_host_async(ctypes.c_void_p(host.ctypes.data), dst.nbytes,
+                                          cupy.cuda.get_current_stream())
+        return dst
+
+    def device_copy_(self, dst, src):
+        """dst[...] = src, device to device by the copy engine on the current stream."""
+        if src.shape != dst.shape or src.dtype != dst.dtype or not (
+                src.flags.c_contiguous and dst.flags.c_contiguous):
+            raise ValueError(f"cuda.device_copy_: {src.dtype} {src.shape} into {dst.dtype} "
+                             f"{dst.shape} (both C-contiguous, same shape and dtype)")
+        if dst.nbytes:
+            dst.data.copy_from_device_async(src.data, dst.nbytes, cupy.cuda.get_current_stream())
+        return dst
+
+    def host_wait(self, event):
+        """The host waits for `event` (from ``record``)."""
+        event.synchronize()
+
+    def thread_target(self, fn):
+        """`fn`, wrapped to run in another thread on this thread's GPU (the CUDA runtime's
+        current device is per thread, and a new thread starts on GPU 0)."""
+        device = cupy.cuda.runtime.getDevice()
+
+        def run(*args, **kwargs):
+            cupy.cuda.runtime.setDevice(device)
+            return fn(*args, **kwargs)
+        return run
+
     # -- precision of matmul and conv2d
     @staticmethod
     def _capability() -> int:
@@ -340,7 +396,7 @@ class Runtime(RuntimeBase):
                                f"ranks per host")
         if self._rng is not None and self._rng.device.id != index:
             self._host_rng, self._rng = self._rng.get(), None  # recreated on the new device
-        self._comm = None
+        self._comm = self._copy = None
         cupy.cuda.Device(index).use()
 
     def memory_info(self) -> tuple[int, int]:
