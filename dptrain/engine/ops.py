@@ -355,12 +355,13 @@ class Conv2d(Function):
 
 class MaxPool2d(Function):
     """`channels_last`: x and y are (N, H, W, C)."""
+    forward_op = "max_pool2d_forward"
 
     def forward(self, x, kernel, stride, padding, workspace=None, channels_last=False):
-        self.x_shape, self.workspace = x.shape, workspace
-        self.window, self.channels_last = (kernel, stride, padding), channels_last
-        y, self.idx = self.be.max_pool2d_forward(x, kernel, stride, padding, workspace=workspace,
-                                                 channels_last=channels_last)
+        self.x_shape, self.workspace, self.channels_last = x.shape, workspace, channels_last
+        self.window = (kernel, stride, padding)
+        y, self.idx = getattr(self.be, self.forward_op)(x, *self.window, workspace=workspace,
+                                                        channels_last=channels_last)
         return y
 
     def backward(self, gy):
@@ -369,20 +370,11 @@ class MaxPool2d(Function):
                                             channels_last=self.channels_last),)
 
 
-class ReLUMaxPool2d(Function):
+class ReLUMaxPool2d(MaxPool2d):
     """max_pool2d(relu(x)) as one op: one pass forward, and the pool's backward alone (the
     windows whose maximum is not > 0 carry idx -1 and get no gradient), so neither relu's
     output nor its backward pass exists. Same values and gradients as the two ops."""
-
-    def forward(self, x, kernel, stride, padding, workspace=None, channels_last=False):
-        self.x_shape, self.workspace = x.shape, workspace
-        self.window, self.channels_last = (kernel, stride, padding), channels_last
-        y, self.idx = self.be.relu_max_pool2d_forward(x, kernel, stride, padding,
-                                                      workspace=workspace,
-                                                      channels_last=channels_last)
-        return y
-
-    backward = MaxPool2d.backward
+    forward_op = "relu_max_pool2d_forward"
 
 
 class AvgPool2d(Function):
