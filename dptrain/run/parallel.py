@@ -65,9 +65,7 @@ def make_optimizer(spec, flat, segments, **options):
                              f"{', '.join(known)})")
     try:
         return build(flat, segments=segments, **options)
-    except UsageError:
-        raise
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError) as exc:  # BadArgument too: named with the optimizer
         raise UsageError(f"optimizer {getattr(spec, '__name__', spec)!r}: {exc}") from None
 
 
