@@ -189,7 +189,10 @@ class DataParallel:
     # -- the forward, in the step's precision
     def __call__(self, *inputs):
         """model(*inputs) with float inputs cast to the compute dtype and float outputs
-        back to float32 (mixed precision: 16-bit activations, fp32 loss)."""
+        back to float32 (mixed precision: 16-bit activations, fp32 loss); NumPy inputs
+        (an evaluation batch) are copied to the device first (float64 as float32)."""
+        inputs = [Tensor(self.be.asarray(x.astype(np.float32) if x.dtype == np.float64 else x))
+                  if isinstance(x, np.ndarray) else x for x in inputs]  # host arrays too
         cast_in = [F.cast(x, self.dtype) if isinstance(x, Tensor) and x.dtype.kind == "f"
                    and self.dtype != np.float32 else x for x in inputs]
         return _to_float32(self.model(*cast_in))
