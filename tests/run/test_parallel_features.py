@@ -292,3 +292,55 @@ def test_sigterm_stops_a_launched_loop_after_a_step(tmp_path):
     assert proc.returncode == 128 + signal.SIGTERM, err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "stopped by SIGTERM after step" in lines[0], err
+
+
+# ----------------------------------------------------------------------------- on a GPU
+
+
+def _gpu_run(be, capture, accumulate, clip, precision="fp32", groups=False):
+    from dptrain import distributed as dist
+
+    dp.manual_seed(5)
+    model = nn.Sequential(nn.Linear(12, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 3))
+    model[1].train(False)  # micro-batch statistics would differ from the whole batch's
+    lr = schedules.WarmupCosine(1e-2, total_steps=6, warmup_steps=2)
+    ddp = dp.DataParallel(model, "adamw", world=dist.init(be), precision=precision, lr=lr,
+                          param_groups=no_decay_groups(model) if groups else None)
+
+    def loss_fn(batch):
+        logits = ddp(batch[0])
+        return F.cross_entropy(logits, batch[1]), {"accuracy": F.accuracy(logits, batch[1])}
+
+    step = ddp.compile(loss_fn, capture=capture, accumulate=accumulate, clip_grad_norm=clip)
+    rng = np.random.default_rng(0)
+    for _ in range(6):
+        step((rng.standard_normal((16, 12)).astype(np.float32), rng.integers(0, 3, 16)))
+    return ddp.state_dict(), step.metrics()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_accumulation_and_clipping_replay_bitwise_on_a_gpu(precision):
+    """Captured (k micro-batches, the clip, the schedule, groups in one graph) equals eager."""
+    from dptrain import backend
+
+    be = backend.get("cuda")
+    (wa, ma), (wb, mb) = (_gpu_run(be, c, 2, 0.5, precision, True) for c in (True, False))
+    assert ma == mb
+    for name in wa:
+        assert np.array_equal(wa[name], wb[name]), name
+
+
+@pytest.mark.gpu
+def test_accumulation_and_clipping_on_a_gpu_match_the_cpu():
+    """The GPU's micro-batches and clip against the NumPy reference (fp32), and accumulation
+    against one step of the whole batch on the GPU."""
+    from dptrain import backend
+
+    gpu, gpu_metrics = _gpu_run(backend.get("cuda"), True, 2, 0.5, groups=True)
+    whole, _ = _gpu_run(backend.get("cuda"), True, 1, 0.5, groups=True)
+    cpu, cpu_metrics = _gpu_run(backend.get("cpu"), False, 2, 0.5, groups=True)
+    assert gpu_metrics["grad_norm"] == pytest.approx(cpu_metrics["grad_norm"], rel=1e-4)
+    for name in gpu:
+        np.testing.assert_allclose(gpu[name], whole[name], rtol=1e-4, atol=1e-5, err_msg=name)
+        np.testing.assert_allclose(gpu[name], cpu[name], rtol=2e-4, atol=2e-5, err_msg=name)
