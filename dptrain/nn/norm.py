@@ -71,8 +71,9 @@ class BatchNorm1d(BatchNorm2d):
 
 
 def sync_batch_norm(model: Module, comm) -> int:
-    """Make every BatchNorm2d (and BatchNorm1d) of `model` all-reduce its batch statistics over `comm`'s ranks
-    (inside the step, on the current stream); returns how many layers it changed."""
+    """Make every BatchNorm2d (and BatchNorm1d) of `model` all-reduce its batch statistics
+    over `comm`'s ranks (inside the step, on the current stream); returns how many layers it
+    changed."""
     layers = [m for m in model.modules() if isinstance(m, BatchNorm2d)]
     for layer in layers:
         layer.comm = comm

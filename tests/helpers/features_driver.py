@@ -1,5 +1,5 @@
-"""A user's loop with the DDP features of dptrain.DataParallel, for tests/run/test_parallel_features.py:
-`python features_driver.py OUT MODE [ACCUMULATE CLIP]`, alone or under mpirun.
+"""A user's loop with the DDP features of dptrain.DataParallel, for
+tests/run/test_parallel_features.py: `python features_driver.py OUT MODE [ACCUMULATE CLIP]`, alone or under mpirun.
 
 MODE "train": 8 steps of a global batch of 16 with AdamW, a warm-up + cosine schedule, no
 weight decay on biases (parameter groups), ACCUMULATE micro-batches and CLIP (0: none);
