@@ -90,6 +90,8 @@ def launch(main, *args, collective_timeout: float = DEFAULT_TIMEOUT):
             world = current()
             if not exc.agreed or world is None or world.is_root:  # an agreed stop: one line
                 print(f"{name}: {exc}", file=sys.stderr, flush=True)
+            if exc.agreed:  # every rank ends alike: guarded exits with the code, no abort
+                raise
             return exc.exit_code
         finally:
             _protection.close(complete=ok)
