@@ -28,3 +28,8 @@ class NonFiniteError(RunStopped):
 
     exit_code = 3
     agreed = True  # the non-finite flags are all-reduced: every rank sees the same step
+
+
+class BadArgument(UsageError, ValueError):
+    """A bad argument to a library call (a learning rate, a batch size, labels): a ValueError
+    for code that catches those, and one line with exit code 2 under ``dptrain.launch``."""

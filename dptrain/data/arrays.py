@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from dptrain.data.sampler import StrideSampler
+from dptrain.errors import BadArgument
 
 
 class ArrayDataset:
@@ -31,12 +32,12 @@ class ArrayDataset:
 
     def __init__(self, *arrays, transform=None, num_classes=None, mean=0.5, std=0.25):
         if not arrays:
-            raise ValueError("ArrayDataset: give at least one array")
+            raise BadArgument("ArrayDataset: give at least one array")
         self.arrays = tuple(a if isinstance(a, np.ndarray) else np.asarray(a) for a in arrays)
         lengths = [a.shape[0] if a.ndim else None for a in self.arrays]
         if None in lengths or len(set(lengths)) != 1:
             shapes = ", ".join(str(a.shape) for a in self.arrays)
-            raise ValueError(f"ArrayDataset: every array needs the same first dimension (one "
+            raise BadArgument(f"ArrayDataset: every array needs the same first dimension (one "
                              f"row per sample), got shapes {shapes}")
         self.transform = transform
         self.mean, self.std = mean, std

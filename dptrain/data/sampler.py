@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from dptrain.errors import BadArgument
+
 
 def _positive_int(name, value):
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        raise BadArgument(f"{name} must be a positive integer, got {value!r}")
     return int(value)
 
 
@@ -40,11 +42,11 @@ class StrideSampler:
                 or not 0 <= rank < self.world_size:
             raise ValueError(f"rank must be in [0, {self.world_size}), got {rank!r}")
         if not isinstance(seed, (int, np.integer)) or seed < 0:
-            raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+            raise BadArgument(f"seed must be a non-negative integer, got {seed!r}")
         self.rank, self.seed = int(rank), int(seed)
         self.drop_last, self.shuffle = bool(drop_last), bool(shuffle)
         if self.global_batch_size > self.num_samples:
-            raise ValueError(
+            raise BadArgument(
                 f"global batch batch_size*world_size = {self.batch_size}*{self.world_size} = "
                 f"{self.global_batch_size} is larger than the dataset ({self.num_samples})")
 

@@ -59,6 +59,9 @@ class Reducer:
         self.bucket_of = {id(p): i for i, b in enumerate(flat.buckets) for p in b.params}
         self.pending, self.sent = [0] * nb, [False] * nb
         self.gathering = False
+        # True while backward runs a micro-batch before the last (gradient accumulation,
+        # dptrain.run.step): gradients only add up, nothing is sent until the last one
+        self.holding = False
         # the 16-bit copy of the gradients that bf16 reduce-scatters (fixed: capture-friendly)
         self.grad16 = (flat.be.empty((flat.numel,), BFLOAT16)
                        if exchange == "bf16" and self.size > 1 else None)
@@ -136,6 +139,8 @@ class Reducer:
 
     # -- gradients: reduce-scatter each bucket as backward completes it
     def _grad_ready(self, param):
+        if self.holding:
+            return
         i = self.bucket_of[id(param)]
         self.pending[i] -= 1
         if self.pending[i] == 0:

@@ -5,11 +5,14 @@ linear weight (out, in), y = x W^T + b.
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from dptrain.engine import losses, ops
 from dptrain.engine.autograd import Tensor, as_tensor
 from dptrain.backend.bfloat16 import BFLOAT16
+from dptrain.errors import BadArgument
 
 
 def _pair(value, name):
@@ -123,6 +126,32 @@ def log_softmax(x: Tensor, axis: int = -1) -> Tensor:
     return _on_last_axis(ops.LogSoftmax, x, axis)
 
 
+_label_watch: list | None = None  # (labels array, classes) seen, while watching_labels
+
+
+@contextlib.contextmanager
+def watching_labels():
+    """Within it, cross_entropy checks its labels' range on the host (a synchronisation: for a
+    step's first, eager call) and lists (labels array, classes) in the list it yields."""
+    global _label_watch
+    outer, _label_watch = _label_watch, []
+    try:
+        yield _label_watch
+    finally:
+        _label_watch = outer
+
+
+def check_labels(labels, classes: int, where: str = "labels") -> None:
+    """BadArgument naming the first label of `labels` (host integers) outside [0, classes)."""
+    low, high = labels.min(), labels.max()
+    if low < 0 or high >= classes:
+        bad = int(low) if low < 0 else int(high)
+        hint = (" (the model has fewer outputs than the data has classes?)" if bad >= classes
+                else "")
+        raise BadArgument(f"{where}: label {bad} is out of range for {classes} classes (the "
+                          f"model's outputs; class ids run from 0 to {classes - 1}){hint}")
+
+
 def cross_entropy(logits: Tensor, labels: Tensor, label_smoothing: float = 0.0) -> Tensor:
     """Mean over the batch of -log softmax(logits)[label]; labels are integer class ids.
     ``label_smoothing`` s in [0, 1): against (1 - s) one-hot + s / C, as PyTorch's. 16-bit
@@ -133,10 +162,14 @@ def cross_entropy(logits: Tensor, labels: Tensor, label_smoothing: float = 0.0) 
     if not isinstance(labels, Tensor):
         labels = Tensor(logits.be.asarray(np.asarray(labels, dtype=np.int64)))
     if labels.dtype.kind not in "iu" or labels.shape != logits.shape[:1]:
-        raise ValueError(
+        raise BadArgument(
             f"cross_entropy expects integer labels of shape {logits.shape[:1]}, "
             f"got {labels.dtype} {labels.shape}"
+            + (" (class ids: convert with .astype(np.int64))" if labels.dtype.kind == "f" else "")
         )
+    if _label_watch is not None:
+        check_labels(labels.be.to_numpy(labels.data), logits.shape[1])
+        _label_watch.append((labels.data, logits.shape[1]))
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"cross_entropy: label_smoothing must be in [0, 1), got "
                          f"{label_smoothing}")
@@ -145,6 +178,20 @@ def cross_entropy(logits: Tensor, labels: Tensor, label_smoothing: float = 0.0) 
             logits = cast(logits, np.float32)
         return losses.smoothed_cross_entropy(logits, labels, float(label_smoothing))
     return ops.CrossEntropy.apply(logits, labels)
+
+
+def count_correct(logits: Tensor, labels: Tensor) -> Tensor:
+    """The rows whose arg-max is their label, as a float32 0-d Tensor on the device (no host
+    synchronisation, no gradient): a step metric, summed over ranks with reduce="sum"."""
+    labels = labels if isinstance(labels, Tensor) else Tensor(logits.be.asarray(labels))
+    return Tensor(logits.be.count_correct(logits.data, labels.data))
+
+
+def accuracy(logits: Tensor, labels: Tensor) -> Tensor:
+    """The fraction of rows whose arg-max is their label (count_correct / rows), a 0-d
+    Tensor on the device: a step metric, averaged over ranks by default."""
+    hits = count_correct(logits, labels)
+    return Tensor(logits.be.scale(hits.data, 1.0 / logits.shape[0]))
 
 
 mse_loss = losses.mse_loss

@@ -12,15 +12,16 @@ from dptrain.nn.module import Module, Parameter
 from dptrain.nn.attention import MultiHeadAttention
 from dptrain.nn.transformer import GELU, LayerNorm, TransformerEncoderLayer
 from dptrain.nn.vit import VisionTransformer, vit
-from dptrain.nn.norm import BatchNorm2d, sync_batch_norm
+from dptrain.nn.norm import BatchNorm1d, BatchNorm2d, sync_batch_norm
 from dptrain.nn.pooling import AdaptiveAvgPool2d
 from dptrain.nn.resnet import BasicBlock, Bottleneck, ResNet, resnet18, resnet34, resnet50
 
 __all__ = [
     "Module", "Parameter", "Linear", "Conv2d", "MaxPool2d", "AvgPool2d", "ReLU", "Flatten",
-    "Dropout", "Sequential", "ModuleList", "ModuleDict", "Identity", "Sigmoid", "Tanh", "MODELS", "build_model", "cnn", "mlp",
+    "Dropout", "Sequential", "ModuleList", "ModuleDict", "Identity", "Sigmoid", "Tanh",
+    "MODELS", "build_model", "cnn", "mlp",
     "MultiHeadAttention", "LayerNorm", "GELU", "TransformerEncoderLayer", "VisionTransformer",
     "vit",
-    "BatchNorm2d", "sync_batch_norm", "AdaptiveAvgPool2d", "BasicBlock", "Bottleneck", "ResNet",
-    "resnet18", "resnet34", "resnet50",
+    "BatchNorm1d", "BatchNorm2d", "sync_batch_norm", "AdaptiveAvgPool2d", "BasicBlock",
+    "Bottleneck", "ResNet", "resnet18", "resnet34", "resnet50",
 ]

@@ -52,9 +52,28 @@ class BatchNorm2d(Module):
         return y
 
 
+class BatchNorm1d(BatchNorm2d):
+    """Normalise each feature of (N, C) input, or each channel of (N, C, L), as
+    torch.nn.BatchNorm1d (the same parameters, buffers and defaults). It runs BatchNorm2d's
+    kernels on the input viewed as (N, C, 1, 1) or (N, C, L, 1): per channel the statistics
+    are over the same N or N*L values, so the view is exact. Sync-BN makes it sync too."""
+
+    def forward(self, x):
+        if x.ndim not in (2, 3):
+            raise ValueError(f"BatchNorm1d expects (N, C) or (N, C, L) input, got shape "
+                             f"{x.shape}")
+        if x.shape[1] != self.num_features:
+            raise ValueError(f"BatchNorm1d({self.num_features}) got {x.shape[1]} features "
+                             f"(input shape {x.shape})")
+        shape = x.shape
+        y = super().forward(F.reshape(x, *shape[:2], shape[2] if x.ndim == 3 else 1, 1))
+        return F.reshape(y, *shape)
+
+
 def sync_batch_norm(model: Module, comm) -> int:
-    """Make every BatchNorm2d of `model` all-reduce its batch statistics over `comm`'s ranks
-    (inside the step, on the current stream); returns how many layers it changed."""
+    """Make every BatchNorm2d (and BatchNorm1d) of `model` all-reduce its batch statistics
+    over `comm`'s ranks (inside the step, on the current stream); returns how many layers it
+    changed."""
     layers = [m for m in model.modules() if isinstance(m, BatchNorm2d)]
     for layer in layers:
         layer.comm = comm

@@ -11,44 +11,120 @@ and can be replayed from a captured CUDA graph. Slot ``SKIP_SLOT`` of ``hyper`` 
 written on the device (by the non-finite check of dptrain.run.nonfinite): non-zero skips
 the update. A skipped step still counts in ``steps`` (AdamW's bias correction).
 
+``lr`` is a positive number or a schedule (dptrain.optim.schedules, or any callable mapping
+the 0-based step to the rate): ``begin_step`` evaluates it on the host and writes the rate into
+``hyper`` with the other scalars, so a captured step replays unchanged.
+
+Parameter groups (``groups``: ``[{"params": [...], "weight_decay": 0.0}, ...]``, as PyTorch's
+list of dicts; parameters in no group take the optimizer's own options) split each shard
+segment where the group changes: one update launch per run of a group's parameters, so no
+groups is one launch per segment, as ever. A group sets ``weight_decay`` only.
+
 For checkpoints, ``gather_state`` collects the full state from every rank's shards
 (name -> per-parameter arrays, independent of the world size) and ``scatter_state``
 puts such a state back into this rank's shards, whatever world size wrote it.
 """
 from __future__ import annotations
 
+import bisect
+import math
+
 import numpy as np
 
 from dptrain.distributed.flat import FlatParameters
+from dptrain.errors import BadArgument
 
 SKIP_SLOT = 3  # hyper[SKIP_SLOT] != 0: the optimizer kernels leave param and state untouched
+GROUP_OPTIONS = ("weight_decay",)  # what a parameter group may set
+
+
+def check_rate(lr, what="learning rate") -> float:
+    """`lr` as a float; BadArgument unless it is positive and finite."""
+    try:
+        value = float(lr)
+    except (TypeError, ValueError):
+        raise BadArgument(f"{what} must be a positive number or a schedule, got {lr!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise BadArgument(f"{what} must be positive and finite, got {lr!r}")
+    return value
 
 
 class Optimizer:
-    def __init__(self, params, lr: float, segments=None):
-        if lr <= 0:
-            raise ValueError(f"learning rate must be positive, got {lr}")
+    def __init__(self, params, lr, segments=None, groups=None):
+        self.schedule = lr if callable(lr) else None
+        lr = check_rate(self.schedule(0) if self.schedule else lr,
+                        "the schedule's rate at step 0" if self.schedule else "learning rate")
         self.flat = params if isinstance(params, FlatParameters) else FlatParameters(params)
         self.be = self.flat.be
         self.segments = list(segments) if segments is not None else [(0, self.flat.numel)]
         self.numel = sum(stop - start for start, stop in self.segments)
-        self.lr = float(lr)
+        self.lr = lr
         self.steps = 0
         self.hyper = self.be.zeros((4,), self.flat.dtype)
+        self.group_options = [{}]  # run group 0: the optimizer's own options
+        self.runs = self._plan_runs(groups or [])
+
+    def _plan_runs(self, groups):
+        """(start, stop, offset in the shard's state, group) per update launch: the shard's
+        segments, cut where the parameter group changes (see the module's docstring)."""
+        flat, owner = self.flat, {}
+        for i, group in enumerate(groups, start=1):
+            group = dict(group)
+            params = group.pop("params", None)
+            if params is None:
+                raise BadArgument(f"parameter group {i - 1} has no 'params'")
+            unknown = sorted(set(group) - set(GROUP_OPTIONS))
+            if unknown:
+                raise BadArgument(f"parameter group {i - 1}: {', '.join(unknown)} cannot be set "
+                                  f"per group (only {', '.join(GROUP_OPTIONS)})")
+            for p in params:
+                start = flat.offsets.get(id(p))
+                if start is None:
+                    raise BadArgument(f"parameter group {i - 1} holds a tensor that is not a "
+                                      f"trained parameter of the model")
+                if start in owner:
+                    raise BadArgument(f"a parameter is in parameter groups {owner[start] - 1} "
+                                      f"and {i - 1}")
+                owner[start] = i
+            self.group_options.append(group)
+        starts = sorted(flat.offsets.values())
+        runs, offset = [], 0
+        for start, stop in self.segments:
+            held = bisect.bisect_right(starts, start) - 1  # the parameter holding `start`
+            first, group = start, owner.get(starts[held], 0) if held >= 0 else 0
+            for o in starts[bisect.bisect_right(starts, start):bisect.bisect_left(starts, stop)]:
+                if owner.get(o, 0) != group:
+                    runs.append((first, o, offset + first - start, group))
+                    first, group = o, owner.get(o, 0)
+            runs.append((first, stop, offset + first - start, group))
+            offset += stop - start
+        return runs
+
+    def option(self, name, group: int):
+        """A run's value of option `name`: its group's, else the optimizer's own."""
+        return self.group_options[group].get(name, getattr(self, name, None))
 
     def _state(self):
         return self.be.zeros((self.numel,), self.flat.dtype)
 
-    def _views(self, *states):
-        """Per segment: (param view, grad view, state views..., shadow view or None) — one
-        kernel launch each."""
-        offset, shadow = 0, self.flat.shadow
-        for start, stop in self.segments:
+    def views(self, *states):
+        """Per run of this rank's shard (a segment, without parameter groups): (options,
+        param view, grad view, state views..., shadow view or None) — one kernel launch
+        each; `options` maps each per-group option (``weight_decay``) to the run's value.
+        `states` are arrays of the shard's length (``_state()``) or None."""
+        shadow = self.flat.shadow
+        for start, stop, offset, group in self.runs:
             n = stop - start
-            yield (self.flat.data[start:stop], self.flat.grad[start:stop],
+            options = {name: self.option(name, group) for name in GROUP_OPTIONS
+                       if hasattr(self, name) or name in self.group_options[group]}
+            yield (options, self.flat.data[start:stop], self.flat.grad[start:stop],
                    *(s[offset : offset + n] if s is not None else None for s in states),
                    shadow[start:stop] if shadow is not None else None)
-            offset += n
+
+    def _views(self, *states):
+        """``views`` without the options (optimizers written before parameter groups)."""
+        for _, *views in self.views(*states):
+            yield tuple(views)
 
     def zero_grad(self):
         self.flat.zero_grad()
@@ -58,8 +134,17 @@ class Optimizer:
         self.begin_step()
         self.update()
 
+    def set_lr(self, lr):
+        """From the next step on: a positive number (in place of any schedule) or a schedule."""
+        self.schedule = lr if callable(lr) else None
+        self.lr = check_rate(self.schedule(self.steps) if self.schedule else lr)
+
     def begin_step(self):
-        """Count the step and write its scalars to the device (host side, outside any graph)."""
+        """Count the step and write its scalars to the device (host side, outside any graph):
+        the schedule's rate for this step first, where there is one."""
+        if self.schedule is not None:
+            self.lr = check_rate(self.schedule(self.steps), f"the schedule's rate at step "
+                                                             f"{self.steps}")
         self.steps += 1
         self.be.set_scalar_(self.hyper, self.hyper_values())
 
@@ -140,20 +225,21 @@ class SGD(Optimizer):
     """SGD with momentum, Nesterov momentum and (coupled) weight decay, as torch.optim.SGD."""
 
     def __init__(self, params, lr=0.01, momentum=0.0, weight_decay=0.0, nesterov=False,
-                 segments=None):
-        super().__init__(params, lr, segments)
-        if momentum < 0 or weight_decay < 0:
-            raise ValueError("momentum and weight decay must be non-negative")
+                 segments=None, groups=None):
+        super().__init__(params, lr, segments, groups)
+        if not (momentum >= 0 and weight_decay >= 0):
+            raise BadArgument(f"momentum and weight decay must be non-negative, got "
+                              f"momentum={momentum!r}, weight_decay={weight_decay!r}")
         if nesterov and momentum == 0:
-            raise ValueError("nesterov momentum needs momentum > 0")
+            raise BadArgument("nesterov momentum needs momentum > 0")
         self.momentum, self.weight_decay, self.nesterov = momentum, weight_decay, nesterov
         self.buf = self._state() if momentum else None
 
     writes_shadow = True
 
     def update_shard(self):
-        for p, g, buf, shadow in self._views(self.buf):
-            self.be.sgd_step_(p, g, buf, self.hyper, self.momentum, self.weight_decay,
+        for options, p, g, buf, shadow in self.views(self.buf):
+            self.be.sgd_step_(p, g, buf, self.hyper, self.momentum, options["weight_decay"],
                               self.nesterov, shadow=shadow)
 
     def state_arrays(self):
@@ -164,8 +250,12 @@ class AdamW(Optimizer):
     """Adam with decoupled weight decay, as torch.optim.AdamW."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
-                 segments=None):
-        super().__init__(params, lr, segments)
+                 segments=None, groups=None):
+        super().__init__(params, lr, segments, groups)
+        if not (len(betas) == 2 and all(0 <= b < 1 for b in betas)) or not eps > 0 or \
+                not weight_decay >= 0:
+            raise BadArgument(f"AdamW needs betas in [0, 1), eps > 0 and weight_decay >= 0, got "
+                              f"betas={betas!r}, eps={eps!r}, weight_decay={weight_decay!r}")
         self.beta1, self.beta2 = betas
         self.eps, self.weight_decay = eps, weight_decay
         self.m, self.v = self._state(), self._state()
@@ -177,12 +267,19 @@ class AdamW(Optimizer):
     writes_shadow = True
 
     def update_shard(self):
-        for p, g, m, v, shadow in self._views(self.m, self.v):
+        for options, p, g, m, v, shadow in self.views(self.m, self.v):
             self.be.adamw_step_(p, g, m, v, self.hyper, self.beta1, self.beta2, self.eps,
-                                self.weight_decay, shadow=shadow)
+                                options["weight_decay"], shadow=shadow)
 
     def state_arrays(self):
         return {"exp_avg": self.m, "exp_avg_sq": self.v}
 
 
 OPTIMIZERS = {"sgd": SGD, "adamw": AdamW}
+
+
+def no_decay_groups(model) -> list[dict]:
+    """PyTorch's usual groups: no weight decay on biases and normalisation weights (the
+    trained parameters of one dimension), the optimizer's own on the rest."""
+    flat = [p for p in model.parameters() if p.requires_grad and p.ndim <= 1]
+    return [{"params": flat, "weight_decay": 0.0}]

@@ -45,7 +45,8 @@ MIN_SCALE = 2.0**-24  # below this even a gradient of 1 underflows fp16: the run
 # Layers with 16-bit kernels of their own (batch and layer norm with float32 statistics and
 # parameters; attention's softmax, GELU and dropout computing in float32 on 16-bit data).
 LAYERS_16BIT = frozenset({"Conv2d", "Linear", "ReLU", "MaxPool2d", "AvgPool2d", "Flatten",
-                          "AdaptiveAvgPool2d", "BatchNorm2d", "LayerNorm", "GELU", "Dropout"})
+                          "AdaptiveAvgPool2d", "BatchNorm1d", "BatchNorm2d", "LayerNorm", "GELU",
+                          "Dropout"})
 
 
 def compute_dtype(precision: str) -> np.dtype:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import time
 import warnings
 from pathlib import Path
@@ -39,7 +40,7 @@ from dptrain.engine.autograd import Tensor, no_grad
 from dptrain.engine.rng import init_rng, set_data_shard
 from dptrain.errors import UsageError
 from dptrain.optim import OPTIMIZERS
-from dptrain.run import amp
+from dptrain.run import amp, script
 from dptrain.run.evaluate import broadcast_buffers
 from dptrain.run.nonfinite import NonFiniteGuard
 
@@ -48,14 +49,24 @@ SYNC_MODES = ("check", "broadcast")
 
 def make_optimizer(spec, flat, segments, **options):
     """The optimizer over `segments` of `flat`: `spec` is a name of dptrain.optim.OPTIMIZERS
-    ("sgd", "adamw") with `options` (lr, momentum, weight_decay, ...), or a callable
-    ``spec(flat, segments=...)`` such as ``functools.partial(AdamW, lr=1e-3)``."""
-    if callable(spec):
-        return spec(flat, segments=segments, **options)
-    if spec not in OPTIMIZERS:
+    ("sgd", "adamw") with `options` (lr: a number or a schedule, momentum, weight_decay,
+    groups, ...), or a callable ``spec(flat, segments=...)`` such as
+    ``functools.partial(AdamW, lr=1e-3)``. A bad option is a UsageError naming it."""
+    if not callable(spec) and spec not in OPTIMIZERS:
         raise UsageError(f"optimizer {spec!r}: choose one of {', '.join(OPTIMIZERS)} or pass "
                          f"a callable (e.g. functools.partial(dptrain.optim.AdamW, lr=1e-3))")
-    return OPTIMIZERS[spec](flat, segments=segments, **options)
+    build = spec if callable(spec) else OPTIMIZERS[spec]
+    if not callable(spec):
+        taken = inspect.signature(build).parameters
+        unknown = sorted(set(options) - set(taken))
+        if unknown:
+            known = [n for n in taken if n not in ("params", "segments")]
+            raise UsageError(f"optimizer {spec!r} takes no {', '.join(unknown)} (it takes "
+                             f"{', '.join(known)})")
+    try:
+        return build(flat, segments=segments, **options)
+    except (TypeError, ValueError) as exc:  # BadArgument too: named with the optimizer
+        raise UsageError(f"optimizer {getattr(spec, '__name__', spec)!r}: {exc}") from None
 
 
 class DataParallel:
@@ -63,7 +74,11 @@ class DataParallel:
 
     Arguments:
       optimizer   "adamw", "sgd" (with ``**options``: lr, weight_decay, momentum, ...) or a
-                  callable ``(flat, segments=...) -> Optimizer``
+                  callable ``(flat, segments=...) -> Optimizer``; ``lr`` a number or a
+                  schedule (dptrain.optim.schedules)
+      param_groups  PyTorch's list of dicts, ``[{"params": [...], "weight_decay": 0.0}]``
+                  (parameters or their names; those in no group take the optimizer's own
+                  options; dptrain.optim.no_decay_groups(model) leaves out biases and norms)
       precision   "auto" (bf16 where the device and every layer have it, else TF32 where
                   the GPU has it, else fp32), "fp32", "tf32", "bf16" or "fp16" (loss scaled)
       sync        "check" (default): stop with one line naming the parameters that differ
@@ -111,7 +126,8 @@ class DataParallel:
 
     def __init__(self, model, optimizer="adamw", *, world=None, precision="auto",
                  sync="check", bucket_mb=4.0, grad_exchange="fp32", skip_nonfinite=0, loss_scale=amp.INIT_SCALE,
-                 loss_scale_interval=amp.INTERVAL, input_shapes=None, **options):
+                 loss_scale_interval=amp.INTERVAL, input_shapes=None, param_groups=None,
+                 **options):
         if sync not in SYNC_MODES:
             raise UsageError(f"sync={sync!r}: choose one of {', '.join(SYNC_MODES)}")
         if grad_exchange not in EXCHANGES:
@@ -119,6 +135,7 @@ class DataParallel:
                              f"{', '.join(EXCHANGES)}")
         self._stale = self._in_step = False  # see "Weights between steps"
         world = world or dist.current() or dist.init()
+        self.protection = script.protection().attach(world)  # under dptrain.launch
         be = world.be
         if be is None:
             raise UsageError("DataParallel: the world has no backend; build it with "
@@ -143,6 +160,8 @@ class DataParallel:
         self.flat = FlatParameters(trained, world.size, body,
                                    shadow_dtype=amp.shadow_dtype(self.precision),
                                    first_bucket_bytes=first)
+        if param_groups is not None:
+            options["groups"] = _resolve_groups(param_groups, model)
         self.optimizer = make_optimizer(optimizer, self.flat,
                                         self.flat.shard_segments(world.rank), **options)
         self.reducer = Reducer(self.flat, world, model, exchange=grad_exchange)
@@ -170,12 +189,15 @@ class DataParallel:
     # -- the forward, in the step's precision
     def __call__(self, *inputs):
         """model(*inputs) with float inputs cast to the compute dtype and float outputs
-        back to float32 (mixed precision: 16-bit activations, fp32 loss)."""
+        back to float32 (mixed precision: 16-bit activations, fp32 loss); NumPy inputs
+        (an evaluation batch) are copied to the device first (float64 as float32)."""
+        inputs = [Tensor(self.be.asarray(x.astype(np.float32) if x.dtype == np.float64 else x))
+                  if isinstance(x, np.ndarray) else x for x in inputs]  # host arrays too
         cast_in = [F.cast(x, self.dtype) if isinstance(x, Tensor) and x.dtype.kind == "f"
                    and self.dtype != np.float32 else x for x in inputs]
         return _to_float32(self.model(*cast_in))
 
-    def compile(self, fn, *, capture=True, reduce=None):
+    def compile(self, fn, *, capture=True, reduce=None, accumulate=1, clip_grad_norm=None):
         """The step that trains on one batch: ``step(batch)`` copies `batch` (an array, or
         a tuple, list or dict of arrays; host or device; float64 becomes float32) into fixed
         device buffers and runs ``fn(batch)`` on them as Tensors, then backward, the
@@ -188,10 +210,25 @@ class DataParallel:
         then replayed (on the GPU, as a CUDA graph): `fn` must not read device values on the
         host, and every batch must have the first batch's shapes and dtypes (another shape
         is refused, naming both). ``capture=False`` runs `fn` eagerly every step (debugging).
+
+        ``accumulate=k``: ``step(batch)`` splits each batch array's rows into k equal
+        micro-batches and calls ``fn`` on each in turn, backward after each, with one
+        gradient exchange and one update after the last (all k inside the captured step):
+        one step on the whole batch in k times less activation memory, equal to float
+        rounding (batch-norm statistics and dropout masks are the micro-batches' own).
+        ``clip_grad_norm=c``: the averaged gradient scaled by min(1, c / its global norm)
+        before the update, on the device (dptrain.run.clip); ``metrics()`` then has
+        ``grad_norm``, the norm before clipping.
         """
+        from dptrain.run.clip import ClipGradNorm
         from dptrain.run.compiled import CompiledStep
 
-        return CompiledStep(self, fn, capture=capture, reduce=reduce)
+        clip = None
+        if clip_grad_norm is not None:
+            clip = ClipGradNorm(self.flat, self.optimizer.segments, self.world.comm,
+                                clip_grad_norm)
+        return CompiledStep(self, fn, capture=capture, reduce=reduce, accumulate=accumulate,
+                            clip=clip)
 
     def capture(self, step):
         """`step` (a no-argument step) captured by the backend's runtime and replayed."""
@@ -205,9 +242,13 @@ class DataParallel:
         return self.optimizer.lr
 
     @lr.setter
-    def lr(self, value: float):
-        """Takes effect at the next step (written to the device before it, outside a graph)."""
-        self.optimizer.lr = float(value)
+    def lr(self, value):
+        """A number (in place of any schedule) or a schedule (dptrain.optim.schedules): takes
+        effect at the next step (written to the device before it, outside a graph)."""
+        try:
+            self.optimizer.set_lr(value)
+        except ValueError as exc:
+            raise UsageError(f"ddp.lr: {exc}") from None
 
     @contextlib.contextmanager
     def stepping(self):
@@ -223,20 +264,23 @@ class DataParallel:
     def _hook_reads(self, model, trained):
         mine = {id(p) for p in trained}
         for module in model.modules():
-            module.register_state_dict_pre_hook(self._before_read)
+            module.register_state_dict_pre_hook(
+                lambda _: self._before_read("state_dict()"))
             if module is model or any(id(p) in mine for p in module._params.values()):
-                module.register_forward_pre_hook(self._before_read)
+                module.register_forward_pre_hook(
+                    lambda _: self._before_read("a forward outside the step"))
 
-    def _before_read(self, _module=None):
+    def _before_read(self, what):
         if self._stale and not self._in_step:
-            self.sync_parameters()
+            self.sync_parameters(f"{what}, the first read of the weights after a step")
 
-    def sync_parameters(self):
+    def sync_parameters(self, what="ddp.sync_parameters()"):
         """Every rank's latest shard gathered (a collective: every rank calls it), rank 0's
         buffers broadcast: the whole model current, for evaluation or saving. Reads between
         steps call it themselves when a step ran since (see the class's docstring)."""
-        self.reducer.sync_parameters()
-        broadcast_buffers(self.model, self.world.comm)
+        with self.protection.watch(f"{what} (a collective: every rank makes it)", self.steps):
+            self.reducer.sync_parameters()
+            broadcast_buffers(self.model, self.world.comm)
         self._stale = False
 
     def state_dict(self):
@@ -263,6 +307,11 @@ class DataParallel:
         metric sums since the last ``step.metrics()`` (save after a read to log on alike).
         Raises NonFiniteError rather than save past a step with a NaN/inf loss or gradient.
         """
+        with self.protection.watch(f"ddp.save({str(directory)!r}) (a collective: every rank "
+                                   f"calls it)", self.steps):
+            return self._save(directory, keep)
+
+    def _save(self, directory, keep):
         world, be = self.world, self.be
         self.guard.read(self.steps)  # never save past a non-finite step
         weights = {k: np.asarray(v) for k, v in self.state_dict().items()}
@@ -297,6 +346,11 @@ class DataParallel:
         rank 0's, which every rank shares while the masks are drawn for the global batch).
         The buffers a compiled step reads are written in place: load before or between steps.
         """
+        with self.protection.watch(f"ddp.load({str(path)!r}) (a collective: every rank "
+                                   f"calls it)", self.steps):
+            return self._load(path)
+
+    def _load(self, path):
         world = self.world
         found = None
         if world.is_root:
@@ -338,12 +392,32 @@ class DataParallel:
         after a step (a collective under mpirun), so an evaluation that follows on some
         ranks only finds them current."""
         if not mode:
-            self._before_read()
+            self._before_read("ddp.eval()")
         self.model.train(mode)
         return self
 
     def eval(self):
         return self.train(False)
+
+
+def _resolve_groups(groups, model) -> list[dict]:
+    """`groups` with each parameter name replaced by the parameter (UsageError naming an
+    unknown one)."""
+    if isinstance(groups, dict) or not all(isinstance(g, dict) for g in groups):
+        raise UsageError("param_groups: a list of dicts, e.g. [{'params': [...], "
+                         "'weight_decay': 0.0}]")
+    named = dict(model.named_parameters())
+    out = []
+    for i, group in enumerate(groups):
+        params = []
+        for p in group.get("params", ()):
+            if isinstance(p, str):
+                if p not in named:
+                    raise UsageError(f"param_groups[{i}]: the model has no parameter {p!r}")
+                p = named[p]
+            params.append(p)
+        out.append({**group, "params": params})
+    return out
 
 
 def _bucket_bytes(bucket_mb, params, n, exchange):

@@ -5,7 +5,18 @@ the parameters, zero the gradients, call the loss function (forward), backward w
 gradient exchange, the non-finite guard, the optimizer update of this rank's shard (in
 mixed precision ending with the cast of that shard to 16 bits), and the metric sums. It
 reads no device value on the host, so the backend's runtime can capture it once and replay
-it. ``TrainStep`` is `train`'s classification step on top of it; ``dptrain.run.parallel``
+it. Two options, off by default (the step then runs exactly the launches it always ran):
+
+  * ``accumulate=k``: k forward/backward passes (micro-batches) into the same gradients,
+    the reducer holding every bucket's exchange until the last one's backward, then one
+    exchange and one update; each micro-batch's loss seeds backward with 1/k of its
+    gradient, so the step equals one step on the k micro-batches together (to float
+    rounding). The step's loss is the micro-batches' mean; a metric reduced by "mean" is
+    averaged over them, by "sum" summed (micro-batches combine as ranks do).
+  * ``clip``: a ClipGradNorm (dptrain.run.clip) applied after the guard, before the update;
+    its norm becomes the ``grad_norm`` metric.
+
+``TrainStep`` is `train`'s classification step on top of it; ``dptrain.run.parallel``
 (the public ``DataParallel``) puts a user's step function on top of it.
 """
 from __future__ import annotations
@@ -31,8 +42,10 @@ class Step:
     (default) or "sum"; the loss is averaged.
     """
 
-    def __init__(self, optimizer, reducer, loss_fn, guard=None, reduce=None):
+    def __init__(self, optimizer, reducer, loss_fn, guard=None, reduce=None, accumulate=1,
+                 clip=None):
         self.opt, self.reducer, self.loss_fn, self.guard = optimizer, reducer, loss_fn, guard
+        self.accumulate, self.clip = int(accumulate), clip
         self.scaler = guard.scaler if guard is not None else None
         self.be = optimizer.be
         self.reduce = dict(reduce or {})
@@ -47,16 +60,45 @@ class Step:
         self.reducer.mark("step_begin")  # timeline marks: nothing without a timeline
         self.reducer.gather_parameters()  # last step's updated shards; overlaps the forward
         self.opt.zero_grad()
-        loss, metrics = self.loss_fn()
-        _check_loss(loss)
-        # buckets start their reduce-scatter as their gradients complete
-        loss.backward(self.scaler.seed() if self.scaler is not None else None)
+        if self.accumulate == 1:
+            loss, metrics = self.loss_fn()
+            _check_loss(loss)
+            # buckets start their reduce-scatter as their gradients complete
+            loss.backward(self.scaler.seed() if self.scaler is not None else None)
+            loss = loss.data
+        else:
+            loss, metrics = self._micro_batches()
         self.reducer.finish_backward()
         if self.guard is not None:
-            self.guard(loss.data)
+            self.guard(loss)
+        if self.clip is not None:
+            metrics = {**metrics, "grad_norm": self.clip()}
         self.opt.update()  # this rank's shard only; gathered at the start of the next step
         self._accumulate({"loss": loss, **metrics})
         self.reducer.mark("step_end")
+
+    def _micro_batches(self):
+        """``loss_fn(i)`` and its backward for each micro-batch i, the exchange held until
+        the last: (the mean loss, the metrics combined), device arrays."""
+        be, k = self.be, self.accumulate
+        loss_sum, sums = None, {}
+        try:
+            for i in range(k):
+                self.reducer.holding = i < k - 1
+                loss, metrics = self.loss_fn(i)
+                _check_loss(loss)
+                seed = (self.scaler.seed().data if self.scaler is not None
+                        else be.full(tuple(loss.shape), 1.0, loss.dtype))
+                loss.backward(Tensor(be.scale(seed, 1.0 / k)))
+                parts = {k_: v.data if isinstance(v, Tensor) else v for k_, v in metrics.items()}
+                parts["loss"] = loss.data
+                for name, value in parts.items():
+                    if self.reduce.get(name, "mean") == "mean":
+                        value = be.scale(value, 1.0 / k)
+                    sums[name] = value if i == 0 else be.add(sums[name], value)
+        finally:
+            self.reducer.holding = False
+        return sums.pop("loss"), sums
 
     def _accumulate(self, values):
         be = self.be
