@@ -28,3 +28,9 @@ class NonFiniteError(RunStopped):
 
     exit_code = 3
     agreed = True  # the non-finite flags are all-reduced: every rank sees the same step
+
+
+class AgreedUsageError(UsageError):
+    """A UsageError that every rank raises at the same point (the same flags, a check rank 0
+    made and shared): under mpirun rank 0 alone prints it, and every rank ends with exit 2
+    without an MPI abort."""
