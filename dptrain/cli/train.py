@@ -76,13 +76,15 @@ def check_combinations(parser, args: dict) -> None:
     if args["global_batch_size"] is not None and args["batch_size"] is not None:
         parser.error(f"--global-batch-size {args['global_batch_size']} and --batch-size "
                      f"{args['batch_size']}: give one of them")
+    # the same flags on every rank: each raises it, rank 0 says it
     if args["nesterov"] and args["optimizer"] != "sgd":
-        parser.error(f"--nesterov applies to --optimizer sgd, not {args['optimizer']}")
+        raise AgreedUsageError(f"--nesterov applies to --optimizer sgd, not "
+                               f"{args['optimizer']}")
     if args["momentum"] >= 1:
-        parser.error(f"--momentum {args['momentum']}: must be below 1 (0.9 is usual)")
+        raise AgreedUsageError(f"--momentum {args['momentum']}: must be below 1 (0.9 is usual)")
     if args["val_fraction"] >= 1:
-        parser.error(f"--val-fraction {args['val_fraction']}: must be below 1 (a share of "
-                     "the images)")
+        raise AgreedUsageError(f"--val-fraction {args['val_fraction']}: must be below 1 (a "
+                               "share of the images)")
 
 
 def main(argv) -> int:
