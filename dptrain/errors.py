@@ -32,5 +32,5 @@ class NonFiniteError(RunStopped):
 
 class AgreedUsageError(UsageError):
     """A UsageError that every rank raises at the same point (the same flags, a check rank 0
-    made and shared): under mpirun rank 0 alone prints it, and every rank ends with exit 2
-    without an MPI abort."""
+    made and shared): under mpirun rank 0 alone prints it and ends with exit 2, the other
+    ranks end quietly, and no MPI abort is needed."""

@@ -72,8 +72,11 @@ def _run(command, argv) -> int:
         agreed = isinstance(exc, AgreedUsageError) and launched_as_ranks()
         if not agreed or launch_rank() == 0:  # an agreed error: every rank has it, one says it
             print(f"dptrain {command}: error: {exc}", file=sys.stderr)
-        if agreed:  # guarded ends every rank with exit 2, without an abort
-            raise RunStopped(str(exc), exit_code=2, agreed=True) from None
+        if agreed:  # guarded ends every rank without an abort: rank 0 with exit 2, the
+            # others quietly, so that a launcher that ends a job at its first failed rank
+            # (Open MPI) cannot end rank 0 before it has said why; the job's code is 2
+            raise RunStopped(str(exc), exit_code=2 if launch_rank() == 0 else 0,
+                             agreed=True) from None
         return 2
     except RunStopped as exc:
         from dptrain.distributed.world import job_rank
