@@ -87,10 +87,13 @@ class MetricsLog:
             for name in RUN_FILES[1:]:
                 (self.dir / name).unlink(missing_ok=True)
             path = self.dir / "metrics.jsonl"
-            if resume_step > 0:
-                kept = _entries_up_to(path, resume_step)
-                atomic_write(path, lambda f: f.write("".join(kept).encode()))
-            self.file = open(path, "a" if resume_step > 0 else "w")
+            try:
+                if resume_step > 0:
+                    kept = _entries_up_to(path, resume_step)
+                    atomic_write(path, lambda f: f.write("".join(kept).encode()))
+                self.file = open(path, "a" if resume_step > 0 else "w")
+            except OSError as exc:
+                self._failed("metrics.jsonl", exc, "the run goes on without logging its metrics")
 
     def _failed(self, name: str, exc: OSError, then: str) -> None:
         self.warn(f"dptrain: warning: {self.dir / name}: cannot write ({exc.strerror or exc}); "

@@ -105,8 +105,18 @@ def claim_checkpoint_dir(cfg) -> None:
     --resume (which checks the checkpoint itself) or --overwrite (which drops its
     checkpoints)."""
     store = CheckpointStore(cfg.checkpoint_dir)
+    try:
+        _claim(cfg, store)
+    except OSError as exc:  # e.g. a full disk: the probe's empty file fitted, run.json not
+        raise UsageError(f"--checkpoint-dir {cfg.checkpoint_dir}: cannot write its run.json "
+                         f"({exc.strerror or exc})") from None
+
+
+def _claim(cfg, store) -> None:
     mine, theirs = run_identity(cfg), store.owner()
     if cfg.resume and theirs is not None:
+        if theirs != mine and not store.entries():  # nothing to resume: it becomes this run's
+            store.set_owner(mine)
         return
     if theirs is None and not store.entries():
         store.set_owner(mine)

@@ -92,3 +92,12 @@ def test_full_disk_on_the_log_is_one_warning(tmp_path, monkeypatch, capsys):
     assert len(lines) == 1 and "metrics.jsonl" in lines[0], lines
     assert "No space left on device" in lines[0]
     assert "dptrain: done: 8 steps" in out
+
+
+def test_full_disk_on_the_checkpoint_dirs_run_json_is_one_line(tmp_path, monkeypatch, capsys):
+    full_for(store, monkeypatch, lambda p: p.endswith("run.json"))
+    code = main(ARGS + ["--checkpoint-dir", str(tmp_path / "ck")])
+    _, lines = errors(capsys)
+    assert code == 2 and len(lines) == 1, lines
+    assert "--checkpoint-dir" in lines[0] and "run.json" in lines[0]
+    assert "No space left on device" in lines[0]
