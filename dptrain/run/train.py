@@ -73,9 +73,9 @@ def _setup(cfg: TrainConfig):
         # --save, --log-dir, --checkpoint-dir: writable and nobody else's, before training
         notes = _agreed(world, lambda: check_outputs(cfg) if world.is_root else [])
         if cfg.global_batch_size is not None:
-            if cfg.global_batch_size % world.size:
-                raise ValueError(f"--global-batch-size {cfg.global_batch_size} does not divide "
-                                 f"by the {world.size} ranks")
+            if cfg.global_batch_size % world.size:  # the same sizes on every rank: agreed
+                raise AgreedUsageError(f"--global-batch-size {cfg.global_batch_size} does not "
+                                       f"divide by the {world.size} ranks")
             cfg.batch_size = cfg.global_batch_size // world.size
         elif cfg.batch_size is None:
             cfg.batch_size = DEFAULT_BATCH
@@ -94,8 +94,8 @@ def _setup(cfg: TrainConfig):
         if world.local_rank == 0:  # ... and its 16-bit ones, once the precision is known
             be.runtime.prebuild([np.float32, amp.compute_dtype(cfg.precision)])
         if cfg.batch_size * world.size > len(train_set.labels):
-            raise ValueError(f"--batch-size {cfg.batch_size} x {world.size} ranks is larger than "
-                             f"the {len(train_set.labels)} training images")
+            raise AgreedUsageError(f"--batch-size {cfg.batch_size} x {world.size} ranks is "
+                                   f"larger than the {len(train_set.labels)} training images")
     except (ValueError, RuntimeError) as exc:
         if raised_in_user_code(exc):  # inside the user's --model builder: its traceback
             raise

@@ -110,7 +110,8 @@ def test_old_weights_with_a_meta_array_still_load(tmp_path):
 
 
 @needs_mpi
-@pytest.mark.parametrize("args", [["--val-fraction", "1.5"], ["--save", "EXISTING"]])
+@pytest.mark.parametrize("args", [["--val-fraction", "1.5"], ["--save", "EXISTING"],
+                                  ["--global-batch-size", "15"], ["--batch-size", "100"]])
 def test_usage_error_under_mpi_is_one_line(args, tmp_path, cache):
     existing = tmp_path / "w.npz"
     existing.write_bytes(b"x")
