@@ -387,11 +387,15 @@ class _Run:
             summary = json.loads(path.read_text()) if cfg.log_dir else {}
         except (OSError, ValueError):
             summary = {}
+        self.reducer.sync_parameters()  # --save: the checkpoint's weights
+        broadcast_buffers(self.model, self.world.comm)
         failed = self._save_weights()
         if self.root:
+            kept = (f"; its summary stays in {path}" if summary else
+                    f"; {path} was never written (the run ended before)" if cfg.log_dir else "")
             self.echo(f"dptrain: the run is complete: the checkpoint is at step {step} of "
                       f"{self.total_steps}, nothing left to train (--epochs or --max-steps "
-                      "extend it)" + (f"; its summary stays in {path}" if summary else ""))
+                      f"extend it){kept}")
             self.echo(f"dptrain: {where_files_went(cfg)}")
         if failed:
             raise RunStopped(failed, exit_code=1, agreed=True)
@@ -434,7 +438,7 @@ def save_or_keep(model, path, meta, log_dir) -> tuple[str | None, str | None]:
         failed = f"--save {path}: cannot write ({exc.strerror or exc})"
     spare = Path(log_dir, "weights.npz") if log_dir else None
     if spare is None or spare.resolve() == Path(path).resolve():
-        return f"{failed}; the weights are lost (no --log-dir to keep them in)", None
+        return f"{failed}; the weights are lost (no other --log-dir to keep them in)", None
     try:
         save_weights(model, spare, meta)
     except OSError as exc:
