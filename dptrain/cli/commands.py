@@ -42,9 +42,10 @@ def main(argv=None) -> int:
         print(version())
         return 0
     if argv and not argv[0].startswith("-") and argv[0] not in COMMANDS:
-        if launch_rank() == 0:  # every rank has the same command line: one says it
-            print(f"dptrain: error: {argv[0]!r} is not a command: choose one of "
-                  f"{', '.join(COMMANDS)} (see --help)", file=sys.stderr)
+        if launch_rank() > 0:  # every rank has the same command line: rank 0 says it (and
+            return 0  # is not ended by a launcher seeing another rank fail first)
+        print(f"dptrain: error: {argv[0]!r} is not a command: choose one of "
+              f"{', '.join(COMMANDS)} (see --help)", file=sys.stderr)
         return 2
     command = argv.pop(0) if argv and argv[0] in COMMANDS else "train"
     from dptrain.distributed.world import guarded
