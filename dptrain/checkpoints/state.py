@@ -9,6 +9,8 @@ Saved (a collective: every rank takes part, rank 0 writes):
     function of the seed and the epoch; the learning rate a pure function of the step);
   * every random state: each rank's device generator (dropout), the init generator;
   * with fp16 mixed precision, the loss scale and its count of good steps;
+  * the loop's metric sums since its last log and how many steps they cover, so a resumed
+    run logs true window means whatever its --log-every;
   * the run's identity (``run_identity``), checked on resume against the settings that must
     not change.
 
