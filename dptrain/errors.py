@@ -33,3 +33,9 @@ class NonFiniteError(RunStopped):
 class BadArgument(UsageError, ValueError):
     """A bad argument to a library call (a learning rate, a batch size, labels): a ValueError
     for code that catches those, and one line with exit code 2 under ``dptrain.launch``."""
+
+
+class AgreedUsageError(UsageError):
+    """A UsageError that every rank raises at the same point (the same flags, a check rank 0
+    made and shared): under mpirun rank 0 alone prints it and ends with exit 2, the other
+    ranks end quietly, and no MPI abort is needed."""

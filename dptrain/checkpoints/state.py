@@ -9,6 +9,8 @@ Saved (a collective: every rank takes part, rank 0 writes):
     function of the seed and the epoch; the learning rate a pure function of the step);
   * every random state: each rank's device generator (dropout), the init generator;
   * with fp16 mixed precision, the loss scale and its count of good steps;
+  * the loop's metric sums since its last log and how many steps they cover, so a resumed
+    run logs true window means whatever its --log-every;
   * the run's identity (``run_identity``), checked on resume against the settings that must
     not change.
 
@@ -26,16 +28,21 @@ taken from rank 0 then.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
-from dptrain.checkpoints.store import CheckpointError, CheckpointStore, load
-from dptrain.errors import UsageError
+from dptrain.checkpoints.store import CheckpointError, CheckpointStore, load, step_dir
+from dptrain.errors import AgreedUsageError, UsageError
 from dptrain.engine.rng import init_rng
 
-# Settings a resumed run must share with the checkpoint (flag name, identity key).
+# Settings a resumed run must share with the checkpoint (flag name, identity key): the
+# optimisation's too, or the resumed run would train on with other settings than run.json
+# records. --epochs and --max-steps may change (a finished run is extended).
 MUST_MATCH = (("--model", "model"), ("--dataset", "dataset"), ("--train-images", "train_images"),
-              ("--seed", "seed"), ("--optimizer", "optimizer"))
+              ("--seed", "seed"), ("--optimizer", "optimizer"), ("--lr", "lr"),
+              ("--lr-schedule", "lr_schedule"), ("--momentum", "momentum"),
+              ("--nesterov", "nesterov"), ("--weight-decay", "weight_decay"))
 MODEL, OPTIM = "model.npz", "optimizer.npz"
 # The settings that decide a run's trajectory: a --checkpoint-dir records them (run.json), and
 # a fresh run with others is refused there (dptrain.run.preflight).
@@ -128,6 +135,7 @@ class Checkpointing:
             if options.directory else None
         self.named = list(model.named_parameters())
         self.last_saved = None
+        self.window_steps = None  # restored by resume(): the steps of the restored sums
         # the loop's metric sums since its last log (window_state / set_window_state), saved
         # so that a resumed run logs what the uninterrupted one logged
         self.window = None
@@ -157,8 +165,11 @@ class Checkpointing:
     def _rng_states(self):
         return self._gather(to_json(self.be.runtime.get_rng_state()))
 
-    def save(self, step: int):
-        """Gather everything (a collective) and let rank 0 write checkpoint `step`."""
+    def save(self, step: int, window_steps: int | None = None):
+        """Gather everything (a collective) and let rank 0 write checkpoint `step`;
+        `window_steps`: the steps the loop's metric sums cover (its logging window so far).
+        A write that fails (a full disk) is a warning: the checkpoints written before stay,
+        and training goes on."""
         if self.store is None or self.last_saved == step:
             return None
         self.reducer.sync_parameters()
@@ -181,6 +192,7 @@ class Checkpointing:
                 "optimizer_steps": self.opt.steps,
                 "loss_scale": scale,
                 "window": window,
+                "window_steps": window_steps,
                 "rng": {"device": rng, "init": to_json(init_rng().bit_generator.state),
                         "augment": self._augment_state()},
             },
@@ -188,7 +200,16 @@ class Checkpointing:
         }
         files = {MODEL: model_state,
                  OPTIM: {f"{key}:{name}": a for key, per in optim.items() for name, a in per.items()}}
-        path = self.store.write(step, files, meta)
+        try:
+            path = self.store.write(step, files, meta)
+        except OSError as exc:
+            self.store.discard(step)
+            kept = [p for _, p in self.store.entries() if self.store.complete(p)]
+            self.warn(f"dptrain: warning: checkpoint {step_dir(self.store.dir, step)}: cannot "
+                      f"write ({exc.strerror or exc}); "
+                      + (f"the newest kept is {kept[-1]}" if kept else "none is kept")
+                      + "; training goes on")
+            return None
         self.store.prune()
         return path
 
@@ -202,6 +223,9 @@ class Checkpointing:
                 self.echo(f"dptrain: no usable checkpoint in {opts.directory}; starting "
                           f"from step 0")
             return found
+        if not Path(opts.resume).exists():
+            raise UsageError(f"--resume {opts.resume}: no such checkpoint directory (auto "
+                             "takes the newest in --checkpoint-dir)")
         try:
             return (opts.resume, *load(opts.resume))
         except CheckpointError as exc:
@@ -222,7 +246,7 @@ class Checkpointing:
         if not resume:
             return 0
         if resume == "auto" and self.store is None:
-            raise UsageError("--resume auto needs --checkpoint-dir (where to look)")
+            raise AgreedUsageError("--resume auto needs --checkpoint-dir (where to look)")
         found = None
         if world.is_root:
             try:
@@ -231,12 +255,16 @@ class Checkpointing:
                 found = ("error", str(exc))
         if world.size > 1 and world.mpi_comm is not None:
             found = world.mpi_comm.bcast(found, root=0)
+        # every rank has what rank 0 found: its errors are every rank's (one line, no abort)
         if found[0] == "error":
-            raise UsageError(found[1])
+            raise AgreedUsageError(found[1])
         if found[1] is None:
             return 0
         path, manifest, files = found[1]
-        return self._restore(path, manifest, files)
+        try:
+            return self._restore(path, manifest, files)
+        except UsageError as exc:  # the same checkpoint and settings on every rank
+            raise AgreedUsageError(str(exc)) from None
 
     def _restore(self, path, manifest, files) -> int:
         mine, world = self.identity, self.world
@@ -268,6 +296,8 @@ class Checkpointing:
             self.loader.set_augment_state(rng["augment"])
         if self.window is not None and state.get("window"):
             self.window.set_window_state(self._window_share(state["window"]))
+        # the steps those sums cover (None in checkpoints written before it was recorded)
+        self.window_steps = state.get("window_steps")
         self.last_saved = int(state["step"])  # no need to write it again
         step = int(state["step"])
         if world.is_root:

@@ -108,6 +108,15 @@ class CheckpointStore:
         stage("committed")
         return path
 
+    def discard(self, step: int) -> None:
+        """Remove checkpoint `step` (what a failed write left of it)."""
+        shutil.rmtree(step_dir(self.dir, step), ignore_errors=True)
+
+    @staticmethod
+    def complete(path) -> bool:
+        """Whether checkpoint directory `path` was committed (has its manifest)."""
+        return (Path(path) / MANIFEST).is_file()
+
     def prune(self) -> list[Path]:
         """Keep the newest `keep` complete checkpoints; drop older ones and torn ones older
         than the newest complete one. Call only after a new checkpoint is committed."""

@@ -6,12 +6,15 @@ line naming the file and the array.
 
 A weights file may also carry what is needed to use it without its training run: the model's
 name, image shape and class count, the class names and the input normalisation (mean/std of
-[0,1]-scaled pixels, a number or one per channel). They are JSON, stored as a uint8 array under
-the reserved name ``__meta__`` in the same archive (``read_metadata``); ``read_weights`` and
-loading into a model skip it, and files without it load as before.
+[0,1]-scaled pixels, a number or one per channel). They are JSON in the archive's ZIP comment
+(``read_metadata``), so the file's arrays are the model's tensors and nothing else: a strict
+``torch.nn.Module.load_state_dict`` takes them as they are. (Metadata too large for a comment,
+64 KiB, and files of earlier versions hold it as a uint8 array under the reserved name
+``__meta__``, which ``read_weights`` and loading into a model skip.)
 """
 from __future__ import annotations
 
+import io
 import json
 import zipfile
 from pathlib import Path
@@ -22,13 +25,22 @@ from dptrain.errors import UsageError
 from dptrain.fileio import atomic_write
 
 META_KEY = "__meta__"  # reserved array name: metadata, not a parameter
+MAX_COMMENT = 0xFFFF  # a ZIP comment's largest size
 
 
 def save_weights(model, path, meta: dict | None = None) -> None:
     arrays = dict(model.state_dict())
-    if meta is not None:
-        arrays[META_KEY] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
-    atomic_write(Path(path), lambda f: np.savez(f, **arrays))
+    text = json.dumps(meta).encode() if meta is not None else b""
+    if len(text) > MAX_COMMENT:
+        arrays[META_KEY] = np.frombuffer(text, dtype=np.uint8)
+        text = b""
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    if text:
+        with zipfile.ZipFile(buf, "a") as zf:
+            zf.comment = text
+    data = buf.getvalue()
+    atomic_write(Path(path), lambda f: f.write(data))
 
 
 def weights_metadata(model_name: str, dataset, dataset_name: str | None = None,
@@ -132,11 +144,13 @@ def _open(path, flag, check_crc=False):
 def read_metadata(path, flag: str = "--load") -> dict | None:
     """The metadata a weights file carries, or None for a file written without it."""
     with _open(path, flag) as archive:
-        if META_KEY not in archive.files:
+        raw = archive.zip.comment
+        if not raw and META_KEY not in archive.files:
             return None
-        raw = archive[META_KEY]
+        if not raw:
+            raw = np.asarray(archive[META_KEY], dtype=np.uint8).tobytes()
     try:
-        meta = json.loads(np.asarray(raw, dtype=np.uint8).tobytes().decode())
+        meta = json.loads(raw.decode())
     except (ValueError, UnicodeDecodeError) as exc:
         raise UsageError(f"{flag} {path}: unreadable {META_KEY} ({exc})") from None
     if not isinstance(meta, dict):

@@ -5,12 +5,42 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+
+from dptrain.errors import AgreedUsageError
+
+# A launcher's rank and size of this process, before the ranks meet (mpirun, mpiexec, srun).
+_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
+_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")
+
+
+def _first_int(names) -> int | None:
+    for name in names:
+        try:
+            return int(os.environ[name])
+        except (KeyError, ValueError):
+            continue
+    return None
+
+
+def launch_rank() -> int:
+    """This process's rank as its launcher numbered it (0 when not launched as ranks)."""
+    return _first_int(_RANK_VARS) or 0
+
+
+def launched_as_ranks() -> bool:
+    """Whether a launcher started this process as one of several ranks."""
+    return (_first_int(_SIZE_VARS) or 1) > 1
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse that reports errors in one line (no usage dump) with exit code 2."""
+    """argparse that reports errors in one line (no usage dump) with exit code 2. Started as
+    several ranks, every rank meets the same error: it is an AgreedUsageError, which rank 0
+    alone prints and which ends every rank without an MPI abort (dptrain.cli.commands)."""
 
     def error(self, message):
+        if launched_as_ranks():
+            raise AgreedUsageError(f"{message} (see --help)")
         # the prefix every command's errors share: "dptrain COMMAND: error:", whatever prog
         # the usage line shows (python -m dptrain COMMAND)
         name = self.prog.removeprefix("python -m ")

@@ -133,7 +133,10 @@ def _parser():
                       "~/.cache/dptrain)")
     pack.add_argument("--overwrite", action="store_true",
                       help="replace a packed dataset already in OUT")
-    info = sub.add_parser("info", help="describe a packed dataset")
+    info = sub.add_parser("info", help="describe a packed dataset",
+                          description="Describe a packed dataset: its images, classes, image "
+                          "shape and splits; --verify also checks its files against their "
+                          "recorded SHA-256.")
     info.add_argument("path", metavar="PACKED", help="a packed dataset's directory (a `data "
                       "pack` or `data synth` output)")
     info.add_argument("--verify", action="store_true", help="check every file's SHA-256")
@@ -147,7 +150,9 @@ def _parser():
                        help="training images")
     synth.add_argument("--val-images", type=int, default=None, metavar="M",
                        help="validation images (default N/10, at least 1)")
-    synth.add_argument("--seed", type=int, default=0)
+    synth.add_argument("--seed", type=int, default=0,
+                       help="seeds the images drawn (as train --seed does for --dataset "
+                       "synthetic)")
     synth.add_argument("--workers", type=_positive_int, default=None,
                        help="worker processes (default: the CPUs this process may use)")
     return p

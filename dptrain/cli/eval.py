@@ -23,6 +23,7 @@ def parser() -> argparse.ArgumentParser:
     from dptrain.cli.argtypes import non_negative_float as non_negative_float_arg
     from dptrain.cli.argtypes import non_negative_int as non_negative_int_arg
     from dptrain.cli.argtypes import positive_int as positive_int_arg
+    from dptrain.cli.argtypes import widths
     from dptrain.data import DATASETS
     from dptrain.cli.train import model_name
     from dptrain.run.config import DEVICE_DEFAULTS
@@ -49,6 +50,9 @@ def parser() -> argparse.ArgumentParser:
                    "(default: as the weights were trained, else 0.1)")
     p.add_argument("--model", default=None, type=model_name, metavar="MODEL",
                    help="network (default: the one recorded in the weights file, else cnn)")
+    p.add_argument("--hidden", default=None, type=widths, metavar="W1,W2,...",
+                   help="--model mlp: widths of the hidden layers (default: as recorded in "
+                   "the weights file, else 512,256)")
     p.add_argument("--seed", type=non_negative_int_arg, default=None,
                    help="dataset seed (default: the training run's, else 0)")
     p.add_argument("--cache-dir", default=None, help="dataset cache (as for train)")
@@ -100,6 +104,9 @@ def evaluate_weights(args) -> dict:
     options = {key: getattr(args, key) if getattr(args, key) is not None else trained.get(key)
                for key in ("data_dir", "channels", "image_size", "val_fraction")}
     options = {k: v for k, v in options.items() if v is not None}
+    if args.data_dir is None and "data_dir" in options:
+        options["data_dir"] = _recorded_path(options["data_dir"], args.load)
+    hidden = args.hidden or (tuple(meta["hidden"]) if meta.get("hidden") else None)
     seed = args.seed if args.seed is not None else int(trained.get("seed", 0))
     try:
         device = backend.resolve_device(args.device)
@@ -112,7 +119,7 @@ def evaluate_weights(args) -> dict:
         crop = trained.get("eval_crop") if args.image_size is None else None
         view_of = ResizedCrop(be, int(crop), random=False) if crop else None
         shape = view_of.output_shape(dataset.image_shape) if crop else dataset.image_shape
-        model = build_model(model_name, shape, dataset.num_classes).to(device)
+        model = build_model(model_name, shape, dataset.num_classes, hidden=hidden).to(device)
     except (ValueError, RuntimeError) as exc:
         raise UsageError(str(exc)) from None
     except UsageError as exc:  # the dataset names train's flag for a size; ours is --images
@@ -136,6 +143,15 @@ def evaluate_weights(args) -> dict:
             "accuracy": float(np.trace(counts) / total), "loss": loss_sum / total,
             "class_names": names, "per_class_accuracy": per_class,
             "support": support.tolist(), "confusion_matrix": counts.tolist()}
+
+
+def _recorded_path(data_dir: str, weights) -> str:
+    """A data directory a weights file recorded: as it is where it exists, else (a relative
+    path, recorded by an older dptrain) beside the weights file where it exists there."""
+    if Path(data_dir).is_absolute() or Path(data_dir).exists():
+        return data_dir
+    beside = Path(weights).resolve().parent / data_dir
+    return str(beside) if beside.exists() else data_dir
 
 
 def report(result: dict) -> str:

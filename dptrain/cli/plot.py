@@ -126,6 +126,8 @@ def save_figure(fig, out, dpi=100) -> Path:
         fig.savefig(out, dpi=dpi)
     except OSError as exc:
         raise UsageError(f"-o {out}: cannot write ({exc.strerror})") from None
+    except ValueError as exc:  # matplotlib: a suffix it cannot write ("Format 'txt' is not ...")
+        raise UsageError(f"-o {out}: {exc} (write a .png, .pdf or .svg)") from None
     finally:
         plt.close(fig)
     return out

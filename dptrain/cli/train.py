@@ -7,7 +7,7 @@ import argparse
 import typing
 from dataclasses import MISSING
 
-from dptrain.errors import UsageError
+from dptrain.errors import AgreedUsageError
 from dptrain.cli.argtypes import (HelpFormatter, Parser, float_range, non_negative_float,
                                   non_negative_int, positive_float, positive_float_or_auto,
                                   positive_int, widths)
@@ -75,6 +75,22 @@ def train_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_combinations(parser, args: dict) -> None:
+    """What each flag's type cannot check alone: ranges of fractions and combinations."""
+    if args["global_batch_size"] is not None and args["batch_size"] is not None:
+        parser.error(f"--global-batch-size {args['global_batch_size']} and --batch-size "
+                     f"{args['batch_size']}: give one of them")
+    # the same flags on every rank: each raises it, rank 0 says it
+    if args["nesterov"] and args["optimizer"] != "sgd":
+        raise AgreedUsageError(f"--nesterov applies to --optimizer sgd, not "
+                               f"{args['optimizer']}")
+    if args["momentum"] >= 1:
+        raise AgreedUsageError(f"--momentum {args['momentum']}: must be below 1 (0.9 is usual)")
+    if args["val_fraction"] >= 1:
+        raise AgreedUsageError(f"--val-fraction {args['val_fraction']}: must be below 1 (a "
+                               "share of the images)")
+
+
 def main(argv) -> int:
     from dptrain.cli.config import apply_config
     from dptrain.run.config import TrainConfig
@@ -84,11 +100,9 @@ def main(argv) -> int:
     apply_config(parser, argv)
     args = vars(parser.parse_args(argv))
     args.pop("config")
-    if args["global_batch_size"] is not None and args["batch_size"] is not None:
-        parser.error(f"--global-batch-size {args['global_batch_size']} and --batch-size "
-                     f"{args['batch_size']}: give one of them")
+    check_combinations(parser, args)
     if args["checkpoint_every"] and not args["checkpoint_dir"]:
-        raise UsageError(f"--checkpoint-every {args['checkpoint_every']} needs --checkpoint-dir "
+        raise AgreedUsageError(f"--checkpoint-every {args['checkpoint_every']} needs --checkpoint-dir "
                          "DIR (where to write the checkpoints)")
     if args["torch"]:
         from dptrain.run.torch_twin import require_torch

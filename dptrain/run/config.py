@@ -9,6 +9,7 @@ boolean whose default is True becomes a ``--no-NAME`` switch, one whose default 
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, fields
 
 from dptrain.data import DATASETS, fixed_size
@@ -125,8 +126,10 @@ class TrainConfig:
     optimizer: str = option("adamw", "sgd: momentum SGD; adamw: Adam with decoupled weight "
                             "decay", OPTIM, choices=tuple(sorted(OPTIMIZERS)))
     lr: float = option(2e-3, "peak learning rate", OPTIM, bound="positive")
-    lr_schedule: str = option("cosine", "decay after the warmup", OPTIM,
-                              choices=LRSchedule.KINDS)
+    lr_schedule: str = option(
+        "cosine", "decay after the warmup: constant (none), step (x0.1 every third of the run's "
+        "steps, counted from the warmup's end) or cosine (to 0 at the last step)", OPTIM,
+        choices=LRSchedule.KINDS)
     warmup_steps: int | None = option(
         None, f"steps of linear learning-rate warmup (default: "
         f"{LRSchedule.AUTO_WARMUP_FRACTION:.0%} of the run, at most "
@@ -159,8 +162,9 @@ class TrainConfig:
         "fp32; bf16/fp16: mixed precision, 16-bit activations with fp32 weights, optimizer and "
         "gradient exchange (bf16 on a GPU only; fp16 with dynamic loss scaling; layers "
         "without 16-bit kernels compute in fp32 between casts). auto: bf16 on a GPU with bf16 "
-        "tensor cores for the models where it is the fastest at fp32's accuracy (cnn, mlp, "
-        "resnet18, resnet34, resnet50), else TF32 where the GPU has it, else fp32",
+        "tensor cores for a model whose every layer has a 16-bit kernel (every built-in model: "
+        f"{', '.join(sorted(MODELS))}; a model of yours where its layers have them), else "
+        "TF32 where the GPU has it, else fp32",
         DEVICE, choices=PRECISIONS)
     loss_scale: float = option(
         amp.INIT_SCALE, "fp16: the initial loss scale; halved on every step whose gradients "
@@ -209,12 +213,17 @@ class TrainConfig:
         "testing)", TESTING)
 
 
-def data_options(cfg) -> dict:
+def data_options(cfg, absolute: bool = False) -> dict:
     """How `cfg` reads its dataset, beyond its name, size and seed (get_dataset's options):
-    the training loop, the --torch twin and the weights' metadata all take them from here."""
+    the training loop, the --torch twin and the weights' metadata all take them from here.
+    `absolute`: the data directory as an absolute path (what a weights file records, so
+    `eval --load` finds the data from any working directory)."""
+    data_dir = cfg.data_dir
+    if absolute and data_dir is not None:
+        data_dir = os.path.abspath(data_dir)
     # random-resized-crop reads the stored images and resamples them to --image-size itself
     stored = cfg.image_size if cfg.augment != RESIZED_CROP else None
-    return dict(data_dir=cfg.data_dir, channels=cfg.channels, image_size=stored,
+    return dict(data_dir=data_dir, channels=cfg.channels, image_size=stored,
                 val_fraction=cfg.val_fraction, on_bad_image=cfg.on_bad_image)
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -72,38 +73,63 @@ class MetricsLog:
     config.json and summary.json under the log directory, in strict JSON. Files of an earlier
     run there are replaced: the new run's summary.json never sits beside an old one. A run
     resumed at `resume_step` continues the metrics of the run it continues, without the
-    entries past that step (the steps it runs again), so the log reads as one run's."""
+    entries past that step (the steps it runs again), so the log reads as one run's.
 
-    def __init__(self, log_dir: str | None, resume_step: int = 0):
+    A file that cannot be written (a full disk) is one warning naming it and the cause, through
+    `warn`; the run goes on without it (what the log already holds stays)."""
+
+    def __init__(self, log_dir: str | None, resume_step: int = 0, warn=None):
         self.dir = Path(log_dir) if log_dir else None
         self.file = None
+        self.warn = warn or (lambda text: print(text, file=sys.stderr, flush=True))
         if self.dir:
             self.dir.mkdir(parents=True, exist_ok=True)
             for name in RUN_FILES[1:]:
                 (self.dir / name).unlink(missing_ok=True)
             path = self.dir / "metrics.jsonl"
-            if resume_step > 0:
-                kept = _entries_up_to(path, resume_step)
-                atomic_write(path, lambda f: f.write("".join(kept).encode()))
-            self.file = open(path, "a" if resume_step > 0 else "w")
+            try:
+                if resume_step > 0:
+                    kept = _entries_up_to(path, resume_step)
+                    atomic_write(path, lambda f: f.write("".join(kept).encode()))
+                self.file = open(path, "a" if resume_step > 0 else "w")
+            except OSError as exc:
+                self._failed("metrics.jsonl", exc, "the run goes on without logging its metrics")
+
+    def _failed(self, name: str, exc: OSError, then: str) -> None:
+        self.warn(f"dptrain: warning: {self.dir / name}: cannot write ({exc.strerror or exc}); "
+                  f"{then}")
 
     def write(self, record: dict):
         if self.file:
-            self.file.write(dumps({**record, "time": round(time.time(), 3)}) + "\n")
-            self.file.flush()
+            try:
+                self.file.write(dumps({**record, "time": round(time.time(), 3)}) + "\n")
+                self.file.flush()
+            except OSError as exc:
+                self._failed("metrics.jsonl", exc, "the run goes on without logging its metrics")
+                self.close()
 
     def config(self, record: dict):
         """The run's effective configuration (flags, config file and defaults resolved)."""
         if self.dir:
-            _dump(self.dir / "config.json", record)
+            try:
+                _dump(self.dir / "config.json", record)
+            except OSError as exc:
+                self._failed("config.json", exc, "the run goes on without it")
 
     def summary(self, record: dict):
         if self.dir:
-            _dump(self.dir / "summary.json", record)
+            try:
+                _dump(self.dir / "summary.json", record)
+            except OSError as exc:
+                self._failed("summary.json", exc, "the run's results are in its last lines")
 
     def close(self):
         if self.file:
-            self.file.close()
+            file, self.file = self.file, None
+            try:
+                file.close()
+            except OSError:  # what could not be flushed was reported when it was written
+                pass
 
 
 class Throughput:

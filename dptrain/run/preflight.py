@@ -5,7 +5,9 @@ line naming the flag and the path, exit code 2) and removes what earlier killed 
 behind: the atomic writer's temporaries of those targets. It also decides where the run
 writes, so that nothing an earlier run left is replaced without --overwrite: a --log-dir that
 holds a run moves to LOGDIR-1 (a --save inside it moves along), an existing --save file is
-refused, and a --checkpoint-dir that belongs to another run is refused (unless --resume).
+refused, and a --checkpoint-dir that belongs to another run, or holds this run's
+checkpoints, is refused (unless --resume or --overwrite). ``check_sizes`` refuses a generated
+dataset larger than memory, ``check_augment`` an --augment-pad larger than the images.
 """
 from __future__ import annotations
 
@@ -103,14 +105,31 @@ def claim_checkpoint_dir(cfg) -> None:
     --resume (which checks the checkpoint itself) or --overwrite (which drops its
     checkpoints)."""
     store = CheckpointStore(cfg.checkpoint_dir)
+    try:
+        _claim(cfg, store)
+    except OSError as exc:  # e.g. a full disk: the probe's empty file fitted, run.json not
+        raise UsageError(f"--checkpoint-dir {cfg.checkpoint_dir}: cannot write its run.json "
+                         f"({exc.strerror or exc})") from None
+
+
+def _claim(cfg, store) -> None:
     mine, theirs = run_identity(cfg), store.owner()
     if cfg.resume and theirs is not None:
+        if theirs != mine and not store.entries():  # nothing to resume: it becomes this run's
+            store.set_owner(mine)
         return
     if theirs is None and not store.entries():
         store.set_owner(mine)
         return
-    if theirs == mine:
+    complete = [p for _, p in store.entries() if store.complete(p)]
+    if theirs == mine and not complete:
         return
+    if theirs == mine and not cfg.overwrite:
+        # starting over beside them, retention (newest steps kept) would delete the new run's
+        # own checkpoints and --resume auto would pick up the old run's
+        raise UsageError(f"--checkpoint-dir {cfg.checkpoint_dir}: holds this run's "
+                         f"checkpoints (the newest {complete[-1].name}); --resume auto continues "
+                         "it, --overwrite starts over and drops them")
     if not cfg.overwrite:
         what = ("checkpoints of a run it does not name" if theirs is None
                 else f"the checkpoints of another run ({identity_difference(theirs, mine)})")
@@ -118,3 +137,41 @@ def claim_checkpoint_dir(cfg) -> None:
                          "continues that run, --overwrite replaces its checkpoints")
     store.drop_all()
     store.set_owner(mine)
+
+
+def _memory_bytes() -> int | None:
+    """This machine's physical memory, or None where it cannot be read."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def check_sizes(cfg, memory: int | None = None) -> None:
+    """A generated dataset (synthetic) of --train-images + --val-images must fit in this
+    machine's memory: refused up front in one line, not a MemoryError or the kernel's OOM
+    killer hours into generating it. Datasets read from files are as large as their files."""
+    from dptrain.data import fixed_size
+    from dptrain.data.synthetic import SIZE
+
+    if fixed_size(cfg.dataset):
+        return
+    memory = _memory_bytes() if memory is None else memory
+    per_image = SIZE * SIZE + 8  # one 48x48 uint8 channel and an int64 label
+    train, val = (cfg.train_images or 0) * per_image, (cfg.val_images or 0) * per_image
+    if memory is None or train + val <= memory:
+        return
+    flag = (f"--train-images {cfg.train_images}" if train > memory else
+            f"--val-images {cfg.val_images}" if val > memory else
+            f"--train-images {cfg.train_images} with --val-images {cfg.val_images}")
+    raise UsageError(f"{flag}: the {cfg.dataset} dataset would take "
+                     f"{(train + val) / 2**30:.1f} GiB ({per_image} bytes an image), more than "
+                     f"this machine's {memory / 2**30:.1f} GiB of memory")
+
+
+def check_augment(cfg, image_shape) -> None:
+    """--augment-pad must leave the crop some of the image: at most its smaller side."""
+    side = min(int(d) for d in image_shape[1:])
+    if cfg.augment and cfg.augment_pad > side:
+        raise UsageError(f"--augment-pad {cfg.augment_pad}: more than the {side}-pixel images "
+                         f"it pads (the crop would see mostly padding)")

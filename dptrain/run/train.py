@@ -6,8 +6,10 @@ files a run leaves behind; it never asks which device it runs on. Metrics are re
 from __future__ import annotations
 
 import functools
+import json
 import sys
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -23,7 +25,7 @@ from dptrain.distributed.startup import first_on_host, process_age_s
 from dptrain.distributed.stopping import StopRequests, signal_name
 from dptrain.distributed.watchdog import Watchdog
 from dptrain.engine.rng import manual_seed, set_data_shard
-from dptrain.errors import RunStopped, UsageError
+from dptrain.errors import AgreedUsageError, RunStopped, UsageError
 from dptrain.nn import build_model, sync_batch_norm
 from dptrain.optim import OPTIMIZERS, LRSchedule
 from dptrain.run import amp
@@ -32,7 +34,7 @@ from dptrain.run.debug import step_hooks
 from dptrain.run.evaluate import broadcast_buffers, eval_batch_sizes, evaluate
 from dptrain.run.metrics import MetricsLog, Throughput
 from dptrain.run.parallel import DataParallel
-from dptrain.run.preflight import check_outputs
+from dptrain.run.preflight import check_augment, check_outputs, check_sizes
 from dptrain.run.progress import Progress
 from dptrain.run.step import CAPTURE_WARMUP, TrainStep
 
@@ -70,12 +72,13 @@ def _setup(cfg: TrainConfig):
             be.runtime.prebuild([np.float32])
         cfg = defaults_for(cfg, device)
         check_depth(cfg.prefetch_depth, cfg.data_workers)  # --prefetch-depth 1: one line
+        check_sizes(cfg)  # a generated dataset that fits in memory, before making it
         # --save, --log-dir, --checkpoint-dir: writable and nobody else's, before training
-        notes = check_outputs(cfg) if world.is_root else []
+        notes = _agreed(world, lambda: check_outputs(cfg) if world.is_root else [])
         if cfg.global_batch_size is not None:
-            if cfg.global_batch_size % world.size:
-                raise ValueError(f"--global-batch-size {cfg.global_batch_size} does not divide "
-                                 f"by the {world.size} ranks")
+            if cfg.global_batch_size % world.size:  # the same sizes on every rank: agreed
+                raise AgreedUsageError(f"--global-batch-size {cfg.global_batch_size} does not "
+                                       f"divide by the {world.size} ranks")
             cfg.batch_size = cfg.global_batch_size // world.size
         elif cfg.batch_size is None:
             cfg.batch_size = DEFAULT_BATCH
@@ -86,6 +89,7 @@ def _setup(cfg: TrainConfig):
         model = build_model(cfg.model, augment.input_shape(cfg.augment, train_set.image_shape,
                                                            cfg.image_size), train_set.num_classes,
                             hidden=cfg.hidden).to(device)
+        check_augment(cfg, train_set.image_shape)
         if cfg.sync_bn:
             sync_batch_norm(model, world.comm)
         cfg.precision = amp.resolve(cfg.precision, be.runtime, model)
@@ -94,13 +98,43 @@ def _setup(cfg: TrainConfig):
         if world.local_rank == 0:  # ... and its 16-bit ones, once the precision is known
             be.runtime.prebuild([np.float32, amp.compute_dtype(cfg.precision)])
         if cfg.batch_size * world.size > len(train_set.labels):
-            raise ValueError(f"--batch-size {cfg.batch_size} x {world.size} ranks is larger than "
-                             f"the {len(train_set.labels)} training images")
+            raise AgreedUsageError(f"--batch-size {cfg.batch_size} x {world.size} ranks is "
+                                   f"larger than the {len(train_set.labels)} training images")
     except (ValueError, RuntimeError) as exc:
+        if raised_in_user_code(exc):  # inside the user's --model builder: its traceback
+            raise
         raise UsageError(str(exc)) from None
     if cfg.load:
         load_weights(model, cfg.load)
     return cfg, device, be, world, train_set, val_set, model, notes
+
+
+def _agreed(world, check):
+    """check() on rank 0 (which alone writes files), its outcome on every rank: a UsageError
+    it raises is raised by every rank alike (one line from rank 0, no abort)."""
+    outcome = ("ok", None)
+    try:
+        outcome = ("ok", check())
+    except UsageError as exc:
+        outcome = ("error", str(exc))
+    if world.size > 1 and world.mpi_comm is not None:
+        outcome = world.mpi_comm.bcast(outcome, root=0)
+    if outcome[0] == "error":
+        raise AgreedUsageError(outcome[1])
+    return outcome[1]
+
+
+def raised_in_user_code(exc: BaseException) -> bool:
+    """Whether `exc` was raised inside the user's --model builder (FILE.py:FUNCTION): below
+    build_user_model, in code outside dptrain. Its traceback is then the user's to see."""
+    package, inside, tb = Path(__file__).resolve().parents[1], False, exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if inside and package not in Path(code.co_filename).resolve().parents:
+            return True
+        inside = inside or code.co_name == "build_user_model"
+        tb = tb.tb_next
+    return False
 
 
 def train(cfg: TrainConfig, echo=print) -> dict:
@@ -108,6 +142,8 @@ def train(cfg: TrainConfig, echo=print) -> dict:
     run = _Run(cfg, echo)  # set-up: device, world, data, model
     run.build()  # the model and its step: exchange, optimizer, data order, loaders
     first_step = run.resume()  # resume: the checkpoint's state, restored in place
+    if first_step and first_step >= run.total_steps:  # nothing left to run: say so, keep all
+        return run.complete(first_step)
     run.open_log(first_step)  # the metrics log and the run's opening lines
     state = run.loop(first_step)  # the loop: epochs, logs, evaluations, checkpoints, stops
     return run.finish(state)  # the end: weights, summary, the torch twin
@@ -117,7 +153,7 @@ def train(cfg: TrainConfig, echo=print) -> dict:
 class _LoopState:
     """What the loop carries from step to step, and the summary reads at the end."""
     step: int
-    since_log: int  # a resume lands inside a logging window: its sums were restored
+    since_log: int  # steps in the logging window (a resume restores its sums and count)
     startup_s: float | None  # process start to the timed steps
     ran: int = 0
     last_loss: float = float("nan")
@@ -192,6 +228,10 @@ class _Run:
         # --data-on host gathers ahead along the sampler's order from the resumed step on
         self.loader.plan(planned_batches(self.sampler, first_step, self.total_steps), first_step)
         self.data_path = self.loader.mode
+        # the steps the restored metric sums cover: the checkpoint's count, whatever
+        # --log-every was and is (older checkpoints: as the log window was then)
+        self.window_steps = (self.ckpt.window_steps if self.ckpt.window_steps is not None
+                             else first_step % cfg.log_every)
         self.run_step = self.ddp.capture(self.step_fn) if cfg.cuda_graph else self.step_fn
         self.hooks = step_hooks(cfg, self.world, self.reducer, self.ddp.flat, self.scaler)
         return first_step
@@ -220,7 +260,7 @@ class _Run:
         # images/s leaves out the warm-up and capture steps (at least one step stays timed)
         self.excluded = min(CAPTURE_WARMUP + 1, max(total_steps - first_step - 1, 0))
         self.meter = Throughput(self.global_batch, warmup_steps=self.excluded)
-        s = _LoopState(step=first_step, since_log=first_step % cfg.log_every,
+        s = _LoopState(step=first_step, since_log=self.window_steps,
                        startup_s=process_age_s() if self.excluded == 0 else None)
         self.eval_every = cfg.eval_every or per_epoch
         watchdog = Watchdog(self.world, cfg.collective_timeout).start()
@@ -243,8 +283,8 @@ class _Run:
                 if s.step >= total_steps or s.stopped:
                     break
             if s.stopped:
-                where = f"; checkpoint in {cfg.checkpoint_dir}" if self.ckpt.enabled else ""
-                raise RunStopped(f"stopped by {signal_name(s.stopped)} after step {s.step}{where}",
+                raise RunStopped(f"stopped by {signal_name(s.stopped)} after step {s.step}; "
+                                 f"{where_stopped_files_are(cfg, self.ckpt.enabled)}",
                                  exit_code=128 + s.stopped, agreed=True)
             self.guard.read(s.step)
             if self.scaler is not None:
@@ -269,17 +309,19 @@ class _Run:
             self.be.runtime.synchronize()
             s.startup_s = process_age_s()
         self.meter.step()
-        self.progress.advance(s.step)
+        log_due = s.step % self.cfg.log_every == 0 or s.step == self.total_steps
+        if not log_due:  # a logged step moves the progress with its metrics, once
+            self.progress.advance(s.step)
         for hook in self.hooks:
             hook(s.step)
-        if s.step % self.cfg.log_every == 0 or s.step == self.total_steps:
+        if log_due:
             self._log_window(s, epoch)
         if s.step % self.eval_every == 0 or s.step == self.total_steps:
             self._evaluate(s, epoch)
         if self.ckpt.due(s.step) or (s.stopped and self.ckpt.enabled):
             self.guard.read(s.step)  # never checkpoint past a non-finite step
             with self.watch("checkpoint gather", s.step):
-                path = self.ckpt.save(s.step)
+                path = self.ckpt.save(s.step, window_steps=s.since_log)
             if path is not None and s.stopped:
                 self.progress.note(f"step {s.step}: checkpoint {path}")
 
@@ -322,13 +364,7 @@ class _Run:
         broadcast_buffers(self.model, world.comm)
         startup_s = process_age_s() if s.startup_s is None else s.startup_s  # None: no step ran
         wall = self.meter.wall()
-        if cfg.save and self.root:
-            # random-resized-crop: evaluation's view (resize + centre crop to the model's side)
-            crop = ({"eval_crop": self.loader.input_shape[1]} if self.val_loader.input_shape
-                    != self.val_loader.image_shape else {})
-            save_weights(self.model, cfg.save, weights_metadata(
-                cfg.model, self.train_set, cfg.dataset,
-                data={**data_options(cfg), "seed": cfg.seed, **crop}))
+        failed = self._save_weights()  # a --save that could not be written, said at the end
         summary = self._summary(s, wall, startup_s)
         if self.root:
             self.log.summary(summary)
@@ -342,6 +378,49 @@ class _Run:
 
                 train_twin(cfg, self.device, self.global_batch, self.echo)
             self.echo(f"dptrain: {where_files_went(cfg)}")
+        if failed:
+            raise RunStopped(failed, exit_code=1, agreed=True)
+        return summary
+
+    def _save_weights(self) -> str | None:
+        """Rank 0 writes --save; where that fails (a full disk), the weights go to the log
+        directory instead. Returns, on every rank, what went wrong and where the weights
+        are, or None."""
+        cfg, failed = self.cfg, None
+        if cfg.save and self.root:
+            # random-resized-crop: evaluation's view (resize + centre crop to the model's side)
+            crop = ({"eval_crop": self.loader.input_shape[1]} if self.val_loader.input_shape
+                    != self.val_loader.image_shape else {})
+            meta = weights_metadata(cfg.model, self.train_set, cfg.dataset,
+                                    data={**data_options(cfg, absolute=True), "seed": cfg.seed,
+                                          **crop})
+            meta["hidden"] = list(cfg.hidden) if cfg.hidden else None  # for eval's --model
+            failed, cfg.save = save_or_keep(self.model, cfg.save, meta, cfg.log_dir)
+        if self.world.size > 1 and self.world.mpi_comm is not None:
+            failed = self.world.mpi_comm.bcast(failed, root=0)  # every rank ends alike
+        return failed
+
+    def complete(self, step: int) -> dict:
+        """A resumed run whose checkpoint is at (or past) its last step: nothing to train. Its
+        summary.json and log stay as they are; --save gets the checkpoint's weights."""
+        cfg = self.cfg
+        path = Path(cfg.log_dir or "", "summary.json")
+        try:
+            summary = json.loads(path.read_text()) if cfg.log_dir else {}
+        except (OSError, ValueError):
+            summary = {}
+        self.reducer.sync_parameters()  # --save: the checkpoint's weights
+        broadcast_buffers(self.model, self.world.comm)
+        failed = self._save_weights()
+        if self.root:
+            kept = (f"; its summary stays in {path}" if summary else
+                    f"; {path} was never written (the run ended before)" if cfg.log_dir else "")
+            self.echo(f"dptrain: the run is complete: the checkpoint is at step {step} of "
+                      f"{self.total_steps}, nothing left to train (--epochs or --max-steps "
+                      f"extend it){kept}")
+            self.echo(f"dptrain: {where_files_went(cfg)}")
+        if failed:
+            raise RunStopped(failed, exit_code=1, agreed=True)
         return summary
 
     def _summary(self, s: _LoopState, wall: float, startup_s: float) -> dict:
@@ -370,6 +449,32 @@ class _Run:
                                       else None),
             "config": asdict(self.cfg),
         }
+
+
+def save_or_keep(model, path, meta, log_dir) -> tuple[str | None, str | None]:
+    """Write the weights to `path`; where that fails, to LOGDIR/weights.npz. Returns (what
+    went wrong and where the weights are, or None; the path that holds them, or None)."""
+    try:
+        save_weights(model, path, meta)
+        return None, path
+    except OSError as exc:
+        failed = f"--save {path}: cannot write ({exc.strerror or exc})"
+    spare = Path(log_dir, "weights.npz") if log_dir else None
+    if spare is None or spare.resolve() == Path(path).resolve():
+        return f"{failed}; the weights are lost (no other --log-dir to keep them in)", None
+    try:
+        save_weights(model, spare, meta)
+    except OSError as exc:
+        return f"{failed}; the weights are lost ({spare}: {exc.strerror or exc} too)", None
+    return f"{failed}; the weights are in {spare} instead", str(spare)
+
+
+def where_stopped_files_are(cfg, checkpoints: bool) -> str:
+    """A stopped run's last line: its log and checkpoint (no weights: it did not finish)."""
+    kept = [f"log in {cfg.log_dir}"] if cfg.log_dir else []
+    if checkpoints:
+        kept.append(f"checkpoint in {cfg.checkpoint_dir} (--resume auto continues the run)")
+    return "files: " + ", ".join(kept) if kept else "kept no files"
 
 
 def where_files_went(cfg) -> str:

@@ -56,8 +56,10 @@ def test_checkpoint_dir_of_another_run_is_refused(tmp_path, cache):
     _assert_usage_error(run_cli(*args, "--seed", "99", cache=cache), "--checkpoint-dir",
                         "--seed 3", "--seed 99")
     assert (ck / "step-00000002" / "model.npz").read_bytes() == theirs
-    same = run_cli(*args, "--seed", "3", cache=cache)  # the same run again may rewrite it
-    assert same.returncode == 0, same.stderr
+    # the same run again continues it (--resume auto) or starts over (--overwrite): started
+    # beside its old checkpoints, their retention would delete its new ones
+    _assert_usage_error(run_cli(*args, "--seed", "3", cache=cache), "--checkpoint-dir",
+                        "--resume auto", "--overwrite")
     replaced = run_cli(*args, "--seed", "99", "--overwrite", cache=cache)
     assert replaced.returncode == 0, replaced.stderr
     assert (ck / "step-00000002" / "model.npz").read_bytes() != theirs

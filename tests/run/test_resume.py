@@ -159,3 +159,103 @@ def test_resumed_run_continues_its_own_metrics_exactly(ranks, tmp_path, cache):
     assert out.returncode == 0, out.stderr
     assert "at step 10" in out.stdout, out.stdout
     assert records(tmp_path / "L") == records(tmp_path / "full")
+
+
+# -- resuming with other settings, extending a run, resuming a finished one
+
+CONSTANT = [a for a in ARGS if a not in ("--max-steps", "20")] + [
+    "--lr-schedule", "constant", "--warmup-steps", "0"]  # the rate is the same however long
+
+
+def _set(args, flag, value):
+    args = list(args)
+    args[args.index(flag) + 1] = value
+    return args
+
+
+def test_resume_with_another_lr_is_refused_naming_it(tmp_path, cache):
+    ck = tmp_path / "ck"
+    out = run(0, ARGS + ["--checkpoint-dir", str(ck), "--checkpoint-every", "10"], cache)
+    assert out.returncode == 0, out.stderr
+    out = run(0, ARGS + ["--lr", "0.01", "--resume", str(ck / "step-00000010")], cache)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--lr 0.002" in lines[0] and "--lr 0.01" in lines[0], out.stderr
+
+
+def _per_step_losses(tmp_path, cache, epochs):
+    args = _set(_set(CONSTANT, "--epochs", str(epochs)), "--log-every", "1")
+    out = run(0, args + ["--log-dir", str(tmp_path / "ref")], cache)
+    assert out.returncode == 0, out.stderr
+    return losses(tmp_path / "ref")
+
+
+def _assert_true_window_means(logged: dict, per_step: dict, since: int):
+    """Each logged loss is the mean of the per-step losses since the previous logged step."""
+    previous = since
+    for step in sorted(s for s in logged if s > since):
+        window = [per_step[k] for k in range(previous + 1, step + 1)]
+        assert logged[step] == pytest.approx(sum(window) / len(window), rel=1e-5), step
+        previous = step
+
+
+def test_extended_run_logs_true_window_means(tmp_path, cache):
+    # 2 epochs of 16 steps logged every 5: the last window (31-32) closes at step 32, where the
+    # checkpoint is; 3 epochs then log steps 35 (33-35 only), 40, 45 and 48
+    per_step = _per_step_losses(tmp_path, cache, epochs=3)
+    args = _set(CONSTANT, "--log-every", "5") + [
+        "--log-dir", str(tmp_path / "L"), "--checkpoint-dir", str(tmp_path / "ck"),
+        "--checkpoint-every", "16"]
+    assert run(0, args, cache).returncode == 0
+    out = run(0, _set(args, "--epochs", "3") + ["--resume", "auto"], cache)
+    assert out.returncode == 0, out.stderr
+    logged = losses(tmp_path / "L")
+    assert sorted(s for s in logged if s > 32) == [35, 40, 45, 48]
+    _assert_true_window_means(logged, per_step, since=0)
+    summary = json.loads((tmp_path / "L" / "summary.json").read_text())
+    assert summary["train_loss"] == logged[48]
+
+
+def test_resume_with_another_log_every_logs_true_window_means(tmp_path, cache):
+    # logged every 4, checkpoint at 10 inside the window 9-12; resumed logging every 3: its
+    # first window is 9-12 (the restored sums of 9-10, then 11-12)
+    per_step = _per_step_losses(tmp_path, cache, epochs=2)
+    args = _set(CONSTANT, "--log-every", "4") + [
+        "--log-dir", str(tmp_path / "L"), "--checkpoint-dir", str(tmp_path / "ck"),
+        "--checkpoint-every", "10", "--max-steps", "20"]
+    assert run(0, args, cache).returncode == 0
+    out = run(0, _set(args, "--log-every", "3") + ["--resume", str(tmp_path / "ck" / "step-00000010")],
+              cache)
+    assert out.returncode == 0, out.stderr
+    logged = losses(tmp_path / "L")
+    assert sorted(logged) == [4, 8, 12, 15, 18, 20]
+    _assert_true_window_means(logged, per_step, since=0)
+
+
+def test_resume_auto_of_a_finished_run_says_so_and_keeps_its_summary(tmp_path, cache):
+    args = ARGS + ["--log-dir", str(tmp_path / "L"), "--checkpoint-dir", str(tmp_path / "ck"),
+                   "--checkpoint-every", "10"]
+    assert run(0, args, cache).returncode == 0
+    before = (tmp_path / "L" / "summary.json").read_text()
+    log = (tmp_path / "L" / "metrics.jsonl").read_text()
+    out = run(0, args + ["--resume", "auto"], cache)
+    assert out.returncode == 0, out.stderr
+    assert "the run is complete" in out.stdout and "step 20 of 20" in out.stdout, out.stdout
+    assert "nan" not in out.stdout
+    assert (tmp_path / "L" / "summary.json").read_text() == before
+    assert (tmp_path / "L" / "metrics.jsonl").read_text() == log
+
+
+def test_fresh_run_beside_its_own_checkpoints_is_refused(tmp_path, cache):
+    # started over silently, its retention (newest steps kept) deleted its own new checkpoints
+    ck = tmp_path / "ck"
+    args = ARGS + ["--checkpoint-dir", str(ck), "--checkpoint-every", "5",
+                   "--keep-checkpoints", "2"]
+    assert run(0, args, cache).returncode == 0
+    out = run(0, _set(args, "--max-steps", "10"), cache)
+    assert out.returncode == 2, out.stderr
+    assert "--resume auto" in out.stderr and "--overwrite" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+    out = run(0, _set(args, "--max-steps", "10") + ["--overwrite"], cache)
+    assert out.returncode == 0, out.stderr
+    assert sorted(p.name for p in ck.glob("step-*")) == ["step-00000005", "step-00000010"]

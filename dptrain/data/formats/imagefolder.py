@@ -17,7 +17,7 @@ Hostile input: Pillow opens only the five formats above; an image of more than
 truncated, zero-byte and non-image files are bad images. With ``--on-bad-image error`` (the
 default) the first bad file (in sorted order) ends the run with a one-line error naming it;
 with ``skip`` bad files are left out, counted and reported. An empty class folder or a
-folder with no images is an error.
+folder with no images is an error, and so is a single class folder (nothing to tell apart).
 """
 from __future__ import annotations
 
@@ -72,6 +72,9 @@ def scan(root: str, classes=None):
     if not names:
         raise UsageError(f"{root}: no class folders (imagefolder needs one subfolder per class)")
     if classes is None:
+        if len(names) < 2:  # it would learn to say "yes" and report a perfect accuracy
+            raise UsageError(f"{root}: one class folder ({names[0]!r}); a classifier needs "
+                             "at least two (one subfolder per class)")
         classes = names
     index = {name: i for i, name in enumerate(classes)}
     items = []
