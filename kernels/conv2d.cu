@@ -1,7 +1,7 @@
 // conv2d.cu: 2D convolution forward, backward-data and backward-weight as implicit GEMMs on
 // the tiles of gemm_tiles.cuh, fp32 (FFMA) or TF32 (tensor cores, fp32 accumulate) on float,
 // f16 tensor cores (fp32 accumulate) on __half.
-// Launchers: dptrain/backend/cuda/conv2d.py.
+// Launchers: dptrain/backend/cuda/conv/implicit.py.
 //
 // Conventions
 //  * NCHW activations, weight (C_out, C_in, KH, KW), PyTorch's cross-correlation; any stride

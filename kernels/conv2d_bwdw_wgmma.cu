@@ -1,6 +1,6 @@
 // conv2d_bwdw_wgmma.cu: 2D convolution backward-weight as an implicit GEMM on Hopper tensor
 // cores (wgmma.mma_async, sm_90a), bf16 / fp16 in, fp32 accumulate. Launcher:
-// dptrain/backend/cuda/conv2d.py, which picks it on compute capability 9.0 for 16-bit
+// dptrain/backend/cuda/conv/bwdw_wgmma.py, which picks it on compute capability 9.0 for 16-bit
 // operands whose channel counts come in whole 16-byte chunks; otherwise conv2d_nhwc.cu's
 // mma.sync kernel runs.
 //
@@ -301,7 +301,7 @@ constexpr int BK = 64, ATOM = BK * ROW_BYTES;  // pixels a slab; bytes of a 64-w
 template <int BJ, int R> __host__ __device__ constexpr int stage_bytes() {
   return (R + BJ / 64) * ATOM;
 }
-// As many stages as fit in 192 KB, at most 8 (the launcher: conv2d.py's _bwdw_tma_smem).
+// As many stages as fit in 192 KB, at most 8 (the launcher: conv/bwdw_wgmma.py's tma_smem).
 template <int BJ, int R> __host__ __device__ constexpr int stages() {
   return 192 * 1024 / stage_bytes<BJ, R>() < 8 ? 192 * 1024 / stage_bytes<BJ, R>() : 8;
 }

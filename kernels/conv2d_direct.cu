@@ -1,6 +1,6 @@
 // conv2d_direct.cu: direct (FFMA) convolution forward and backward-weight for layers whose
 // filters are small, K = C_in*KH*KW <= 32 (a network's first layer on 1-3 channel images).
-// Launchers: dptrain/backend/cuda/conv2d.py (chosen there; conv2d.cu's implicit GEMM otherwise).
+// Launchers: dptrain/backend/cuda/conv/direct.py (chosen by conv/passes.py's routes; conv2d.cu's implicit GEMM otherwise).
 //
 // Why: with K that small the implicit GEMM fills under a third of each 32-wide K slab, gathers
 // every pixel through its generic per-element path, and backward-weight's 32 x 32 output tile
@@ -92,7 +92,7 @@
 
 #define DIRECT_MAX_M 128  // output channels the forward keeps in shared memory
 
-// Field names match DirectGeom in dptrain/backend/cuda/conv2d.py (a NumPy structured dtype).
+// Field names match DIRECT_GEOM in dptrain/backend/cuda/launch.py (a NumPy structured dtype).
 struct DirectGeom {
   int Nb, C, H, W, M, Ho, Wo, KH, KW, sh, sw, ph, pw;
 };

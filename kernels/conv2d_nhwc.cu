@@ -4,7 +4,7 @@
 // of one load per element (what conv2d.cu's NCHW backward-weight kernels spend most of their
 // time on). TF32 on float, m16n8k16 tensor cores on the 16-bit types, fp32 accumulation, the
 // main loops of gemm_tiles.cuh; under fp32, an FFMA kernel with the same x chunks.
-// Launchers: dptrain/backend/cuda/conv2d.py (chosen there; conv2d.cu's kernels otherwise).
+// Launchers: dptrain/backend/cuda/conv/nhwc.py (chosen by conv/passes.py's routes; conv2d.cu's kernels otherwise).
 //
 // Conventions
 //  * gw[co, (ci, kh, kw)] as in conv2d.cu (its header), NCHW at the interface: the NHWC copy

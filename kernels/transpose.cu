@@ -118,7 +118,7 @@ __global__ void take_rows_kernel(U* out, const U* in, const L* idx, int B, long 
 // out[b, y, x, :] = in[b, i, j, :] where y + ph = sh * i and x + pw = sw * j (i < Hi, j < Wi),
 // else zeros: a channels-last grid spread onto every sh-th row and sw-th column of (B, H, W)
 // pixels. The backward-data of a strided 1x1 convolution, from the dense product at the
-// pixels its filter reaches (conv2d.py's _spread). A block per output image row (grid B*H):
+// pixels its filter reaches (conv/passes.py's _spread). A block per output image row (grid B*H):
 // a row no tap reaches is all zeros; pixel rows of `row` U's.
 template <typename U>
 __global__ void stride_spread_kernel(U* __restrict__ out, const U* __restrict__ in, int row, int H,

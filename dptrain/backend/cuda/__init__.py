@@ -16,7 +16,7 @@ beside its .cu file and headed by that layer's conventions:
     optim.py        optim.cu: SGD and AdamW over flat buffers
     data.py         data.cu: gather_normalize, augment_crop_flip, dropout_mask
     gemm.py         gemm.cu, gemm_wgmma.cu, gemm_thin.cu: matmul (and the plans conv2d shares)
-    conv2d.py       conv2d.cu: implicit-GEMM convolutions
+    conv/           conv2d*.cu: implicit-GEMM and direct convolutions, one planner per file
     norm.py         norm.cu: batch normalisation (statistics, forward, running estimates, backward)
     guard.py        guard.cu: the non-finite check and fp16 loss scaling
     launch.py       the one way to check arguments and launch; loader.py compiles the .cu files
@@ -30,7 +30,7 @@ design and measurements: NOTES.md beside this file.
 """
 from dptrain.backend import registry as _registry
 from dptrain.backend.cuda import (  # noqa: F401  (importing them registers their ops)
-    arrays, attention, conv2d, data, elementwise, gemm, guard, norm, optim, pool, reduce,
+    arrays, attention, conv, data, elementwise, gemm, guard, norm, optim, pool, reduce,
     softmax, transpose,
 )
 from dptrain.backend.cuda.gemm import matmul_kernel  # noqa: F401
