@@ -45,21 +45,11 @@
 //
 // nvrtc-options: -arch=sm_90a
 // instantiations-per-module: 1  (a run builds only those it uses: a shorter cold start)
-// instantiate: conv2d_bwdw_wgmma_kernel<__nv_bfloat16, 64>
-// instantiate: conv2d_bwdw_wgmma_kernel<__nv_bfloat16, 128>
-// instantiate: conv2d_bwdw_wgmma_kernel<__nv_bfloat16, 256>
-// instantiate: conv2d_bwdw_wgmma_kernel<__half, 64>; conv2d_bwdw_wgmma_kernel<__half, 128>
-// instantiate: conv2d_bwdw_wgmma_kernel<__half, 256>
+// instantiate: conv2d_bwdw_wgmma_kernel<{__nv_bfloat16, __half}, {64, 128, 256}>
 // instantiate: conv2d_bwdw_wgmma_tf32_kernel<128>
-// instantiate: conv2d_bwdw_tma_kernel<__nv_bfloat16, 192, 1>
-// instantiate: conv2d_bwdw_tma_kernel<__half, 192, 1>
-// instantiate: conv2d_bwdw_tma_kernel<__nv_bfloat16, 128, 2>
-// instantiate: conv2d_bwdw_tma_kernel<__half, 128, 2>
-// instantiate: conv2d_bwdw_reduce_tiled_kernel<__nv_bfloat16>
-// instantiate: conv2d_bwdw_reduce_tiled_kernel<__half>; conv2d_bwdw_reduce_tiled_kernel<float>
-// instantiate: conv2d_bwdw_wgmma_reduce_kernel<__nv_bfloat16>
-// instantiate: conv2d_bwdw_wgmma_reduce_kernel<__half>
-// instantiate: conv2d_bwdw_wgmma_reduce_kernel<float>
+// instantiate: conv2d_bwdw_tma_kernel<{__nv_bfloat16, __half}, 192, 1>; conv2d_bwdw_tma_kernel<{__nv_bfloat16, __half}, 128, 2>
+// instantiate: conv2d_bwdw_reduce_tiled_kernel<{__nv_bfloat16, __half, float}>
+// instantiate: conv2d_bwdw_wgmma_reduce_kernel<{__nv_bfloat16, __half, float}>
 
 #include "common.cuh"
 #include "tma.cuh"

@@ -51,20 +51,8 @@
 //
 // nvrtc-options: -arch=sm_90a
 // instantiations-per-module: 1  (a run builds only those it uses: a shorter cold start)
-// instantiate: conv2d_wgmma_kernel<float, 32>; conv2d_wgmma_kernel<float, 64>
-// instantiate: conv2d_wgmma_kernel<float, 128>
-// instantiate: conv2d_wgmma_kernel<__nv_bfloat16, 32>; conv2d_wgmma_kernel<__nv_bfloat16, 64>
-// instantiate: conv2d_wgmma_kernel<__nv_bfloat16, 128>
-// instantiate: conv2d_wgmma_kernel<__half, 32>; conv2d_wgmma_kernel<__half, 64>
-// instantiate: conv2d_wgmma_kernel<__half, 128>
-// instantiate: conv2d_wgmma_tma_kernel<float, 32>; conv2d_wgmma_tma_kernel<float, 64>
-// instantiate: conv2d_wgmma_tma_kernel<float, 128>
-// instantiate: conv2d_wgmma_tma_kernel<__nv_bfloat16, 32>; conv2d_wgmma_tma_kernel<__nv_bfloat16, 64>
-// instantiate: conv2d_wgmma_tma_kernel<__nv_bfloat16, 128>
-// instantiate: conv2d_wgmma_tma_kernel<__half, 32>; conv2d_wgmma_tma_kernel<__half, 64>
-// instantiate: conv2d_wgmma_tma_kernel<__half, 128>
-// instantiate: conv2d_wgmma_tma_kernel<__nv_bfloat16, 64, true>
-// instantiate: conv2d_wgmma_tma_kernel<__half, 64, true>
+// instantiate: conv2d_wgmma_kernel<{float, __nv_bfloat16, __half}, {32, 64, 128}>
+// instantiate: conv2d_wgmma_tma_kernel<float, {32, 64, 128}>; conv2d_wgmma_tma_kernel<{__nv_bfloat16, __half}, {32, 128}>; conv2d_wgmma_tma_kernel<{__nv_bfloat16, __half}, 64, true>
 
 #include "common.cuh"
 #include "conv_geom.cuh"

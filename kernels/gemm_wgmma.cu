@@ -28,8 +28,7 @@
 // rastered in groups of 16 block rows for L2 reuse.
 //
 // nvrtc-options: -arch=sm_90a
-// instantiate: gemm_wgmma_kernel<float>; gemm_wgmma_kernel<__nv_bfloat16>
-// instantiate: gemm_wgmma_kernel<__half>
+// instantiate: gemm_wgmma_kernel<{float, __nv_bfloat16, __half}>
 
 #include "wgmma.cuh"
 

@@ -220,22 +220,10 @@ __global__ void avg_pool_bwd_kernel(T* dx, const T* gy, PoolGeom g) {
   }
 }
 
-// instantiate: max_pool_fwd_kernel<float, false>; max_pool_fwd_kernel<double, false>
-// instantiate: max_pool_fwd_kernel<float, true>; max_pool_fwd_kernel<double, true>
-// instantiate: max_pool_bwd_kernel<float>; max_pool_bwd_kernel<double>
-// instantiate: avg_pool_fwd_kernel<float>; avg_pool_fwd_kernel<double>; avg_pool_bwd_kernel<float>; avg_pool_bwd_kernel<double>
-// instantiate: max_pool_fwd_kernel<__half, false>; max_pool_fwd_kernel<__half, true>; max_pool_bwd_kernel<__half>
-// instantiate: max_pool_bwd_tiled_kernel<float>; max_pool_bwd_tiled_kernel<double>
-// instantiate: max_pool_bwd_tiled_kernel<__half>; max_pool_bwd_tiled_kernel<__nv_bfloat16>
-// instantiate: max_pool_fwd_kernel<__nv_bfloat16, false>; max_pool_fwd_kernel<__nv_bfloat16, true>
-// instantiate: max_pool_fwd_2x2_kernel<float, false>; max_pool_fwd_2x2_kernel<double, false>
-// instantiate: max_pool_fwd_2x2_kernel<float, true>; max_pool_fwd_2x2_kernel<double, true>
-// instantiate: max_pool_bwd_2x2_kernel<float>; max_pool_bwd_2x2_kernel<double>
-// instantiate: max_pool_fwd_2x2_kernel<__half, false>; max_pool_fwd_2x2_kernel<__half, true>
-// instantiate: max_pool_bwd_2x2_kernel<__half>
-// instantiate: max_pool_fwd_2x2_kernel<__nv_bfloat16, false>
-// instantiate: max_pool_fwd_2x2_kernel<__nv_bfloat16, true>
-// instantiate: max_pool_bwd_2x2_kernel<__nv_bfloat16>
-// instantiate: max_pool_bwd_kernel<__nv_bfloat16>
-// instantiate: avg_pool_fwd_kernel<__half>; avg_pool_bwd_kernel<__half>
-// instantiate: avg_pool_fwd_kernel<__nv_bfloat16>; avg_pool_bwd_kernel<__nv_bfloat16>
+// instantiate: max_pool_fwd_kernel<{float, double, __half, __nv_bfloat16}, {false, true}>
+// instantiate: max_pool_bwd_kernel<{float, double, __half, __nv_bfloat16}>
+// instantiate: avg_pool_fwd_kernel<{float, double, __half, __nv_bfloat16}>
+// instantiate: avg_pool_bwd_kernel<{float, double, __half, __nv_bfloat16}>
+// instantiate: max_pool_bwd_tiled_kernel<{float, double, __half, __nv_bfloat16}>
+// instantiate: max_pool_fwd_2x2_kernel<{float, double, __half, __nv_bfloat16}, {false, true}>
+// instantiate: max_pool_bwd_2x2_kernel<{float, double, __half, __nv_bfloat16}>
