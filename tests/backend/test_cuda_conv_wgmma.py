@@ -630,3 +630,32 @@ def test_channels_last_native_where_wgmma_runs(cu, monkeypatch):
     assert abs(losses["tf32"] - losses["fp32"]) <= 1e-2 * abs(losses["fp32"])
     routes_off(monkeypatch, *OFF, "x3", "wgmma")
     assert not cu.conv2d_channels_last_native(f16)
+
+
+def test_explain_lists_the_routes_a_shape_passed_over(cu, monkeypatch):
+    """explain(pass, geometry): each route before the one that takes the shape says why not,
+    and the route that takes it plans the kernel conv2d_kernels names. An unknown name in
+    DPTRAIN_TEST_ROUTES_OFF is an error, not a test that tests nothing."""
+    routes_off(monkeypatch)
+    f16 = np.float16
+    x, w = cu.asarray(np.zeros((2, 3, 32, 32), f16)), cu.asarray(np.zeros((64, 3, 7, 7), f16))
+    gy = cu.asarray(np.zeros((2, 64, 16, 16), f16))
+    stem = conv.geometry.forward(x, w, None, (2, 2), (3, 3))  # 3 channels, 7x7 / 2
+    rows = conv.explain(conv.FORWARD, stem)
+    assert [name for name, _ in rows] == ["empty", "direct", "x3", "wgmma_tma", "wgmma", "mma"]
+    assert all(why for _, why in rows[:-1]) and rows[-1][1] is None
+    assert "147" in dict(rows)["direct"]  # C_in*KH*KW
+    assert conv.conv2d_kernels(x, w, gy, (2, 2), (3, 3))["forward"] == "conv2d_b16_kernel"
+    assert conv.describe(conv.FORWARD, stem).endswith(")") and ": mma (" in conv.describe(
+        conv.FORWARD, stem)
+    xl = cu.asarray(np.zeros((2, 12, 12, 64), f16))
+    layer = conv.geometry.forward(xl, cu.asarray(np.zeros((64, 64, 3, 3), f16)), None, (1, 1),
+                                  (1, 1), cl=True)
+    assert conv.explain(conv.FORWARD, layer)[-1] == ("wgmma_tma", None)
+    routes_off(monkeypatch, "wgmma_tma")
+    assert conv.explain(conv.FORWARD, layer)[-2:] == [
+        ("wgmma_tma", "turned off by DPTRAIN_TEST_ROUTES_OFF"), ("wgmma", None)]
+    routes_off(monkeypatch, "no_such_route")
+    with pytest.raises(ValueError, match="DPTRAIN_TEST_ROUTES_OFF: no route named no_such"):
+        cu.conv2d_forward(xl, cu.asarray(np.zeros((64, 64, 3, 3), f16)), None, (1, 1), (1, 1),
+                          channels_last=True)
