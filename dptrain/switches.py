@@ -67,43 +67,6 @@ SWITCHES = _declare(
      "srun without MPI: a directory every node sees for the rendezvous file, or `host:port` "
      "for rank 0 to listen on"),
     ("RENDEZVOUS_TIMEOUT", "300", "user", "seconds srun's ranks wait for each other to meet"),
-    ("WGMMA", "on", "A/B", "`0`: no Hopper wgmma GEMM (the mma.sync kernels instead)"),
-    ("WGMMA_SPLITK", "on", "A/B",
-     "`0`: TF32 products of few output tiles and K >= 1024 keep the mma.sync split-K kernels "
-     "instead of splitting K on wgmma"),
-    ("GEMM_THIN", "on", "A/B",
-     "`0`: products with N or K at most 16 (a classifier's few classes) keep the tiled "
-     "tensor-core kernels instead of `gemm_thin.cu`'s CUDA-core kernels"),
-    ("WGMMA_CONV", "on", "A/B",
-     "`0`: convolution forward / backward-data keep the mma.sync kernels on Hopper"),
-    ("WGMMA_CONV_TMA", "on", "A/B",
-     "`0`: forward / backward-data keep the wgmma kernel's cp.async gathers instead of the "
-     "warp-specialized kernel fed by TMA (same bits)"),
-    ("WGMMA_CONV_TURN", "on", "A/B",
-     "`0`: the TMA kernel's 16-bit tiles of 64 output channels keep the pixels as wgmma's A "
-     "instead of the weights (same bits)"),
-    ("CONV_STATS", "on", "A/B",
-     "`0`: a 16-bit convolution feeding a batch norm in training no longer sums the batch "
-     "statistics in its epilogue; batch norm reads the activations"),
-    ("WGMMA_BWDW", "on", "A/B",
-     "`0`: 16-bit convolution backward-weight keeps the mma.sync kernel on Hopper"),
-    ("BWDW_TMA", "on", "A/B",
-     "`0`: 16-bit stride-1 backward-weight keeps the gathering wgmma kernel instead of the one "
-     "fed by TMA"),
-    ("BWDW_REDUCE_TILED", "tiled where its tiles fill the SMs", "A/B",
-     "backward-weight's split-K reduce: `0` a thread per output everywhere, `1` tiled through "
-     "shared memory everywhere (same bits)"),
-    ("CONV_SPREAD", "on", "A/B",
-     "`0`: a strided 1x1 filter's channels-last backward-data sums zero-filled taps over every "
-     "pixel instead of the stride-1 product spread with zeros (same bits)"),
-    ("WGMMA_BWDW_TF32", "where C_in*KH*KW >= 128", "A/B",
-     "TF32 backward-weight on wgmma: `0` never (mma.sync), `1` for every shape it takes"),
-    ("FP32_TF32X3", "on", "A/B",
-     "`0`: fp32 convolutions stay on FFMA instead of 3xTF32 on Hopper (results differ within "
-     "fp32's error)"),
-    ("NHWC_CONV", "on", "A/B", "`0`: convolution backward-weight keeps the NCHW gathers"),
-    ("DIRECT_CONV", "on", "A/B",
-     "`0`: the implicit GEMM for every convolution (no direct kernels for small filters)"),
     ("FUSE", "on", "A/B",
      "`0`: no fused layers (ReLU + max-pool and Linear + ReLU in `Sequential`; batch norm's "
      "residual add and ReLU in ResNet's blocks)"),
@@ -117,6 +80,10 @@ SWITCHES = _declare(
     ("TEST_KILL", "unset", "test", "`RANK:STEP`: that rank SIGKILLs itself after that step"),
     ("TEST_OVERFLOW", "unset", "test",
      "`RANK:STEP` (STEP >= 2): that rank's fp16 gradients overflow at that step"),
+    ("TEST_ROUTES_OFF", "unset", "test",
+     "`name,name`: the kernel routes of those names refuse every shape, so the fallback "
+     "kernels run (names: `dptrain/backend/cuda/conv/passes.py`'s route tables, `gemm_wgmma`, "
+     "`gemm_wgmma_splitk`, `gemm_thin`, `bwdw_reduce_tiled`)"),
     ("TEST_LAUNCHER", "`auto`", "test",
      "read by the test suite (`tests/helpers/mpilaunch.py`): `mpirun`, `mpiexec` or `srun` "
      "picks the launcher the multi-process tests use"),

@@ -351,16 +351,12 @@ __global__ void attention_bwd_kernel(T* gq, T* gk, T* gv, const T* q, const T* k
   attn_product(gk, d.k, b, h, Tk, E, Tq, ds, 1, pitch, qs);    // dS^T q
 }
 
-// instantiate: attention_fwd_kernel<float, int>; attention_fwd_kernel<float, long long>; attention_bwd_kernel<float>
-// instantiate: attention_fwd_kernel<double, int>; attention_fwd_kernel<double, long long>; attention_bwd_kernel<double>
-// instantiate: attention_fwd_kernel<__half, int>; attention_fwd_kernel<__half, long long>; attention_bwd_kernel<__half>
-// instantiate: attention_fwd_kernel<__nv_bfloat16, int>; attention_fwd_kernel<__nv_bfloat16, long long>; attention_bwd_kernel<__nv_bfloat16>
+// instantiate: attention_fwd_kernel<{float, double, __half, __nv_bfloat16}, {int, long long}>
+// instantiate: attention_bwd_kernel<{float, double, __half, __nv_bfloat16}>
 
-// instantiate: layer_norm_fwd_kernel<float>; layer_norm_fwd_kernel<double>; layer_norm_bwd_kernel<float>; layer_norm_bwd_kernel<double>
-// instantiate: gelu_fwd_kernel<float>; gelu_fwd_kernel<double>; gelu_bwd_kernel<float>; gelu_bwd_kernel<double>
-// instantiate: masked_softmax_fwd_kernel<float, int>; masked_softmax_fwd_kernel<float, long long>; masked_softmax_fwd_kernel<double, int>; masked_softmax_fwd_kernel<double, long long>
-// instantiate: masked_softmax_bwd_kernel<float>; masked_softmax_bwd_kernel<double>
-// instantiate: layer_norm_fwd_kernel<__half>; layer_norm_bwd_kernel<__half>; gelu_fwd_kernel<__half>; gelu_bwd_kernel<__half>
-// instantiate: masked_softmax_fwd_kernel<__half, int>; masked_softmax_fwd_kernel<__half, long long>; masked_softmax_bwd_kernel<__half>
-// instantiate: layer_norm_fwd_kernel<__nv_bfloat16>; layer_norm_bwd_kernel<__nv_bfloat16>; gelu_fwd_kernel<__nv_bfloat16>; gelu_bwd_kernel<__nv_bfloat16>
-// instantiate: masked_softmax_fwd_kernel<__nv_bfloat16, int>; masked_softmax_fwd_kernel<__nv_bfloat16, long long>; masked_softmax_bwd_kernel<__nv_bfloat16>
+// instantiate: layer_norm_fwd_kernel<{float, double, __half, __nv_bfloat16}>
+// instantiate: layer_norm_bwd_kernel<{float, double, __half, __nv_bfloat16}>
+// instantiate: gelu_fwd_kernel<{float, double, __half, __nv_bfloat16}>
+// instantiate: gelu_bwd_kernel<{float, double, __half, __nv_bfloat16}>
+// instantiate: masked_softmax_fwd_kernel<{float, double, __half, __nv_bfloat16}, {int, long long}>
+// instantiate: masked_softmax_bwd_kernel<{float, double, __half, __nv_bfloat16}>

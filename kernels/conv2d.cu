@@ -1,7 +1,7 @@
 // conv2d.cu: 2D convolution forward, backward-data and backward-weight as implicit GEMMs on
 // the tiles of gemm_tiles.cuh, fp32 (FFMA) or TF32 (tensor cores, fp32 accumulate) on float,
 // f16 tensor cores (fp32 accumulate) on __half.
-// Launchers: dptrain/backend/cuda/conv2d.py.
+// Launchers: dptrain/backend/cuda/conv/implicit.py.
 //
 // Conventions
 //  * NCHW activations, weight (C_out, C_in, KH, KW), PyTorch's cross-correlation; any stride
@@ -32,47 +32,14 @@
 //    asserts every tensor has fewer than 2^31 elements.
 //
 // instantiations-per-module: 1  (a run builds only those it uses: a shorter cold start)
-// instantiate: conv2d_tf32_kernel<float, 32>; conv2d_tf32_kernel<float, 64>
-// instantiate: conv2d_tf32_kernel<float, 128>
-// instantiate: conv2d_fp32_kernel<float, 32>; conv2d_fp32_kernel<float, 64>
-// instantiate: conv2d_fp32_kernel<float, 128>
-// instantiate: conv2d_fp32_kernel<float, 32, 256>; conv2d_fp32_kernel<float, 64, 256>
-// instantiate: conv2d_bwdw_fp32_kernel<float, 32, 32, 16>; conv2d_bwdw_fp32_kernel<float, 32, 128, 16>
-// instantiate: conv2d_bwdw_fp32_kernel<float, 64, 32, 16>; conv2d_bwdw_fp32_kernel<float, 64, 128, 16>
-// instantiate: conv2d_bwdw_fp32_kernel<float, 32, 96, 16>; conv2d_bwdw_fp32_kernel<float, 64, 96, 16>
-// instantiate: conv2d_bwdw_tf32_kernel<float, 32, 32>; conv2d_bwdw_tf32_kernel<float, 32, 128>
-// instantiate: conv2d_bwdw_tf32_kernel<float, 64, 32>; conv2d_bwdw_tf32_kernel<float, 64, 128>
-// instantiate: conv2d_bwdw_tf32_kernel<float, 128, 32>; conv2d_bwdw_tf32_kernel<float, 128, 128>
-// instantiate: conv2d_bwdw_fp32_kernel<float, 32, 32>; conv2d_bwdw_fp32_kernel<float, 32, 128>
-// instantiate: conv2d_bwdw_fp32_kernel<float, 64, 32>; conv2d_bwdw_fp32_kernel<float, 64, 128>
-// instantiate: conv2d_bwdw_fp32_kernel<float, 128, 32>; conv2d_bwdw_fp32_kernel<float, 128, 128>
-// instantiate: splitk_reduce_kernel<float>
-// instantiate: splitk_reduce_warp_kernel<float>
-// instantiate: conv2d_b16_kernel<__half, 32>; conv2d_b16_kernel<__half, 64>
-// instantiate: conv2d_b16_kernel<__nv_bfloat16, 32>; conv2d_b16_kernel<__nv_bfloat16, 64>
-// instantiate: conv2d_b16_kernel<__half, 128>
-// instantiate: conv2d_b16_kernel<__nv_bfloat16, 128>
-// instantiate: conv2d_bwdw_b16_kernel<__half, 32, 32>; conv2d_bwdw_b16_kernel<__half, 32, 128>
-// instantiate: conv2d_bwdw_b16_kernel<__nv_bfloat16, 32, 32>
-// instantiate: conv2d_bwdw_b16_kernel<__nv_bfloat16, 32, 128>
-// instantiate: conv2d_bwdw_b16_kernel<__half, 64, 32>; conv2d_bwdw_b16_kernel<__half, 64, 128>
-// instantiate: conv2d_bwdw_b16_kernel<__nv_bfloat16, 64, 32>
-// instantiate: conv2d_bwdw_b16_kernel<__nv_bfloat16, 64, 128>
-// instantiate: conv2d_bwdw_b16_kernel<__half, 128, 32>; conv2d_bwdw_b16_kernel<__half, 128, 128>
-// instantiate: conv2d_bwdw_b16_kernel<__nv_bfloat16, 128, 32>
-// instantiate: conv2d_bwdw_b16_kernel<__nv_bfloat16, 128, 128>
-// instantiate: conv2d_bwdw_tf32_kernel<float, 32, 96>; conv2d_bwdw_tf32_kernel<float, 64, 96>
-// instantiate: conv2d_bwdw_tf32_kernel<float, 128, 96>; conv2d_bwdw_fp32_kernel<float, 32, 96>
-// instantiate: conv2d_bwdw_fp32_kernel<float, 64, 96>; conv2d_bwdw_fp32_kernel<float, 128, 96>
-// instantiate: conv2d_bwdw_b16_kernel<__half, 32, 96>; conv2d_bwdw_b16_kernel<__half, 64, 96>
-// instantiate: conv2d_bwdw_b16_kernel<__half, 128, 96>
-// instantiate: conv2d_bwdw_b16_kernel<__nv_bfloat16, 32, 96>
-// instantiate: conv2d_bwdw_b16_kernel<__nv_bfloat16, 64, 96>
-// instantiate: conv2d_bwdw_b16_kernel<__nv_bfloat16, 128, 96>
-// instantiate: splitk_reduce_kernel<__half, float>
-// instantiate: splitk_reduce_kernel<__nv_bfloat16, float>
-// instantiate: splitk_reduce_warp_kernel<__nv_bfloat16, float>
-// instantiate: splitk_reduce_warp_kernel<__half, float>
+// instantiate: conv2d_tf32_kernel<float, {32, 64, 128}>
+// instantiate: conv2d_fp32_kernel<float, {32, 64, 128}>; conv2d_fp32_kernel<float, {32, 64}, 256>
+// instantiate: conv2d_bwdw_fp32_kernel<float, {32, 64}, {32, 128, 96}, 16>; conv2d_bwdw_fp32_kernel<float, {32, 64, 128}, {32, 128, 96}>
+// instantiate: conv2d_bwdw_tf32_kernel<float, {32, 64, 128}, {32, 128, 96}>
+// instantiate: splitk_reduce_kernel<float>; splitk_reduce_kernel<{__half, __nv_bfloat16}, float>
+// instantiate: splitk_reduce_warp_kernel<float>; splitk_reduce_warp_kernel<{__nv_bfloat16, __half}, float>
+// instantiate: conv2d_b16_kernel<{__half, __nv_bfloat16}, {32, 64, 128}>
+// instantiate: conv2d_bwdw_b16_kernel<{__half, __nv_bfloat16}, {32, 64, 128}, {32, 128, 96}>
 
 #include "conv_geom.cuh"
 #include "conv_gather.cuh"

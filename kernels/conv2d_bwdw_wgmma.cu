@@ -1,6 +1,6 @@
 // conv2d_bwdw_wgmma.cu: 2D convolution backward-weight as an implicit GEMM on Hopper tensor
 // cores (wgmma.mma_async, sm_90a), bf16 / fp16 in, fp32 accumulate. Launcher:
-// dptrain/backend/cuda/conv2d.py, which picks it on compute capability 9.0 for 16-bit
+// dptrain/backend/cuda/conv/bwdw_wgmma.py, which picks it on compute capability 9.0 for 16-bit
 // operands whose channel counts come in whole 16-byte chunks; otherwise conv2d_nhwc.cu's
 // mma.sync kernel runs.
 //
@@ -45,21 +45,11 @@
 //
 // nvrtc-options: -arch=sm_90a
 // instantiations-per-module: 1  (a run builds only those it uses: a shorter cold start)
-// instantiate: conv2d_bwdw_wgmma_kernel<__nv_bfloat16, 64>
-// instantiate: conv2d_bwdw_wgmma_kernel<__nv_bfloat16, 128>
-// instantiate: conv2d_bwdw_wgmma_kernel<__nv_bfloat16, 256>
-// instantiate: conv2d_bwdw_wgmma_kernel<__half, 64>; conv2d_bwdw_wgmma_kernel<__half, 128>
-// instantiate: conv2d_bwdw_wgmma_kernel<__half, 256>
+// instantiate: conv2d_bwdw_wgmma_kernel<{__nv_bfloat16, __half}, {64, 128, 256}>
 // instantiate: conv2d_bwdw_wgmma_tf32_kernel<128>
-// instantiate: conv2d_bwdw_tma_kernel<__nv_bfloat16, 192, 1>
-// instantiate: conv2d_bwdw_tma_kernel<__half, 192, 1>
-// instantiate: conv2d_bwdw_tma_kernel<__nv_bfloat16, 128, 2>
-// instantiate: conv2d_bwdw_tma_kernel<__half, 128, 2>
-// instantiate: conv2d_bwdw_reduce_tiled_kernel<__nv_bfloat16>
-// instantiate: conv2d_bwdw_reduce_tiled_kernel<__half>; conv2d_bwdw_reduce_tiled_kernel<float>
-// instantiate: conv2d_bwdw_wgmma_reduce_kernel<__nv_bfloat16>
-// instantiate: conv2d_bwdw_wgmma_reduce_kernel<__half>
-// instantiate: conv2d_bwdw_wgmma_reduce_kernel<float>
+// instantiate: conv2d_bwdw_tma_kernel<{__nv_bfloat16, __half}, 192, 1>; conv2d_bwdw_tma_kernel<{__nv_bfloat16, __half}, 128, 2>
+// instantiate: conv2d_bwdw_reduce_tiled_kernel<{__nv_bfloat16, __half, float}>
+// instantiate: conv2d_bwdw_wgmma_reduce_kernel<{__nv_bfloat16, __half, float}>
 
 #include "common.cuh"
 #include "tma.cuh"
@@ -301,7 +291,7 @@ constexpr int BK = 64, ATOM = BK * ROW_BYTES;  // pixels a slab; bytes of a 64-w
 template <int BJ, int R> __host__ __device__ constexpr int stage_bytes() {
   return (R + BJ / 64) * ATOM;
 }
-// As many stages as fit in 192 KB, at most 8 (the launcher: conv2d.py's _bwdw_tma_smem).
+// As many stages as fit in 192 KB, at most 8 (the launcher: conv/bwdw_wgmma.py's tma_smem).
 template <int BJ, int R> __host__ __device__ constexpr int stages() {
   return 192 * 1024 / stage_bytes<BJ, R>() < 8 ? 192 * 1024 / stage_bytes<BJ, R>() : 8;
 }

@@ -1,6 +1,6 @@
 // conv2d_direct.cu: direct (FFMA) convolution forward and backward-weight for layers whose
 // filters are small, K = C_in*KH*KW <= 32 (a network's first layer on 1-3 channel images).
-// Launchers: dptrain/backend/cuda/conv2d.py (chosen there; conv2d.cu's implicit GEMM otherwise).
+// Launchers: dptrain/backend/cuda/conv/direct.py (chosen by conv/passes.py's routes; conv2d.cu's implicit GEMM otherwise).
 //
 // Why: with K that small the implicit GEMM fills under a third of each 32-wide K slab, gathers
 // every pixel through its generic per-element path, and backward-weight's 32 x 32 output tile
@@ -35,64 +35,15 @@
 //    stays bitwise repeatable. The FFMA kernel remains for --precision fp32.
 //
 // instantiations-per-module: 1  (a run builds only those it uses: a shorter cold start)
-// instantiate: conv2d_direct_fwd_kernel<float, 4>; conv2d_direct_fwd_kernel<float, 8>
-// instantiate: conv2d_direct_fwd_kernel<float, 12>; conv2d_direct_fwd_kernel<float, 16>
-// instantiate: conv2d_direct_fwd_kernel<float, 20>; conv2d_direct_fwd_kernel<float, 24>
-// instantiate: conv2d_direct_fwd_kernel<float, 28>; conv2d_direct_fwd_kernel<float, 32>
-// instantiate: conv2d_direct_bwdw_kernel<float, 4, 8>; conv2d_direct_bwdw_kernel<float, 8, 4>
-// instantiate: conv2d_direct_bwdw_kernel<float, 12, 4>; conv2d_direct_bwdw_kernel<float, 16, 4>
-// instantiate: conv2d_direct_bwdw_kernel<float, 20, 2>; conv2d_direct_bwdw_kernel<float, 24, 2>
-// instantiate: conv2d_direct_bwdw_kernel<float, 28, 2>; conv2d_direct_bwdw_kernel<float, 32, 2>
-// instantiate: conv2d_direct_fwd_kernel<__half, 4>; conv2d_direct_fwd_kernel<__half, 8>
-// instantiate: conv2d_direct_fwd_kernel<__nv_bfloat16, 4>
-// instantiate: conv2d_direct_fwd_kernel<__nv_bfloat16, 8>
-// instantiate: conv2d_direct_fwd_kernel<__half, 12>; conv2d_direct_fwd_kernel<__half, 16>
-// instantiate: conv2d_direct_fwd_kernel<__nv_bfloat16, 12>
-// instantiate: conv2d_direct_fwd_kernel<__nv_bfloat16, 16>
-// instantiate: conv2d_direct_fwd_kernel<__half, 20>; conv2d_direct_fwd_kernel<__half, 24>
-// instantiate: conv2d_direct_fwd_kernel<__nv_bfloat16, 20>
-// instantiate: conv2d_direct_fwd_kernel<__nv_bfloat16, 24>
-// instantiate: conv2d_direct_fwd_kernel<__half, 28>; conv2d_direct_fwd_kernel<__half, 32>
-// instantiate: conv2d_direct_fwd_kernel<__nv_bfloat16, 28>
-// instantiate: conv2d_direct_fwd_kernel<__nv_bfloat16, 32>
-// instantiate: conv2d_direct_fwd_kernel<__half, 4, true>; conv2d_direct_fwd_kernel<__half, 8, true>
-// instantiate: conv2d_direct_fwd_kernel<__half, 12, true>; conv2d_direct_fwd_kernel<__half, 16, true>
-// instantiate: conv2d_direct_fwd_kernel<__half, 20, true>; conv2d_direct_fwd_kernel<__half, 24, true>
-// instantiate: conv2d_direct_fwd_kernel<__half, 28, true>; conv2d_direct_fwd_kernel<__half, 32, true>
-// instantiate: conv2d_direct_fwd_kernel<__nv_bfloat16, 4, true>
-// instantiate: conv2d_direct_fwd_kernel<__nv_bfloat16, 8, true>
-// instantiate: conv2d_direct_fwd_kernel<__nv_bfloat16, 12, true>
-// instantiate: conv2d_direct_fwd_kernel<__nv_bfloat16, 16, true>
-// instantiate: conv2d_direct_fwd_kernel<__nv_bfloat16, 20, true>
-// instantiate: conv2d_direct_fwd_kernel<__nv_bfloat16, 24, true>
-// instantiate: conv2d_direct_fwd_kernel<__nv_bfloat16, 28, true>
-// instantiate: conv2d_direct_fwd_kernel<__nv_bfloat16, 32, true>
-// instantiate: conv2d_direct_bwdw_kernel<__half, 4, 8>; conv2d_direct_bwdw_kernel<__half, 8, 4>
-// instantiate: conv2d_direct_bwdw_kernel<__nv_bfloat16, 4, 8>
-// instantiate: conv2d_direct_bwdw_kernel<__nv_bfloat16, 8, 4>
-// instantiate: conv2d_direct_bwdw_kernel<__half, 12, 4>; conv2d_direct_bwdw_kernel<__half, 16, 4>
-// instantiate: conv2d_direct_bwdw_kernel<__nv_bfloat16, 12, 4>
-// instantiate: conv2d_direct_bwdw_kernel<__nv_bfloat16, 16, 4>
-// instantiate: conv2d_direct_bwdw_kernel<__half, 20, 2>; conv2d_direct_bwdw_kernel<__half, 24, 2>
-// instantiate: conv2d_direct_bwdw_kernel<__nv_bfloat16, 20, 2>
-// instantiate: conv2d_direct_bwdw_kernel<__nv_bfloat16, 24, 2>
-// instantiate: conv2d_direct_bwdw_mma_kernel<float, 1>; conv2d_direct_bwdw_mma_kernel<float, 2>
-// instantiate: conv2d_direct_bwdw_mma_kernel<float, 3>; conv2d_direct_bwdw_mma_kernel<float, 4>
-// instantiate: conv2d_direct_bwdw_mma_kernel<__half, 1>; conv2d_direct_bwdw_mma_kernel<__half, 2>
-// instantiate: conv2d_direct_bwdw_mma_kernel<__half, 3>; conv2d_direct_bwdw_mma_kernel<__half, 4>
-// instantiate: conv2d_direct_bwdw_mma_kernel<__nv_bfloat16, 1>
-// instantiate: conv2d_direct_bwdw_mma_kernel<__nv_bfloat16, 2>
-// instantiate: conv2d_direct_bwdw_mma_kernel<__nv_bfloat16, 3>
-// instantiate: conv2d_direct_bwdw_mma_kernel<__nv_bfloat16, 4>
-// instantiate: conv2d_direct_bwdw_kernel<__half, 28, 2>; conv2d_direct_bwdw_kernel<__half, 32, 2>
-// instantiate: conv2d_direct_bwdw_kernel<__nv_bfloat16, 28, 2>
-// instantiate: conv2d_direct_bwdw_kernel<__nv_bfloat16, 32, 2>
+// instantiate: conv2d_direct_fwd_kernel<{float, __half, __nv_bfloat16}, {4, 8, 12, 16, 20, 24, 28, 32}>; conv2d_direct_fwd_kernel<{__half, __nv_bfloat16}, {4, 8, 12, 16, 20, 24, 28, 32}, true>
+// instantiate: conv2d_direct_bwdw_kernel<{float, __half, __nv_bfloat16}, 4, 8>; conv2d_direct_bwdw_kernel<{float, __half, __nv_bfloat16}, {8, 12, 16}, 4>; conv2d_direct_bwdw_kernel<{float, __half, __nv_bfloat16}, {20, 24, 28, 32}, 2>
+// instantiate: conv2d_direct_bwdw_mma_kernel<{float, __half, __nv_bfloat16}, {1, 2, 3, 4}>
 
 #include "gemm_tiles.cuh"  // mma_b16
 
 #define DIRECT_MAX_M 128  // output channels the forward keeps in shared memory
 
-// Field names match DirectGeom in dptrain/backend/cuda/conv2d.py (a NumPy structured dtype).
+// Field names match DIRECT_GEOM in dptrain/backend/cuda/launch.py (a NumPy structured dtype).
 struct DirectGeom {
   int Nb, C, H, W, M, Ho, Wo, KH, KW, sh, sw, ph, pw;
 };

@@ -4,7 +4,7 @@
 // of one load per element (what conv2d.cu's NCHW backward-weight kernels spend most of their
 // time on). TF32 on float, m16n8k16 tensor cores on the 16-bit types, fp32 accumulation, the
 // main loops of gemm_tiles.cuh; under fp32, an FFMA kernel with the same x chunks.
-// Launchers: dptrain/backend/cuda/conv2d.py (chosen there; conv2d.cu's kernels otherwise).
+// Launchers: dptrain/backend/cuda/conv/nhwc.py (chosen by conv/passes.py's routes; conv2d.cu's kernels otherwise).
 //
 // Conventions
 //  * gw[co, (ci, kh, kw)] as in conv2d.cu (its header), NCHW at the interface: the NHWC copy
@@ -20,30 +20,8 @@
 //    reference CNN's shapes (NOTES-gemm.md), so they stay there.
 //
 // instantiations-per-module: 1  (a run builds only those it uses: a shorter cold start)
-// instantiate: conv2d_bwdw_nhwc_kernel<float, 32, 32>; conv2d_bwdw_nhwc_kernel<float, 32, 96>
-// instantiate: conv2d_bwdw_nhwc_kernel<float, 32, 128>; conv2d_bwdw_nhwc_kernel<float, 64, 32>
-// instantiate: conv2d_bwdw_nhwc_kernel<float, 64, 96>; conv2d_bwdw_nhwc_kernel<float, 64, 128>
-// instantiate: conv2d_bwdw_nhwc_kernel<float, 128, 32>; conv2d_bwdw_nhwc_kernel<float, 128, 96>
-// instantiate: conv2d_bwdw_nhwc_kernel<float, 128, 128>
-// instantiate: conv2d_bwdw_nhwc_kernel<__half, 32, 32>; conv2d_bwdw_nhwc_kernel<__half, 32, 96>
-// instantiate: conv2d_bwdw_nhwc_kernel<__half, 32, 128>; conv2d_bwdw_nhwc_kernel<__half, 64, 32>
-// instantiate: conv2d_bwdw_nhwc_kernel<__half, 64, 96>; conv2d_bwdw_nhwc_kernel<__half, 64, 128>
-// instantiate: conv2d_bwdw_nhwc_kernel<__half, 128, 32>; conv2d_bwdw_nhwc_kernel<__half, 128, 96>
-// instantiate: conv2d_bwdw_nhwc_kernel<__half, 128, 128>
-// instantiate: conv2d_bwdw_nhwc_kernel<__nv_bfloat16, 32, 32>
-// instantiate: conv2d_bwdw_nhwc_kernel<__nv_bfloat16, 32, 96>
-// instantiate: conv2d_bwdw_nhwc_kernel<__nv_bfloat16, 32, 128>
-// instantiate: conv2d_bwdw_nhwc_kernel<__nv_bfloat16, 64, 32>
-// instantiate: conv2d_bwdw_nhwc_kernel<__nv_bfloat16, 64, 96>
-// instantiate: conv2d_bwdw_nhwc_kernel<__nv_bfloat16, 64, 128>
-// instantiate: conv2d_bwdw_nhwc_kernel<__nv_bfloat16, 128, 32>
-// instantiate: conv2d_bwdw_nhwc_kernel<__nv_bfloat16, 128, 96>
-// instantiate: conv2d_bwdw_nhwc_kernel<__nv_bfloat16, 128, 128>
-// instantiate: conv2d_bwdw_nhwc_fp32_kernel<float, 32, 32>; conv2d_bwdw_nhwc_fp32_kernel<float, 32, 96>
-// instantiate: conv2d_bwdw_nhwc_fp32_kernel<float, 32, 128>; conv2d_bwdw_nhwc_fp32_kernel<float, 64, 32>
-// instantiate: conv2d_bwdw_nhwc_fp32_kernel<float, 64, 96>; conv2d_bwdw_nhwc_fp32_kernel<float, 64, 128>
-// instantiate: conv2d_bwdw_nhwc_fp32_kernel<float, 128, 32>; conv2d_bwdw_nhwc_fp32_kernel<float, 128, 96>
-// instantiate: conv2d_bwdw_nhwc_fp32_kernel<float, 128, 128>
+// instantiate: conv2d_bwdw_nhwc_kernel<{float, __half, __nv_bfloat16}, {32, 64, 128}, {32, 96, 128}>
+// instantiate: conv2d_bwdw_nhwc_fp32_kernel<float, {32, 64, 128}, {32, 96, 128}>
 
 #include "conv_gather.cuh"
 

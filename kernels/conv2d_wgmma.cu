@@ -1,6 +1,6 @@
 // conv2d_wgmma.cu: 2D convolution forward and backward-data as implicit GEMMs on Hopper
 // tensor cores (wgmma.mma_async, sm_90a): TF32 on float, bf16 / fp16 on 16-bit types, fp32
-// accumulate. Launcher: dptrain/backend/cuda/conv2d.py, which picks this kernel on compute
+// accumulate. Launcher: dptrain/backend/cuda/conv/wgmma.py, which picks this kernel on compute
 // capability 9.0 for tensor-core precisions when the summed channels come in whole 16-byte
 // chunks; otherwise conv2d.cu's mma.sync kernels run.
 //
@@ -51,20 +51,8 @@
 //
 // nvrtc-options: -arch=sm_90a
 // instantiations-per-module: 1  (a run builds only those it uses: a shorter cold start)
-// instantiate: conv2d_wgmma_kernel<float, 32>; conv2d_wgmma_kernel<float, 64>
-// instantiate: conv2d_wgmma_kernel<float, 128>
-// instantiate: conv2d_wgmma_kernel<__nv_bfloat16, 32>; conv2d_wgmma_kernel<__nv_bfloat16, 64>
-// instantiate: conv2d_wgmma_kernel<__nv_bfloat16, 128>
-// instantiate: conv2d_wgmma_kernel<__half, 32>; conv2d_wgmma_kernel<__half, 64>
-// instantiate: conv2d_wgmma_kernel<__half, 128>
-// instantiate: conv2d_wgmma_tma_kernel<float, 32>; conv2d_wgmma_tma_kernel<float, 64>
-// instantiate: conv2d_wgmma_tma_kernel<float, 128>
-// instantiate: conv2d_wgmma_tma_kernel<__nv_bfloat16, 32>; conv2d_wgmma_tma_kernel<__nv_bfloat16, 64>
-// instantiate: conv2d_wgmma_tma_kernel<__nv_bfloat16, 128>
-// instantiate: conv2d_wgmma_tma_kernel<__half, 32>; conv2d_wgmma_tma_kernel<__half, 64>
-// instantiate: conv2d_wgmma_tma_kernel<__half, 128>
-// instantiate: conv2d_wgmma_tma_kernel<__nv_bfloat16, 64, true>
-// instantiate: conv2d_wgmma_tma_kernel<__half, 64, true>
+// instantiate: conv2d_wgmma_kernel<{float, __nv_bfloat16, __half}, {32, 64, 128}>
+// instantiate: conv2d_wgmma_tma_kernel<float, {32, 64, 128}>; conv2d_wgmma_tma_kernel<{__nv_bfloat16, __half}, {32, 128}>; conv2d_wgmma_tma_kernel<{__nv_bfloat16, __half}, 64, true>
 
 #include "common.cuh"
 #include "conv_geom.cuh"
@@ -320,7 +308,7 @@ __device__ __forceinline__ void tile_stats(const float (&acc)[2][BN / 2], int wg
 // The TMA kernel's shared memory: its ring of stages, then, for 16-bit tiles of 64 or 128
 // channels (`staged`), each multiplying warpgroup's output tile as BN / 64 boxes of 128
 // rows x 128 bytes, swizzled as the loads (stage_tile), which TMA stores. The ring takes as
-// many stages as fit in 192 KB beside them, at most 8 (launcher: conv2d.py's _tma_smem).
+// many stages as fit in 192 KB beside them, at most 8 (launcher: conv/wgmma.py's tma_smem).
 template <typename T, int BN>
 __host__ __device__ constexpr bool staged() { return sizeof(T) == 2 && BN >= 64; }
 template <typename T, int BN>

@@ -266,11 +266,9 @@ __global__ void rng_advance_kernel(unsigned long long* state, unsigned long long
   state[1] += groups;
 }
 
-// instantiate: gather_normalize_kernel<int, 1>; gather_normalize_kernel<long long, 1>
-// instantiate: gather_normalize_kernel<int, 4>; gather_normalize_kernel<long long, 4>
-// instantiate: dropout_mask_kernel<float>; dropout_mask_kernel<double>; rng_advance_kernel
-// instantiate: dropout_mask_kernel<__half>; dropout_mask_kernel<__nv_bfloat16>
-// instantiate: augment_crop_flip_kernel<float>; augment_crop_flip_kernel<double>
-// instantiate: rrc_boxes_kernel; resized_crop_kernel<float, false>; resized_crop_kernel<float, true>
-// instantiate: resized_crop_kernel<__half, false>; resized_crop_kernel<__half, true>
-// instantiate: resized_crop_kernel<__nv_bfloat16, false>; resized_crop_kernel<__nv_bfloat16, true>
+// instantiate: gather_normalize_kernel<{int, long long}, {1, 4}>
+// instantiate: dropout_mask_kernel<{float, double, __half, __nv_bfloat16}>
+// instantiate: rng_advance_kernel
+// instantiate: augment_crop_flip_kernel<{float, double}>
+// instantiate: rrc_boxes_kernel
+// instantiate: resized_crop_kernel<{float, __half, __nv_bfloat16}, {false, true}>

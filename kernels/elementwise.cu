@@ -150,37 +150,10 @@ __global__ void accumulate_kernel(To* dst, const Ti* src, long long n, int vec) 
   }
 }
 
-// instantiate: map1_kernel<float, Neg>; map1_kernel<float, Exp>; map1_kernel<float, Log>; map1_kernel<float, Sqrt>; map1_kernel<float, Tanh>; map1_kernel<float, Scale>; map1_kernel<float, Pow>; map1_kernel<float, Relu>; map1_kernel<float, Sigmoid>
-// instantiate: map1_kernel<double, Neg>; map1_kernel<double, Exp>; map1_kernel<double, Log>; map1_kernel<double, Sqrt>; map1_kernel<double, Tanh>; map1_kernel<double, Scale>; map1_kernel<double, Pow>; map1_kernel<double, Relu>; map1_kernel<double, Sigmoid>
-// instantiate: map2_kernel<float, Add>; map2_kernel<float, Sub>; map2_kernel<float, Mul>; map2_kernel<float, Div>; map2_kernel<float, ReluBack>; map2_kernel<float, SigmoidBack>; map2_kernel<float, TanhBack>; map2_kernel<float, PowBack>
-// instantiate: map2_kernel<double, Add>; map2_kernel<double, Sub>; map2_kernel<double, Mul>; map2_kernel<double, Div>; map2_kernel<double, ReluBack>; map2_kernel<double, SigmoidBack>; map2_kernel<double, TanhBack>; map2_kernel<double, PowBack>
-// instantiate: relu_back_sum_kernel<float>; relu_back_sum_kernel<double>
-// instantiate: relu_back_sum_kernel<__half>; relu_back_sum_kernel<__nv_bfloat16>
-// instantiate: bcast2_kernel<float, Add>; bcast2_kernel<float, Sub>; bcast2_kernel<float, Mul>; bcast2_kernel<float, Div>
-// instantiate: bcast2_kernel<double, Add>; bcast2_kernel<double, Sub>; bcast2_kernel<double, Mul>; bcast2_kernel<double, Div>
-// instantiate: fill_kernel<unsigned char>; fill_kernel<unsigned short>; fill_kernel<unsigned int>; fill_kernel<unsigned long long>
-// instantiate: convert_kernel<float, double>; convert_kernel<float, int>; convert_kernel<float, long long>; convert_kernel<float, unsigned char>; convert_kernel<float, bool>
-// instantiate: convert_kernel<double, float>; convert_kernel<double, int>; convert_kernel<double, long long>; convert_kernel<double, unsigned char>; convert_kernel<double, bool>
-// instantiate: convert_kernel<int, float>; convert_kernel<int, double>; convert_kernel<int, long long>; convert_kernel<int, unsigned char>; convert_kernel<int, bool>
-// instantiate: convert_kernel<long long, float>; convert_kernel<long long, double>; convert_kernel<long long, int>; convert_kernel<long long, unsigned char>; convert_kernel<long long, bool>
-// instantiate: convert_kernel<unsigned char, float>; convert_kernel<unsigned char, double>; convert_kernel<unsigned char, int>; convert_kernel<unsigned char, long long>
-// instantiate: convert_kernel<bool, float>; convert_kernel<bool, double>; convert_kernel<bool, int>; convert_kernel<bool, long long>
-// instantiate: map1_kernel<__half, Neg>; map1_kernel<__half, Exp>; map1_kernel<__half, Log>; map1_kernel<__half, Sqrt>; map1_kernel<__half, Tanh>; map1_kernel<__half, Scale>; map1_kernel<__half, Pow>; map1_kernel<__half, Relu>; map1_kernel<__half, Sigmoid>
-// instantiate: map1_kernel<__nv_bfloat16, Neg>; map1_kernel<__nv_bfloat16, Exp>
-// instantiate: map1_kernel<__nv_bfloat16, Log>; map1_kernel<__nv_bfloat16, Sqrt>
-// instantiate: map1_kernel<__nv_bfloat16, Tanh>; map1_kernel<__nv_bfloat16, Scale>
-// instantiate: map1_kernel<__nv_bfloat16, Pow>; map1_kernel<__nv_bfloat16, Relu>
-// instantiate: map1_kernel<__nv_bfloat16, Sigmoid>
-// instantiate: map2_kernel<__half, Add>; map2_kernel<__half, Sub>; map2_kernel<__half, Mul>; map2_kernel<__half, Div>; map2_kernel<__half, ReluBack>; map2_kernel<__half, SigmoidBack>; map2_kernel<__half, TanhBack>; map2_kernel<__half, PowBack>
-// instantiate: map2_kernel<__nv_bfloat16, Add>; map2_kernel<__nv_bfloat16, Sub>
-// instantiate: map2_kernel<__nv_bfloat16, Mul>; map2_kernel<__nv_bfloat16, Div>
-// instantiate: map2_kernel<__nv_bfloat16, ReluBack>; map2_kernel<__nv_bfloat16, SigmoidBack>
-// instantiate: map2_kernel<__nv_bfloat16, TanhBack>; map2_kernel<__nv_bfloat16, PowBack>
-// instantiate: bcast2_kernel<__half, Add>; bcast2_kernel<__half, Sub>; bcast2_kernel<__half, Mul>; bcast2_kernel<__half, Div>
-// instantiate: bcast2_kernel<__nv_bfloat16, Add>; bcast2_kernel<__nv_bfloat16, Sub>
-// instantiate: bcast2_kernel<__nv_bfloat16, Mul>; bcast2_kernel<__nv_bfloat16, Div>
-// instantiate: convert_kernel<__half, float>; convert_kernel<float, __half>; convert_kernel<__half, double>; convert_kernel<double, __half>
-// instantiate: accumulate_kernel<float, __half>
-// instantiate: convert_kernel<__nv_bfloat16, float>; convert_kernel<float, __nv_bfloat16>
-// instantiate: accumulate_kernel<float, __nv_bfloat16>
-// instantiate: convert_kernel<__nv_bfloat16, double>; convert_kernel<double, __nv_bfloat16>
+// instantiate: map1_kernel<{float, double, __half, __nv_bfloat16}, {Neg, Exp, Log, Sqrt, Tanh, Scale, Pow, Relu, Sigmoid}>
+// instantiate: map2_kernel<{float, double, __half, __nv_bfloat16}, {Add, Sub, Mul, Div, ReluBack, SigmoidBack, TanhBack, PowBack}>
+// instantiate: relu_back_sum_kernel<{float, double, __half, __nv_bfloat16}>
+// instantiate: bcast2_kernel<{float, double, __half, __nv_bfloat16}, {Add, Sub, Mul, Div}>
+// instantiate: fill_kernel<{unsigned char, unsigned short, unsigned int, unsigned long long}>
+// instantiate: convert_kernel<float, {double, int, long long, unsigned char, bool, __half, __nv_bfloat16}>; convert_kernel<double, {float, int, long long, unsigned char, bool, __half, __nv_bfloat16}>; convert_kernel<int, {float, double, long long, unsigned char, bool}>; convert_kernel<long long, {float, double, int, unsigned char, bool}>; convert_kernel<{unsigned char, bool}, {float, double, int, long long}>; convert_kernel<{__half, __nv_bfloat16}, {float, double}>
+// instantiate: accumulate_kernel<float, {__half, __nv_bfloat16}>

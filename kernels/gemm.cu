@@ -25,33 +25,11 @@
 //    the kernels check their shared memory at entry).
 //
 // instantiations-per-module: 1  (each takes seconds to build: more threads at a cold start)
-// instantiate: gemm_fp32_kernel<float, false, false>; gemm_fp32_kernel<float, false, true>
-// instantiate: gemm_fp32_kernel<float, true, false>; gemm_fp32_kernel<float, true, true>
-// instantiate: gemm_fp32_kernel<float, false, false, 64, 64>
-// instantiate: gemm_fp32_kernel<float, false, true, 64, 64>
-// instantiate: gemm_fp32_kernel<float, true, false, 64, 64>
-// instantiate: gemm_fp32_kernel<float, true, true, 64, 64>
-// instantiate: gemm_tf32_kernel<float, false, false>; gemm_tf32_kernel<float, false, true>
-// instantiate: gemm_tf32_kernel<float, true, false>; gemm_tf32_kernel<float, true, true>
-// instantiate: gemm_tf32_kernel<float, false, false, 64>; gemm_tf32_kernel<float, false, true, 64>
-// instantiate: gemm_tf32_kernel<float, true, false, 64>; gemm_tf32_kernel<float, true, true, 64>
-// instantiate: gemm_b16_kernel<__half, false, false>; gemm_b16_kernel<__half, false, true>
-// instantiate: gemm_b16_kernel<__nv_bfloat16, false, false>
-// instantiate: gemm_b16_kernel<__nv_bfloat16, false, true>
-// instantiate: gemm_b16_kernel<__half, true, false>; gemm_b16_kernel<__half, true, true>
-// instantiate: gemm_b16_kernel<__nv_bfloat16, true, false>
-// instantiate: gemm_b16_kernel<__nv_bfloat16, true, true>
-// instantiate: gemm_b16_kernel<__half, false, false, 64>; gemm_b16_kernel<__half, false, true, 64>
-// instantiate: gemm_b16_kernel<__half, true, false, 64>; gemm_b16_kernel<__half, true, true, 64>
-// instantiate: gemm_b16_kernel<__nv_bfloat16, false, false, 64>
-// instantiate: gemm_b16_kernel<__nv_bfloat16, false, true, 64>
-// instantiate: gemm_b16_kernel<__nv_bfloat16, true, false, 64>
-// instantiate: gemm_b16_kernel<__nv_bfloat16, true, true, 64>
-// instantiate: splitk_reduce_kernel<float>; splitk_reduce_kernel<__half, float>
-// instantiate: splitk_reduce_warp_kernel<float>
-// instantiate: splitk_reduce_kernel<__nv_bfloat16, float>
-// instantiate: splitk_reduce_warp_kernel<__nv_bfloat16, float>
-// instantiate: splitk_reduce_warp_kernel<__half, float>
+// instantiate: gemm_fp32_kernel<float, {false, true}, {false, true}>; gemm_fp32_kernel<float, {false, true}, {false, true}, 64, 64>
+// instantiate: gemm_tf32_kernel<float, {false, true}, {false, true}>; gemm_tf32_kernel<float, {false, true}, {false, true}, 64>
+// instantiate: gemm_b16_kernel<{__half, __nv_bfloat16}, {false, true}, {false, true}>; gemm_b16_kernel<{__half, __nv_bfloat16}, {false, true}, {false, true}, 64>
+// instantiate: splitk_reduce_kernel<float>; splitk_reduce_kernel<{__half, __nv_bfloat16}, float>
+// instantiate: splitk_reduce_warp_kernel<float>; splitk_reduce_warp_kernel<{__nv_bfloat16, __half}, float>
 
 #include "gemm_tiles.cuh"
 

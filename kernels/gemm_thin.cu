@@ -16,11 +16,8 @@
 //    then ReLU; beta != 0 adds beta * C (the gradient accumulation), C is read only then.
 //  * Each output is stored by gemm_tiles.cuh's splitk_store, as split-K's reduce stores.
 //
-// instantiate: gemm_thin_k_kernel<float>; gemm_thin_n_kernel<float, 8>
-// instantiate: gemm_thin_n_kernel<float, 16>; gemm_thin_k_kernel<__half>
-// instantiate: gemm_thin_n_kernel<__half, 8>; gemm_thin_n_kernel<__half, 16>
-// instantiate: gemm_thin_k_kernel<__nv_bfloat16>; gemm_thin_n_kernel<__nv_bfloat16, 8>
-// instantiate: gemm_thin_n_kernel<__nv_bfloat16, 16>
+// instantiate: gemm_thin_k_kernel<{float, __half, __nv_bfloat16}>
+// instantiate: gemm_thin_n_kernel<{float, __half, __nv_bfloat16}, {8, 16}>
 
 #include "common.cuh"
 #include "gemm_tiles.cuh"

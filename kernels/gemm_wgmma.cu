@@ -1,8 +1,8 @@
 // gemm_wgmma.cu: C = A @ B^T (+ bias) on Hopper tensor cores through wgmma.mma_async
 // (sm_90a): TF32 on float operands, bf16 / fp16 on __nv_bfloat16 / __half. Launcher and
 // dispatch: dptrain/backend/cuda/gemm.py, which uses this kernel for precision "tf32" float
-// operands or 16-bit operands on compute capability 9.0, when the shapes fit (below) and
-// DPTRAIN_WGMMA=0 is not set; everything else runs kernels/gemm.cu.
+// operands or 16-bit operands on compute capability 9.0, when the shapes fit (below);
+// everything else runs kernels/gemm.cu.
 //
 // Conventions
 //  * Row-major, T in and out, fp32 accumulate; float operands are read as tf32 by the
@@ -28,8 +28,7 @@
 // rastered in groups of 16 block rows for L2 reuse.
 //
 // nvrtc-options: -arch=sm_90a
-// instantiate: gemm_wgmma_kernel<float>; gemm_wgmma_kernel<__nv_bfloat16>
-// instantiate: gemm_wgmma_kernel<__half>
+// instantiate: gemm_wgmma_kernel<{float, __nv_bfloat16, __half}>
 
 #include "wgmma.cuh"
 

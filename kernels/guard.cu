@@ -46,7 +46,7 @@ __global__ void nonfinite_flag_kernel(T* flag, const T* x, long long n) {
   or_into_flag(flag, found);
 }
 
-// instantiate: nonfinite_flag_kernel<float>; nonfinite_flag_kernel<double>
+// instantiate: nonfinite_flag_kernel<{float, double}>
 
 // ----------------------------------------------------------------------------- the guard's step
 // dptrain/run/nonfinite.py's checks and decision in two kernels around the flags' all-reduce
@@ -98,5 +98,5 @@ __global__ void nonfinite_decide_kernel(const T* flags, T* decision, T* count, i
   skip[0] = d + o;
 }
 
-// instantiate: unscale_check_kernel<float>; unscale_check_kernel<double>
-// instantiate: nonfinite_decide_kernel<float>; nonfinite_decide_kernel<double>
+// instantiate: unscale_check_kernel<{float, double}>
+// instantiate: nonfinite_decide_kernel<{float, double}>

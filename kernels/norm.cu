@@ -609,20 +609,19 @@ __global__ void __launch_bounds__(CL_THREADS) bn_backward_data_cl_kernel(
   });
 }
 
-// instantiate: bn_stats_partial_kernel<float>; bn_stats_partial_kernel<double>; bn_stats_finalize_kernel<float>; bn_stats_finalize_kernel<double>
-// instantiate: bn_mean_partial_kernel<float>; bn_mean_partial_kernel<double>; bn_var_partial_kernel<float>; bn_var_partial_kernel<double>
-// instantiate: bn_finalize_kernel<float>; bn_finalize_kernel<double>
-// instantiate: bn_forward_kernel<float>; bn_forward_kernel<double>
-// instantiate: bn_stats_partial_kernel<__half>; bn_stats_finalize_kernel<__half>; bn_mean_partial_kernel<__half>; bn_var_partial_kernel<__half>; bn_forward_kernel<__half>; bn_backward_partial_kernel<__half>; bn_backward_data_kernel<__half>
-// instantiate: bn_stats_partial_kernel<__nv_bfloat16>; bn_stats_finalize_kernel<__nv_bfloat16>; bn_mean_partial_kernel<__nv_bfloat16>; bn_var_partial_kernel<__nv_bfloat16>; bn_forward_kernel<__nv_bfloat16>; bn_backward_partial_kernel<__nv_bfloat16>; bn_backward_data_kernel<__nv_bfloat16>
-// instantiate: bn_update_running_kernel<float>; bn_update_running_kernel<double>
+// instantiate: bn_stats_partial_kernel<{float, double, __half, __nv_bfloat16}>
+// instantiate: bn_stats_finalize_kernel<{float, double, __half, __nv_bfloat16}>
+// instantiate: bn_mean_partial_kernel<{float, double, __half, __nv_bfloat16}>
+// instantiate: bn_var_partial_kernel<{float, double, __half, __nv_bfloat16}>
+// instantiate: bn_finalize_kernel<{float, double}>
+// instantiate: bn_forward_kernel<{float, double, __half, __nv_bfloat16}>
+// instantiate: bn_backward_partial_kernel<{__half, __nv_bfloat16, float, double}>
+// instantiate: bn_backward_data_kernel<{__half, __nv_bfloat16, float, double}>
+// instantiate: bn_update_running_kernel<{float, double}>
 // instantiate: bn_tile_stats_partial_kernel<float>
-// instantiate: bn_backward_partial_kernel<float>; bn_backward_partial_kernel<double>
-// instantiate: bn_backward_data_kernel<float>; bn_backward_data_kernel<double>
-// instantiate: bn_stats_partial_cl_kernel<float>; bn_stats_partial_cl_kernel<double>; bn_stats_partial_cl_kernel<__half>; bn_stats_partial_cl_kernel<__nv_bfloat16>
-// instantiate: bn_mean_partial_cl_kernel<float>; bn_mean_partial_cl_kernel<double>; bn_mean_partial_cl_kernel<__half>; bn_mean_partial_cl_kernel<__nv_bfloat16>
-// instantiate: bn_var_partial_cl_kernel<float>; bn_var_partial_cl_kernel<double>; bn_var_partial_cl_kernel<__half>; bn_var_partial_cl_kernel<__nv_bfloat16>
-// instantiate: bn_backward_partial_cl_kernel<float>; bn_backward_partial_cl_kernel<double>; bn_backward_partial_cl_kernel<__half>; bn_backward_partial_cl_kernel<__nv_bfloat16>
-// instantiate: bn_backward_partial_cl_kernel<float, float, true>; bn_backward_partial_cl_kernel<double, double, true>; bn_backward_partial_cl_kernel<__half, float, true>; bn_backward_partial_cl_kernel<__nv_bfloat16, float, true>
-// instantiate: bn_forward_cl_kernel<float>; bn_forward_cl_kernel<double>; bn_forward_cl_kernel<__half>; bn_forward_cl_kernel<__nv_bfloat16>
-// instantiate: bn_backward_data_cl_kernel<float>; bn_backward_data_cl_kernel<double>; bn_backward_data_cl_kernel<__half>; bn_backward_data_cl_kernel<__nv_bfloat16>
+// instantiate: bn_stats_partial_cl_kernel<{float, double, __half, __nv_bfloat16}>
+// instantiate: bn_mean_partial_cl_kernel<{float, double, __half, __nv_bfloat16}>
+// instantiate: bn_var_partial_cl_kernel<{float, double, __half, __nv_bfloat16}>
+// instantiate: bn_backward_partial_cl_kernel<{float, double, __half, __nv_bfloat16}>; bn_backward_partial_cl_kernel<{float, __half, __nv_bfloat16}, float, true>; bn_backward_partial_cl_kernel<double, double, true>
+// instantiate: bn_forward_cl_kernel<{float, double, __half, __nv_bfloat16}>
+// instantiate: bn_backward_data_cl_kernel<{float, double, __half, __nv_bfloat16}>

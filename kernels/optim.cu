@@ -59,6 +59,5 @@ __global__ void adamw_kernel(T* param, const T* grad, T* m, T* v, const T* hyper
   }
 }
 
-// instantiate: sgd_kernel<float>; sgd_kernel<double>; adamw_kernel<float>; adamw_kernel<double>
-// instantiate: sgd_kernel<float, __half>; sgd_kernel<float, __nv_bfloat16>
-// instantiate: adamw_kernel<float, __half>; adamw_kernel<float, __nv_bfloat16>
+// instantiate: sgd_kernel<{float, double}>; sgd_kernel<float, {__half, __nv_bfloat16}>
+// instantiate: adamw_kernel<{float, double}>; adamw_kernel<float, {__half, __nv_bfloat16}>

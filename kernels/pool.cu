@@ -290,34 +290,16 @@ __global__ void max_pool_bwd_nhwc_kernel(T* dx, const T* gy, const int* idx, Poo
   }
 }
 
-// instantiate: max_pool_fwd_kernel<float, false>; max_pool_fwd_kernel<double, false>
-// instantiate: max_pool_fwd_kernel<float, true>; max_pool_fwd_kernel<double, true>
-// instantiate: max_pool_bwd_kernel<float>; max_pool_bwd_kernel<double>
-// instantiate: avg_pool_fwd_kernel<float>; avg_pool_fwd_kernel<double>; avg_pool_bwd_kernel<float>; avg_pool_bwd_kernel<double>
-// instantiate: max_pool_fwd_kernel<__half, false>; max_pool_fwd_kernel<__half, true>; max_pool_bwd_kernel<__half>
-// instantiate: max_pool_bwd_tiled_kernel<float>; max_pool_bwd_tiled_kernel<double>
-// instantiate: max_pool_bwd_tiled_kernel<__half>; max_pool_bwd_tiled_kernel<__nv_bfloat16>
-// instantiate: max_pool_fwd_kernel<__nv_bfloat16, false>; max_pool_fwd_kernel<__nv_bfloat16, true>
-// instantiate: max_pool_fwd_2x2_kernel<float, false>; max_pool_fwd_2x2_kernel<double, false>
-// instantiate: max_pool_fwd_2x2_kernel<float, true>; max_pool_fwd_2x2_kernel<double, true>
-// instantiate: max_pool_bwd_2x2_kernel<float>; max_pool_bwd_2x2_kernel<double>
-// instantiate: max_pool_fwd_2x2_kernel<__half, false>; max_pool_fwd_2x2_kernel<__half, true>
-// instantiate: max_pool_bwd_2x2_kernel<__half>
-// instantiate: max_pool_fwd_2x2_kernel<__nv_bfloat16, false>
-// instantiate: max_pool_fwd_2x2_kernel<__nv_bfloat16, true>
-// instantiate: max_pool_bwd_2x2_kernel<__nv_bfloat16>
-// instantiate: max_pool_bwd_kernel<__nv_bfloat16>
-// instantiate: avg_pool_fwd_kernel<__half>; avg_pool_bwd_kernel<__half>
-// instantiate: avg_pool_fwd_kernel<__nv_bfloat16>; avg_pool_bwd_kernel<__nv_bfloat16>
-// instantiate: max_pool_fwd_nhwc_kernel<float, false, 1>; max_pool_fwd_nhwc_kernel<float, true, 1>
-// instantiate: max_pool_fwd_nhwc_kernel<float, false, 2>; max_pool_fwd_nhwc_kernel<float, true, 2>
-// instantiate: max_pool_fwd_nhwc_kernel<double, false, 1>; max_pool_fwd_nhwc_kernel<double, true, 1>
-// instantiate: max_pool_fwd_nhwc_kernel<__half, false, 1>; max_pool_fwd_nhwc_kernel<__half, true, 1>
-// instantiate: max_pool_fwd_nhwc_kernel<__half, false, 2>; max_pool_fwd_nhwc_kernel<__half, true, 2>
-// instantiate: max_pool_fwd_nhwc_kernel<__half, false, 4>; max_pool_fwd_nhwc_kernel<__half, true, 4>
-// instantiate: max_pool_fwd_nhwc_kernel<__nv_bfloat16, false, 1>; max_pool_fwd_nhwc_kernel<__nv_bfloat16, true, 1>
-// instantiate: max_pool_fwd_nhwc_kernel<__nv_bfloat16, false, 2>; max_pool_fwd_nhwc_kernel<__nv_bfloat16, true, 2>
-// instantiate: max_pool_fwd_nhwc_kernel<__nv_bfloat16, false, 4>; max_pool_fwd_nhwc_kernel<__nv_bfloat16, true, 4>
-// instantiate: max_pool_bwd_nhwc_kernel<float, 1>; max_pool_bwd_nhwc_kernel<float, 2>; max_pool_bwd_nhwc_kernel<double, 1>
-// instantiate: max_pool_bwd_nhwc_kernel<__half, 1>; max_pool_bwd_nhwc_kernel<__half, 2>; max_pool_bwd_nhwc_kernel<__half, 4>
-// instantiate: max_pool_bwd_nhwc_kernel<__nv_bfloat16, 1>; max_pool_bwd_nhwc_kernel<__nv_bfloat16, 2>; max_pool_bwd_nhwc_kernel<__nv_bfloat16, 4>
+// instantiate: max_pool_fwd_kernel<{float, double, __half, __nv_bfloat16}, {false, true}>
+// instantiate: max_pool_bwd_kernel<{float, double, __half, __nv_bfloat16}>
+// instantiate: avg_pool_fwd_kernel<{float, double, __half, __nv_bfloat16}>
+// instantiate: avg_pool_bwd_kernel<{float, double, __half, __nv_bfloat16}>
+// instantiate: max_pool_bwd_tiled_kernel<{float, double, __half, __nv_bfloat16}>
+// instantiate: max_pool_fwd_2x2_kernel<{float, double, __half, __nv_bfloat16}, {false, true}>
+// instantiate: max_pool_bwd_2x2_kernel<{float, double, __half, __nv_bfloat16}>
+// instantiate: max_pool_fwd_nhwc_kernel<{float, double, __half, __nv_bfloat16}, {false, true}, 1>
+// instantiate: max_pool_fwd_nhwc_kernel<{float, __half, __nv_bfloat16}, {false, true}, 2>
+// instantiate: max_pool_fwd_nhwc_kernel<{__half, __nv_bfloat16}, {false, true}, 4>
+// instantiate: max_pool_bwd_nhwc_kernel<{float, double, __half, __nv_bfloat16}, 1>
+// instantiate: max_pool_bwd_nhwc_kernel<{float, __half, __nv_bfloat16}, 2>
+// instantiate: max_pool_bwd_nhwc_kernel<{__half, __nv_bfloat16}, 4>

@@ -191,24 +191,10 @@ __global__ void count_correct_kernel(float* out, const T* logits, const L* label
 }
 
 // instantiations-per-module: 3  (built whole every run: a shorter longest module)
-// instantiate: reduce_kernel<float, double, float, SumOp>; reduce_kernel<float, double, double, SumOp>; reduce_kernel<double, double, float, SumOp>; reduce_kernel<double, double, double, SumOp>
-// instantiate: reduce_kernel<float, float, float, MaxOp>; reduce_kernel<double, double, double, MaxOp>
-// instantiate: max_backward_kernel<float>; max_backward_kernel<double>
-// instantiate: channel_sum_kernel<float>; channel_sum_kernel<double>; channel_sum_fold_kernel<float>; channel_sum_fold_kernel<double>
-// instantiate: count_correct_kernel<float, int>; count_correct_kernel<float, long long>; count_correct_kernel<double, int>; count_correct_kernel<double, long long>
-// instantiate: count_correct_kernel<__half, int>; count_correct_kernel<__half, long long>; count_correct_kernel<__nv_bfloat16, int>; count_correct_kernel<__nv_bfloat16, long long>
-// instantiate: reduce_kernel<__half, double, __half, SumOp>; reduce_kernel<__half, double, double, SumOp>; reduce_kernel<double, double, __half, SumOp>
-// instantiate: reduce_kernel<__nv_bfloat16, double, __nv_bfloat16, SumOp>
-// instantiate: reduce_kernel<__nv_bfloat16, double, double, SumOp>
-// instantiate: reduce_kernel<__half, double, float, SumOp>; reduce_kernel<__nv_bfloat16, double, float, SumOp>
-// instantiate: reduce_kernel<double, double, __nv_bfloat16, SumOp>
-// instantiate: reduce_kernel<__half, float, __half, MaxOp>; reduce_kernel<__half, float, float, MaxOp>; reduce_kernel<float, float, __half, MaxOp>
-// instantiate: reduce_kernel<__nv_bfloat16, float, __nv_bfloat16, MaxOp>
-// instantiate: reduce_kernel<__nv_bfloat16, float, float, MaxOp>
-// instantiate: reduce_kernel<float, float, __nv_bfloat16, MaxOp>
-// instantiate: channel_sum_kernel<__half>; channel_sum_fold_kernel<__half>
-// instantiate: channel_sum_kernel<__nv_bfloat16>; channel_sum_fold_kernel<__nv_bfloat16>
-// instantiate: column_sum_kernel<float>; column_sum_kernel<double>; column_sum_kernel<__half>
-// instantiate: column_sum_kernel<__nv_bfloat16>
-// instantiate: column_sum_folded_kernel<float>; column_sum_folded_kernel<double>
-// instantiate: column_sum_folded_kernel<__half>; column_sum_folded_kernel<__nv_bfloat16>
+// instantiate: reduce_kernel<{float, double, __half, __nv_bfloat16}, double, {float, double}, SumOp>; reduce_kernel<{__half, double}, double, __half, SumOp>; reduce_kernel<{__nv_bfloat16, double}, double, __nv_bfloat16, SumOp>; reduce_kernel<double, double, double, MaxOp>; reduce_kernel<float, float, {float, __half, __nv_bfloat16}, MaxOp>; reduce_kernel<__half, float, {__half, float}, MaxOp>; reduce_kernel<__nv_bfloat16, float, {__nv_bfloat16, float}, MaxOp>
+// instantiate: max_backward_kernel<{float, double}>
+// instantiate: channel_sum_kernel<{float, double, __half, __nv_bfloat16}>
+// instantiate: channel_sum_fold_kernel<{float, double, __half, __nv_bfloat16}>
+// instantiate: count_correct_kernel<{float, double, __half, __nv_bfloat16}, {int, long long}>
+// instantiate: column_sum_kernel<{float, double, __half, __nv_bfloat16}>
+// instantiate: column_sum_folded_kernel<{float, double, __half, __nv_bfloat16}>

@@ -115,10 +115,8 @@ __global__ void ce_bwd_kernel(TG* g, const T* probs, const L* labels, const T* g
   }
 }
 
-// instantiate: softmax_fwd_kernel<float, false>; softmax_fwd_kernel<float, true>; softmax_fwd_kernel<double, false>; softmax_fwd_kernel<double, true>
-// instantiate: softmax_bwd_kernel<float, false>; softmax_bwd_kernel<float, true>; softmax_bwd_kernel<double, false>; softmax_bwd_kernel<double, true>
-// instantiate: ce_rows_kernel<float, int>; ce_rows_kernel<float, long long>; ce_rows_kernel<double, int>; ce_rows_kernel<double, long long>
-// instantiate: ce_rows_kernel<float, int, __half>; ce_rows_kernel<float, long long, __half>; ce_rows_kernel<float, int, __nv_bfloat16>; ce_rows_kernel<float, long long, __nv_bfloat16>
-// instantiate: ce_mean_kernel<float>; ce_mean_kernel<double>
-// instantiate: ce_bwd_kernel<float, int>; ce_bwd_kernel<float, long long>; ce_bwd_kernel<double, int>; ce_bwd_kernel<double, long long>
-// instantiate: ce_bwd_kernel<float, int, __half>; ce_bwd_kernel<float, long long, __half>; ce_bwd_kernel<float, int, __nv_bfloat16>; ce_bwd_kernel<float, long long, __nv_bfloat16>
+// instantiate: softmax_fwd_kernel<{float, double}, {false, true}>
+// instantiate: softmax_bwd_kernel<{float, double}, {false, true}>
+// instantiate: ce_rows_kernel<{float, double}, {int, long long}>; ce_rows_kernel<float, {int, long long}, {__half, __nv_bfloat16}>
+// instantiate: ce_mean_kernel<{float, double}>
+// instantiate: ce_bwd_kernel<{float, double}, {int, long long}>; ce_bwd_kernel<float, {int, long long}, {__half, __nv_bfloat16}>

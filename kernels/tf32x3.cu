@@ -44,4 +44,4 @@ __global__ void split3_kernel(const float* __restrict__ a, float* __restrict__ o
   }
 }
 
-// instantiate: split3_kernel<1>; split3_kernel<4>
+// instantiate: split3_kernel<{1, 4}>

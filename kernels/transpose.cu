@@ -118,7 +118,7 @@ __global__ void take_rows_kernel(U* out, const U* in, const L* idx, int B, long 
 // out[b, y, x, :] = in[b, i, j, :] where y + ph = sh * i and x + pw = sw * j (i < Hi, j < Wi),
 // else zeros: a channels-last grid spread onto every sh-th row and sw-th column of (B, H, W)
 // pixels. The backward-data of a strided 1x1 convolution, from the dense product at the
-// pixels its filter reaches (conv2d.py's _spread). A block per output image row (grid B*H):
+// pixels its filter reaches (conv/passes.py's _spread). A block per output image row (grid B*H):
 // a row no tap reaches is all zeros; pixel rows of `row` U's.
 template <typename U>
 __global__ void stride_spread_kernel(U* __restrict__ out, const U* __restrict__ in, int row, int H,
@@ -147,12 +147,10 @@ __global__ void index_add_kernel(T* gx, const T* gy, const long long* idx, int m
   }
 }
 
-// instantiate: strided_copy_kernel<unsigned char>; strided_copy_kernel<unsigned short>; strided_copy_kernel<unsigned int>; strided_copy_kernel<unsigned long long>
-// instantiate: take_rows_kernel<unsigned char, int>; take_rows_kernel<unsigned short, int>; take_rows_kernel<unsigned int, int>; take_rows_kernel<unsigned long long, int>
-// instantiate: take_rows_kernel<unsigned char, long long>; take_rows_kernel<unsigned short, long long>; take_rows_kernel<unsigned int, long long>; take_rows_kernel<unsigned long long, long long>
-// instantiate: index_add_kernel<float>; index_add_kernel<double>
-// instantiate: tile_transpose_kernel<unsigned short>; tile_transpose_kernel<unsigned int>
+// instantiate: strided_copy_kernel<{unsigned char, unsigned short, unsigned int, unsigned long long}>
+// instantiate: take_rows_kernel<{unsigned char, unsigned short, unsigned int, unsigned long long}, {int, long long}>
+// instantiate: index_add_kernel<{float, double}>
+// instantiate: tile_transpose_kernel<{unsigned short, unsigned int}>
 // instantiate: tile_transpose_pairs_kernel
-// instantiate: narrow_transpose_kernel<unsigned short>; narrow_transpose_kernel<unsigned int>
-// instantiate: stride_spread_kernel<uint4>; stride_spread_kernel<unsigned short>
-// instantiate: stride_spread_kernel<unsigned int>
+// instantiate: narrow_transpose_kernel<{unsigned short, unsigned int}>
+// instantiate: stride_spread_kernel<{uint4, unsigned short, unsigned int}>

@@ -340,7 +340,7 @@ def bench_conv(table, be, cpu_timer, precisions):
 
 def bench_resnet_convs(table, be, precisions):
     """ResNet-18's convolutions at 48x48 and batch 256, each pass, with our kernel's name."""
-    from dptrain.backend.cuda.conv2d import conv2d_kernels
+    from dptrain.backend.cuda.conv import conv2d_kernels
 
     rng = np.random.default_rng(3)
     for name, cin, cout, hw, k, s in RESNET_CONVS:

@@ -18,7 +18,7 @@ layout as it lies (``channels_last="auto"``, the default: the GPU's wgmma kernel
 TF32 or fp32 as 3xTF32, as PyTorch's ``memory_format=torch.channels_last``): the NCHW input
 is turned (N, H, W, C) once, every convolution, batch norm and pooling works on that layout,
 and the global pooling hands (N, C) features to ``fc``. Elsewhere (the CPU, GPUs without
-wgmma, fp32 with DPTRAIN_FP32_TF32X3=0) a channels-last convolution would copy its
+wgmma) a channels-last convolution would copy its
 activations to NCHW and back, so "auto" keeps NCHW, decided at each forward from the input's
 dtype and the backend (``conv2d_channels_last_native``). ``True`` or ``False`` fixes the
 layout. Weights, state_dict and results (to rounding) are those of the NCHW network either

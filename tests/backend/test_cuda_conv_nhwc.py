@@ -10,15 +10,16 @@ import numpy as np
 import pytest
 
 from convcheck import (DTYPES, F, H, close, fresh_conv_plans, inputs, passes,
-                       passes_match_reference, planned_kernels, reference, to_f32)
+                       passes_match_reference, planned_kernels, reference, routes_off, to_f32)
 from dptrain import backend
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
-from dptrain.backend.cuda import conv2d, gemm  # noqa: E402 - after the CuPy check
+from dptrain.backend.cuda import conv  # noqa: E402 - after the CuPy check
 
 NHWC_KERNEL = "conv2d_bwdw_nhwc_kernel"
+OFF = ("direct", "bwdw_tma", "bwdw_wgmma")  # the routes these tests turn off
 FP32_NHWC_KERNEL = "conv2d_bwdw_nhwc_fp32_kernel"
 CASES = [  # x shape, w shape, stride, padding
     ((4, 32, 12, 12), (64, 32, 3, 3), (1, 1), (1, 1)),  # a reference-CNN layer
@@ -39,9 +40,8 @@ def cu():
 def fresh_plans(cu, monkeypatch):
     """The direct kernels off (they would take the small-K cases, the 1x1 one included) and so
     is the Hopper wgmma backward-weight (test_cuda_conv_wgmma.py); TF32 for float; plans rebuilt
-    so the switches are read afresh; NaN in the pool."""
-    monkeypatch.setenv("DPTRAIN_DIRECT_CONV", "0")
-    monkeypatch.setenv("DPTRAIN_WGMMA_BWDW", "0")
+    so DPTRAIN_TEST_ROUTES_OFF is read afresh; NaN in the pool."""
+    routes_off(monkeypatch, *OFF)
     with fresh_conv_plans(cu):
         yield
 
@@ -59,8 +59,7 @@ def test_channels_last_and_nchw_kernels_agree(cu, dt, monkeypatch):
     xs, ws, stride, pad = CASES[0]
     x, w, gy = inputs(dt, xs, ws, stride, pad)
     nhwc = passes(cu, dt, x, w, gy, stride, pad)
-    monkeypatch.setenv("DPTRAIN_NHWC_CONV", "0")
-    gemm.clear_plans()
+    routes_off(monkeypatch, *OFF, "nhwc")
     assert planned_kernels(cu, x, w, gy, stride, pad)["backward_weight"] != NHWC_KERNEL
     nchw = passes(cu, dt, x, w, gy, stride, pad)
     for a, b in zip(nhwc, nchw):
@@ -79,7 +78,7 @@ def test_misaligned_gy_falls_back(cu, dt):
     shifted[...] = cp.asarray(gy)
     assert shifted.data.ptr % 16 != 0
     nchw = "conv2d_bwdw_tf32_kernel" if dt == F else "conv2d_bwdw_b16_kernel"
-    assert conv2d.conv2d_kernels(dx, cu.asarray(w), shifted, stride, pad)["backward_weight"] == nchw
+    assert conv.conv2d_kernels(dx, cu.asarray(w), shifted, stride, pad)["backward_weight"] == nchw
     got = to_f32(cu.to_numpy(cu.conv2d_backward_weight(dx, shifted, ws, stride, pad)), dt)
     want = to_f32(cu.to_numpy(cu.conv2d_backward_weight(dx, cu.asarray(gy), ws, stride, pad)), dt)
     close(got, want, dt)
@@ -101,7 +100,7 @@ def test_to_nhwc_is_a_transpose(cu, shape):
     x = np.random.default_rng(4).standard_normal(shape).astype(np.float32)
     for dt in (F, H):
         a = x.astype(dt)
-        got = cp.asnumpy(conv2d._to_nhwc(a.shape, dt)(cp.asarray(a)))
+        got = cp.asnumpy(conv.layout.to_nhwc(a.shape, dt)(cp.asarray(a)))
         assert np.array_equal(got, a.transpose(0, 2, 3, 1))
 
 
@@ -128,7 +127,6 @@ def test_fp32_nchw_backward_weight_where_channels_leave_chunks_or_switched_off(c
     fp32_passes_match_reference(cu, *inputs(F, xs, ws, stride, pad), stride, pad,
                                 "conv2d_bwdw_fp32_kernel")
     xs, ws, stride, pad = CASES[0]
-    monkeypatch.setenv("DPTRAIN_NHWC_CONV", "0")
-    gemm.clear_plans()
+    routes_off(monkeypatch, *OFF, "nhwc")
     fp32_passes_match_reference(cu, *inputs(F, xs, ws, stride, pad), stride, pad,
                                 "conv2d_bwdw_fp32_kernel")

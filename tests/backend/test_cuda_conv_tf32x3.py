@@ -11,7 +11,7 @@ from convcheck import F, fresh_conv_plans, hopper_cuda, inputs, reference
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
-from dptrain.backend.cuda import conv2d, gemm, tf32x3  # noqa: E402 - after the CuPy check
+from dptrain.backend.cuda import conv, gemm, launch, tf32x3  # noqa: E402 - after the CuPy check
 
 TOL = 1e-5
 PASSES = ("forward", "backward_data", "backward_weight")
@@ -24,8 +24,8 @@ def cu():
 
 @pytest.fixture(autouse=True)
 def fp32(cu, monkeypatch):
-    """The route on, the convolution switches at their defaults, plans rebuilt, fp32."""
-    monkeypatch.setenv("DPTRAIN_FP32_TF32X3", "1")
+    """Every route on, plans rebuilt, fp32."""
+    monkeypatch.delenv("DPTRAIN_TEST_ROUTES_OFF", raising=False)
     with fresh_conv_plans(cu), cu.runtime.precision_scope("fp32"):
         yield
 
@@ -85,7 +85,7 @@ def cl_passes(cu, x, w, gy, stride, pad):
 @pytest.mark.parametrize("xs, ws, stride, pad, routed", CASES)
 def test_channels_last_fp32_passes_match_reference(cu, xs, ws, stride, pad, routed):
     x, w, gy = inputs(F, xs, ws, stride, pad)
-    ran = conv2d.conv2d_kernels(cu.asarray(_cl(x)), cu.asarray(w), cu.asarray(_cl(gy)),
+    ran = conv.conv2d_kernels(cu.asarray(_cl(x)), cu.asarray(w), cu.asarray(_cl(gy)),
                                 stride, pad, channels_last=True)
     assert tuple(ran[p].startswith("3xtf32 ") for p in PASSES) == routed, ran
     for p, got, want in zip(PASSES, cl_passes(cu, x, w, gy, stride, pad),
@@ -95,22 +95,22 @@ def test_channels_last_fp32_passes_match_reference(cu, xs, ws, stride, pad, rout
 
 
 def test_switched_off_or_nchw_stays_on_ffma(cu, monkeypatch):
-    """DPTRAIN_FP32_TF32X3=0, or NCHW activations: no pass splits; and under TF32 the
+    """The route x3 turned off, or NCHW activations: no pass splits; and under TF32 the
     route does not apply (the operands are rounded to TF32 anyway)."""
     xs, ws, stride, pad, _ = CASES[0]
     x, w, gy = (cu.asarray(a) for a in inputs(F, xs, ws, stride, pad))
-    assert not any(k.startswith("3xtf32") for k in conv2d.conv2d_kernels(
+    assert not any(k.startswith("3xtf32") for k in conv.conv2d_kernels(
         x, w, gy, stride, pad).values())
     xc, gc = cp.ascontiguousarray(x.transpose(0, 2, 3, 1)), cp.ascontiguousarray(
         gy.transpose(0, 2, 3, 1))
     with cu.runtime.precision_scope("tf32"):
-        assert not any(k.startswith("3xtf32") for k in conv2d.conv2d_kernels(
+        assert not any(k.startswith("3xtf32") for k in conv.conv2d_kernels(
             xc, w, gc, stride, pad, channels_last=True).values())
         assert cu.conv2d_channels_last_native(np.float32)
     assert cu.conv2d_channels_last_native(np.float32)
-    monkeypatch.setenv("DPTRAIN_FP32_TF32X3", "0")
+    monkeypatch.setenv("DPTRAIN_TEST_ROUTES_OFF", "x3")
     gemm.clear_plans()
-    assert not any(k.startswith("3xtf32") for k in conv2d.conv2d_kernels(
+    assert not any(k.startswith("3xtf32") for k in conv.conv2d_kernels(
         xc, w, gc, stride, pad, channels_last=True).values())
     assert not cu.conv2d_channels_last_native(np.float32)
 
@@ -135,7 +135,7 @@ def test_resnet_fp32_alike_either_way(cu, monkeypatch):
     model = nn.resnet18((1, 12, 12), 3, widths=(16, 32, 64, 128)).to("cuda")
     results = {}
     for route in ("1", "0"):
-        monkeypatch.setenv("DPTRAIN_FP32_TF32X3", route)
+        monkeypatch.setenv("DPTRAIN_TEST_ROUTES_OFF", "" if route == "1" else "x3")
         gemm.clear_plans()
         for p in model.parameters():
             p.grad = None
@@ -151,6 +151,6 @@ def test_resnet_fp32_alike_either_way(cu, monkeypatch):
 def test_fits_bounds_the_tripled_operands_by_int32():
     """tf32x3.fits, which keeps a pass on FFMA where a tripled operand would pass int32
     indexing (a pass that large is not built here)."""
-    limit = conv2d.launch.INT32_MAX
+    limit = launch.INT32_MAX
     assert tf32x3.fits(limit // 3, 10)
     assert not tf32x3.fits(10, limit // 3 + 1)

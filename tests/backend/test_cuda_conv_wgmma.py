@@ -12,12 +12,13 @@ import numpy as np
 import pytest
 
 from convcheck import (DTYPES, close, cpu, fresh_conv_plans, hopper_cuda, inputs, passes,
-                       passes_match_reference, planned_kernels, reference, to_dt, to_f32)
+                       passes_match_reference, planned_kernels, reference, routes_off, to_dt,
+                       to_f32)
 
 cp = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
 
-from dptrain.backend.cuda import conv2d, gemm, launch  # noqa: E402 - after the CuPy check
+from dptrain.backend.cuda import conv, gemm, launch  # noqa: E402 - after the CuPy check
 
 WGMMA = "conv2d_wgmma_kernel"
 WGMMA_TMA = "conv2d_wgmma_tma_kernel"
@@ -31,8 +32,17 @@ def _channels_last(a):
     return np.ascontiguousarray(np.asarray(a).transpose(0, 2, 3, 1))
 
 
-def bwdw_kernel(dt):
-    return WGMMA_BWDW if np.dtype(dt).itemsize == 2 else WGMMA_BWDW_TF32
+def bwdw_kernel(dt, ws):
+    """The wgmma backward-weight kernel of dtype dt and weight shape ws, or None where TF32's
+    C_in*KH*KW is too short for it (TF32_BWDW_MIN_ROWS)."""
+    if np.dtype(dt).itemsize == 2:
+        return WGMMA_BWDW
+    return WGMMA_BWDW_TF32 if np.prod(ws[1:]) >= conv.bwdw_wgmma.TF32_BWDW_MIN_ROWS else None
+
+
+# Off unless a test turns them on: the TMA-fed kernels (their own tests) and the direct
+# kernels (they would take the small-K cases, the 1x1 one included)
+OFF = ("wgmma_tma", "bwdw_tma", "direct")
 CASES = [  # x shape, w shape, stride, padding
     ((4, 32, 12, 12), (64, 32, 3, 3), (1, 1), (1, 1)),  # a reference-CNN layer (K = 288)
     ((2, 64, 6, 6), (128, 64, 3, 3), (1, 1), (1, 1)),  # the next one: a 128-channel tile
@@ -54,14 +64,9 @@ def cu():
 
 @pytest.fixture(autouse=True)
 def fresh_plans(cu, monkeypatch):
-    """The gathering wgmma kernel on (the TMA-fed one where a test asks) and the direct
-    kernels off (they would take the small-K cases, the 1x1 one included); TF32 for float;
-    plans rebuilt so the switches are read afresh; NaN in the pool."""
-    monkeypatch.setenv("DPTRAIN_WGMMA_CONV", "1")
-    monkeypatch.setenv("DPTRAIN_WGMMA_CONV_TMA", "0")  # the gathering kernel (its own tests)
-    monkeypatch.setenv("DPTRAIN_WGMMA_BWDW", "1")
-    monkeypatch.setenv("DPTRAIN_WGMMA_BWDW_TF32", "1")
-    monkeypatch.setenv("DPTRAIN_DIRECT_CONV", "0")
+    """The routes in OFF off (the gathering wgmma kernels run); TF32 for float; plans rebuilt
+    so DPTRAIN_TEST_ROUTES_OFF is read afresh; NaN in the pool."""
+    routes_off(monkeypatch, *OFF)
     with fresh_conv_plans(cu):
         yield
 
@@ -73,7 +78,8 @@ def test_wgmma_passes_match_reference(cu, dt, xs, ws, stride, pad):
     ran = planned_kernels(cu, x, w, gy, stride, pad)
     assert ran["forward"] == WGMMA
     assert ran["backward_data"] == WGMMA
-    assert ran["backward_weight"] == bwdw_kernel(dt)
+    want = bwdw_kernel(dt, ws)
+    assert ran["backward_weight"] == want if want else ran["backward_weight"] != WGMMA_BWDW_TF32
     passes_match_reference(cu, dt, x, w, gy, stride, pad)
 
 
@@ -93,18 +99,17 @@ TMA_CASES = [  # x shape, w shape, stride, padding; channels in whole 128-byte s
 @pytest.mark.parametrize("dt", DTYPES)
 @pytest.mark.parametrize("xs, ws, stride, pad", TMA_CASES)
 def test_tma_fed_kernel_is_bitwise_the_same(cu, dt, xs, ws, stride, pad, monkeypatch):
-    """DPTRAIN_WGMMA_CONV_TMA=1: the TMA-fed kernel loads the same slabs (the im2col map's
+    """The TMA-fed kernel loads the same slabs (the im2col map's
     zero fill standing for the gathers' padding) and multiplies them in the same order as
     conv2d_wgmma_kernel, so both passes agree to the bit, and with the reference. The
     forward always takes it here; backward-data where one box serves every phase."""
     x, w, gy = inputs(dt, xs, ws, stride, pad)
     base = passes(cu, dt, x, w, gy, stride, pad)[:2]
-    monkeypatch.setenv("DPTRAIN_WGMMA_CONV_TMA", "1")
-    gemm.clear_plans()
+    routes_off(monkeypatch, "direct")
     ran = planned_kernels(cu, x, w, gy, stride, pad)
     assert ran["forward"] == WGMMA_TMA
     (n, c, h, wd), (cout, _, kh, kw) = xs, ws
-    box = conv2d._tma_box(1, stride, pad, (kh, kw), gy.shape[2:], (h, wd), cout, dt)
+    box = conv.wgmma.tma_box(1, stride, pad, (kh, kw), gy.shape[2:], (h, wd), cout, dt)
     assert ran["backward_data"] == (WGMMA_TMA if box else WGMMA)
     for got, want in zip(passes(cu, dt, x, w, gy, stride, pad)[:2], base):
         assert got.tobytes() == want.tobytes()
@@ -130,15 +135,14 @@ def test_tma_stores_equal_the_register_stores(cu, dt, xs, ws, stride, pad, monke
     tensor's edges), else by a rolled loop (NCHW, phases, rows not in 16 bytes); other tiles
     straight from the registers. All hold the same accumulators, so the forward (with a bias)
     and backward-data agree to the bit, channels-last against NCHW, whichever store ran."""
-    monkeypatch.setenv("DPTRAIN_WGMMA_CONV_TMA", "1")
-    gemm.clear_plans()
+    routes_off(monkeypatch, "direct")
     x, w, gy = inputs(dt, xs, ws, stride, pad)
     b = to_dt(np.linspace(-1, 1, ws[0], dtype=np.float32), dt)
     dx, dw, db, dgy = cu.asarray(x), cu.asarray(w), cu.asarray(b), cu.asarray(gy)
     xl, gyl = cu.asarray(_channels_last(x)), cu.asarray(_channels_last(gy))
     y = cu.to_numpy(cu.conv2d_forward(dx, dw, db, stride, pad))
     yl = cu.to_numpy(cu.conv2d_forward(xl, dw, db, stride, pad, channels_last=True))
-    run = conv2d._forward(xl, dw, db, stride, pad, True)
+    run = conv.passes._forward(xl, dw, db, stride, pad, True)
     assert run.kernel == WGMMA_TMA
     # 16-bit tiles of whole 16-byte rows leave by TMA stores: the case the test is for
     assert run.tma_store == (np.dtype(dt).itemsize == 2 and ws[0] % 8 == 0)
@@ -163,33 +167,32 @@ TURN_CASES = [  # x shape, w shape, stride, padding: 16-bit TMA tiles of 64 chan
 
 @pytest.mark.parametrize("dt", HALVES)
 @pytest.mark.parametrize("xs, ws, stride, pad", TURN_CASES)
-def test_turned_tiles_equal_the_plain_ones(cu, dt, xs, ws, stride, pad, monkeypatch):
-    """The 64-channel tiles computed turned around (DPTRAIN_WGMMA_CONV_TURN, on by default;
-    the weights as wgmma's A) hold the same sums, so the forward (with a bias; NCHW and
-    channels-last) and backward-data equal the plain tiles' to the bit; the epilogue's
-    statistics, summed in another order, agree within the statistics test's bounds."""
-    monkeypatch.setenv("DPTRAIN_WGMMA_CONV_TMA", "1")
+def test_turned_tiles_equal_the_gathering_kernel(cu, dt, xs, ws, stride, pad, monkeypatch):
+    """The TMA kernel's 16-bit tiles of 64 channels, computed turned around (the weights as
+    wgmma's A), hold the same sums as conv2d_wgmma_kernel's, so the forward (with a bias;
+    NCHW and channels-last) and backward-data equal the gathering kernel's to the bit; the
+    epilogue's statistics and batch_norm_stats' (each within 1e-5 of the spread of float64
+    statistics, test_forward_statistics_from_the_epilogue) agree within twice that."""
     x, w, gy = inputs(dt, xs, ws, stride, pad)
     b = to_dt(np.linspace(-1, 1, ws[0], dtype=np.float32), dt)
     dx, dw, db, dgy = cu.asarray(x), cu.asarray(w), cu.asarray(b), cu.asarray(gy)
     xl = cu.asarray(_channels_last(x))
 
-    def run():
-        gemm.clear_plans()
-        assert conv2d._forward(dx, dw, db, stride, pad).kernel == WGMMA_TMA
+    def run(tma):
+        routes_off(monkeypatch, *(("direct",) if tma else ("direct", "wgmma_tma")))
+        kernel = conv.passes._forward(dx, dw, db, stride, pad).kernel
+        assert kernel == (WGMMA_TMA if tma else WGMMA)
         y, mean, var = cu.conv2d_forward_stats(xl, dw, stride, pad, channels_last=True)
         return [cu.to_numpy(a) for a in (
             cu.conv2d_forward(dx, dw, db, stride, pad),
             cu.conv2d_forward(xl, dw, db, stride, pad, channels_last=True),
             cu.conv2d_backward_data(dgy, dw, xs, stride, pad), y, mean, var)]
 
-    monkeypatch.setenv("DPTRAIN_WGMMA_CONV_TURN", "0")
-    plain = run()
-    monkeypatch.delenv("DPTRAIN_WGMMA_CONV_TURN")  # on by default
-    turned = run()
+    plain = run(False)
+    turned = run(True)
     ctype = "__half" if np.dtype(dt) == np.float16 else "__nv_bfloat16"
     assert f"{WGMMA_TMA}<{ctype}, 64, true>" in _instantiations(
-        lambda: conv2d._forward(dx, dw, db, stride, pad))
+        lambda: conv.passes._forward(dx, dw, db, stride, pad))
     for got, want in zip(turned[:4], plain[:4]):
         assert got.tobytes() == want.tobytes()
     spread = np.sqrt(plain[5].astype(np.float64)) + 1e-30
@@ -218,12 +221,12 @@ SPREAD_CASES = [  # x shape, w shape, stride, padding: strided 1x1 filters' back
 @pytest.mark.parametrize("xs, ws, stride, pad", SPREAD_CASES)
 def test_strided_1x1_backward_data_spreads_the_dense_product(cu, dt, xs, ws, stride, pad,
                                                              monkeypatch):
-    """A strided 1x1 filter's channels-last backward-data (DPTRAIN_CONV_SPREAD, on by default):
+    """A strided 1x1 filter's channels-last backward-data (route "spread"):
     the stride-1 product at the pixels the filter reaches, spread onto x with zeros between.
     It sums the same slabs in the same order as the one pass over every pixel of x with
-    zero-filled taps (DPTRAIN_CONV_SPREAD=0), so both agree to the bit, and with the
+    zero-filled taps (the route turned off), so both agree to the bit, and with the
     reference; the pixels no tap reaches hold exact zeros."""
-    monkeypatch.setenv("DPTRAIN_WGMMA_CONV_TMA", "1")
+    routes_off(monkeypatch, "direct")
     x, w, gy = inputs(dt, xs, ws, stride, pad)
     dw, gyl = cu.asarray(w), cu.asarray(_channels_last(gy))
     nhwc = (xs[0], xs[2], xs[3], xs[1])
@@ -233,14 +236,14 @@ def test_strided_1x1_backward_data_spreads_the_dense_product(cu, dt, xs, ws, str
         return cu.to_numpy(cu.conv2d_backward_data(gyl, dw, nhwc, stride, pad,
                                                    channels_last=True))
 
-    seen = _instantiations(lambda: conv2d._backward_data(gyl, dw, nhwc, stride, pad, True))
+    seen = _instantiations(lambda: conv.passes._backward_data(gyl, dw, nhwc, stride, pad, True))
     vector = xs[1] * np.dtype(dt).itemsize % 16 == 0
     assert any(name.startswith("stride_spread_kernel") for name in seen)
     assert ("stride_spread_kernel<uint4>" in seen) == vector
     spread = backward_data()
-    monkeypatch.setenv("DPTRAIN_CONV_SPREAD", "0")
+    routes_off(monkeypatch, "direct", "spread")
     assert not any(name.startswith("stride_spread_kernel") for name in _instantiations(
-        lambda: conv2d._backward_data(gyl, dw, nhwc, stride, pad, True)))
+        lambda: conv.passes._backward_data(gyl, dw, nhwc, stride, pad, True)))
     assert spread.tobytes() == backward_data().tobytes()
     reached = np.zeros(nhwc[1:3], bool)
     reached[(-pad[0]) % stride[0]::stride[0], (-pad[1]) % stride[1]::stride[1]] = True
@@ -266,13 +269,12 @@ def test_forward_statistics_from_the_epilogue(cu, dt, xs, ws, stride, pad, offse
     mean and variance (each tile's float sums about its first pixel, merged in double) are
     the float64 statistics of y as stored within 1e-5 of its spread (the variance within
     2e-5 of itself), as close as batch_norm_stats' (one read of y) are; tiles of every
-    width sum them. With DPTRAIN_CONV_STATS=0 they are batch_norm_stats' bits."""
-    monkeypatch.setenv("DPTRAIN_WGMMA_CONV_TMA", "1")
-    gemm.clear_plans()
+    width sum them. Where the gathering kernel runs, they are batch_norm_stats' bits."""
+    routes_off(monkeypatch, "direct")
     x, w, _ = inputs(dt, xs, ws, stride, pad)
     x = to_dt(to_f32(x, dt) + offset, dt)
     dx, dw = cu.asarray(_channels_last(x) if cl else x), cu.asarray(w)
-    run = conv2d._forward(dx, dw, None, stride, pad, cl)
+    run = conv.passes._forward(dx, dw, None, stride, pad, cl)
     assert run.kernel == WGMMA_TMA and run.stat_tiles is not None
     y, mean, var = cu.conv2d_forward_stats(dx, dw, stride, pad, channels_last=cl)
     plain = cu.conv2d_forward(dx, dw, None, stride, pad, channels_last=cl)
@@ -287,22 +289,20 @@ def test_forward_statistics_from_the_epilogue(cu, dt, xs, ws, stride, pad, offse
         assert got_mean.dtype == got_var.dtype == np.float32
         assert np.all(np.abs(got_mean - ref_mean) <= 1e-5 * spread)
         assert np.all(np.abs(got_var - ref_var) <= 2e-5 * ref_var + 1e-30)
-    monkeypatch.setenv("DPTRAIN_CONV_STATS", "0")
-    gemm.clear_plans()
-    assert conv2d._forward(dx, dw, None, stride, pad, cl).stat_tiles is None
+    routes_off(monkeypatch, "direct", "wgmma_tma")
+    assert conv.passes._forward(dx, dw, None, stride, pad, cl).stat_tiles is None
     _, mean0, var0 = cu.conv2d_forward_stats(dx, dw, stride, pad, channels_last=cl)
     for got, want in zip((mean0, var0), cu.batch_norm_stats(rows)):
         assert cu.to_numpy(got).tobytes() == cu.to_numpy(want).tobytes()
 
 
-def test_tma_box_covers_resnet_passes(monkeypatch):
+def test_tma_box_covers_resnet_passes():
     """ResNet-18's passes fit one box (stride 1 and 2, 3x3 and 1x1, even sizes, into 64
     channels too); the strided backward-data of 1x1 filters stays on the gathering kernel."""
-    monkeypatch.setenv("DPTRAIN_WGMMA_CONV_TMA", "1")
     bf16 = np.dtype(np.uint16)
 
     def box(mode, stride, pad, k, src, out, c):
-        return conv2d._tma_box(mode, stride, pad, k, src, out, c, bf16)
+        return conv.wgmma.tma_box(mode, stride, pad, k, src, out, c, bf16)
 
     s1, s2, p1, p0, k3, k1 = (1, 1), (2, 2), (1, 1), (0, 0), (3, 3), (1, 1)
     assert box(0, s1, p1, k3, (48, 48), (48, 48), 64) == ((-1, -1), (-1, -1), (1, 1))
@@ -320,12 +320,12 @@ def test_tma_box_covers_resnet_passes(monkeypatch):
 @pytest.mark.parametrize("xs, ws, stride, pad, split", [
     ((2, 256, 6, 6), (512, 256, 3, 3), (1, 1), (1, 1), False),  # 36 tiles, 72 pixels: one split
     ((64, 64, 16, 16), (32, 64, 3, 3), (1, 1), (1, 1), True),  # 16,384 pixels: many splits
-    ((16, 64, 12, 12), (128, 64, 1, 1), (2, 2), (0, 0), True),  # a ResNet shortcut
+    ((16, 128, 12, 12), (128, 128, 1, 1), (2, 2), (0, 0), True),  # a ResNet shortcut
 ])
 def test_wgmma_backward_weight_with_and_without_splits(cu, dt, xs, ws, stride, pad, split):
     x, w, gy = inputs(dt, xs, ws, stride, pad)
-    assert planned_kernels(cu, x, w, gy, stride, pad)["backward_weight"] == bwdw_kernel(dt)
-    bwdw = conv2d._backward_weight(cu.asarray(x), cu.asarray(gy), ws, stride, pad)
+    assert planned_kernels(cu, x, w, gy, stride, pad)["backward_weight"] == bwdw_kernel(dt, ws)
+    bwdw = conv.passes._backward_weight(cu.asarray(x), cu.asarray(gy), ws, stride, pad)
     assert (bwdw.splits > 1) == split
     got = to_f32(cu.to_numpy(cu.conv2d_backward_weight(cu.asarray(x), cu.asarray(gy), ws,
                                                        stride, pad)), dt)
@@ -338,9 +338,8 @@ def test_wgmma_backward_weight_agrees_with_the_mma_kernel(cu, dt, monkeypatch):
     xs, ws, stride, pad = CASES[0]
     x, w, gy = inputs(dt, xs, ws, stride, pad)
     fast = passes(cu, dt, x, w, gy, stride, pad)[2]
-    monkeypatch.setenv("DPTRAIN_WGMMA_BWDW", "0")
-    gemm.clear_plans()
-    assert planned_kernels(cu, x, w, gy, stride, pad)["backward_weight"] != bwdw_kernel(dt)
+    routes_off(monkeypatch, *OFF, "bwdw_wgmma")
+    assert planned_kernels(cu, x, w, gy, stride, pad)["backward_weight"] != bwdw_kernel(dt, ws)
     close(fast, passes(cu, dt, x, w, gy, stride, pad)[2], dt, 2)
 
 
@@ -361,16 +360,14 @@ TMA_BWDW_CASES = [  # x shape, w shape, stride, padding, the tile
 @pytest.mark.parametrize("dt", HALVES)
 @pytest.mark.parametrize("xs, ws, stride, pad, tile", TMA_BWDW_CASES)
 def test_tma_backward_weight_matches_reference(cu, dt, xs, ws, stride, pad, tile, monkeypatch):
-    """conv2d_bwdw_tma_kernel (DPTRAIN_BWDW_TMA, on by default) within the 16-bit tolerance
+    """conv2d_bwdw_tma_kernel (route "bwdw_tma") within the 16-bit tolerance
     of float64, as close to the gathering wgmma kernel, bitwise repeatable, channels-last
     bitwise the same."""
-    monkeypatch.setenv("DPTRAIN_WGMMA_CONV_TMA", "1")
-    monkeypatch.setenv("DPTRAIN_BWDW_TMA", "1")
-    gemm.clear_plans()
+    routes_off(monkeypatch, "direct")
     x, w, gy = inputs(dt, xs, ws, stride, pad)
     dx, dgy = cu.asarray(x), cu.asarray(gy)
     assert planned_kernels(cu, x, w, gy, stride, pad)["backward_weight"] == TMA_BWDW
-    run = conv2d._backward_weight(dx, dgy, ws, stride, pad)
+    run = conv.passes._backward_weight(dx, dgy, ws, stride, pad)
     splits = run.splits
     assert run.tile == tile
     if xs[1] == 512:
@@ -385,49 +382,40 @@ def test_tma_backward_weight_matches_reference(cu, dt, xs, ws, stride, pad, tile
     xl, gyl = cu.asarray(_channels_last(x)), cu.asarray(_channels_last(gy))
     cl = cu.conv2d_backward_weight(xl, gyl, ws, stride, pad, channels_last=True)
     assert cu.to_numpy(cl).tobytes() == got.tobytes()
-    monkeypatch.setenv("DPTRAIN_BWDW_TMA", "0")
-    gemm.clear_plans()
+    routes_off(monkeypatch, "direct", "bwdw_tma")
     assert planned_kernels(cu, x, w, gy, stride, pad)["backward_weight"] == WGMMA_BWDW
     close(to_f32(got, dt), to_f32(run(), dt), dt, 2)
 
 
-REDUCE_CASES = [  # dtype, x shape, w shape, stride, padding: backward-weight split over pixels
-    (HALVES[0], (16, 256, 12, 12), (256, 256, 3, 3), (1, 1), (1, 1)),  # TMA: tiled by default
-    (HALVES[1], (8, 64, 12, 12), (136, 64, 3, 3), (2, 2), (1, 1)),  # partial tiles both ways
-    (HALVES[0], (8, 40, 12, 12), (72, 40, 1, 1), (2, 2), (0, 0)),  # 1x1: one tap, 40 channels
-    (DTYPES[0], (16, 64, 12, 12), (64, 64, 3, 3), (1, 1), (1, 1)),  # TF32's float partials
+REDUCE_CASES = [  # dtype, x shape, w shape, stride, padding: backward-weight split over
+    # pixels, on tiles that fill 132 SMs (so the tiled reduce runs by default)
+    (HALVES[0], (16, 256, 12, 12), (256, 256, 3, 3), (1, 1), (1, 1)),  # TMA
+    (HALVES[1], (8, 256, 12, 12), (136, 256, 3, 3), (2, 2), (1, 1)),  # partial tiles both ways
+    (HALVES[0], (8, 576, 12, 12), (1056, 576, 1, 1), (2, 2), (0, 0)),  # 1x1: one tap
+    (DTYPES[0], (16, 256, 12, 12), (256, 256, 3, 3), (1, 1), (1, 1)),  # TF32's float partials
 ]
 
 
 @pytest.mark.parametrize("dt, xs, ws, stride, pad", REDUCE_CASES)
 def test_tiled_reduce_equals_a_thread_per_output(cu, dt, xs, ws, stride, pad, monkeypatch):
-    """The split-K partials summed a tile at a time through shared memory
-    (DPTRAIN_BWDW_REDUCE_TILED=1; by default where the tiles fill the SMs) and a thread per
-    output (=0): the same additions in the same order, so the same bits."""
-    monkeypatch.setenv("DPTRAIN_WGMMA_CONV_TMA", "1")
-    monkeypatch.setenv("DPTRAIN_BWDW_TMA", "1")
+    """The split-K partials summed a tile at a time through shared memory (where the tiles
+    fill the SMs) and a thread per output (route "bwdw_reduce_tiled" turned off): the same
+    additions in the same order, so the same bits."""
     dt = dt.values[0]
     x, w, gy = inputs(dt, xs, ws, stride, pad)
     dx, dgy = cu.asarray(_channels_last(x)), cu.asarray(_channels_last(gy))
 
     def run(tiled):
-        monkeypatch.setenv("DPTRAIN_BWDW_REDUCE_TILED", tiled)
-        gemm.clear_plans()
-        assert conv2d._backward_weight(dx, dgy, ws, stride, pad, True).splits > 1
-        seen = _instantiations(lambda: conv2d._backward_weight(dx, dgy, ws, stride, pad, True))
-        assert any(name.startswith("conv2d_bwdw_reduce_tiled_kernel") for name in seen) == (
-            tiled == "1")
+        routes_off(monkeypatch, *(("direct",) if tiled else ("direct", "bwdw_reduce_tiled")))
+        assert conv.passes._backward_weight(dx, dgy, ws, stride, pad, True).splits > 1
+        seen = _instantiations(lambda: conv.passes._backward_weight(dx, dgy, ws, stride, pad, True))
+        assert any(name.startswith("conv2d_bwdw_reduce_tiled_kernel") for name in seen) == tiled
         return cu.to_numpy(cu.conv2d_backward_weight(dx, dgy, ws, stride, pad,
                                                      channels_last=True))
 
-    got = run("1")
-    assert got.tobytes() == run("0").tobytes()
+    got = run(True)
+    assert got.tobytes() == run(False).tobytes()
     close(to_f32(got, dt), reference(dt, x, w, gy, stride, pad)[2], dt, 2)
-    if xs[1] == 256:
-        monkeypatch.delenv("DPTRAIN_BWDW_REDUCE_TILED")
-        gemm.clear_plans()
-        seen = _instantiations(lambda: conv2d._backward_weight(dx, dgy, ws, stride, pad, True))
-        assert any(name.startswith("conv2d_bwdw_reduce_tiled_kernel") for name in seen)
 
 
 def test_tma_backward_weight_tiles_as_measured(monkeypatch):
@@ -435,10 +423,10 @@ def test_tma_backward_weight_tiles_as_measured(monkeypatch):
     132 SMs) as measured: 128 x 128 tiles for its 128- and 256-channel stages, 64 x 192 for
     64 channels (the only tile there) and for 512 (0.099 against 0.110 ms, fp16, H200)."""
     monkeypatch.setattr(launch, "sm_count", lambda: 132)
-    tiles = {c: conv2d._bwdw_tma_tiling(c, 9 * c, 256 * (3072 // c) ** 2)[:2]
+    tiles = {c: conv.bwdw_wgmma.tma_tiling(c, 9 * c, 256 * (3072 // c) ** 2)[:2]
              for c in (64, 128, 256, 512)}
     assert tiles == {64: (64, 192), 128: (128, 128), 256: (128, 128), 512: (64, 192)}
-    assert conv2d._bwdw_tma_tiling(64, 64, 4096) is None  # 64 columns: neither tile fits
+    assert conv.bwdw_wgmma.tma_tiling(64, 64, 4096) is None  # 64 columns: neither tile fits
 
 
 @pytest.mark.parametrize("xs, ws, stride, pad", [
@@ -447,9 +435,7 @@ def test_tma_backward_weight_tiles_as_measured(monkeypatch):
     ((4, 64, 12, 12), (128, 64, 3, 3), (2, 2), (1, 1)),  # a stride: slower here (measured)
 ])
 def test_tma_backward_weight_leaves_what_it_cannot_take(cu, xs, ws, stride, pad, monkeypatch):
-    monkeypatch.setenv("DPTRAIN_WGMMA_CONV_TMA", "1")
-    monkeypatch.setenv("DPTRAIN_BWDW_TMA", "1")
-    gemm.clear_plans()
+    routes_off(monkeypatch, "direct")
     x, w, gy = inputs(HALVES[0].values[0], xs, ws, stride, pad)
     assert planned_kernels(cu, x, w, gy, stride, pad)["backward_weight"] == WGMMA_BWDW
 
@@ -457,13 +443,12 @@ def test_tma_backward_weight_leaves_what_it_cannot_take(cu, xs, ws, stride, pad,
 def test_tf32_backward_weight_takes_wgmma_where_its_rows_fill_a_tile(cu, monkeypatch):
     """By default TF32 backward-weight runs on wgmma where it measured faster: C_in*KH*KW of
     TF32_BWDW_MIN_ROWS or more; below, conv2d_nhwc.cu's kernel."""
-    monkeypatch.delenv("DPTRAIN_WGMMA_BWDW_TF32")
     f32, nhwc = DTYPES[0].values[0], "conv2d_bwdw_nhwc_kernel"
     for cin, k, kernel in ((64, 1, nhwc), (128, 1, WGMMA_BWDW_TF32), (64, 3, WGMMA_BWDW_TF32)):
         gemm.clear_plans()
         x, w, gy = inputs(f32, (2, cin, 6, 6), (64, cin, k, k), (1, 1), (k // 2, k // 2))
         assert planned_kernels(cu, x, w, gy, (1, 1), (k // 2,) * 2)["backward_weight"] == kernel
-    assert conv2d.TF32_BWDW_MIN_ROWS == 128
+    assert conv.bwdw_wgmma.TF32_BWDW_MIN_ROWS == 128
 
 
 @pytest.mark.parametrize("dt", DTYPES)
@@ -482,8 +467,7 @@ def test_wgmma_and_mma_kernels_agree(cu, dt, monkeypatch):
     xs, ws, stride, pad = CASES[0]
     x, w, gy = inputs(dt, xs, ws, stride, pad)
     fast = passes(cu, dt, x, w, gy, stride, pad)[:2]
-    monkeypatch.setenv("DPTRAIN_WGMMA_CONV", "0")
-    gemm.clear_plans()
+    routes_off(monkeypatch, *OFF, "wgmma")
     assert planned_kernels(cu, x, w, gy, stride, pad)["forward"] != WGMMA
     slow = passes(cu, dt, x, w, gy, stride, pad)[:2]
     for a, b in zip(fast, slow):
@@ -529,9 +513,7 @@ def test_channels_last_passes_equal_nchw_bitwise(cu, dt, xs, ws, stride, pad, tm
     NCHW plan's kernel. A strided 1x1 filter's backward-data is the exception: channels-last,
     it runs the dense product at the pixels reached (on the TMA kernel where it applies),
     the same slabs in the same order, spread."""
-    monkeypatch.setenv("DPTRAIN_WGMMA_CONV_TMA", tma)
-    monkeypatch.setenv("DPTRAIN_DIRECT_CONV", "1")
-    gemm.clear_plans()
+    routes_off(monkeypatch, *(() if tma == "1" else ("wgmma_tma", "bwdw_tma")))
     x, w, gy = inputs(dt, xs, ws, stride, pad)
     b = to_dt(np.random.default_rng(7).standard_normal(ws[0]), dt)
     dx, dw, db, dgy = (cu.asarray(a) for a in (x, w, b, gy))
@@ -547,8 +529,8 @@ def test_channels_last_passes_equal_nchw_bitwise(cu, dt, xs, ws, stride, pad, tm
     for g, ref, nhwc in zip(got, want, (True, True, False)):
         ref = cu.to_numpy(ref)
         assert cu.to_numpy(g).tobytes() == (_channels_last(ref) if nhwc else ref).tobytes()
-    kernels = [conv2d.conv2d_kernels(xl, dw, gyl, stride, pad, channels_last=True),
-               conv2d.conv2d_kernels(dx, dw, dgy, stride, pad)]
+    kernels = [conv.conv2d_kernels(xl, dw, gyl, stride, pad, channels_last=True),
+               conv.conv2d_kernels(dx, dw, dgy, stride, pad)]
     if ws[2:] == (1, 1) and stride != (1, 1):
         for k in kernels:
             del k["backward_data"]
@@ -559,11 +541,11 @@ def test_channels_last_stem_backward_weight_needs_no_copies(cu, monkeypatch):
     """A one-channel stem's tensor-core backward-weight takes channels-last activations as
     they lie: it reads gy so, and x of one channel is its own NCHW view. No transpose or copy
     kernel is planned."""
-    monkeypatch.setenv("DPTRAIN_DIRECT_CONV", "1")
+    routes_off(monkeypatch, "wgmma_tma", "bwdw_tma")
     x, w, gy = inputs(HALVES[0].values[0], (4, 1, 12, 12), (64, 1, 3, 3), (1, 1), (1, 1))
     xl, gyl = cu.asarray(_channels_last(x)), cu.asarray(_channels_last(gy))
     seen = _instantiations(
-        lambda: conv2d._backward_weight(xl, gyl, w.shape, (1, 1), (1, 1), True)(xl, gyl, None))
+        lambda: conv.passes._backward_weight(xl, gyl, w.shape, (1, 1), (1, 1), True)(xl, gyl, None))
     assert any(name.startswith("conv2d_direct_bwdw_mma_kernel") for name in seen)
     assert not [name for name in seen if "transpose" in name or "copy" in name]
 
@@ -583,9 +565,8 @@ def test_direct_forward_writes_channels_last_itself(cu, dt, xs, ws, stride, pad,
     (a round of 256 pixels staged in shared memory): the NCHW forward's bits, turned, with
     and without bias, and no transpose; conv2d_forward_stats takes its tiles' statistics on
     the way: within 1e-5 of the spread of float64 statistics of y as stored (the variance
-    within 2e-5 of itself), and batch_norm_stats' bits with DPTRAIN_CONV_STATS=0."""
-    monkeypatch.setenv("DPTRAIN_DIRECT_CONV", "1")
-    gemm.clear_plans()
+    within 2e-5 of itself)."""
+    routes_off(monkeypatch, "wgmma_tma", "bwdw_tma")
     x, w, _ = inputs(dt, xs, ws, stride, pad)
     dx, dw = cu.asarray(x), cu.asarray(w)
     xl = cu.asarray(_channels_last(x))
@@ -593,7 +574,7 @@ def test_direct_forward_writes_channels_last_itself(cu, dt, xs, ws, stride, pad,
     itself = ws[0] % 2 == 0 and xs[1] * ws[2] * ws[3] <= 32
     for bias in (None, db):
         want = _channels_last(cu.to_numpy(cu.conv2d_forward(dx, dw, bias, stride, pad)))
-        seen = _instantiations(lambda: conv2d._forward(xl, dw, bias, stride, pad, True)(
+        seen = _instantiations(lambda: conv.passes._forward(xl, dw, bias, stride, pad, True)(
             dw, xl, bias, None, None))
         assert any(n.startswith("conv2d_direct_fwd_kernel") for n in seen)
         assert any(n.endswith(", true>") for n in seen) == itself
@@ -611,11 +592,6 @@ def test_direct_forward_writes_channels_last_itself(cu, dt, xs, ws, stride, pad,
     got_mean, got_var = cu.to_numpy(mean), cu.to_numpy(var)
     assert np.all(np.abs(got_mean - ref_mean) <= 1e-5 * spread)
     assert np.all(np.abs(got_var - ref_var) <= 2e-5 * ref_var + 1e-30)
-    monkeypatch.setenv("DPTRAIN_CONV_STATS", "0")
-    gemm.clear_plans()
-    _, mean0, var0 = cu.conv2d_forward_stats(xl, dw, stride, pad, channels_last=True)
-    for got, want in zip((mean0, var0), cu.batch_norm_stats(rows)):
-        assert cu.to_numpy(got).tobytes() == cu.to_numpy(want).tobytes()
 
 
 def test_channels_last_checks_its_shapes(cu):
@@ -631,13 +607,13 @@ def test_channels_last_checks_its_shapes(cu):
 def test_channels_last_native_where_wgmma_runs(cu, monkeypatch):
     """The wgmma kernels read channels-last activations as they lie: 16-bit, or float32
     under TF32; under fp32 with FFMA convolutions (3xTF32 off: test_cuda_conv_tf32x3.py) or
-    with DPTRAIN_WGMMA_CONV=0 a channels-last pass copies, and a ResNet of
+    with the wgmma routes turned off a channels-last pass copies, and a ResNet of
     channels_last="auto" then runs NCHW (both layouts: the same loss to rounding)."""
     from dptrain import nn
     from dptrain.engine import functional as F
     from dptrain.engine.autograd import Tensor
 
-    monkeypatch.setenv("DPTRAIN_FP32_TF32X3", "0")
+    routes_off(monkeypatch, *OFF, "x3")
 
     f32, f16 = np.dtype(np.float32), np.dtype(np.float16)
     assert cu.conv2d_channels_last_native(f32) and cu.conv2d_channels_last_native(f16)
@@ -652,5 +628,34 @@ def test_channels_last_native_where_wgmma_runs(cu, monkeypatch):
             assert model.layout(xt) == (prec == "tf32")
             losses[prec] = float(F.cross_entropy(model(xt), np.array([0, 2])).numpy())
     assert abs(losses["tf32"] - losses["fp32"]) <= 1e-2 * abs(losses["fp32"])
-    monkeypatch.setenv("DPTRAIN_WGMMA_CONV", "0")
+    routes_off(monkeypatch, *OFF, "x3", "wgmma")
     assert not cu.conv2d_channels_last_native(f16)
+
+
+def test_explain_lists_the_routes_a_shape_passed_over(cu, monkeypatch):
+    """explain(pass, geometry): each route before the one that takes the shape says why not,
+    and the route that takes it plans the kernel conv2d_kernels names. An unknown name in
+    DPTRAIN_TEST_ROUTES_OFF is an error, not a test that tests nothing."""
+    routes_off(monkeypatch)
+    f16 = np.float16
+    x, w = cu.asarray(np.zeros((2, 3, 32, 32), f16)), cu.asarray(np.zeros((64, 3, 7, 7), f16))
+    gy = cu.asarray(np.zeros((2, 64, 16, 16), f16))
+    stem = conv.geometry.forward(x, w, None, (2, 2), (3, 3))  # 3 channels, 7x7 / 2
+    rows = conv.explain(conv.FORWARD, stem)
+    assert [name for name, _ in rows] == ["empty", "direct", "x3", "wgmma_tma", "wgmma", "mma"]
+    assert all(why for _, why in rows[:-1]) and rows[-1][1] is None
+    assert "147" in dict(rows)["direct"]  # C_in*KH*KW
+    assert conv.conv2d_kernels(x, w, gy, (2, 2), (3, 3))["forward"] == "conv2d_b16_kernel"
+    assert conv.describe(conv.FORWARD, stem).endswith(")") and ": mma (" in conv.describe(
+        conv.FORWARD, stem)
+    xl = cu.asarray(np.zeros((2, 12, 12, 64), f16))
+    layer = conv.geometry.forward(xl, cu.asarray(np.zeros((64, 64, 3, 3), f16)), None, (1, 1),
+                                  (1, 1), cl=True)
+    assert conv.explain(conv.FORWARD, layer)[-1] == ("wgmma_tma", None)
+    routes_off(monkeypatch, "wgmma_tma")
+    assert conv.explain(conv.FORWARD, layer)[-2:] == [
+        ("wgmma_tma", "turned off by DPTRAIN_TEST_ROUTES_OFF"), ("wgmma", None)]
+    routes_off(monkeypatch, "no_such_route")
+    with pytest.raises(ValueError, match="DPTRAIN_TEST_ROUTES_OFF: no route named no_such"):
+        cu.conv2d_forward(xl, cu.asarray(np.zeros((64, 64, 3, 3), f16)), None, (1, 1), (1, 1),
+                          channels_last=True)

@@ -223,12 +223,12 @@ def test_fp32_strided_backward_data_runs_by_phases(cm):
     """Under fp32, strided backward-data of a filter wider than 1x1 over channels in whole
     16-wide slabs runs one grid z per phase; 1x1 filters, stride 1 and other channel counts
     visit every tap (a grid of one)."""
-    from dptrain.backend.cuda import conv2d
+    from dptrain.backend.cuda import conv
 
     def phases(case):
         x, wt, gy, stride, padding = _conv_setup(case)
-        return conv2d._backward_data(cp.asarray(gy), cp.asarray(wt), x.shape, stride,
-                                     padding).phases
+        return conv.passes._backward_data(cp.asarray(gy), cp.asarray(wt), x.shape, stride,
+                                          padding).phases
 
     with cm.runtime.precision_scope("fp32"):
         assert phases((2, 16, 12, 12, 32, (3, 3), (2, 2), (1, 1))) == 4
@@ -258,16 +258,19 @@ def test_direct_conv_backward_weight_bitwise_repeatable(cm):
 
 
 def test_direct_conv_can_be_turned_off(cm, monkeypatch):
-    """DPTRAIN_DIRECT_CONV=0 takes the implicit GEMM; both paths match the reference."""
-    from dptrain.backend.cuda import conv2d
+    """The route "direct" turned off takes the implicit GEMM; both paths match the reference."""
+    from dptrain.backend.cuda import conv
 
     x, wt, gy, stride, padding = _conv_setup((4, 1, 12, 12, 8, (3, 3), (1, 1), (1, 1)))
     ref = cpu.conv2d_forward(x.astype(np.float64), wt.astype(np.float64), None, stride, padding)
-    assert conv2d._direct_kmax(9) == 12
-    monkeypatch.setenv("DPTRAIN_DIRECT_CONV", "0")
+    dx, dw = cp.asarray(x), cp.asarray(wt)
+    check(cm.conv2d_forward(dx, dw, None, stride, padding), ref, "tf32")
+    assert "direct" in conv.conv2d_kernels(dx, dw, cp.asarray(gy), stride, padding)["forward"]
+    monkeypatch.setenv("DPTRAIN_TEST_ROUTES_OFF", "direct")
     gemm.clear_plans()
     try:
-        assert conv2d._direct_kmax(9) is None
+        assert "direct" not in conv.conv2d_kernels(dx, dw, cp.asarray(gy), stride,
+                                                   padding)["forward"]
         check(cm.conv2d_forward(cp.asarray(x), cp.asarray(wt), None, stride, padding), ref,
               "tf32")
     finally:
@@ -452,7 +455,8 @@ def test_wgmma_takes_products_that_fill_a_quarter_of_the_sms(hopper, m, n, k, ta
 ])
 def test_wgmma_split_k_matches_reference(hopper, monkeypatch, batch, m, n, k, ta, tb, bias):
     """Products of too few 128 x 256 tiles and K >= 1024 split K on wgmma (float partials,
-    gemm.cu's reduce adding bias and ReLU); $DPTRAIN_WGMMA_SPLITK=0 keeps gemm.cu's kernels."""
+    gemm.cu's reduce adding bias and ReLU); the route gemm_wgmma_splitk turned off keeps
+    gemm.cu's kernels."""
     a, b = _operands(batch, batch, m, n, k, ta, tb)
     ga, gb = cp.asarray(a), cp.asarray(b)
     gbias = cp.asarray(rand(n)) if bias else None
@@ -467,7 +471,7 @@ def test_wgmma_split_k_matches_reference(hopper, monkeypatch, batch, m, n, k, ta
     if bias:
         ref = ref + cp.asnumpy(gbias)
     check(out, np.maximum(ref, 0) if relu else ref, "tf32")
-    monkeypatch.setenv("DPTRAIN_WGMMA_SPLITK", "0")
+    monkeypatch.setenv("DPTRAIN_TEST_ROUTES_OFF", "gemm_wgmma_splitk")
     gemm.clear_plans()
     assert hopper.matmul_kernel(ga, gb, ta, tb, bias=gbias) == "gemm_tf32_kernel"
 
@@ -492,17 +496,17 @@ def test_wgmma_falls_back_when_misaligned_or_fp32(hopper):
             "gemm_fp32_kernel"
 
 
-def test_wgmma_switched_off_by_environment(hopper, monkeypatch):
+def test_wgmma_route_turned_off(hopper, monkeypatch):
     m, n, k = 1408, 3072, 64
     a, b = _operands((), (), m, n, k, False, True)
     ga, gb = cp.asarray(a), cp.asarray(b)
-    monkeypatch.setenv("DPTRAIN_WGMMA", "0")
+    monkeypatch.setenv("DPTRAIN_TEST_ROUTES_OFF", "gemm_wgmma")
     gemm.clear_plans()
     assert hopper.matmul_kernel(ga, gb, False, True) == "gemm_tf32_kernel"
     out = nan_like((m, n))
     hopper.matmul(ga, gb, False, True, out=out)
     check(out, a.astype(np.float64) @ b.astype(np.float64).T, "tf32")
-    monkeypatch.setenv("DPTRAIN_WGMMA", "1")
+    monkeypatch.delenv("DPTRAIN_TEST_ROUTES_OFF")
     gemm.clear_plans()
     assert hopper.matmul_kernel(ga, gb, False, True) == WGMMA
 
@@ -615,12 +619,12 @@ def test_thin_kernels_only_where_measured_faster(cm, m, n, k, ta, tb, why):
     assert "thin" not in cm.matmul_kernel(a, b, ta, tb), why
 
 
-def test_thin_products_switched_off_by_environment(cm, monkeypatch):
+def test_thin_route_turned_off(cm, monkeypatch):
     a, b = cp.asarray(rand(256, 256)), cp.asarray(rand(7, 256))
-    monkeypatch.setenv("DPTRAIN_GEMM_THIN", "0")
+    monkeypatch.setenv("DPTRAIN_TEST_ROUTES_OFF", "gemm_thin")
     gemm.clear_plans()
     assert "thin" not in cm.matmul_kernel(a, b, False, True)
-    monkeypatch.delenv("DPTRAIN_GEMM_THIN")
+    monkeypatch.delenv("DPTRAIN_TEST_ROUTES_OFF")
     gemm.clear_plans()
     assert cm.matmul_kernel(a, b, False, True) == "gemm_thin_n_kernel"
 

@@ -262,7 +262,7 @@ def test_resnet18_channels_last_gradients_equal_nchw(cu, rng, monkeypatch):
     from dptrain.backend.cuda import gemm
     from dptrain.engine.autograd import Tensor
 
-    monkeypatch.setenv("DPTRAIN_FP32_TF32X3", "0")
+    monkeypatch.setenv("DPTRAIN_TEST_ROUTES_OFF", "x3")
     gemm.clear_plans()
 
     x = cu.asarray(rng.standard_normal((16, 1, 32, 32)).astype(F32))

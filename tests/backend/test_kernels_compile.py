@@ -82,3 +82,13 @@ def test_kernel_dir_inside_an_installed_package(tmp_path, monkeypatch):
     assert installed.kernel_dir() == (pkg / "kernels").resolve()
     monkeypatch.setenv("DPTRAIN_KERNEL_DIR", str(loader.kernel_dir()))
     assert installed.kernel_dir() == loader.kernel_dir()
+
+
+def test_instantiate_lines_expand_their_products():
+    """One line per template: braces hold alternatives, the last brace varies fastest; a
+    plain name and ';'-separated expressions as before."""
+    text = ("// instantiate: k<{float, __half}, {32, 64}>; k<float, 16, true>\n"
+            "// instantiate: plain_kernel\n")
+    assert loader.name_expressions(text) == [
+        "k<float, 32>", "k<float, 64>", "k<__half, 32>", "k<__half, 64>", "k<float, 16, true>",
+        "plain_kernel"]

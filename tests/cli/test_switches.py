@@ -27,12 +27,12 @@ def test_an_on_off_switch_is_on_unless_its_value_is_0(text, on, monkeypatch):
 
 
 def test_a_valued_switch_is_its_text_as_set(monkeypatch):
-    monkeypatch.delenv("DPTRAIN_BWDW_REDUCE_TILED", raising=False)
-    assert switches.value("BWDW_REDUCE_TILED") is None
-    assert switches.value("BWDW_REDUCE_TILED", "") == ""
-    for text in ("", "0", "1", " 1"):  # kept as set: each reader parses its own values
-        monkeypatch.setenv("DPTRAIN_BWDW_REDUCE_TILED", text)
-        assert switches.value("BWDW_REDUCE_TILED", "auto") == text
+    monkeypatch.delenv("DPTRAIN_TEST_ROUTES_OFF", raising=False)
+    assert switches.value("TEST_ROUTES_OFF") is None
+    assert switches.value("TEST_ROUTES_OFF", "") == ""
+    for text in ("", "0", "x3", " x3,nhwc"):  # kept as set: each reader parses its own values
+        monkeypatch.setenv("DPTRAIN_TEST_ROUTES_OFF", text)
+        assert switches.value("TEST_ROUTES_OFF", "auto") == text
     env = {"DPTRAIN_RENDEZVOUS_TIMEOUT": "7"}  # another mapping than the environment
     assert switches.value("RENDEZVOUS_TIMEOUT", env=env) == "7"
     assert slurm.rendezvous_timeout(env) == 7.0

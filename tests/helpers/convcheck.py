@@ -56,10 +56,19 @@ def passes(cu, dt, x, w, gy, stride, pad):
 
 
 def planned_kernels(cu, x, w, gy, stride, pad):
-    """The kernel each pass's plan picks for these host inputs (conv2d.conv2d_kernels)."""
-    from dptrain.backend.cuda import conv2d
+    """The kernel each pass's plan picks for these host inputs (conv.conv2d_kernels)."""
+    from dptrain.backend.cuda import conv
 
-    return conv2d.conv2d_kernels(cu.asarray(x), cu.asarray(w), cu.asarray(gy), stride, pad)
+    return conv.conv2d_kernels(cu.asarray(x), cu.asarray(w), cu.asarray(gy), stride, pad)
+
+
+def routes_off(monkeypatch, *names):
+    """Turn the named kernel routes off (DPTRAIN_TEST_ROUTES_OFF; the list replaces any set
+    before: none given, every route on) and rebuild the plans."""
+    from dptrain.backend.cuda import gemm
+
+    monkeypatch.setenv("DPTRAIN_TEST_ROUTES_OFF", ",".join(names))
+    gemm.clear_plans()
 
 
 def reference(dt, x, w, gy, stride, pad):
@@ -86,7 +95,7 @@ def inputs(dt, xs, ws, stride, pad):
 
 @contextlib.contextmanager
 def fresh_conv_plans(cu):
-    """TF32 for float32, launch plans rebuilt on entry and exit (so environment switches are
+    """TF32 for float32, launch plans rebuilt on entry and exit (so DPTRAIN_TEST_ROUTES_OFF is
     read afresh), and NaN left in CuPy's memory pool, so an element a kernel fails to write
     shows up as NaN."""
     import cupy

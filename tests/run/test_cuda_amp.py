@@ -201,9 +201,9 @@ DIRECT_BWDW = [  # x shape, w shape, stride, padding: C_in*KH*KW <= 32, the tens
 @pytest.mark.parametrize("dt", DTYPES)
 @pytest.mark.parametrize("xs, ws, stride, pad", DIRECT_BWDW)
 def test_direct_backward_weight_16bit(cu, dt, xs, ws, stride, pad):
-    from dptrain.backend.cuda import conv2d
+    from dptrain.backend.cuda import conv
 
-    assert conv2d._direct_kmax(ws[1] * ws[2] * ws[3])
+    assert ws[1] * ws[2] * ws[3] <= conv.direct.DIRECT_MAX_K
     x = rand(dt, *xs, seed=31)
     ho = (xs[2] + 2 * pad[0] - ws[2]) // stride[0] + 1
     wo = (xs[3] + 2 * pad[1] - ws[3]) // stride[1] + 1

@@ -17,7 +17,7 @@ beside its .cu file and headed by that layer's conventions:
     data.py         data.cu: gather_normalize, augment_crop_flip, augment_resized_crop,
                     resize_center_crop, dropout_mask
     gemm.py         gemm.cu, gemm_wgmma.cu, gemm_thin.cu: matmul (and the plans conv2d shares)
-    conv2d.py       conv2d.cu: implicit-GEMM convolutions
+    conv/           conv2d*.cu: implicit-GEMM and direct convolutions, one planner per file
     norm.py         norm.cu: batch normalisation (statistics, forward, running estimates, backward)
     guard.py        guard.cu: the non-finite check and fp16 loss scaling
     launch.py       the one way to check arguments and launch; loader.py compiles the .cu files
@@ -31,7 +31,7 @@ design and measurements: NOTES.md beside this file.
 """
 from dptrain.backend import registry as _registry
 from dptrain.backend.cuda import (  # noqa: F401  (importing them registers their ops)
-    arrays, attention, conv2d, data, elementwise, gemm, guard, norm, optim, pool, reduce,
+    arrays, attention, conv, data, elementwise, gemm, guard, norm, optim, pool, reduce,
     softmax, transpose,
 )
 from dptrain.backend.cuda.gemm import matmul_kernel  # noqa: F401

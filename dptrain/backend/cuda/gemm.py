@@ -1,5 +1,5 @@
 """Launchers of kernels/gemm.cu and kernels/gemm_wgmma.cu: matmul, and the plan machinery the
-convolutions (conv2d.py) share.
+convolutions (conv/) share.
 
 Conventions (the .cu files' headers have the kernel side):
   * float32, or float16 / bfloat16 (every operand: the b16 tensor-core kernel, fp32
@@ -21,13 +21,12 @@ Conventions (the .cu files' headers have the kernel side):
   * Nothing here synchronises with the host, so a step built from these can be captured.
 
 Hopper fast path (gemm_wgmma.cu, wgmma.mma_async, sm_90a): a "tf32" float32 matmul, or a
-bfloat16 / float16 one, runs there when the device is compute capability 9.0, the
-environment does not set DPTRAIN_WGMMA=0 (read when a plan is built), and the call has its
-shape: M % 128 == 0, N % 256 == 0, K a multiple of one 128-byte row (32 floats, 64 16-bit
+bfloat16 / float16 one, runs there (route "gemm_wgmma") when the device is compute capability 9.0 and the call
+has its shape: M % 128 == 0, N % 256 == 0, K a multiple of one 128-byte row (32 floats, 64 16-bit
 values), and as many 128 x 256 output tiles as SMs, or a quarter of that where it measured
 faster than split-K (``_wgmma_faster``: long K, or little to transpose). Fewer tiles keep
 gemm.cu's split-K kernels, but for TF32 products with K >= 1024 and A K-major, which split K
-on wgmma itself (``_wgmma_split_k``; float partials summed by gemm.cu's reduce). The kernel
+on wgmma itself (``_wgmma_split_k``, route "gemm_wgmma_splitk"; float partials summed by gemm.cu's reduce). The kernel
 reads both operands K-major (a @ b^T, a and b 16-byte aligned); the other layouts first copy
 the operand that is MN-major to a K-major scratch with the tiled transpose (2 x its bytes of
 traffic, 10-25% of the product's time at the sizes that qualify, against 2.5-3x from wgmma). `matmul_kernel` names the kernel a call uses.
@@ -35,7 +34,10 @@ traffic, 10-25% of the product's time at the sizes that qualify, against 2.5-3x 
 Thin products (gemm_thin.cu): one matrix with N or K at most THIN (16) and few multiply-adds,
 as a classifier's few classes make them (``_thin_kernel``), run on CUDA cores in float, each
 operand read once and C written once, no split of K and no second pass
-($DPTRAIN_GEMM_THIN=0 sends them to the tiled kernels).
+(route "gemm_thin").
+
+DPTRAIN_TEST_ROUTES_OFF (switches.py; conv/routes.py) turns routes off for the tests:
+gemm_wgmma, gemm_wgmma_splitk and gemm_thin send their products to gemm.cu's kernels.
 """
 from __future__ import annotations
 
@@ -45,7 +47,6 @@ import math
 import cupy
 import numpy as np
 
-from dptrain import switches
 from dptrain.backend.cuda import launch
 from dptrain.backend.cuda.launch import i32
 from dptrain.backend.cuda.elementwise import add_
@@ -107,7 +108,8 @@ def plan(key, build):
 
 
 def clear_plans() -> None:
-    """Forget every plan (they are rebuilt on the next call, reading DPTRAIN_WGMMA afresh)."""
+    """Forget every plan (they are rebuilt on the next call, reading
+    DPTRAIN_TEST_ROUTES_OFF afresh)."""
     _PLANS.clear()
 
 
@@ -197,15 +199,21 @@ def _broadcast_batches(a, b):
     return a, b
 
 
+def _route_off(name: str) -> bool:
+    """Whether the tests turned route `name` off (DPTRAIN_TEST_ROUTES_OFF; conv/routes.py,
+    loaded by the time a plan is made)."""
+    from dptrain.backend.cuda.conv import routes
+    return routes.refused(name)
+
+
 @functools.lru_cache(maxsize=None)
 def _is_sm90(device_id: int) -> bool:
     return int(cupy.cuda.Device(device_id).compute_capability) == 90
 
 
 def wgmma_available() -> bool:
-    """Whether the wgmma kernels may run: a compute capability 9.0 device, and DPTRAIN_WGMMA
-    not "0"."""
-    return switches.on("WGMMA") and _is_sm90(cupy.cuda.Device().id)
+    """Whether the wgmma kernels may run: a compute capability 9.0 device."""
+    return _is_sm90(cupy.cuda.Device().id)
 
 
 def _wgmma_splits(a, b, ta, tb, m, n, k, nb) -> int:
@@ -214,7 +222,7 @@ def _wgmma_splits(a, b, ta, tb, m, n, k, nb) -> int:
     first needs no alignment of its own."""
     bk = _WGMMA_ROW // a.itemsize  # K elements in one 128-byte row
     fits = ((a.dtype in launch.HALVES or runtime.precision == "tf32")
-            and wgmma_available()
+            and wgmma_available() and not _route_off("gemm_wgmma")
             and m % _WGMMA_BM == 0 and n % _WGMMA_BN == 0 and k % bk == 0 and k > 0
             and (ta or a.data.ptr % 16 == 0) and (not tb or b.data.ptr % 16 == 0)
             and (m // _WGMMA_BM) * (n // _WGMMA_BN) <= launch.INT32_MAX
@@ -257,11 +265,11 @@ def _wgmma_split_k(dtype, ta, k: int, bk: int, tiles: int) -> int:
     """Splits of K for a TF32 product of too few 128 x 256 tiles for _wgmma_faster (under a
     quarter of the SMs): as many as fill the SMs once, each at least _WGMMA_MIN_SLABS slabs
     of bk, where K >= 1024 and A needs no transpose; else 0 (gemm.cu's split-K kernels), as
-    for 16-bit products or with $DPTRAIN_WGMMA_SPLITK=0. Measured on an H200 (BENCHMARKS.md,
+    for 16-bit products or with the route gemm_wgmma_splitk turned off. Measured on an H200 (BENCHMARKS.md,
     2026-11-27) against gemm.cu's split K: 1.06-1.87x faster on five such products from K
     1024 (the MLP's first layer 15.5 -> 12.1 us, the CNN's fc1 15.8 -> 12.2), slower below K
     1024 or with A transposed first (0.75-0.84x on three)."""
-    if (not switches.on("WGMMA_SPLITK") or dtype in launch.HALVES
+    if (_route_off("gemm_wgmma_splitk") or dtype in launch.HALVES
             or ta or k < 1024):
         return 0
     splits = min(-(-launch.sm_count() // max(tiles, 1)), k // bk // _WGMMA_MIN_SLABS)
@@ -409,7 +417,7 @@ def _plan_matmul(a, b, ta, tb, bias, relu=False, accumulate=False):
         m, nb, s_a = m * nb, 1, 0  # (batch, M, K) @ (K, N) is one (batch*M, K) @ (K, N)
     lda, ldb, ldc, s_c = a.shape[-1], b.shape[-1], n, m * n
     beta = 1.0 if accumulate else 0.0  # the wgmma kernel only writes C
-    thin = _thin_kernel(m, n, k, nb) if switches.on("GEMM_THIN") else None
+    thin = None if _route_off("gemm_thin") else _thin_kernel(m, n, k, nb)
     if thin:
         # element strides of A[m, k] and B[k, n]: a transposed operand swaps its own
         a_strides = (1, lda) if ta else (lda, 1)

@@ -43,6 +43,7 @@ import collections
 import concurrent.futures
 import functools
 import hashlib
+import itertools
 import os
 import re
 import shutil
@@ -95,8 +96,11 @@ def _cuda_include_dir(cuda_path, cuda_home, path) -> Path:  # found once per env
 
 
 # "// instantiate: add_kernel<float>" lines in a .cu file name the template
-# instantiations NVRTC must emit; each file lists its own.
+# instantiations NVRTC must emit; each file lists its own, one line per template, in product
+# form: "map2_kernel<{float, double}, {Add, Mul}>" is the four instantiations (';' separates
+# expressions).
 _INSTANTIATE = re.compile(r"^//\s*instantiate:\s*(.+?)\s*$", re.MULTILINE)
+_ALTERNATIVES = re.compile(r"\{([^{}]*)\}")
 
 
 # "// nvrtc-options: -arch=sm_90a" lines add compiler options for that file alone (appended
@@ -115,9 +119,17 @@ def file_options(source: str) -> tuple[str, ...]:
 
 
 def name_expressions(source: str) -> list[str]:
+    """The instantiations a .cu file's `// instantiate:` lines name, each product expanded
+    (the alternatives in braces, the last varying fastest)."""
     names = []
     for line in _INSTANTIATE.findall(source):
-        names += [n.strip() for n in line.split(";") if n.strip()]
+        for expr in (n.strip() for n in line.split(";")):
+            parts = _ALTERNATIVES.split(expr)
+            alternatives = [[a.strip() for a in p.split(",")] for p in parts[1::2]]
+            for pick in itertools.product(*alternatives):
+                name = "".join(t + a for t, a in zip(parts[0::2], pick + ("",)))
+                if name:
+                    names.append(name)
     return names
 
 

@@ -4,7 +4,7 @@ Under precision "fp32" the matrix kernels run FFMA, at most 67 TFLOP/s on an H10
 about 490 for TF32. Splitting each operand into TF32 parts, a = hi + lo (to 2^-22 |a|), a
 product is hi_a*hi_b + lo_a*hi_b + hi_a*lo_b: three TF32 products, which an unchanged TF32
 kernel sums when they lie side by side along a K three times as long. The convolution
-launchers (conv2d.py) do this for the channels-last passes that a TF32 wgmma kernel takes:
+launchers (conv/) do this for the channels-last passes that a TF32 wgmma kernel takes:
 the summed channels (forward, backward-data) or the batch (backward-weight) tripled.
 
 Accuracy: the parts lose nothing that matters (2^-22), but the tensor cores' fp32
@@ -14,7 +14,8 @@ output, was 1.2e-6 to 4.5e-5 a pass this way, 4.0e-7 to 4.2e-6 on our FFMA kerne
 2.9e-7 to 5.5e-5 for cuDNN's fp32 (PyTorch, TF32 off: the mode it is timed against) and
 7.5e-4 to 8.3e-4 for TF32.
 
-DPTRAIN_FP32_TF32X3: "0" keeps every fp32 convolution on FFMA kernels.
+The convolutions' route "x3" (conv/passes.py); DPTRAIN_TEST_ROUTES_OFF=x3 keeps every fp32
+convolution on FFMA kernels.
 """
 from __future__ import annotations
 
@@ -22,7 +23,6 @@ import math
 
 import numpy as np
 
-from dptrain import switches
 from dptrain.backend.cuda import launch
 from dptrain.backend.cuda.gemm import wgmma_available
 from dptrain.backend.cuda.runtime import runtime
@@ -35,9 +35,9 @@ FIRST, SECOND = "hlh", "hhl"
 
 def enabled(dt) -> bool:
     """Whether float32 passes of dtype dt may run as 3xTF32 now: precision "fp32" on a GPU
-    with wgmma (Hopper), DPTRAIN_FP32_TF32X3 not "0"."""
+    with wgmma (Hopper)."""
     return (np.dtype(dt) == np.float32 and runtime.precision == "fp32"
-            and switches.on("FP32_TF32X3") and wgmma_available())
+            and wgmma_available())
 
 
 def fits(*sizes) -> bool:
