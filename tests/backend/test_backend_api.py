@@ -11,10 +11,10 @@ BACKEND_DIR = Path(backend.__file__).parent
 
 
 def registered_in_source(device: str) -> set:
-    """Names of the functions marked @op in dptrain/backend/<device>/, read from the source
-    (no import: the CUDA backend's contract is checked without CuPy too)."""
+    """Names of the functions marked @op in dptrain/backend/<device>/ and its packages, read
+    from the source (no import: the CUDA backend's contract is checked without CuPy too)."""
     names = set()
-    for path in (BACKEND_DIR / device).glob("*.py"):
+    for path in (BACKEND_DIR / device).rglob("*.py"):
         for node in ast.parse(path.read_text()).body:
             if isinstance(node, ast.FunctionDef) and any(
                     (d.func if isinstance(d, ast.Call) else d).id == "op"
