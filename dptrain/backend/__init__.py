@@ -111,6 +111,9 @@ The runtime (``be.runtime``), with the CPU's trivial meaning in brackets:
                                              generator's state]
   ``device_count()``, ``select_device(i)``  GPUs visible; make GPU i this process's [1; no-op]
   ``memory_info() -> (free, total)``        bytes of device memory [the host's RAM]
+  ``release_memory()``                      hand the memory cached for freed arrays back to
+                                             the device (another library in the process may
+                                             need it) [no-op]
   ``communicator(mpi_comm)``                the collectives object for arrays of this backend
                                              over the ranks of ``mpi_comm`` (NCCL), or None
                                              when host MPI carries them [None]
@@ -126,7 +129,7 @@ RUNTIME = (
     "thread_target", "PRECISIONS", "precision", "set_precision", "precision_scope",
     "mixed_precisions",
     "manual_seed", "rng_state", "get_rng_state", "set_rng_state",
-    "device_count", "select_device", "memory_info", "communicator",
+    "device_count", "select_device", "memory_info", "release_memory", "communicator",
 )
 
 DEVICES = ("cpu", "cuda")

@@ -54,6 +54,18 @@ def available() -> bool:
     return True
 
 
+def release_memory() -> None:
+    """PyTorch's cached device memory back to the device (our steps need it next); nothing
+    where PyTorch was never imported."""
+    import gc
+    import sys
+
+    torch = sys.modules.get("torch")
+    gc.collect()
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def version() -> str:
     import torch
 

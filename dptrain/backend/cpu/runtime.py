@@ -177,6 +177,9 @@ class Runtime(RuntimeBase):
         except (ValueError, OSError, AttributeError):
             return 0, 0
 
+    def release_memory(self) -> None:
+        pass  # NumPy hands freed arrays back itself
+
     def communicator(self, mpi_comm):
         return None  # host MPI carries the collectives (dptrain.distributed.MPIComm)
 

@@ -403,6 +403,9 @@ class Runtime(RuntimeBase):
         free, total = cupy.cuda.runtime.memGetInfo()
         return int(free), int(total)
 
+    def release_memory(self) -> None:
+        cupy.get_default_memory_pool().free_all_blocks()
+
     def communicator(self, mpi_comm):
         """An NCCL communicator over the ranks of `mpi_comm` (rank 0 makes the unique id,
         MPI carries it); its collectives run on the current stream."""
