@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from dptrain.checkpoints.store import CheckpointError, CheckpointStore, load, step_dir
+from dptrain.distributed.world import root_decides
 from dptrain.errors import AgreedUsageError, UsageError
 from dptrain.engine.rng import init_rng
 
@@ -247,20 +248,11 @@ class Checkpointing:
             return 0
         if resume == "auto" and self.store is None:
             raise AgreedUsageError("--resume auto needs --checkpoint-dir (where to look)")
-        found = None
-        if world.is_root:
-            try:
-                found = ("ok", self._find())
-            except UsageError as exc:
-                found = ("error", str(exc))
-        if world.size > 1 and world.mpi_comm is not None:
-            found = world.mpi_comm.bcast(found, root=0)
         # every rank has what rank 0 found: its errors are every rank's (one line, no abort)
-        if found[0] == "error":
-            raise AgreedUsageError(found[1])
-        if found[1] is None:
+        found = root_decides(world, self._find)
+        if found is None:
             return 0
-        path, manifest, files = found[1]
+        path, manifest, files = found
         try:
             return self._restore(path, manifest, files)
         except UsageError as exc:  # the same checkpoint and settings on every rank

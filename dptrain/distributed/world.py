@@ -34,7 +34,7 @@ import numpy as np
 from dptrain import switches
 from dptrain.backend.bfloat16 import BFLOAT16, from_bfloat16, to_bfloat16
 from dptrain.distributed import slurm
-from dptrain.errors import RunStopped
+from dptrain.errors import AgreedUsageError, RunStopped, UsageError
 
 # Environment variables that MPI launchers set in every process they start.
 _LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
@@ -275,6 +275,23 @@ def _build(be, world, host_key=None) -> World:
 def job_rank() -> int:
     """This process's rank in the job (0 before the ranks met, or without a launcher)."""
     return _job_comm.Get_rank() if _job_comm is not None else 0
+
+
+def root_decides(world, check):
+    """check() on rank 0 (which alone reads and writes the run's files), its outcome on every
+    rank: what it returns, or the UsageError it raises, raised by every rank alike as an
+    AgreedUsageError (one line from rank 0, no abort)."""
+    outcome = ("ok", None)
+    if world.is_root:
+        try:
+            outcome = ("ok", check())
+        except UsageError as exc:
+            outcome = ("error", str(exc))
+    if world.size > 1 and world.mpi_comm is not None:
+        outcome = world.mpi_comm.bcast(outcome, root=0)
+    if outcome[0] == "error":
+        raise AgreedUsageError(outcome[1])
+    return outcome[1]
 
 
 def guarded(fn):

@@ -24,6 +24,7 @@ from dptrain.data.stream import check_depth, planned_batches
 from dptrain.distributed.startup import first_on_host, process_age_s
 from dptrain.distributed.stopping import StopRequests, signal_name
 from dptrain.distributed.watchdog import Watchdog
+from dptrain.distributed.world import root_decides
 from dptrain.engine.rng import manual_seed, set_data_shard
 from dptrain.errors import AgreedUsageError, RunStopped, UsageError
 from dptrain.nn import build_model, sync_batch_norm
@@ -74,7 +75,7 @@ def _setup(cfg: TrainConfig):
         check_depth(cfg.prefetch_depth, cfg.data_workers)  # --prefetch-depth 1: one line
         check_sizes(cfg)  # a generated dataset that fits in memory, before making it
         # --save, --log-dir, --checkpoint-dir: writable and nobody else's, before training
-        notes = _agreed(world, lambda: check_outputs(cfg) if world.is_root else [])
+        notes = root_decides(world, lambda: check_outputs(cfg))
         if cfg.global_batch_size is not None:
             if cfg.global_batch_size % world.size:  # the same sizes on every rank: agreed
                 raise AgreedUsageError(f"--global-batch-size {cfg.global_batch_size} does not "
@@ -107,21 +108,6 @@ def _setup(cfg: TrainConfig):
     if cfg.load:
         load_weights(model, cfg.load)
     return cfg, device, be, world, train_set, val_set, model, notes
-
-
-def _agreed(world, check):
-    """check() on rank 0 (which alone writes files), its outcome on every rank: a UsageError
-    it raises is raised by every rank alike (one line from rank 0, no abort)."""
-    outcome = ("ok", None)
-    try:
-        outcome = ("ok", check())
-    except UsageError as exc:
-        outcome = ("error", str(exc))
-    if world.size > 1 and world.mpi_comm is not None:
-        outcome = world.mpi_comm.bcast(outcome, root=0)
-    if outcome[0] == "error":
-        raise AgreedUsageError(outcome[1])
-    return outcome[1]
 
 
 def raised_in_user_code(exc: BaseException) -> bool:

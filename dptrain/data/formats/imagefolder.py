@@ -21,6 +21,7 @@ folder with no images is an error, and so is a single class folder (nothing to t
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -101,12 +102,10 @@ class BadImage(Exception):
     pass
 
 
-def read_image(path: str, channels, size):
-    """One image as uint8 (H, W) when grey or (H, W, 3), resized to ``size`` when given.
-
-    ``channels``: 1 -> grey, 3 -> RGB, None -> grey if the image is grey, else RGB.
-    BadImage (with the reason) for anything that is not a readable image of the allowed
-    formats and size."""
+@contextlib.contextmanager
+def _opened(path: str):
+    """The image at `path`, opened and its size checked; any failure while it is read (a
+    hostile file) is one BadImage with the reason."""
     from PIL import Image
 
     try:
@@ -115,14 +114,7 @@ def read_image(path: str, channels, size):
             if w * h > MAX_PIXELS or w <= 0 or h <= 0:
                 raise BadImage(f"{w}x{h} pixels exceeds the limit of {MAX_PIXELS} "
                                f"(a decompression bomb?)")
-            im.load()
-            if channels == 1 or (channels is None and im.mode in GRAY_MODES):
-                im = im.convert("L")
-            else:
-                im = im.convert("RGB")
-            if size is not None and im.size != (size[1], size[0]):
-                im = im.resize((size[1], size[0]), Image.BILINEAR)
-            arr = np.asarray(im, np.uint8)
+            yield im
     except BadImage:
         raise
     except Exception as err:  # noqa: BLE001 - any failure of a hostile file is a bad image
@@ -130,6 +122,25 @@ def read_image(path: str, channels, size):
         if os.path.exists(path) and os.path.getsize(path) == 0:
             text = "empty file"
         raise BadImage(text) from None
+
+
+def read_image(path: str, channels, size):
+    """One image as uint8 (H, W) when grey or (H, W, 3), resized to ``size`` when given.
+
+    ``channels``: 1 -> grey, 3 -> RGB, None -> grey if the image is grey, else RGB.
+    BadImage (with the reason) for anything that is not a readable image of the allowed
+    formats and size."""
+    from PIL import Image
+
+    with _opened(path) as im:
+        im.load()
+        if channels == 1 or (channels is None and im.mode in GRAY_MODES):
+            im = im.convert("L")
+        else:
+            im = im.convert("RGB")
+        if size is not None and im.size != (size[1], size[0]):
+            im = im.resize((size[1], size[0]), Image.BILINEAR)
+        arr = np.asarray(im, np.uint8)
     if channels is None and arr.ndim == 3 and (arr[..., 0] == arr[..., 1]).all() \
             and (arr[..., 0] == arr[..., 2]).all():
         arr = np.ascontiguousarray(arr[..., 0])  # RGB with equal channels: grey
@@ -227,28 +238,16 @@ def read_square(path: str, channels: int, side: int) -> np.ndarray:
     square kept. BadImage as ``read_image``."""
     from PIL import Image
 
-    try:
-        with Image.open(path, formats=PIL_FORMATS) as im:
-            w, h = im.size
-            if w * h > MAX_PIXELS or w <= 0 or h <= 0:
-                raise BadImage(f"{w}x{h} pixels exceeds the limit of {MAX_PIXELS} "
-                               f"(a decompression bomb?)")
-            im.draft("L" if channels == 1 else "RGB", (side, side))  # JPEG: decode smaller
-            im = im.convert("L" if channels == 1 else "RGB")
-            w, h = im.size
-            scale = side / min(w, h)
-            nw, nh = max(side, round(w * scale)), max(side, round(h * scale))
-            if (nw, nh) != (w, h):
-                im = im.resize((nw, nh), Image.BILINEAR)
-            left, top = (nw - side) // 2, (nh - side) // 2
-            arr = np.asarray(im.crop((left, top, left + side, top + side)), np.uint8)
-    except BadImage:
-        raise
-    except Exception as err:  # noqa: BLE001 - any failure of a hostile file is a bad image
-        text = str(err) or type(err).__name__
-        if os.path.exists(path) and os.path.getsize(path) == 0:
-            text = "empty file"
-        raise BadImage(text) from None
+    with _opened(path) as im:
+        im.draft("L" if channels == 1 else "RGB", (side, side))  # JPEG: decode smaller
+        im = im.convert("L" if channels == 1 else "RGB")
+        w, h = im.size
+        scale = side / min(w, h)
+        nw, nh = max(side, round(w * scale)), max(side, round(h * scale))
+        if (nw, nh) != (w, h):
+            im = im.resize((nw, nh), Image.BILINEAR)
+        left, top = (nw - side) // 2, (nh - side) // 2
+        arr = np.asarray(im.crop((left, top, left + side, top + side)), np.uint8)
     return arr[None] if arr.ndim == 2 else np.ascontiguousarray(arr.transpose(2, 0, 1))
 
 
