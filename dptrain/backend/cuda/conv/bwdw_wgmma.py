@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from dptrain.backend.cuda import launch, tma
-from dptrain.backend.cuda.conv.geometry import ConvGeom
+from dptrain.backend.cuda.conv.geometry import ConvGeom, tma_box
 from dptrain.backend.cuda.conv.layout import channels_last, to_nhwc
 from dptrain.backend.cuda.gemm import output, wgmma_available, wgmma_smem
 from dptrain.backend.cuda.launch import i32
@@ -87,8 +87,7 @@ def refuses_tma(g: ConvGeom, aligned=True):
 
 def tma_route(g: ConvGeom):
     """(box, tiling) of conv2d_bwdw_tma_kernel: the im2col box of its map of x (the
-    forward's: wgmma.tma_box) and its tiles and splits (tma_tiling), or None."""
-    from dptrain.backend.cuda.conv.wgmma import tma_box
+    forward's: geometry.tma_box) and its tiles and splits (tma_tiling), or None."""
     tiling = tma_tiling(g.cout, g.rows, g.npix)
     box = tiling and tma_box(0, g.stride, g.padding, (g.kh, g.kw), (g.h, g.w), (g.ho, g.wo),
                              g.c, g.dtype)
