@@ -6,6 +6,12 @@ where the device works asynchronously (the runtime records graphs), the host clo
 otherwise. Ops called from inside another op are counted in their caller. Run it on an eager
 step: a replayed graph issues no op calls. ``prof.rows()`` aggregates the spans by op and
 first operand shape; most ops are one kernel launch (a few, such as a split-K product, two).
+Eager spans also hold the gaps where the device waited for the host, so small ops look slow.
+
+``kernel_rows(step, sync)`` is the other view: the device time of every kernel a replayed
+step runs, from the CUDA profiling interface's kernel records (taken through PyTorch's
+profiler, which records every kernel of the process, ours included): the true cost of each
+kernel inside the graph, without host gaps. It needs PyTorch; None without it.
 """
 from __future__ import annotations
 
@@ -111,3 +117,28 @@ def format_rows(rows, title: str, top: int = 25) -> str:
     lines.append(f"  {sum(r['ms'] for r in rows):8.3f}  100.0 {sum(r['calls'] for r in rows):6.0f}"
                  f"  sum of op times")
     return "\n".join(lines)
+
+
+def kernel_rows(step, sync, steps: int = 5):
+    """[{"op": kernel, "calls", "ms", "pct"}] per step of the kernels `steps` calls of the
+    (warmed-up) `step` run, slowest first; None where PyTorch is not installed."""
+    try:
+        from torch.autograd import DeviceType
+        from torch.profiler import ProfilerActivity, profile
+    except ImportError:
+        return None
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        sync()
+    totals: dict[str, list] = {}
+    for event in prof.events():
+        if event.device_type == DeviceType.CUDA:
+            entry = totals.setdefault(event.name, [0, 0.0])
+            entry[0] += 1
+            entry[1] += event.device_time / 1e3  # us -> ms
+    whole = sum(ms for _, ms in totals.values()) or 1.0
+    rows = [{"op": name[:120], "calls": calls / steps, "ms": ms / steps, "pct": 100 * ms / whole}
+            for name, (calls, ms) in totals.items()]
+    return sorted(rows, key=lambda r: -r["ms"])

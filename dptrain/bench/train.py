@@ -34,7 +34,9 @@ TFLOP/s from the FLOPs a training step needs (``dptrain.bench.flops``: 3x the fo
 and matmul FLOPs, 138.5 MFLOP per 48x48 image for the reference CNN); ``% floor`` = that
 rate over the device's dense peak in the row's precision (``PEAK_TFLOPS`` by GPU name, or
 ``--peak-tflops``). ``--profile`` adds, for each model, batch and precision, our eager
-step's time per op (CUDA events around each op, ``dptrain.bench.profile``). ``--csv`` /
+step's time per op (CUDA events around each op, ``dptrain.bench.profile``) and, where
+PyTorch is installed, the replayed step's time per kernel (the CUDA profiling interface's
+kernel records). ``--csv`` /
 ``--json`` write the rows (JSON adds the profiles); the table prints last. On the CPU only
 eager rows run (PyTorch's eager CPU step if torch is installed).
 
@@ -167,9 +169,12 @@ def api_step(be, model_name, state, data, optimizer, precision="fp32"):
     return (lambda: step(batch)), be.runtime.synchronize
 
 
-def profile_ours(be, model_name, state, data, optimizer, precision, steps=3) -> list[dict]:
-    """Per-op device time of our eager step (mean of `steps` steps after two warm-up steps)."""
-    from dptrain.bench.profile import OpProfile
+def profile_ours(be, model_name, state, data, optimizer, precision, steps=3) -> dict:
+    """{"ops": per-op device time of our eager step (mean of `steps` steps after two warm-up
+    steps), "kernels": per-kernel time of the replayed step (profile.kernel_rows; None without
+    PyTorch or graphs)}."""
+    from dptrain.bench.profile import OpProfile, kernel_rows
+    from dptrain.run.step import CAPTURE_WARMUP
 
     with OpProfile(be) as prof:
         step, sync = our_step(be, model_name, state, data, optimizer, graph=False,
@@ -181,7 +186,31 @@ def profile_ours(be, model_name, state, data, optimizer, precision, steps=3) -> 
         for _ in range(steps):
             step()
         sync()
-        return prof.rows(steps)
+        ops = prof.rows(steps)
+    kernels = None
+    if be.runtime.records_graphs:
+        step, sync = our_step(be, model_name, state, data, optimizer, graph=True,
+                              precision=precision)
+        for _ in range(CAPTURE_WARMUP + 3):  # captured, then replayed
+            step()
+        kernels = kernel_rows(step, sync)
+    return {"model": model_name, "batch": len(data.labels), "precision": precision,
+            "ops": ops, "kernels": kernels}
+
+
+def format_profiles(profiles) -> str:
+    """Each profile as text: the eager step's ops, then the replayed step's kernels."""
+    from dptrain.bench.profile import format_rows
+
+    parts = []
+    for prof in profiles:
+        what = f"{prof['model']} batch {prof['batch']} {prof['precision']}"
+        parts.append(format_rows(prof["ops"], f"\nour eager step, {what}: device time per op "
+                                              f"(ms per step)"))
+        if prof.get("kernels"):
+            parts.append(format_rows(prof["kernels"], f"\nour replayed step, {what}: device "
+                                                      f"time per kernel (ms per step)"))
+    return "\n".join(parts)
 
 
 def _release(be):
@@ -345,7 +374,6 @@ def main(argv=None, echo=print) -> int:
     args = _parser().parse_args(argv)
     from dptrain.run import amp
     from dptrain import backend, nn
-    from dptrain.bench.profile import format_rows
     from dptrain.engine.rng import manual_seed
 
     try:
@@ -414,10 +442,9 @@ def main(argv=None, echo=print) -> int:
                         del step
                         _release(be)
                     if args.profile:
-                        ops = profile_ours(be, model_name, state, data, args.optimizer,
-                                           precision)
-                        profiles.append({"model": model_name, "batch": batch,
-                                         "precision": precision, "ops": ops})
+                        profiles.append(profile_ours(be, model_name, state, data,
+                                                     args.optimizer, precision))
+                        _release(be)
             if net is None:
                 continue
             for precision, mode in torch_step.rows(precisions, args.torch_modes, graphs):
@@ -448,9 +475,8 @@ def main(argv=None, echo=print) -> int:
         write_csv(args.csv, rows)
     if args.json:
         write_json(args.json, header, rows, profiles)
-    for prof in profiles:
-        echo(format_rows(prof["ops"], f"\nour eager step, {prof['model']} batch {prof['batch']} "
-                         f"{prof['precision']}: device time per op (ms per step)"))
+    if profiles:
+        echo(format_profiles(profiles))
     skipped = {n: why for n, why in status.items() if why}
     echo(f"\ntraining step, {'x'.join(map(str, image_shape))} images, {args.optimizer}, "
          f"{device}{' (' + gpu + ')' if gpu else ''}, {header['date']}; median of "

@@ -70,8 +70,9 @@ def test_cpu_run_writes_csv_and_json_and_prints_the_table_last(tmp_path):
     ops = {r["op"].split()[0] for r in doc["profiles"][0]["ops"]}
     assert {"conv2d_forward", "conv2d_backward_weight", "matmul", "sgd_step_"} <= ops
     assert sum(r["pct"] for r in doc["profiles"][0]["ops"]) == pytest.approx(100)
+    assert all(p["kernels"] is None for p in doc["profiles"])  # no replayed step on the CPU
     text = "\n".join(out)
-    assert "device time per op" in text
+    assert "device time per op" in text and "per kernel" not in text
     table = out[-1].splitlines()
     assert table[0].split()[:5] == ["model", "batch", "prec", "impl", "mode"]
     assert len(table) == 2 + 4  # header, rule, one line per row: the table comes last
@@ -223,3 +224,20 @@ def test_compile_time_is_a_note_apart_from_the_step_time():
     assert line.split()[4] == "compile-max-autotune"
     assert line.endswith("(compile + autotune 93.2 s)")
     assert "compile_s" in bench.FIELDS
+
+
+@pytest.mark.gpu
+def test_kernel_profile_of_the_replayed_step(tmp_path):
+    """--profile on a GPU with PyTorch: the replayed step's kernels, ours by name, their
+    shares summing to 100%."""
+    pytest.importorskip("torch")
+    from dptrain.bench.train import main
+
+    out = []
+    assert main(["--device", "cuda", "--models", "cnn", "--batch-sizes", "8", "--precisions",
+                 "bf16", "--no-torch", "--profile", "--steps", "2", "--repeats", "1",
+                 "--json", str(tmp_path / "k.json")], echo=out.append) == 0
+    kernels = json.loads((tmp_path / "k.json").read_text())["profiles"][0]["kernels"]
+    assert kernels and any("sgd" in k["op"] for k in kernels)
+    assert sum(k["pct"] for k in kernels) == pytest.approx(100)
+    assert "device time per kernel" in "\n".join(out)
