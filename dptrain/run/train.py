@@ -180,6 +180,7 @@ class _Run:
             self.total_steps = min(self.total_steps, cfg.max_steps)
         self.schedule = LRSchedule(cfg.lr, cfg.lr_schedule, self.total_steps, cfg.warmup_steps)
         cfg.warmup_steps = self.schedule.warmup_steps
+        self.opt.set_lr(self.schedule)  # begin_step sets each step's rate from its count
         self.global_batch = cfg.batch_size * world.size
         for note in self.notes:
             self.echo(f"dptrain: note: {note}")
@@ -257,7 +258,6 @@ class _Run:
                 batches = self.sampler.epoch_batches(epoch)
                 first = s.step - epoch * per_epoch  # > 0 only in the epoch a resume lands in
                 for local in range(first, min(per_epoch, first + total_steps - s.step)):
-                    self.opt.lr = self.schedule(s.step)
                     self.opt.begin_step()
                     self.loader.set_batch(batches[local])
                     with self.watch("training step", s.step + 1):
