@@ -150,6 +150,30 @@ template <> __device__ __forceinline__ __nv_bfloat16 as<__nv_bfloat16, __nv_bflo
   return v;
 }
 
+// ----------------------------------------------------------------------------- async copies
+
+// A shared-memory address as the 32 bits PTX's shared state space takes.
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+  unsigned r;
+  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
+  return r;
+}
+
+// 16-byte async copy (cp.async: committed by cp_async_commit, awaited by cp_async_wait);
+// bytes < 16 reads only `bytes` and zero-fills the rest (0 = all zeros, nothing read).
+// Source and destination must be 16-byte aligned.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src),
+               "r"(bytes));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+// Wait until at most N of this thread's committed cp.async groups are still in flight.
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
 // ----------------------------------------------------------------------------- 16-byte groups
 
 // Memory-bound kernels move GROUP<T> = 16 / sizeof(T) consecutive elements per thread: one

@@ -28,19 +28,6 @@
 
 // ----------------------------------------------------------------------------- PTX helpers
 
-__device__ __forceinline__ unsigned smem_u32(const void* p) {
-  unsigned r;
-  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
-  return r;
-}
-
-// 16-byte async copy; bytes < 16 reads only `bytes` and zero-fills the rest (0 = all zeros,
-// nothing read). Source and destination must be 16-byte aligned.
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, int bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src),
-               "r"(bytes));
-}
-
 // 4-byte async copy of one element, or a zero when !ok.
 __device__ __forceinline__ void cp_async4(float* dst, const float* src, bool ok) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_u32(dst)), "l"(src),
@@ -56,13 +43,6 @@ template <typename E>
 __device__ __forceinline__ void put_elem(E* dst, const E* src, bool ok) {
   static_assert(sizeof(E) == 2, "16-bit elements");
   *dst = ok ? *src : as<E>(0.f);
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
 __device__ __forceinline__ unsigned dynamic_smem_bytes() {

@@ -351,43 +351,63 @@ constexpr int CL_THREADS = 256;  // (256 / (C / V) rows at a time)
 // + RPI * i (cl_rows).
 __device__ __forceinline__ int cl_channel(int C, int V) { return threadIdx.x % (C / V) * V; }
 
+// The 16-byte groups a thread of a channels-last kernel has in flight: a ring of
+// CL_RING / A rows of its A arrays in dynamic shared memory (CL_RING * CL_THREADS * 16 bytes
+// a block, the launcher's RING_BYTES). ResNet-50's shapes, H200, bf16: the backward sums
+// 169 -> 101 us and the backward-data 219 -> 164 us at 205 MB an array, against 4 rows
+// loaded into registers before use (about 2.4 and 2.9 TB/s: two blocks an SM by their
+// registers, nothing in flight while a thread computed).
+constexpr int CL_RING = 8;
+
 // The row loop of every channels-last kernel: block y takes rows [y * chunk, min(rows,
 // (y + 1) * chunk)) and thread t the channel group c0 = (t % (C / V)) * V of rows t / (C / V)
-// + RPI * i (so c0, and every per-channel constant, is the thread's own for the whole loop).
-// The groups of the A arrays src[a] (null: not read) are loaded for U rows at a time before
-// f(o, packs) runs on each row in order (o its group's element offset): bytes in flight are
-// what these memory-bound kernels need (U * A groups a thread; 4 by default).
-template <int A, typename T, int U = 4 / A, typename F>
+// + RPI * i (so c0, and every per-channel constant, is the thread's own for the whole loop),
+// in that order; f(o, packs) runs on each (o its group's element offset, packs the groups of
+// the A arrays src[a], null: not read). Each thread copies its own groups with cp.async
+// into its slots of the ring, CL_RING / A - 1 rows ahead of the row f works on, and reads
+// back only what it copied: no barrier.
+template <int A, typename T, typename F>
 __device__ __forceinline__ void cl_rows(const T* const (&src)[A], int rows, int C, int chunk,
                                         F f) {
-  constexpr int V = Group<T>::size;
+  constexpr int V = Group<T>::size, STAGES = CL_RING / A;
+  static_assert(STAGES >= 2, "a ring of two rows at least");
+  extern __shared__ uint4 ring[];  // [stage][array][thread]
   const int groups = C / V, rpi = CL_THREADS / groups;
   const int lr = threadIdx.x / groups, c0 = cl_channel(C, V);
   const int r0 = blockIdx.y * chunk, r1 = min(rows, r0 + chunk);
   if (lr >= rpi) return;
-  for (int row = r0 + lr; row < r1; row += U * rpi) {
-    Pack<T, V> raw[U][A];  // as loaded: 16 bytes in 4 registers whatever T
-#pragma unroll
-    for (int u = 0; u < U; ++u)
+  const int n = r1 - r0 > lr ? (r1 - r0 - lr + rpi - 1) / rpi : 0;  // this thread's rows
+  const auto at = [&](int i) { return (long long)(r0 + lr + i * rpi) * C + c0; };
+  const auto slot = [&](int i, int a) {
+    return ring + ((i % STAGES) * A + a) * CL_THREADS + threadIdx.x;
+  };
+  const auto issue = [&](int i) {  // row i's groups into its slots (an empty group past n)
+    if (i < n)
 #pragma unroll
       for (int a = 0; a < A; ++a)
-        if (row + u * rpi < r1 && src[a])  // rows past r1 are neither read nor passed on
-          raw[u][a] = *reinterpret_cast<const Pack<T, V>*>(
-              src[a] + (long long)(row + u * rpi) * C + c0);
+        if (src[a]) cp_async16(slot(i, a), src[a] + at(i), 16);
+    cp_async_commit();
+  };
 #pragma unroll
-    for (int u = 0; u < U; ++u)
-      if (row + u * rpi < r1) f((long long)(row + u * rpi) * C + c0, raw[u]);
+  for (int i = 0; i < STAGES - 1; ++i) issue(i);
+  for (int i = 0; i < n; ++i) {
+    issue(i + STAGES - 1);  // into the slots row i - 1 was read from
+    cp_async_wait<STAGES - 1>();
+    Pack<T, V> raw[A];
+#pragma unroll
+    for (int a = 0; a < A; ++a)
+      if (src[a]) raw[a] = *reinterpret_cast<const Pack<T, V>*>(slot(i, a));
+    f(at(i), raw);
   }
 }
 
 // The partial sums of the channels-last reductions over cl_rows: add(acc, v, o) adds one
 // row's groups v[a][k] (channel c0 + k of array a; o the groups' element offset) into
-// acc[r][k]. A thread's sums are in
-// the compute type P (a few hundred rows at most: 3 * SMs splits of rows / RPI; float keeps
-// the registers, and so the loads in flight, of a 16-bit group); the RPI threads of each
-// channel group are then added in double, in row order, through shared memory, and
-// ws[(y * R + r) * C + c] written. U: cl_rows'.
-template <int R, int A, typename Acc, typename T, int U = 4 / A, typename Add>
+// acc[r][k]. A thread's sums are in the compute type P for 16-bit x (a few hundred rows at
+// most: 3 * SMs splits of rows / RPI; float keeps the registers of a 16-bit group); the RPI
+// threads of each channel group are then added in double, in row order, through shared
+// memory, and ws[(y * R + r) * C + c] written.
+template <int R, int A, typename Acc, typename T, typename Add>
 __device__ __forceinline__ void cl_partials(double* ws, const T* const (&src)[A], int rows,
                                             int C, int chunk, Add add) {
   constexpr int V = Group<T>::size;
@@ -399,7 +419,7 @@ __device__ __forceinline__ void cl_partials(double* ws, const T* const (&src)[A]
   for (int r = 0; r < R; ++r)
 #pragma unroll
     for (int k = 0; k < V; ++k) acc[r][k] = Acc(0);
-  cl_rows<A, T, U>(src, rows, C, chunk, [&](long long o, const Pack<T, V> (&raw)[A]) {
+  cl_rows<A, T>(src, rows, C, chunk, [&](long long o, const Pack<T, V> (&raw)[A]) {
     Acc v[A][V];
 #pragma unroll
     for (int a = 0; a < A; ++a)
@@ -492,11 +512,9 @@ template <typename T> struct Join {
   T* out;
 };
 
-// bn_backward_partial_kernel, channels-last: the constants of each channel staged once. Its
-// registers allow two blocks an SM (the launcher's BACKWARD_PER_SM; 95 for fp16 with
-// cl_rows' default 2 rows in flight, 112 with 4, nvcc), so each thread keeps 4 rows of both
-// arrays in flight. JOIN: gy is the Join's a (read as gy), joined with b and masked by y
-// first and stored (2 rows of the four arrays in flight).
+// bn_backward_partial_kernel, channels-last: the constants of each channel staged once. Two
+// blocks an SM (the launcher's BACKWARD_PER_SM; three ran 25% slower on ResNet-50's shapes).
+// JOIN: gy is the Join's a (read as gy), joined with b and masked by y first and stored.
 template <typename T, typename P = compute_t<T>, bool JOIN = false>
 __global__ void __launch_bounds__(CL_THREADS) bn_backward_partial_cl_kernel(
     double* ws, Join<T> join, const T* gy, const T* x, const P* mean, const P* var,
@@ -534,17 +552,14 @@ __global__ void __launch_bounds__(CL_THREADS) bn_backward_partial_cl_kernel(
   };
   if constexpr (JOIN) {
     const T* const src[4] = {gy, x, join.b, join.y};
-    cl_partials<2, 4, P, T, 2>(ws, src, rows, C, chunk, add);
+    cl_partials<2, 4, P, T>(ws, src, rows, C, chunk, add);
   } else {
     const T* const src[2] = {gy, x};
-    cl_partials<2, 2, P, T, 4>(ws, src, rows, C, chunk, add);
+    cl_partials<2, 2, P, T>(ws, src, rows, C, chunk, add);
   }
 }
 
-// bn_forward_kernel over channels-last x (cl_rows; grid (1, blocks), `chunk` rows each). Each
-// thread keeps 4 rows of both arrays in flight: in a per-kernel sweep of ResNet-18's shapes
-// at the grids the launcher picks (fp16, H200), 4 against cl_rows' default of 2 took the
-// backward-data 0-2.4 us less a launch and the forward between 0.5 us more and 3.1 less.
+// bn_forward_kernel over channels-last x (cl_rows; grid (1, blocks), `chunk` rows each).
 template <typename T, typename P = compute_t<T>>
 __global__ void __launch_bounds__(CL_THREADS) bn_forward_cl_kernel(
     T* y, const T* x, const T* residual, const P* mean, const P* var, const P* weight,
@@ -564,7 +579,7 @@ __global__ void __launch_bounds__(CL_THREADS) bn_forward_cl_kernel(
     shift[k] = bias[c0 + k];
   }
   const T* const src[2] = {x, residual};
-  cl_rows<2, T, 4>(src, rows, C, chunk, [&](long long o, const Pack<T, V> (&raw)[2]) {
+  cl_rows<2, T>(src, rows, C, chunk, [&](long long o, const Pack<T, V> (&raw)[2]) {
     P v[V];
 #pragma unroll
     for (int k = 0; k < V; ++k) {
@@ -576,7 +591,7 @@ __global__ void __launch_bounds__(CL_THREADS) bn_forward_cl_kernel(
   });
 }
 
-// bn_backward_data_kernel over channels-last x (cl_rows, 4 rows in flight, as the forward).
+// bn_backward_data_kernel over channels-last x (cl_rows, as the forward).
 template <typename T, typename P = compute_t<T>>
 __global__ void __launch_bounds__(CL_THREADS) bn_backward_data_cl_kernel(
     T* dx, const T* gy, const T* x, const P* mean, const P* var, const P* weight,
@@ -595,7 +610,7 @@ __global__ void __launch_bounds__(CL_THREADS) bn_backward_data_cl_kernel(
     shift[k] = relu_bias ? relu_bias[c] : P(0);
   }
   const T* const src[2] = {gy, x};
-  cl_rows<2, T, 4>(src, rows, C, chunk, [&](long long o, const Pack<T, V> (&raw)[2]) {
+  cl_rows<2, T>(src, rows, C, chunk, [&](long long o, const Pack<T, V> (&raw)[2]) {
     P g[V];
 #pragma unroll
     for (int k = 0; k < V; ++k) {

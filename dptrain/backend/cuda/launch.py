@@ -81,7 +81,8 @@ def new(shape, dtype):
 def kernel(filename: str, name: str, *targs: str, smem: int = 0):
     """Kernel `name` of kernels/`filename`, instantiated as name<targs...> when template
     arguments are given (the spelling must match the file's `// instantiate:` line), allowed
-    `smem` bytes of dynamic shared memory (above 48 KB a kernel must opt in). Inside
+    `smem` bytes of dynamic shared memory (opted in: with its static shared memory a kernel
+    past 48 KB must be). Inside
     ``recording()``: a stand-in that launches nothing, the kernel noted instead."""
     if _recorded is not None:
         seen = (filename, f"{name}<{', '.join(targs)}>" if targs else name)
@@ -96,7 +97,7 @@ def kernel(filename: str, name: str, *targs: str, smem: int = 0):
 @functools.lru_cache(maxsize=None)
 def _kernel(filename: str, name: str, *targs: str, smem: int = 0):
     fn = loader.function(filename, f"{name}<{', '.join(targs)}>" if targs else name)
-    if smem > 48 * 1024:
+    if smem > fn.max_dynamic_shared_size_bytes:  # one function, many sizes: only raised
         fn.max_dynamic_shared_size_bytes = smem
     return fn
 

@@ -41,9 +41,12 @@ NORM = "norm.cu"
 CL_THREADS = 256
 FOLD_BLOCK = (32, 32)  # the finalize kernels' blocks: 32 outputs x FOLD_LANES
 TILE_PIXELS = 128  # the pixels of a convolution tile (batch_norm_tile_stats)
-# Blocks an SM of the channels-last reductions: 3, but 2 for the backward's (its registers
-# fit two blocks of 256 an SM: 3 ran a second, one-third wave)
+# Blocks an SM of the channels-last reductions: 3, but 2 for the backward's (with its ring,
+# 3 ran 25% slower on ResNet-50's shapes, H200: 2.36 against 1.84 ms a step of them)
 SUMS_PER_SM, BACKWARD_PER_SM = 3, 2
+# norm.cu's CL_RING: every channels-last kernel keeps its loads in flight in a ring of this
+# many bytes of dynamic shared memory a block
+RING_BYTES = 8 * CL_THREADS * 16
 # Blocks an SM of the channels-last elementwise kernels: 4, or 2 where a thread would then
 # move fewer than MAP_THREAD_ROWS rows (each block loads its channels' constants first).
 # ResNet-18 fp16 at batch 256, H200: 2 an SM on its layer2-4 shapes made the step 55 us
@@ -124,8 +127,9 @@ def _cl_sums(name, x, rows_per_channel, args, per_sm=SUMS_PER_SM, targs=None):
     kernel's template arguments (x's element type by default)."""
     rows, c, splits, chunk = _cl_grid(x, per_sm)
     ws = launch.new((splits, rows_per_channel, c), np.dtype(np.float64))
-    fn = launch.kernel(NORM, name, *(targs or (launch.ctype(x.dtype),)))
-    fn((1, splits), (CL_THREADS,), (ws, *args, np.int32(rows), np.int32(c), np.int32(chunk)))
+    fn = launch.kernel(NORM, name, *(targs or (launch.ctype(x.dtype),)), smem=RING_BYTES)
+    fn((1, splits), (CL_THREADS,), (ws, *args, np.int32(rows), np.int32(c), np.int32(chunk)),
+       shared_mem=RING_BYTES)
     return ws, splits
 
 
@@ -136,8 +140,9 @@ def _cl_map(name, x, args):
     per_pass = CL_THREADS // (c // launch.group_size(x.dtype))
     many = rows >= MAP_PER_SM * launch.sm_count() * per_pass * MAP_THREAD_ROWS
     rows, c, blocks, chunk = _cl_grid(x, MAP_PER_SM if many else MAP_FEW_PER_SM)
-    fn = launch.kernel(NORM, name, launch.ctype(x.dtype))
-    fn((1, blocks), (CL_THREADS,), args + (np.int32(rows), np.int32(c), np.int32(chunk)))
+    fn = launch.kernel(NORM, name, launch.ctype(x.dtype), smem=RING_BYTES)
+    fn((1, blocks), (CL_THREADS,), args + (np.int32(rows), np.int32(c), np.int32(chunk)),
+       shared_mem=RING_BYTES)
 
 
 def _groups(op, x):
