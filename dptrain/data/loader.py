@@ -26,12 +26,13 @@ Two modes, chosen once, give bitwise identical batches:
 ``max_device_bytes``, or with ``max_device_bytes=None`` at most half of the free device
 memory that ``be.runtime.memory_info()`` reports (or when it reports none, 0); "device"
 resident whatever that rule says (a ValueError when the images exceed the free memory);
-"host" streaming. With "host", ``plan(batches)`` hands the loader the indices of every step
+"host" streaming. When streaming, ``plan(batches)`` hands the loader the indices of every step
 to come, and a ``BatchStream`` (dptrain.data.stream) gathers them ahead in worker threads
 into pinned buffers and copies them on a copy stream while the steps before run;
 ``set_batch`` then checks its indices against the plan and copies the gathered batch into
-the staging buffer on the device. Without a plan, or under "auto", streaming gathers and
-uploads in ``set_batch`` itself, as it always did. ``close()`` stops the stream's threads.
+the staging buffer on the device; "auto" streams the same way when it does not choose
+resident. Without a plan, streaming gathers and uploads in ``set_batch`` itself.
+``close()`` stops the stream's threads.
 
 With ``augment=True``, ``batch()`` also applies ``be.augment_crop_flip``: a random crop
 with ``augment_pad`` pixels of padding and a horizontal flip, drawn per image and step on
@@ -234,11 +235,11 @@ class DeviceLoader:
     def plan(self, batches, first_step: int = 0) -> bool:
         """Hand over the indices of every step to come (an iterable of ``batch_size`` index
         arrays, in order; dptrain.data.stream.planned_batches), the first being training step
-        `first_step` (0-based; for errors). With ``data_on="host"`` they are gathered ahead
-        from now on and ``set_batch`` must follow them; otherwise this does nothing. True
-        when the stream runs."""
+        `first_step` (0-based; for errors). When streaming (``data_on`` "host", or "auto"
+        that did not choose resident) they are gathered ahead from now on and ``set_batch``
+        must follow them; a resident loader ignores them. True when the stream runs."""
         self.close()
-        if self._resident or self._data_on != "host":
+        if self._resident:
             return False
         self._stream = BatchStream(self._host_images, self.be, self._batch_size, batches,
                                    self._depth, self._workers, _source(self._host_images),

@@ -168,8 +168,17 @@ def test_data_on_choices_and_depths_are_checked():
         DeviceLoader(data, cpu, 4, data_workers=0)
     with pytest.raises(ValueError, match="--data-on device: the training images take"):
         DeviceLoader(data, GraphBackend(free=100), 4, data_on="device")
-    assert DeviceLoader(data, GraphBackend(free=100), 4, data_on="auto").mode == "staged"
-    assert not DeviceLoader(data, cpu, 4).plan([np.arange(4)])  # auto: no stream
+    assert not DeviceLoader(data, cpu, 4).plan([np.arange(4)])  # auto, resident: no stream
+
+
+def test_auto_streams_ahead_when_the_images_do_not_fit():
+    loader = DeviceLoader(toy(), GraphBackend(free=100), 4, data_on="auto")
+    assert loader.mode == "staged"  # until the loop's plan arrives
+    try:
+        assert loader.plan([np.arange(4), np.arange(4, 8)]) and loader.mode == "streamed"
+    finally:
+        loader.close()
+    assert loader.mode == "staged"
 
 
 @pytest.mark.parametrize("argv,fault", [
