@@ -224,9 +224,9 @@ __global__ void avg_pool_bwd_kernel(T* dx, const T* gy, PoolGeom g) {
 // Channels-last max pool: x (N, H, W, C), y and idx (N, Ho, Wo, C); PoolGeom's n_c is N * C
 // and `c` is C. idx keeps the NCHW kernels' meaning (the flat h*W + w position of the window's
 // first maximum, -1 for ReLU's zero windows), so the CPU reference holds it through NCHW
-// copies. A thread takes kV neighbouring channels of one pixel (one 4- or 8-byte load per
-// tap; the launcher picks kV dividing C) and neighbouring threads the next channels, with
-// 32-bit index arithmetic (the launcher checks the sizes fit).
+// copies. A thread takes kV neighbouring channels of one pixel (one load of up to 8 bytes
+// a tap forward, 16 backward; the launcher picks kV dividing C) and neighbouring threads the
+// next channels, with 32-bit index arithmetic (the launcher checks the sizes fit).
 template <typename T, int kV>
 struct alignas(sizeof(T) * kV) Lanes {
   T v[kV];
@@ -301,5 +301,6 @@ __global__ void max_pool_bwd_nhwc_kernel(T* dx, const T* gy, const int* idx, Poo
 // instantiate: max_pool_fwd_nhwc_kernel<{float, __half, __nv_bfloat16}, {false, true}, 2>
 // instantiate: max_pool_fwd_nhwc_kernel<{__half, __nv_bfloat16}, {false, true}, 4>
 // instantiate: max_pool_bwd_nhwc_kernel<{float, double, __half, __nv_bfloat16}, 1>
-// instantiate: max_pool_bwd_nhwc_kernel<{float, __half, __nv_bfloat16}, 2>
+// instantiate: max_pool_bwd_nhwc_kernel<{float, double, __half, __nv_bfloat16}, 2>
 // instantiate: max_pool_bwd_nhwc_kernel<{__half, __nv_bfloat16}, 4>
+// instantiate: max_pool_bwd_nhwc_kernel<{__half, __nv_bfloat16}, 8>; max_pool_bwd_nhwc_kernel<float, 4>

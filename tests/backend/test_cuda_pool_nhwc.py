@@ -49,10 +49,11 @@ def reference_input(a):
 @pytest.mark.parametrize("window", WINDOWS, ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("relu", [False, True])
-def test_max_pool_channels_last(cu, rng, window, dtype, relu):
+@pytest.mark.parametrize("channels", [13, 16])  # one channel a thread; the widest lanes
+def test_max_pool_channels_last(cu, rng, window, dtype, relu, channels):
     """y and idx exactly the reference's; dx to one rounding of the sum (overlapping windows
     add in another order on each side, and the GPU rounds once)."""
-    x = nhwc(rng, (3, 11, 9, 13), dtype)  # odd sizes, 13 channels
+    x = nhwc(rng, (3, 11, 9, channels), dtype)  # odd sizes
     x[0, :2, :2, :] = x[0, 0, 0, 0]  # ties
     forward = "relu_max_pool2d_forward" if relu else "max_pool2d_forward"
     y, idx = getattr(cpu, forward)(reference_input(x), *window, channels_last=True)
