@@ -4,6 +4,7 @@ captured step, and (marked gpu) the CUDA kernels against the NumPy op."""
 
 import numpy as np
 import pytest
+from replay import replayed_batches
 from test_loader import GraphBackend, toy
 
 from dptrain import backend
@@ -181,20 +182,7 @@ def test_cuda_augmented_graph_step_replays_new_crops(cuda, rng):
     data = channel_toy()
     loader = DeviceLoader(data, cuda, 6, augment=True, augment_pad=2, augment_seed=21)
     host = DeviceLoader(data, cpu, 6, augment=True, augment_pad=2, augment_seed=21)
-    out = cuda.empty((6, 3, 6, 5), np.float32)
-    idx = np.array([7, 3, 3, 0, 39, 12])
-    loader.set_batch(idx)
-    host.set_batch(idx)
-
-    def step():
-        cuda.copy_(out, loader.batch()[0])
-
-    run = cuda.runtime.capture(step, warmup=1)
-    seen = []
-    for _ in range(5):  # one eager call, the capture (and its launch), three replays
-        run()
-        seen.append(cuda.to_numpy(out))
-    cuda.runtime.synchronize()
+    seen = replayed_batches(cuda, loader, host, np.array([7, 3, 3, 0, 39, 12]), (6, 3, 6, 5))
     assert loader.get_augment_state().tolist() == [21, 5]
     for x in seen:
         np.testing.assert_array_equal(x, host.batch()[0])

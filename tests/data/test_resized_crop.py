@@ -6,6 +6,7 @@ import math
 import numpy as np
 import pytest
 
+from replay import replayed_batches
 from test_loader import GraphBackend, toy
 
 from dptrain import backend
@@ -389,20 +390,7 @@ def test_cuda_resampled_graph_step_replays_new_crops(cuda, streaming):
         return DeviceLoader(data, be, 6, max_device_bytes=0 if streaming else None,
                             resample=train)
     dev, host = loader(cuda), loader(cpu)
-    out = cuda.empty((6, 3, 7, 7), np.float32)
-    idx = np.array([7, 3, 3, 0, 39, 12])
-    dev.set_batch(idx)
-    host.set_batch(idx)
-
-    def step():
-        cuda.copy_(out, dev.batch()[0])
-
-    run = cuda.runtime.capture(step, warmup=1)
-    seen = []
-    for _ in range(5):  # one eager call, the capture (and its launch), three replays
-        run()
-        seen.append(cuda.to_numpy(out))
-    cuda.runtime.synchronize()
+    seen = replayed_batches(cuda, dev, host, np.array([7, 3, 3, 0, 39, 12]), (6, 3, 7, 7))
     assert dev.get_augment_state().tolist() == [21, 5]
     for x in seen:
         compare(x, host.batch()[0], np.float32)

@@ -1,5 +1,6 @@
 """A short training run on random uint8 images, eager or captured as a graph, for the tests
-that check a captured step replays bit for bit like the eager one."""
+that check a captured step replays bit for bit like the eager one; and a loader's batch
+captured and replayed, for the tests of augmentation drawn on the device."""
 from types import SimpleNamespace
 
 import numpy as np
@@ -46,3 +47,24 @@ def train_steps(device, build, image_shape, classes, graph, steps, seed, images=
         run()
         snapshots.append(be.to_numpy(flat.data).copy())
     return model, snapshots
+
+
+def replayed_batches(cuda, loader, host, idx, shape, calls=5):
+    """`loader`'s (a CUDA DeviceLoader's) batch of indices `idx` copied into a fixed (shape)
+    float32 buffer, that step captured as a graph and run `calls` times (one eager call, the
+    capture and its launch, then replays): the host copies of each, in order. `host`, a CPU
+    loader, is set to the same indices, so its batch() calls give what each should be."""
+    out = cuda.empty(shape, np.float32)
+    loader.set_batch(idx)
+    host.set_batch(idx)
+
+    def step():
+        cuda.copy_(out, loader.batch()[0])
+
+    run = cuda.runtime.capture(step, warmup=1)
+    seen = []
+    for _ in range(calls):
+        run()
+        seen.append(cuda.to_numpy(out))
+    cuda.runtime.synchronize()
+    return seen
