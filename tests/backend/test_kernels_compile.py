@@ -2,8 +2,10 @@
 it), so CI catches a broken kernel on machines without a GPU. Skipped where nvcc is not
 installed."""
 import importlib.util
+import os
 import shutil
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -18,13 +20,12 @@ NVCC = shutil.which("nvcc")
 SOURCES = sorted(loader.kernel_dir().glob("*.cu"))
 
 
-@pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH")
-@pytest.mark.parametrize("source", SOURCES, ids=[s.name for s in SOURCES])
-def test_kernel_compiles_for_sm90(source, tmp_path):
+def _compile(source, out_dir):
+    """(nvcc's exit code, its stderr) for `source` with every declared instantiation."""
     # Taking each declared instantiation's address forces nvcc to compile it, as NVRTC
     # does through name_expressions.
     names = loader.name_expressions(source.read_text())
-    wrapper = tmp_path / f"check_{source.stem}.cu"
+    wrapper = out_dir / f"check_{source.stem}.cu"
     refs = ",\n    ".join(f"(void*)&{name}" for name in names) or "nullptr"
     wrapper.write_text(f'#include "{source}"\nvoid* dptrain_instances[] = {{\n    {refs}\n}};\n')
     # A file that asks NVRTC for the arch-specific target (`// nvrtc-options: -arch=sm_90a`,
@@ -35,10 +36,44 @@ def test_kernel_compiles_for_sm90(source, tmp_path):
             else "-arch=sm_90")
     result = subprocess.run(
         [NVCC, arch, "-std=c++17", f"-I{source.parent}", "-c", str(wrapper),
-         "-o", str(tmp_path / "out.o")],
+         "-o", str(out_dir / f"{source.stem}.o")],
         capture_output=True, text=True, timeout=600,
     )
-    assert result.returncode == 0, result.stderr[-4000:]
+    return result.returncode, result.stderr
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """source -> a future of _compile's result. In one pytest process every file is
+    compiled at the first request, the largest first, on every CPU this process may use
+    (one at a time they took about 250 s of `make test` on 2 cores); under xdist, whose
+    workers are the parallelism, each file when its test asks."""
+    out = tmp_path_factory.mktemp("nvcc")
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        yield {s: _Deferred(_compile, s, out) for s in SOURCES}
+        return
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    with ThreadPoolExecutor(cpus or 1) as pool:
+        largest_first = sorted(SOURCES, key=lambda s: -s.stat().st_size)
+        yield {s: pool.submit(_compile, s, out) for s in largest_first}
+        pool.shutdown(cancel_futures=True)
+
+
+class _Deferred:
+    """A future that runs its call when its result is asked for."""
+
+    def __init__(self, fn, *args):
+        self.fn, self.args = fn, args
+
+    def result(self):
+        return self.fn(*self.args)
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH")
+@pytest.mark.parametrize("source", SOURCES, ids=[s.name for s in SOURCES])
+def test_kernel_compiles_for_sm90(source, compiled):
+    code, stderr = compiled[source].result()
+    assert code == 0, stderr[-4000:]
 
 
 def test_every_cuda_source_declares_its_instantiations():
