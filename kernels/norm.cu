@@ -354,7 +354,7 @@ __device__ __forceinline__ int cl_channel(int C, int V) { return threadIdx.x % (
 // The 16-byte groups a thread of a channels-last kernel has in flight: a ring of
 // CL_RING / A rows of its A arrays in dynamic shared memory (CL_RING * CL_THREADS * 16 bytes
 // a block, the launcher's RING_BYTES). ResNet-50's shapes, H200, bf16: the backward sums
-// 169 -> 101 us and the backward-data 219 -> 164 us at 205 MB an array, against 4 rows
+// 169 -> 103 us and the backward-data 219 -> 165 us at 205 MB an array, against 4 rows
 // loaded into registers before use (about 2.4 and 2.9 TB/s: two blocks an SM by their
 // registers, nothing in flight while a thread computed).
 constexpr int CL_RING = 8;
