@@ -5,6 +5,7 @@ import math
 
 import numpy as np
 
+from dptrain import switches
 from dptrain.engine import functional as F
 from dptrain.engine.autograd import Tensor
 from dptrain.engine.rng import init_rng
@@ -83,11 +84,45 @@ class Conv2d(Module):
         """conv(x); with `batch_stats` (no bias), (conv(x), its batch statistics): see
         F.conv2d and nn.fusion.conv_batch_norm."""
         weight, bias = in_dtype_of(x, self.weight, self.bias)
+        stride, padding = self.stride, self.padding
         if self.channels_last:
+            c, kh, kw = weight.shape[1:]
+            if (switches.on("STEM_COLUMN_PAIRS") and x.shape[-1] == c
+                    and x.be.conv2d_channels_last_pad(c, kh, kw, x.dtype)):
+                x, weight, stride, padding = column_pairs(x, weight, stride, padding) or (
+                    x, weight, stride, padding)
             x, weight = _zero_channels(x, weight)
-        return F.conv2d(x, weight, bias, self.stride, self.padding,
-                        workspace=self.workspace(x), channels_last=self.channels_last,
-                        batch_stats=batch_stats)
+        return F.conv2d(x, weight, bias, stride, padding, workspace=self.workspace(x),
+                        channels_last=self.channels_last, batch_stats=batch_stats)
+
+
+def column_pairs(x, weight, stride, padding):
+    """The same convolution of channels-last x (N, H, W, C) over pairs of columns, where its
+    horizontal stride is 2: (x, weight, stride, padding) with x given L zero columns before
+    and R after and read as (N, H, U, 2C), pair u holding columns 2u - L and 2u + 1 - L; the
+    weight's taps paired alike, (C_out, 2C, KH, ceil(KW / 2)) with the missing tap zero;
+    stride (sh, 1), padding (ph, (pw - L) / 2). ImageNet's stem (7x7/2 over 3 channels,
+    padded to 8 on the GPU) then sums K = 7 * 4 * 8 = 224 products an output where it summed
+    7 * 7 * 8 = 392. None where it would give more output columns."""
+    (sh, sw), (ph, pw) = F._pair(stride, "stride"), F._pair(padding, "padding")
+    n, h, w, c = x.shape
+    m, _, kh, kw = weight.shape
+    if sw != 2:
+        return None
+    left = pw % 2  # so that column pairs start on an even padded column
+    taps, half = -(-kw // 2), (pw - left) // 2
+    short = (w + 2 * pw - kw) // 2 - ((w + left + 1) // 2 + 2 * half - taps)  # outputs
+    if short < 0:
+        return None
+    right = (w + left) % 2 + 2 * short  # zero columns to even pairs, and for the last outputs
+    pairs = (w + left + right) // 2
+    pieces = [Tensor(x.be.zeros((n, h, k, c), x.dtype)) if k else x for k in (left, 0, right)]
+    pieces = [p for p, k in zip(pieces, (left, 1, right)) if k]  # no empty pieces
+    x = F.reshape(F.concatenate(pieces, 2) if len(pieces) > 1 else x, n, h, pairs, 2 * c)
+    if 2 * taps > kw:
+        weight = F.pad_zeros(weight, 3, 2 * taps - kw)
+    weight = F.transpose(F.reshape(weight, m, c, kh, taps, 2), 0, 4, 1, 2, 3)
+    return x, F.reshape(weight, m, 2 * c, kh, taps), (sh, 1), (ph, half)
 
 
 def _zero_channels(x, weight):
