@@ -116,9 +116,9 @@ def column_pairs(x, weight, stride, padding):
         return None
     right = (w + left) % 2 + 2 * short  # zero columns to even pairs, and for the last outputs
     pairs = (w + left + right) // 2
-    pieces = [Tensor(x.be.zeros((n, h, k, c), x.dtype)) if k else x for k in (left, 0, right)]
-    pieces = [p for p, k in zip(pieces, (left, 1, right)) if k]  # no empty pieces
-    x = F.reshape(F.concatenate(pieces, 2) if len(pieces) > 1 else x, n, h, pairs, 2 * c)
+    zeros = [Tensor(x.be.zeros((n, h, k, c), x.dtype)) for k in (left, right) if k]
+    pieces = zeros[:1] + [x] + zeros[1:] if left else [x] + zeros  # no empty pieces
+    x = F.reshape(F.concatenate(pieces, 2) if zeros else x, n, h, pairs, 2 * c)
     if 2 * taps > kw:
         weight = F.pad_zeros(weight, 3, 2 * taps - kw)
     weight = F.transpose(F.reshape(weight, m, c, kh, taps, 2), 0, 4, 1, 2, 3)
