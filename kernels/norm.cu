@@ -355,8 +355,9 @@ __device__ __forceinline__ int cl_channel(int C, int V) { return threadIdx.x % (
 // CL_RING / A rows of its A arrays in dynamic shared memory (CL_RING * CL_THREADS * 16 bytes
 // a block, the launcher's RING_BYTES). ResNet-50's shapes, H200, bf16: the backward sums
 // 169 -> 103 us and the backward-data 219 -> 165 us at 205 MB an array, against 4 rows
-// loaded into registers before use (about 2.4 and 2.9 TB/s: two blocks an SM by their
-// registers, nothing in flight while a thread computed).
+// loaded into registers before use (about 2.4 and 2.9 TB/s; by our reading, not profiled,
+// because their registers allowed two blocks an SM and a thread had no loads in flight while
+// it computed).
 constexpr int CL_RING = 8;
 
 // The row loop of every channels-last kernel: block y takes rows [y * chunk, min(rows,
