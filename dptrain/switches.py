@@ -70,9 +70,6 @@ SWITCHES = _declare(
     ("FUSE", "on", "A/B",
      "`0`: no fused layers (ReLU + max-pool and Linear + ReLU in `Sequential`; batch norm's "
      "residual add and ReLU in ResNet's blocks)"),
-    ("STEM_COLUMN_PAIRS", "off", "A/B",
-     "`1`: a channels-last convolution of stride 2 across whose few input channels the GPU "
-     "pads (ImageNet's stem) runs over pairs of columns, half the taps (not yet timed)"),
     ("SHADOW", "on", "A/B",
      "`0`: no 16-bit parameter shadow in bf16/fp16; fp32 all-gather and a cast in every layer "
      "(same bits)"),

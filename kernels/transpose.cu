@@ -1,6 +1,7 @@
 // transpose.cu: data movement through strides: transpose, getitem (basic slices) and its
-// backward, broadcast_to, concatenate, non-contiguous copies; and the tiled transpose of the
-// last two axes that the fast paths of the GEMM and convolution launchers copy operands with.
+// backward, broadcast_to, concatenate, non-contiguous copies; the tiled transpose of the
+// last two axes that the fast paths of the GEMM and convolution launchers copy operands with;
+// and an NCHW input laid out channels-last with zero columns and channels (to_channels_last).
 // Launchers: dptrain/backend/cuda/transpose.py (copy_: dptrain/backend/cuda/arrays.py).
 //
 // Conventions
@@ -147,6 +148,31 @@ __global__ void index_add_kernel(T* gx, const T* gy, const long long* idx, int m
   }
 }
 
+// NCHW x laid out channels-last as the stem convolution's native kernels read it, in one pass
+// (the transpose, the zero columns and the zero channels were three copies):
+// out[n][h][u][g * C + c] = in[n][c][h][G * u + g - L] for g < G and a column inside the
+// image, zero for every other slot s < S of the pixel. G = 2 lays out pairs of columns (a
+// stride-2 convolution run over them, nn.layers.column_pairs). A thread writes V neighbouring
+// slots: 16 bytes where S allows (V * sizeof(U) = 16), else one.
+template <typename U, int V>
+__global__ void channels_last_input_kernel(U* __restrict__ out, const U* __restrict__ in,
+                                           int n, int C, int H, int W, int Wo, int S, int G,
+                                           int L) {
+  const int per_pixel = S / V;
+  GRID_STRIDE_32(i, n) {
+    const int pixel = i / per_pixel, s0 = (i - pixel * per_pixel) * V;
+    const int u = pixel % Wo, h = (pixel / Wo) % H, b = pixel / (Wo * H);
+    Pack<U, V> pk;
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const int g = (s0 + k) / C, c = s0 + k - g * C, w = G * u + g - L;
+      pk.v[k] = g < G && w >= 0 && w < W ? in[(((long long)b * C + c) * H + h) * W + w] : U(0);
+    }
+    if (V == 1) out[i] = pk.v[0];
+    else reinterpret_cast<Pack<U, V>*>(out)[i] = pk;
+  }
+}
+
 // instantiate: strided_copy_kernel<{unsigned char, unsigned short, unsigned int, unsigned long long}>
 // instantiate: take_rows_kernel<{unsigned char, unsigned short, unsigned int, unsigned long long}, {int, long long}>
 // instantiate: index_add_kernel<{float, double}>
@@ -154,3 +180,6 @@ __global__ void index_add_kernel(T* gx, const T* gy, const long long* idx, int m
 // instantiate: tile_transpose_pairs_kernel
 // instantiate: narrow_transpose_kernel<{unsigned short, unsigned int}>
 // instantiate: stride_spread_kernel<{uint4, unsigned short, unsigned int}>
+// instantiate: channels_last_input_kernel<unsigned short, {1, 8}>
+// instantiate: channels_last_input_kernel<unsigned int, {1, 4}>
+// instantiate: channels_last_input_kernel<unsigned long long, {1, 2}>

@@ -9,7 +9,7 @@ import contextlib
 
 import numpy as np
 
-from dptrain.engine import losses, ops
+from dptrain.engine import losses, ops, transformer_ops
 from dptrain.engine.autograd import Tensor, as_tensor
 from dptrain.backend.bfloat16 import BFLOAT16
 from dptrain.errors import BadArgument
@@ -333,7 +333,7 @@ def pad_zeros(x: Tensor, axis: int, count: int) -> Tensor:
 
 def broadcast_to(x: Tensor, shape) -> Tensor:
     """x broadcast to `shape` (NumPy's rules), e.g. a class token repeated over the batch."""
-    return ops.BroadcastTo.apply(x, shape=tuple(int(s) for s in shape))
+    return transformer_ops.BroadcastTo.apply(x, shape=tuple(int(s) for s in shape))
 
 
 def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5) -> Tensor:
@@ -341,12 +341,12 @@ def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5) -> Te
     if weight.shape != x.shape[-1:] or bias.shape != x.shape[-1:]:
         raise ValueError(f"layer_norm: weight {weight.shape} and bias {bias.shape} must be "
                          f"({x.shape[-1]},) for input {x.shape}")
-    return ops.LayerNorm.apply(x, weight, bias, eps=float(eps))
+    return transformer_ops.LayerNorm.apply(x, weight, bias, eps=float(eps))
 
 
 def gelu(x: Tensor) -> Tensor:
     """The exact GELU, x * Phi(x) (PyTorch's default, approximate='none')."""
-    return ops.GELU.apply(x)
+    return transformer_ops.GELU.apply(x)
 
 
 def _lengths(key_lengths):
@@ -358,8 +358,8 @@ def masked_softmax(x: Tensor, causal: bool = False, key_lengths=None,
     """softmax(scale * x) over the last axis (keys) of x (B, ..., Tq, Tk); `causal` masks key
     j > query i, `key_lengths` (B,) ints keep keys j < key_lengths[b]. Masked keys get 0; a
     row with no key left is all zeros. Flags, not a mask tensor."""
-    return ops.MaskedSoftmax.apply(x, causal=bool(causal), key_lengths=_lengths(key_lengths),
-                                   scale=float(scale))
+    return transformer_ops.MaskedSoftmax.apply(x, causal=bool(causal), scale=float(scale),
+                                               key_lengths=_lengths(key_lengths))
 
 
 def _attention_dropout(dropout_p, training) -> float:
@@ -377,16 +377,17 @@ def scaled_dot_product_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool =
     """softmax(q k^T * scale, masked) v over the last two axes; q (..., Tq, E), k (..., Tk, E),
     v (..., Tk, Ev); scale defaults to 1/sqrt(E); dropout on the attention weights. With
     `fused`, (B, H, T, E) operands the backend runs as one op (attention_supported) take
-    ops.Attention: the weights never leave the kernel; else matmul, masked_softmax, dropout
-    and matmul."""
+    transformer_ops.Attention: the weights never leave the kernel; else matmul,
+    masked_softmax, dropout and matmul."""
     if q.shape[-1] != k.shape[-1] or k.shape[-2] != v.shape[-2]:
         raise ValueError(f"scaled_dot_product_attention: q {q.shape}, k {k.shape} and v "
                          f"{v.shape} do not fit")
     scale = 1.0 / float(np.sqrt(q.shape[-1])) if scale is None else scale
     p = _attention_dropout(dropout_p, training)
     if fused and q.be.attention_supported(q.shape, k.shape, v.shape, q.dtype):
-        return ops.Attention.apply(q, k, v, scale=float(scale), causal=bool(causal),
-                                   key_lengths=_lengths(key_lengths), dropout_p=p)
+        return transformer_ops.Attention.apply(q, k, v, scale=float(scale),
+                                               causal=bool(causal),
+                                               key_lengths=_lengths(key_lengths), dropout_p=p)
     weights = masked_softmax(matmul(q, k, trans_b=True), causal, key_lengths, scale)
     return matmul(dropout(weights, dropout_p, training), v)
 
@@ -397,8 +398,9 @@ def self_attention(qkv: Tensor, heads: int, causal: bool = False, key_lengths=No
     """Multi-head self-attention from one packed projection qkv (B, T, 3 * D), laid out
     (B, T, 3, heads, E) as PyTorch's in_proj (queries, keys, values): per head
     scaled_dot_product_attention, the heads' outputs as (B, T, D). With `fused` and a shape the
-    backend runs as one op, ops.SelfAttention reads the heads where they lie in qkv and writes
-    the output and qkv's gradient in place: no transpose is copied either way."""
+    backend runs as one op, transformer_ops.SelfAttention reads the heads where they lie in
+    qkv and writes the output and qkv's gradient in place: no transpose is copied either
+    way."""
     if qkv.ndim != 3 or qkv.shape[-1] % (3 * heads):
         raise ValueError(f"self_attention: expected (batch, tokens, 3 * heads * E) with "
                          f"heads {heads}, got {qkv.shape}")
@@ -408,9 +410,9 @@ def self_attention(qkv: Tensor, heads: int, causal: bool = False, key_lengths=No
     p = _attention_dropout(dropout_p, training)
     heads_shape = (b, heads, t, e)
     if fused and qkv.be.attention_supported(heads_shape, heads_shape, heads_shape, qkv.dtype):
-        return ops.SelfAttention.apply(qkv, heads=int(heads), scale=float(scale),
-                                       causal=bool(causal), key_lengths=_lengths(key_lengths),
-                                       dropout_p=p)
+        return transformer_ops.SelfAttention.apply(
+            qkv, heads=int(heads), scale=float(scale), causal=bool(causal),
+            key_lengths=_lengths(key_lengths), dropout_p=p)
     qkv = qkv.reshape(b, t, 3, heads, e).transpose(2, 0, 3, 1, 4)  # (3, B, H, T, E)
     out = scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], causal, key_lengths, scale,
                                        dropout_p, training, fused=False)
@@ -466,11 +468,23 @@ def adaptive_avg_pool2d(x: Tensor, output_size=1, *, channels_last=False) -> Ten
     return mean(x, axis=(1, 2) if channels_last else (2, 3), keepdims=True)
 
 
-def to_channels_last(x: Tensor) -> Tensor:
-    """NCHW x as (N, H, W, C): a reshape where C is 1 (the same bytes), else a copy."""
+def to_channels_last(x: Tensor, columns=(0, 0), group: int = 1, channels=None) -> Tensor:
+    """NCHW x as (N, H, W, C): a reshape where C is 1 (the same bytes), else a copy. Laid out
+    as a convolution's native kernels read it, in the same one pass: `columns` (left, right)
+    zero columns around each row, `group` neighbouring columns a pixel (2: pairs, as
+    nn.layers.column_pairs runs a stride-2 convolution) and zero channels up to `channels`:
+    (N, H, (left + W + right) / group, channels), slot g * C + c of pixel u holding column
+    group * u + g - left."""
     _check_nchw(x, "to_channels_last")
     n, c, h, w = x.shape
-    return reshape(x, n, h, w, c) if c == 1 else transpose(x, (0, 2, 3, 1))
+    left, right = (int(k) for k in columns)
+    channels = group * c if channels is None else int(channels)
+    if (left, right, group, channels) == (0, 0, 1, c) and c == 1:
+        return reshape(x, n, h, w, c)
+    if min(left, right) < 0 or group < 1 or (left + w + right) % group or channels < group * c:
+        raise ValueError(f"to_channels_last: columns {columns} around {w} in groups of {group} "
+                         f"with {channels} channels for {c}: no such layout")
+    return ops.ToChannelsLast.apply(x, group=group, left=left, right=right, channels=channels)
 
 
 def to_channels_first(x: Tensor) -> Tensor:

@@ -5,7 +5,6 @@ import math
 
 import numpy as np
 
-from dptrain import switches
 from dptrain.engine import functional as F
 from dptrain.engine.autograd import Tensor
 from dptrain.engine.rng import init_rng
@@ -68,7 +67,9 @@ class Conv2d(Module):
     """torch.nn.Conv2d's parameters and layouts. ``channels_last`` (an attribute, False by
     default; a model whose activations are channels-last throughout sets it, as ResNet
     does): the input and output are (N, H, W, C), the weight is (C_out, C_in, kH, kW) all
-    the same."""
+    the same. ``nchw_input`` (with it; False by default): the input still arrives NCHW and
+    is laid out here, in the one pass that also adds what the backend's native kernels ask
+    (a channels-last model's first convolution: ResNet's stem)."""
 
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, bias=True):
         super().__init__()
@@ -78,7 +79,7 @@ class Conv2d(Module):
             self, (out_channels, in_channels, kh, kw), in_channels * kh * kw, bias
         )
         self.workspace = _Workspace()
-        self.channels_last = False
+        self.channels_last = self.nchw_input = False
 
     def forward(self, x, batch_stats=False):
         """conv(x); with `batch_stats` (no bias), (conv(x), its batch statistics): see
@@ -86,56 +87,61 @@ class Conv2d(Module):
         weight, bias = in_dtype_of(x, self.weight, self.bias)
         stride, padding = self.stride, self.padding
         if self.channels_last:
-            c, kh, kw = weight.shape[1:]
-            if (switches.on("STEM_COLUMN_PAIRS") and x.shape[-1] == c
-                    and x.be.conv2d_channels_last_pad(c, kh, kw, x.dtype)):
-                x, weight, stride, padding = column_pairs(x, weight, stride, padding) or (
-                    x, weight, stride, padding)
-            x, weight = _zero_channels(x, weight)
+            x, weight, stride, padding = native_layout(x, weight, stride, padding,
+                                                       self.nchw_input)
         return F.conv2d(x, weight, bias, stride, padding, workspace=self.workspace(x),
                         channels_last=self.channels_last, batch_stats=batch_stats)
 
 
-def column_pairs(x, weight, stride, padding):
-    """The same convolution of channels-last x (N, H, W, C) over pairs of columns, where its
-    horizontal stride is 2: (x, weight, stride, padding) with x given L zero columns before
-    and R after and read as (N, H, U, 2C), pair u holding columns 2u - L and 2u + 1 - L; the
-    weight's taps paired alike, (C_out, 2C, KH, ceil(KW / 2)) with the missing tap zero;
-    stride (sh, 1), padding (ph, (pw - L) / 2). ImageNet's stem (7x7/2 over 3 channels,
-    padded to 8 on the GPU) then sums K = 7 * 4 * 8 = 224 products an output where it summed
-    7 * 7 * 8 = 392. None where it would give more output columns."""
+def native_layout(x, weight, stride, padding, nchw):
+    """(x, weight, stride, padding) of the same convolution as the backend's native
+    channels-last kernels take it. x is (N, H, W, C), or NCHW where `nchw`, then laid out
+    channels-last here in one pass (F.to_channels_last). The input and the weight gain the
+    zero channels the backend asks (``conv2d_channels_last_pad``: ImageNet's 3-channel stem
+    runs with 8), which change no result; x may already carry them. A stride-2 convolution
+    of an NCHW input so padded runs over pairs of columns (column_pairs): ResNet-18's step at
+    3x224x224, batch 128, fp16, 6.72 -> 6.31 ms on an H200."""
+    c, kh, kw = weight.shape[1:]
+    be, dtype = x.be, x.dtype
+    if not nchw:
+        pad = be.conv2d_channels_last_pad(c, kh, kw, dtype)
+        if pad and x.shape[-1] == c:
+            x = F.pad_zeros(x, -1, pad)
+        return x, F.pad_zeros(weight, 1, pad) if pad else weight, stride, padding
+    columns, group = (0, 0), 1
+    if be.conv2d_channels_last_pad(c, kh, kw, dtype):
+        pairs = column_pairs(x.shape[-1], weight, stride, padding)
+        if pairs is not None:
+            (columns, weight, stride, padding), group = pairs, 2
+    c, kh, kw = weight.shape[1:]
+    pad = be.conv2d_channels_last_pad(c, kh, kw, dtype)
+    x = F.to_channels_last(x, columns, group, c + pad)
+    return x, F.pad_zeros(weight, 1, pad) if pad else weight, stride, padding
+
+
+def column_pairs(width, weight, stride, padding):
+    """The same convolution of an input `width` columns wide over pairs of columns, where its
+    horizontal stride is 2: (columns, weight, stride, padding) with the input given
+    columns = (L, R) zero columns before and after and laid out in pairs (F.to_channels_last
+    with group 2), pair u holding columns 2u - L and 2u + 1 - L; the weight's taps paired
+    alike, (C_out, 2C, KH, ceil(KW / 2)) with the missing tap zero; stride (sh, 1), padding
+    (ph, (pw - L) / 2). ImageNet's stem (7x7/2 over 3 channels, padded to 8 on the GPU) then
+    sums K = 7 * 4 * 8 = 224 products an output where it summed 7 * 7 * 8 = 392. None where
+    it would give more output columns."""
     (sh, sw), (ph, pw) = F._pair(stride, "stride"), F._pair(padding, "padding")
-    n, h, w, c = x.shape
-    m, _, kh, kw = weight.shape
+    m, c, kh, kw = weight.shape
     if sw != 2:
         return None
     left = pw % 2  # so that column pairs start on an even padded column
     taps, half = -(-kw // 2), (pw - left) // 2
-    short = (w + 2 * pw - kw) // 2 - ((w + left + 1) // 2 + 2 * half - taps)  # outputs
+    short = (width + 2 * pw - kw) // 2 - ((width + left + 1) // 2 + 2 * half - taps)  # outputs
     if short < 0:
         return None
-    right = (w + left) % 2 + 2 * short  # zero columns to even pairs, and for the last outputs
-    pairs = (w + left + right) // 2
-    zeros = [Tensor(x.be.zeros((n, h, k, c), x.dtype)) for k in (left, right) if k]
-    pieces = zeros[:1] + [x] + zeros[1:] if left else [x] + zeros  # no empty pieces
-    x = F.reshape(F.concatenate(pieces, 2) if zeros else x, n, h, pairs, 2 * c)
+    right = (width + left) % 2 + 2 * short  # zero columns to even pairs, and the last outputs
     if 2 * taps > kw:
         weight = F.pad_zeros(weight, 3, 2 * taps - kw)
     weight = F.transpose(F.reshape(weight, m, c, kh, taps, 2), 0, 4, 1, 2, 3)
-    return x, F.reshape(weight, m, 2 * c, kh, taps), (sh, 1), (ph, half)
-
-
-def _zero_channels(x, weight):
-    """Channels-last x and its weight with the zero input channels the backend's native
-    channels-last kernels need (``conv2d_channels_last_pad``: ImageNet's 3-channel stem runs
-    them with 8), which change no result; x may already carry them."""
-    c, kh, kw = weight.shape[1:]
-    pad = x.be.conv2d_channels_last_pad(c, kh, kw, x.dtype)
-    if not pad:
-        return x, weight
-    if x.shape[-1] == c:
-        x = F.pad_zeros(x, -1, pad)
-    return x, F.pad_zeros(weight, 1, pad)
+    return (left, right), F.reshape(weight, m, 2 * c, kh, taps), (sh, 1), (ph, half)
 
 
 class MaxPool2d(Module):

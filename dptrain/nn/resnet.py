@@ -15,8 +15,8 @@ The state_dict names are torchvision's (``conv1.weight``, ``bn1.running_mean``,
 
 Activations are channels-last inside where the backend's convolutions read and write that
 layout as it lies (``channels_last="auto"``, the default: the GPU's wgmma kernels, 16-bit,
-TF32 or fp32 as 3xTF32, as PyTorch's ``memory_format=torch.channels_last``): the NCHW input
-is turned (N, H, W, C) once, every convolution, batch norm and pooling works on that layout,
+TF32 or fp32 as 3xTF32, as PyTorch's ``memory_format=torch.channels_last``): the stem's
+convolution lays the NCHW input out (N, H, W, C) in one pass, every convolution, batch norm and pooling works on that layout,
 and the global pooling hands (N, C) features to ``fc``. Elsewhere (the CPU, GPUs without
 wgmma) a channels-last convolution would copy its
 activations to NCHW and back, so "auto" keeps NCHW, decided at each forward from the input's
@@ -131,6 +131,7 @@ class ResNet(Module):
             self.conv1 = _conv(channels, widths[0], 3, 1, 1)
         else:
             self.conv1 = _conv(channels, widths[0], 7, 2, 3)
+        self.conv1.nchw_input = True  # the stem lays the input out channels-last itself
         self.bn1 = BatchNorm2d(widths[0])
         self.maxpool = None if self.small_stem else MaxPool2d(3, 2, 1)
         in_channels = widths[0]
@@ -157,8 +158,6 @@ class ResNet(Module):
         for m in self.modules():  # the spatial layers (fc sees the pooled (N, C) alike)
             if isinstance(m, (Conv2d, BatchNorm2d, MaxPool2d, AdaptiveAvgPool2d)):
                 m.channels_last = cl
-        if cl:
-            x = F.to_channels_last(x)
         x = conv_batch_norm(self.conv1, self.bn1, x, relu=True)
         if self.maxpool is not None:
             x = self.maxpool(x)

@@ -144,6 +144,22 @@ def test_transpose(cu, rng, shape, axes, dtype):
     assert_exact(cu, cu.transpose(cu.asarray(a), axes), cpu.transpose(a, axes))
 
 
+@gpu
+@pytest.mark.parametrize("shape,columns,group,channels", [
+    ((2, 3, 9, 224), (0, 0), 1, None),  # a plain transpose (the 3x3 stem's input)
+    ((2, 3, 9, 224), (0, 0), 1, 8),     # ImageNet's stem, padded to 16 bytes in 16 bits
+    ((2, 3, 9, 224), (1, 1), 2, 8),     # ... over pairs of columns
+    ((3, 3, 5, 17), (1, 0), 2, 6), ((1, 5, 4, 6), (2, 1), 3, 16), ((2, 1, 3, 7), (0, 1), 2, 4)])
+@pytest.mark.parametrize("dtype", [F32, F64, np.dtype(np.float16), BFLOAT16],
+                         ids=["fp32", "fp64", "fp16", "bf16"])
+def test_to_channels_last(cu, rng, shape, columns, group, channels, dtype):
+    """The one-pass layout kernel writes the reference's bits, zeros included, in every
+    dtype, with and without 16-byte stores."""
+    a = cpu.astype(randn(rng, shape), dtype)
+    args = (group, *columns, channels)
+    assert_exact(cu, cu.to_channels_last(cu.asarray(a), *args), cpu.to_channels_last(a, *args))
+
+
 def _indices():
     return [
         (slice(None), slice(1, 6, 2)),

@@ -15,13 +15,12 @@ def _loss_and_grads(model, x):
     return [loss.numpy()] + [p.grad.numpy() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("pairs", [False, True])
 @pytest.mark.parametrize("pad", [0, 5])
-def test_imagenet_stem_channels_last_equals_nchw(monkeypatch, pad, pairs):
+def test_imagenet_stem_channels_last_equals_nchw(monkeypatch, pad):
     """ResNet-18 above 64 px (the ImageNet stem: 7x7/2 convolution, 3x3/2 max-pool) gives the
     same loss and gradients channels-last, its stem padded with `pad` zero channels or not
-    (and, with DPTRAIN_STEM_COLUMN_PAIRS, run over pairs of columns where it is padded), as
-    in NCHW; the weight keeps its (64, 3, 7, 7) shape."""
+    (and then run over pairs of columns), as in NCHW; the weight keeps its (64, 3, 7, 7)
+    shape."""
     asked = []
 
     def stem_pad(c, kh, kw, dtype):
@@ -29,14 +28,13 @@ def test_imagenet_stem_channels_last_equals_nchw(monkeypatch, pad, pairs):
         return -c % 8 if pad and (c, kh, kw) in ((3, 7, 7), (6, 7, 4)) else 0
 
     monkeypatch.setattr(cpu, "conv2d_channels_last_pad", stem_pad)
-    monkeypatch.setenv("DPTRAIN_STEM_COLUMN_PAIRS", "1" if pairs else "0")
     x = np.random.default_rng(1).standard_normal((2, 3, 66, 70))
     models = {cl: nn.resnet18((3, 66, 70), 3, widths=(8, 8, 16, 16), channels_last=cl)
               for cl in (True, False)}
     models[True].load_state_dict(models[False].state_dict())
     results = {cl: _loss_and_grads(_float64(m), x) for cl, m in models.items()}
     assert asked[0] == (3, 7, 7)  # only the channels-last model asks, each convolution
-    assert ((6, 7, 4) in asked) == (pairs and pad > 0)
+    assert ((6, 7, 4) in asked) == (pad > 0)
     assert models[True].conv1.weight.shape == (8, 3, 7, 7)
     for got, ref in zip(results[True], results[False]):
         np.testing.assert_allclose(got, ref, rtol=1e-10, atol=1e-12)
@@ -54,27 +52,61 @@ def _float64(model):
     (70, 7, 3),  # the stem's: one zero column before, one after, 4 paired taps
     (9, 7, 3), (8, 3, 1), (11, 5, 2), (10, 5, 2), (12, 4, 1), (7, 1, 0), (10, 3, 0)])
 def test_column_pairs_is_the_same_convolution(width, kernel, padding):
-    """A stride-2 convolution over pairs of columns (nn.layers.column_pairs) gives the plain
-    one's output and the gradients of x and the weight, in float64."""
+    """A stride-2 convolution over pairs of columns (nn.layers.column_pairs, its NCHW input
+    laid out in pairs by F.to_channels_last) gives the plain channels-last one's output and
+    the gradients of x and the weight, in float64."""
     from dptrain.nn.layers import column_pairs
 
     rng = np.random.default_rng(width * 100 + kernel * 10 + padding)
-    xs = rng.standard_normal((2, 9, width, 3))
+    xs = rng.standard_normal((2, 3, 9, width))
     ws = rng.standard_normal((4, 3, 5, kernel))
     gy = None
     results = []
     for paired in (False, True):
         x, w = dp.tensor(xs, requires_grad=True), dp.tensor(ws, requires_grad=True)
-        args = (x, w, (2, 2), (2, padding))
+        columns, weight, stride, padding_ = (0, 0), w, (2, 2), (2, padding)
         if paired:
-            args = column_pairs(*args)
-            assert args[2] == (2, 1) and args[1].shape == (4, 6, 5, (kernel + 1) // 2)
-        y = dp.functional.conv2d(args[0], args[1], None, args[2], args[3], channels_last=True)
+            columns, weight, stride, padding_ = column_pairs(width, w, stride, padding_)
+            assert stride == (2, 1) and weight.shape == (4, 6, 5, (kernel + 1) // 2)
+        xl = dp.functional.to_channels_last(x, columns, 2 if paired else 1)
+        y = dp.functional.conv2d(xl, weight, None, stride, padding_, channels_last=True)
         gy = rng.standard_normal(y.shape) if gy is None else gy
         (y * dp.tensor(gy)).sum().backward()
         results.append([y.numpy(), x.grad.numpy(), w.grad.numpy()])
     for got, ref in zip(*results[::-1]):
         np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("columns,group,channels", [
+    ((0, 0), 1, None), ((0, 0), 1, 8), ((1, 3), 1, 5), ((1, 2), 2, 8), ((0, 1), 2, 6),
+    ((1, 0), 3, 11)])
+def test_to_channels_last_layout_and_gradient(columns, group, channels):
+    """F.to_channels_last's slots hold the columns they name (zero outside the image and past
+    group * C channels), and its gradient is the slice of them, back in NCHW."""
+    x = np.random.default_rng(3).standard_normal((2, 3, 4, 5))
+    t = dp.tensor(x, requires_grad=True)
+    y = dp.functional.to_channels_last(t, columns, group, channels)
+    left, right = columns
+    c = channels or group * 3
+    assert y.shape == (2, 4, (left + 5 + right) // group, c)
+    want = np.zeros((2, 4, left + 5 + right, 3))
+    want[:, :, left:left + 5] = x.transpose(0, 2, 3, 1)
+    want = want.reshape(2, 4, -1, group * 3)
+    assert np.array_equal(y.numpy()[..., :group * 3], want)
+    assert not y.numpy()[..., group * 3:].any()
+    gy = np.random.default_rng(4).standard_normal(y.shape)
+    (y * dp.tensor(gy)).sum().backward()
+    g = np.zeros((2, 4, left + 5 + right, 3))
+    g.reshape(2, 4, -1, group * 3)[:] = gy[..., :group * 3]
+    assert np.array_equal(t.grad.numpy(), g[:, :, left:left + 5].transpose(0, 3, 1, 2))
+
+
+def test_to_channels_last_refuses_a_layout_that_does_not_exist():
+    x = dp.tensor(np.zeros((1, 3, 2, 5)))
+    with pytest.raises(ValueError, match="columns \\(0, 0\\) around 5 in groups of 2"):
+        dp.functional.to_channels_last(x, (0, 0), 2)
+    with pytest.raises(ValueError, match="with 4 channels for 3"):
+        dp.functional.to_channels_last(x, (1, 0), 2, 4)
 
 
 def test_pad_zeros_gradient_is_the_slice():
@@ -106,13 +138,11 @@ def _stem_grads(device, precision, channels_last, dtype=np.float32):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pairs", ["0", "1"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
-def test_gpu_stem_channels_last(monkeypatch, precision, pairs):
+def test_gpu_stem_channels_last(precision):
     """On the GPU the stem runs channels-last natively (padded input channels, over pairs of
-    columns with DPTRAIN_STEM_COLUMN_PAIRS, the channels-last max-pool), and the loss and
-    every gradient follow the float64 CPU reference as closely as the NCHW network's do."""
-    monkeypatch.setenv("DPTRAIN_STEM_COLUMN_PAIRS", pairs)
+    columns, the channels-last max-pool), and the loss and every gradient follow the float64
+    CPU reference as closely as the NCHW network's do."""
     ref = _stem_grads("cpu", "fp32", False, np.float64)
     with backend_precision(precision):
         cl = _stem_grads("cuda", precision, True)

@@ -93,6 +93,22 @@ def conv2d_channels_last_pad(channels, kh, kw, dtype) -> int:
     return 0
 
 
+@op
+def to_channels_last(x, group=1, left=0, right=0, channels=None):
+    """NCHW x laid out channels-last as a convolution's native kernels read it: `left` and
+    `right` zero columns around each row, `group` neighbouring columns a pixel (2: pairs, for
+    a stride-2 convolution run over them) and zero channels up to `channels` (group * C when
+    None). out (N, H, (left + W + right) / group, channels), out[n, h, u, g * C + c] =
+    x[n, c, h, group * u + g - left], zero outside x."""
+    n, c, h, w = x.shape
+    cols = np.zeros((n, h, left + w + right, c), x.dtype)
+    cols[:, :, left:left + w] = x.transpose(0, 2, 3, 1)
+    out = np.zeros((n, h, cols.shape[2] // group, group * c if channels is None else channels),
+                   x.dtype)
+    out[..., :group * c] = cols.reshape(n, h, -1, group * c)
+    return out
+
+
 @op(fp32_math=True)
 def conv2d_forward(x, w, b, stride, padding, *, channels_last=False, workspace=None):
     """Cross-correlation of NCHW x with w (C_out, C_in, kH, kW), plus b (or None); x and the

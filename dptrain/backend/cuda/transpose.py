@@ -13,6 +13,8 @@ Conventions (the .cu file's header has the kernel side):
   * getitem_backward sums repeated indices by gathering (index_add_kernel), in a fixed order.
   * spreader puts a channels-last grid on every s-th pixel of a larger one, zeros between
     (a strided 1x1 convolution's backward-data, conv2d._spread).
+  * to_channels_last lays an NCHW input out as the stem convolution reads it (zero columns,
+    column pairs, zero channels) in one pass.
 """
 from __future__ import annotations
 
@@ -121,6 +123,34 @@ def transpose(a, axes):
     st = launch.estrides(a)
     out = launch.new(tuple(a.shape[i] for i in axes), a.dtype)
     return strided_copy(out, a, [st[i] for i in axes])
+
+
+@op
+def to_channels_last(x, group=1, left=0, right=0, channels=None):
+    """NCHW x laid out channels-last with zero columns and channels, `group` columns a pixel
+    (see the CPU reference): one pass of channels_last_input_kernel, 16-byte stores where
+    a pixel's channels allow."""
+    launch.check_arrays("to_channels_last", x)
+    launch.check_contiguous("to_channels_last", x)
+    if x.ndim != 4 or x.itemsize not in (2, 4, 8):
+        raise TypeError(f"cuda.to_channels_last: x must be NCHW of 2-, 4- or 8-byte elements, "
+                        f"got {x.shape} {x.dtype}")
+    n, c, h, w = x.shape
+    channels = group * c if channels is None else channels
+    cols = left + w + right
+    if cols % group or channels < group * c or min(left, right) < 0:
+        raise ValueError(f"cuda.to_channels_last: {left} + {w} + {right} columns in groups of "
+                         f"{group}, {channels} channels for {c} a column: no such layout")
+    out = launch.new((n, h, cols // group, channels), x.dtype)
+    vec = 16 // x.itemsize if channels * x.itemsize % 16 == 0 else 1
+    items = out.size // vec
+    if items:
+        launch.check_int32("to_channels_last", out.size, x.size)
+        fn = launch.kernel(TR, "channels_last_input_kernel", launch.bits(x.itemsize)[0],
+                           str(vec))
+        launch.grid_stride(fn, items, (out, x, *map(np.int32, (items, c, h, w, cols // group,
+                                                                 channels, group, left))))
+    return out
 
 
 def _is_basic(index):
