@@ -1,13 +1,14 @@
 // data.cu: device-side batch assembly and randomness. Launchers: dptrain/backend/cuda/data.py.
 //
 // Conventions
-//  * gather_normalize: out[b] = float(images[idx[b]]) * scale[c] - shift[c], with scale =
+//  * gather_normalize: out[b] = T(float(images[idx[b]]) * scale[c] - shift[c]), with scale =
 //    1/(255*std) and shift = mean/std per channel c (one channel: the same pair everywhere),
 //    rounded to float32 on the host, as the CPU backend does; they travel by value in a
 //    ChannelAffine (at most DP_MAX_CHANNELS channels). Element r of a row (chw elements) is
 //    in channel (r / hw) where hw = H*W. The multiply
 //    and the subtract are rounded separately (__fmul_rn / __fsub_rn: no fused multiply-add) so
-//    the result equals NumPy's bit for bit. A row index outside [0, M) yields NaN rows. `=`.
+//    the result equals NumPy's bit for bit; T (float32, or the model's 16 bits) rounds it once,
+//    as a cast after it would. A row index outside [0, M) yields NaN rows. `=`.
 //  * Random state lives on the device: state = [seed, offset] (unsigned 64-bit), the runtime's
 //    rng_state. dropout_mask: Philox4x32-10 (Salmon et al., SC'11), keyed by the 64-bit seed;
 //    element group i (4 elements) uses counter (offset + i) as a 64-bit number in words 0-1.
@@ -15,7 +16,8 @@
 //    to the offset on the device, so no two draws share random numbers, also when a captured
 //    CUDA graph replays them. A uniform u in [0, 1) comes from the top 24 bits; keep when
 //    u >= p. Outputs are written with `=`: scale (= 1/(1-p) rounded to T on the host) or 0.
-//  * augment_crop_flip: out of place on a float batch (B, C, H, W); state = [seed, counter]
+//  * augment_crop_flip: out of place on a float batch (B, C, H, W), its elements moved as raw
+//    bits (T: the unsigned type of their size; 0 bits are +0.0); state = [seed, counter]
 //    (unsigned 64-bit), owned by the caller (the device loader), advanced by one after each
 //    call by rng_advance_kernel. Image b's draws: h = splitmix64(idx + splitmix64(splitmix64(
 //    seed) + counter)) with idx = first + b * stride (all mod 2^64); dy = (h & 0xFFFFFF) %
@@ -47,9 +49,12 @@ struct ChannelAffine {
 // no 64-bit division per element, and the per-channel pairs read from shared memory (indexing
 // the by-value struct with a computed channel would copy it to local memory in every thread).
 // V values per thread (4 where the launcher found rows and planes in whole 4-byte words: a
-// word loaded, 16 bytes stored; a plane never splits one), each computed as one value is.
-template <typename L, int V>
-__global__ void gather_normalize_kernel(float* out, const unsigned char* images, const L* idx,
+// word loaded, 4 values stored as one vector; a plane never splits one), each computed as one
+// value is.
+template <typename T> struct alignas(4 * sizeof(T)) Four { T v[4]; };
+
+template <typename L, int V, typename T>
+__global__ void gather_normalize_kernel(T* out, const unsigned char* images, const L* idx,
                                         int B, long long M, int chw, int hw, ChannelAffine a) {
   __shared__ float scale[DP_MAX_CHANNELS], shift[DP_MAX_CHANNELS];
   if (threadIdx.x < DP_MAX_CHANNELS) {
@@ -61,17 +66,17 @@ __global__ void gather_normalize_kernel(float* out, const unsigned char* images,
     const long long row = (long long)idx[b];
     const bool valid = row >= 0 && row < M;
     const unsigned char* src = images + (valid ? row : 0) * chw;
-    float* dst = out + (long long)b * chw;
+    T* dst = out + (long long)b * chw;
     for (int r = (blockIdx.x * blockDim.x + threadIdx.x) * V; r < chw;
          r += gridDim.x * blockDim.x * V) {
       const int c = r / hw;
       const auto value = [&](unsigned char q) {
-        return valid ? __fsub_rn(__fmul_rn(float(q), scale[c]), shift[c]) : quiet_nan<float>();
+        return as<T>(valid ? __fsub_rn(__fmul_rn(float(q), scale[c]), shift[c])
+                           : quiet_nan<float>());
       };
       if constexpr (V == 4) {
         const uchar4 q = *reinterpret_cast<const uchar4*>(src + r);
-        *reinterpret_cast<float4*>(dst + r) = make_float4(value(q.x), value(q.y), value(q.z),
-                                                          value(q.w));
+        *reinterpret_cast<Four<T>*>(dst + r) = {{value(q.x), value(q.y), value(q.z), value(q.w)}};
       } else {
         dst[r] = value(src[r]);
       }
@@ -266,9 +271,9 @@ __global__ void rng_advance_kernel(unsigned long long* state, unsigned long long
   state[1] += groups;
 }
 
-// instantiate: gather_normalize_kernel<{int, long long}, {1, 4}>
+// instantiate: gather_normalize_kernel<{int, long long}, {1, 4}, {float, __half, __nv_bfloat16}>
 // instantiate: dropout_mask_kernel<{float, double, __half, __nv_bfloat16}>
 // instantiate: rng_advance_kernel
-// instantiate: augment_crop_flip_kernel<{float, double}>
+// instantiate: augment_crop_flip_kernel<{unsigned short, unsigned int, unsigned long long}>
 // instantiate: rrc_boxes_kernel
 // instantiate: resized_crop_kernel<{float, __half, __nv_bfloat16}, {false, true}>

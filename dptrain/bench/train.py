@@ -128,8 +128,8 @@ def our_step(be, model_name, state, data, optimizer, graph, precision="fp32"):
     opt = (SGD(flat, lr=0.01, momentum=0.9) if optimizer == "sgd"
            else AdamW(flat, lr=1e-3, weight_decay=0.01))
     reducer = Reducer(flat, dist.World(comm=dist.LocalComm(be)))
-    loader = DeviceLoader(data, be, len(data.labels))
     dtype, guard = amp.compute_dtype(precision), None
+    loader = DeviceLoader(data, be, len(data.labels), dtype=dtype)
     if precision in amp.LOSS_SCALED:
         from dptrain.run.nonfinite import NonFiniteGuard
 

@@ -95,18 +95,21 @@ class DeviceLoader:
     per channel). ``augment``, ``augment_pad``, ``augment_seed`` and ``shard`` = (rank,
     world size) set up ``batch()``'s augmentation; ``data_on``, ``prefetch_depth`` and
     ``data_workers`` where the images live and how they stream (see the module's notes).
+    ``dtype``: the batches' (float32, or the model's 16 bits: written so by the normalising
+    pass, no cast after); a ``resample`` writes its own.
     """
 
     def __init__(self, dataset, be, batch_size: int, max_device_bytes: int | None = None,
                  augment: bool = False, augment_pad: int = 4, augment_seed: int = 0,
                  shard: tuple = (0, 1), resample=None, data_on: str = "auto",
-                 prefetch_depth: int = DEFAULT_DEPTH, data_workers: int = DEFAULT_WORKERS):
+                 prefetch_depth: int = DEFAULT_DEPTH, data_workers: int = DEFAULT_WORKERS,
+                 dtype=np.float32):
         if data_on not in DATA_ON:
             raise ValueError(f"DeviceLoader: data_on must be one of {', '.join(DATA_ON)}, got "
                              f"{data_on!r}")
         self._depth, self._workers = check_depth(prefetch_depth, data_workers)
         self._data_on, self._stream = data_on, None
-        self.be = be
+        self.be, self.dtype = be, np.dtype(dtype)
         self._batch_size = _positive_int("batch_size", batch_size)
         images, labels = dataset.images, np.asarray(dataset.labels)
         if images.dtype != np.uint8 or images.ndim != 4:
@@ -291,8 +294,8 @@ class DeviceLoader:
 
     # -- device side
     def batch(self):
-        """``(x, y)`` of the batch the last ``set_batch`` chose: x float32 (B, C, H, W)
-        normalised, y int64 (B,). Device work only, on buffers that never move: safe to
+        """``(x, y)`` of the batch the last ``set_batch`` chose: x (B, C, H, W) normalised, in
+        the loader's dtype, y int64 (B,). Device work only, on buffers that never move: safe to
         record in a CUDA graph and replay after later ``set_batch`` calls."""
         if not self._has_batch:
             raise RuntimeError(f"{self!r}.batch: no batch chosen yet; call set_batch first")
@@ -305,9 +308,10 @@ class DeviceLoader:
         return x, y
 
     def _normalise(self, images, rows, train: bool):
-        """float32 rows of uint8 images: normalised, or resampled by ``resample``."""
+        """Rows of uint8 images: normalised in the loader's dtype, or resampled by
+        ``resample``."""
         if self._resample is None:
-            return self.be.gather_normalize(images, rows, self._mean, self._std)
+            return self.be.gather_normalize(images, rows, self._mean, self._std, self.dtype)
         view = self._resample.train if train else self._resample.view
         return view(images, rows, self._mean, self._std)
 

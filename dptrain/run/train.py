@@ -193,10 +193,11 @@ class _Run:
                                        augment_pad=cfg.augment_pad, augment_seed=cfg.seed,
                                        shard=(world.rank, world.size), resample=rrc,
                                        data_on=cfg.data_on, prefetch_depth=cfg.prefetch_depth,
-                                       data_workers=cfg.data_workers)
+                                       data_workers=cfg.data_workers, dtype=ddp.dtype)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
-        self.val_loader = DeviceLoader(val_set, self.be, cfg.batch_size, resample=view)
+        self.val_loader = DeviceLoader(val_set, self.be, cfg.batch_size, resample=view,
+                                       dtype=ddp.dtype)
 
     def resume(self) -> int:
         """Exact resume: parameters, optimizer shards, step, RNG and augmentation states are

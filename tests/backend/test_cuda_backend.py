@@ -661,15 +661,19 @@ def test_optimizer_steps_write_the_shadow(cu, rng, dtype):
 @gpu
 @pytest.mark.parametrize("shape", [(50, 3, 7, 5), (50, 3, 4, 5), (50, 1, 48, 48)], ids=str)
 @pytest.mark.parametrize("itype", [np.int64, np.int32])
-def test_gather_normalize(cu, rng, itype, shape):
-    """A value per thread (odd planes), four (planes of whole words), per-channel affine."""
+@pytest.mark.parametrize("dtype", [F32, np.dtype(np.float16), BFLOAT16],
+                         ids=["fp32", "fp16", "bf16"])
+def test_gather_normalize(cu, rng, itype, shape, dtype):
+    """A value per thread (odd planes), four (planes of whole words), per-channel affine; in
+    float32 or rounded once to 16 bits."""
     images = rng.integers(0, 256, shape).astype(np.uint8)
     idx = rng.integers(0, 50, 9).astype(itype)
     idx[3] = idx[5]  # a repeated row
     mean, std = ((0.4914, 0.48, 0.45), (0.247, 0.24, 0.26)) if shape[1] == 3 else (0.5, 0.25)
-    ref = cpu.gather_normalize(images, idx, mean, std)
+    ref = cpu.gather_normalize(images, idx, mean, std, dtype)
     # exact: the kernel rounds the multiply and the subtract separately, as NumPy does
-    assert_exact(cu, cu.gather_normalize(cu.asarray(images), cu.asarray(idx), mean, std), ref)
+    got = cu.gather_normalize(cu.asarray(images), cu.asarray(idx), mean, std, dtype)
+    assert_exact(cu, got, ref)
     bad = cu.asarray(np.array([0, 50, -1], dtype=itype))  # rows outside [0, M): NaN rows
     assert np.isnan(cu.to_numpy(cu.gather_normalize(cu.asarray(images), bad, mean, std))[1:]).all()
 

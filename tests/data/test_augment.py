@@ -8,6 +8,7 @@ from replay import replayed_batches
 from test_loader import GraphBackend, toy
 
 from dptrain import backend
+from dptrain.backend.bfloat16 import BFLOAT16
 from dptrain.backend.cpu.ops import augment_draws
 from dptrain.data import DeviceLoader
 
@@ -86,6 +87,21 @@ def test_augment_bad_arguments():
         cpu.augment_crop_flip(x[0], np.zeros(2, np.uint64), 1)
 
 
+@pytest.mark.parametrize("dtype", [np.float16, BFLOAT16], ids=["fp16", "bf16"])
+def test_loader_writes_the_models_16_bits(dtype):
+    """A loader of the model's 16-bit dtype gives the float32 batch rounded once, as the cast
+    after it gave, augmented alike: the model sees the same bits."""
+    data = channel_toy()
+    idx = np.array([7, 3, 3, 0, 39, 12])
+    batches = []
+    for d in (np.float32, dtype):
+        loader = DeviceLoader(data, cpu, 6, augment=True, augment_pad=2, augment_seed=5, dtype=d)
+        loader.set_batch(idx)
+        batches.append(loader.batch()[0])
+    assert batches[1].dtype == np.dtype(dtype)
+    assert batches[1].tobytes() == cpu.astype(batches[0], dtype).tobytes()
+
+
 def test_per_channel_gather_normalize():
     rng = np.random.default_rng(3)
     images = rng.integers(0, 256, (20, 3, 5, 7), dtype=np.uint8)
@@ -162,9 +178,10 @@ def test_sharded_loaders_augment_like_one_process():
 
 @gpu
 @pytest.mark.parametrize("pad", [0, 1, 4])
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, BFLOAT16],
+                         ids=["fp32", "fp64", "fp16", "bf16"])
 def test_cuda_augment_equals_cpu(cu, rng, pad, dtype):
-    x = rng.standard_normal((37, 3, 11, 9)).astype(dtype)
+    x = cpu.astype(rng.standard_normal((37, 3, 11, 9)), dtype)
     seed, counter = int(rng.integers(0, 2**63)) * 2 + 1, int(rng.integers(0, 2**63))
     host_state = np.array([seed, counter], np.uint64)
     state = cu.asarray(host_state.copy())

@@ -535,14 +535,14 @@ def _channel_affine(images, mean, std):
 
 
 @op
-def gather_normalize(images, idx, mean, std):
-    """Rows idx of a uint8 (M, C, H, W) image array as float32, scaled to [0,1] then
-    (x-mean)/std; mean and std are scalars or per-channel sequences of length C."""
+def gather_normalize(images, idx, mean, std, dtype=np.float32):
+    """Rows idx of a uint8 (M, C, H, W) image array scaled to [0,1] then (x-mean)/std in
+    float32, rounded once to `dtype`; mean and std: scalars or C per-channel values."""
     scale, shift = _channel_affine(images, mean, std)
     x = images[idx].astype(np.float32)
     x *= scale
     x -= shift
-    return x
+    return astype(x, dtype)
 
 
 # splitmix64 (Steele, Lea, Flood, OOPSLA'14): the augmentation's counter-based hash.

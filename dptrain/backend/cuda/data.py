@@ -1,17 +1,19 @@
 """Launchers of kernels/data.cu: batch assembly on the device, and dropout masks.
 
 Conventions (the .cu file's header has the kernel side):
-  * gather_normalize(images uint8 (M, ...), idx, mean, std) -> float32 rows idx, scaled to
-    [0, 1] then (x - mean) / std, bit for bit as the CPU backend computes them. mean and std
-    are scalars, or per-channel sequences of length C for images (M, C, ...) (at most
-    MAX_CHANNELS); they reach the kernel by value, so a captured step holds them. Host
-    indices are uploaded (outside a captured step); a device index outside [0, M) gives a
-    NaN row.
-  * augment_crop_flip(x float (B, C, H, W), state uint64 [seed, counter] on the device, pad,
-    first=0, stride=1) -> random crop with zero padding and horizontal flip, out of place,
-    the same draws as the CPU backend (a splitmix64 hash of seed, counter and image index:
-    kernels/data.cu). A one-thread kernel then adds 1 to the counter on the device, so a
-    replayed graph draws a new crop and flip each step.
+  * gather_normalize(images uint8 (M, ...), idx, mean, std, dtype) -> rows idx, scaled to
+    [0, 1] then (x - mean) / std in float32 (rounded once to dtype where it is 16-bit: the
+    model's input as its cast would give it), bit for bit as the CPU backend computes them.
+    mean and std are scalars, or per-channel sequences of length C for images (M, C, ...)
+    (at most MAX_CHANNELS); they reach the kernel by value, so a captured step holds them.
+    Host indices are uploaded (outside a captured step); a device index outside [0, M) gives
+    a NaN row.
+  * augment_crop_flip(x (B, C, H, W) of any float dtype, state uint64 [seed, counter] on the
+    device, pad, first=0, stride=1) -> random crop with zero padding and horizontal flip, out
+    of place (the elements moved as raw bits), the same draws as the CPU backend (a
+    splitmix64 hash of seed, counter and image index: kernels/data.cu). A one-thread kernel
+    then adds 1 to the counter on the device, so a replayed graph draws a new crop and flip
+    each step.
   * augment_resized_crop(images uint8 (M, C, H, W), idx, state, size, scale, ratio, mean,
     std, first, stride, dtype, channels_last) and resize_center_crop(images, idx, size, mean,
     std, dtype, channels_last): random-resized-crop + flip, or evaluation's resize + centre
@@ -33,6 +35,7 @@ import math
 import cupy
 import numpy as np
 
+from dptrain.backend.bfloat16 import HALVES
 from dptrain.backend.cpu import augment as reference
 from dptrain.backend.cuda import launch
 from dptrain.backend.cuda.runtime import runtime
@@ -68,8 +71,9 @@ def _channel_affine(images, mean, std):
 
 
 @op
-def gather_normalize(images, idx, mean, std):
-    """Rows idx of a uint8 (M, C, H, W) image array as float32, scaled to [0,1] then (x-mean)/std."""
+def gather_normalize(images, idx, mean, std, dtype=np.float32):
+    """Rows idx of a uint8 (M, C, H, W) image array scaled to [0,1] then (x-mean)/std, in
+    float32 or rounded once to 16 bits (`dtype`: the model's input, no cast pass after)."""
     launch.check_arrays("gather_normalize", images)
     if images.dtype != np.uint8 or images.ndim < 1:
         raise TypeError(f"cuda.gather_normalize: images must be uint8 (M, ...), got {images.dtype}")
@@ -81,7 +85,10 @@ def gather_normalize(images, idx, mean, std):
     idx = idx if idx.flags.c_contiguous else copy(idx)
     m = images.shape[0]
     chw = math.prod(images.shape[1:])
-    out = launch.new((idx.size,) + tuple(images.shape[1:]), np.float32)
+    if np.dtype(dtype) not in (np.dtype(np.float32),) + HALVES:
+        raise TypeError(f"cuda.gather_normalize: dtype must be float32, float16 or bfloat16, "
+                        f"got {np.dtype(dtype)}")
+    out = launch.new((idx.size,) + tuple(images.shape[1:]), dtype)
     launch.check_int32("gather_normalize", idx.size, chw)
     channels, affine = _channel_affine(images, mean, std)
     hw = chw // channels if channels > 1 else max(chw, 1)
@@ -90,7 +97,8 @@ def gather_normalize(images, idx, mean, std):
         v = 4 if chw % 4 == 0 and hw % 4 == 0 and images.data.ptr % 4 == 0 else 1
         # grid y: images (striding over the batch past the grid's limit); x: one image's values
         grid = (min(-(-chw // (launch.BLOCK * v)), 1024), min(idx.size, launch.GRID_YZ_MAX))
-        launch.kernel(DATA, "gather_normalize_kernel", launch.ctype(idx.dtype), str(v))(
+        launch.kernel(DATA, "gather_normalize_kernel", launch.ctype(idx.dtype), str(v),
+                      launch.ctype(dtype))(
             grid, (launch.BLOCK,), (out, images, idx, np.int32(idx.size), np.int64(m),
                                     np.int32(chw), np.int32(hw), affine))
     return out
@@ -101,8 +109,8 @@ def augment_crop_flip(x, state, pad, first=0, stride=1):
     """Random crop (zero padding ``pad``) and horizontal flip of x (B, C, H, W), out of
     place; advances state[1] by one on the device."""
     launch.check_arrays("augment_crop_flip", x, state)
-    if x.ndim != 4 or x.dtype not in launch.FLOATS:
-        raise TypeError(f"cuda.augment_crop_flip: x must be float32/float64 (B, C, H, W), got "
+    if x.ndim != 4 or x.dtype not in launch.FLOATS + HALVES:
+        raise TypeError(f"cuda.augment_crop_flip: x must be a float (B, C, H, W), got "
                         f"{x.dtype} {x.shape}")
     if state.dtype != np.uint64 or state.shape != (2,):
         raise ValueError(f"cuda.augment_crop_flip: state must be uint64 (2,), got {state.dtype} "
@@ -114,7 +122,8 @@ def augment_crop_flip(x, state, pad, first=0, stride=1):
     launch.check_int32("augment_crop_flip", C, H + pad, W + pad)
     out = launch.new(x.shape, x.dtype)
     if out.size:
-        launch.grid_stride(launch.kernel(DATA, "augment_crop_flip_kernel", launch.ctype(x.dtype)),
+        launch.grid_stride(launch.kernel(DATA, "augment_crop_flip_kernel",
+                                         launch.bits(x.itemsize)[0]),  # moves bits
                            out.size,
                            (out, x, np.int64(B), np.int32(C), np.int32(H), np.int32(W),
                             np.int32(pad), state, np.uint64(first), np.uint64(stride)))
