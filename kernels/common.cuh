@@ -88,6 +88,16 @@ __device__ __forceinline__ float dp_log(float x) { return logf(x); }
 __device__ __forceinline__ double dp_log(double x) { return log(x); }
 __device__ __forceinline__ float dp_sqrt(float x) { return sqrtf(x); }
 __device__ __forceinline__ double dp_sqrt(double x) { return sqrt(x); }
+
+// Batch norm's per-channel arithmetic (norm.cu; pool.cu's batch norm + ReLU + max-pool): one
+// over the standard deviation, and the normalised, scaled and shifted value (x - mean) *
+// scale + bias as one fused multiply-add (so every kernel that computes it rounds alike).
+template <typename T> __device__ __forceinline__ T inv_std(T var, T eps) {
+  return T(1) / dp_sqrt(var + eps);
+}
+template <typename P> __device__ __forceinline__ P bn_affine(P x, P mu, P scale, P bias) {
+  return fma(x - mu, scale, bias);
+}
 __device__ __forceinline__ float dp_tanh(float x) { return tanhf(x); }
 __device__ __forceinline__ double dp_tanh(double x) { return tanh(x); }
 __device__ __forceinline__ float dp_pow(float x, float p) { return powf(x, p); }

@@ -40,16 +40,6 @@
 
 #include "common.cuh"
 
-template <typename T> __device__ __forceinline__ T inv_std(T var, T eps) {
-  return T(1) / dp_sqrt(var + eps);
-}
-
-// The normalised, scaled and shifted value: (x - mean) * scale + bias, one fused multiply-add
-// (so the forward and a backward that recomputes it round alike).
-template <typename P> __device__ __forceinline__ P bn_affine(P x, P mu, P scale, P bias) {
-  return fma(x - mu, scale, bias);
-}
-
 // The running estimates' update of channel c: running = keep * running + momentum * batch
 // (var made unbiased). bn_update_running_kernel, and the forward kernels where the launcher
 // hands them the running arrays (rm non-null): one launch fewer a layer, the same bits.

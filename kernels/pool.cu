@@ -258,6 +258,46 @@ __global__ void max_pool_fwd_nhwc_kernel(T* y, int* idx, const T* x, PoolGeom g,
   }
 }
 
+// max_pool_fwd_nhwc_kernel of relu(batch norm(x)), the batch norm's output never stored: each
+// tap computed and rounded to T as bn_forward_cl_kernel computes and stores it (scale =
+// inv_std(var, eps) * weight, bn_affine, ReLU), so y and idx are the bits of the two passes.
+// The batch norm's statistics are per channel (C = compute_t<T>, as norm.cu's P).
+template <typename T, int kV>
+__global__ void bn_relu_max_pool_fwd_nhwc_kernel(T* y, int* idx, const T* x, PoolGeom g, int c,
+                                                 const compute_t<T>* mean,
+                                                 const compute_t<T>* var,
+                                                 const compute_t<T>* weight,
+                                                 const compute_t<T>* bias, compute_t<T> eps) {
+  using C = compute_t<T>;
+  const int groups = c / kV, out_pixels = g.ho * g.wo;
+  GRID_STRIDE_32(i, g.n_c / kV * out_pixels) {
+    const int pix = i / groups, ch = (i - pix * groups) * kV;
+    const int n = pix / out_pixels, r = pix - n * out_pixels;
+    const int oh = r / g.wo, ow = r - oh * g.wo;
+    const PoolWindow win{n, oh * g.sh - g.ph, ow * g.sw - g.pw};
+    const T* xp = x + n * g.h * g.w * c + ch;
+    C mu[kV], scale[kV], shift[kV];
+#pragma unroll
+    for (int v = 0; v < kV; ++v) {
+      mu[v] = mean[ch + v];
+      scale[v] = inv_std(var[ch + v], eps) * weight[ch + v];
+      shift[v] = bias[ch + v];
+    }
+    MaxScan<C, false> scan[kV];
+    for_each_tap(g, win, [&](int pos) {
+      const Lanes<T, kV> t = load_lanes<T, kV>(xp + pos * c);
+#pragma unroll
+      for (int v = 0; v < kV; ++v) {
+        C b = bn_affine(as<C>(t.v[v]), mu[v], scale[v], shift[v]);
+        b = b < C(0) ? C(0) : b;
+        scan[v].take(as<C>(as<T>(b)), pos);
+      }
+    });
+#pragma unroll
+    for (int v = 0; v < kV; ++v) scan[v].store(y, idx, pix * c + ch + v);
+  }
+}
+
 // Its backward: a thread per kV channels of an input pixel gathers gy from every window that
 // contains the pixel and chose it (idx), in window order (rows, then columns), summed in
 // float and rounded once; writes dx with `=`, no atomics. Needs the forward's window.
@@ -300,6 +340,9 @@ __global__ void max_pool_bwd_nhwc_kernel(T* dx, const T* gy, const int* idx, Poo
 // instantiate: max_pool_fwd_nhwc_kernel<{float, double, __half, __nv_bfloat16}, {false, true}, 1>
 // instantiate: max_pool_fwd_nhwc_kernel<{float, __half, __nv_bfloat16}, {false, true}, 2>
 // instantiate: max_pool_fwd_nhwc_kernel<{__half, __nv_bfloat16}, {false, true}, 4>
+// instantiate: bn_relu_max_pool_fwd_nhwc_kernel<{float, double, __half, __nv_bfloat16}, 1>
+// instantiate: bn_relu_max_pool_fwd_nhwc_kernel<{float, __half, __nv_bfloat16}, 2>
+// instantiate: bn_relu_max_pool_fwd_nhwc_kernel<{__half, __nv_bfloat16}, 4>
 // instantiate: max_pool_bwd_nhwc_kernel<{float, double, __half, __nv_bfloat16}, 1>
 // instantiate: max_pool_bwd_nhwc_kernel<{float, double, __half, __nv_bfloat16}, 2>
 // instantiate: max_pool_bwd_nhwc_kernel<{__half, __nv_bfloat16}, 4>

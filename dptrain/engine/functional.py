@@ -424,14 +424,17 @@ def self_attention(qkv: Tensor, heads: int, causal: bool = False, key_lengths=No
 
 def batch_norm(x: Tensor, weight: Tensor, bias: Tensor, running=None, training: bool = True,
                momentum: float = 0.1, eps: float = 1e-5, comm=None, residual: Tensor = None,
-               relu: bool = False, channels_last: bool = False, batch_stats=None) -> Tensor:
+               relu: bool = False, channels_last: bool = False, batch_stats=None,
+               pool=None) -> Tensor:
     """Batch normalisation over axis 1 (the last axis where `channels_last`). ``running``:
     (mean, var, num_batches_tracked) Tensors, updated in place in training and used in eval;
     ``comm``: all-reduce the batch statistics over its ranks (sync-BN). ``residual`` (x's
     shape and dtype) is added and ``relu`` applied in the same pass: relu(bn(x) + residual).
     ``batch_stats``: x's (mean, var) as ``conv2d(..., batch_stats=True)`` returned them,
-    used instead of computing them (training with per-rank statistics only). See
-    ops.BatchNorm."""
+    used instead of computing them (training with per-rank statistics only). ``pool``
+    (kernel, stride, padding; channels-last 4-D x with relu, no residual): the max-pool of
+    relu(bn(x)) in the same pass, as max_pool2d(..., channels_last=True) of the result would
+    give. See ops.BatchNorm."""
     if batch_stats is not None and (not training or (comm is not None and comm.size > 1)):
         raise ValueError("batch_norm: batch_stats are for training with per-rank statistics "
                          "(not eval, not sync-BN)")
@@ -439,23 +442,24 @@ def batch_norm(x: Tensor, weight: Tensor, bias: Tensor, running=None, training: 
     if x.ndim < 2 or weight.shape != (x.shape[axis],) or bias.shape != (x.shape[axis],):
         raise ValueError(f"batch_norm: input {x.shape} needs a channel axis {axis} and weight "
                          f"and bias of its size, got {weight.shape}, {bias.shape}")
-    if channels_last and x.ndim > 2:  # (..., C) is a batch of rows: the (rows, C) case
-        rows = lambda t: None if t is None else reshape(t, -1, x.shape[-1])
-        y = batch_norm(rows(x), weight, bias, running, training, momentum, eps, comm,
-                       rows(residual), relu, batch_stats=batch_stats)
-        return reshape(y, x.shape)
     if not training and running is None:
         raise ValueError("batch_norm: eval mode needs the running estimates")
-    inputs = (x, weight, bias)
-    if residual is not None:
-        if residual.shape != x.shape or residual.dtype != x.dtype:
-            raise ValueError(f"batch_norm: the residual must match the input, {x.dtype} "
-                             f"{x.shape}; got {residual.dtype} {residual.shape}")
-        inputs += (residual,)
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"batch_norm: the residual must match the input, {x.dtype} "
+                         f"{x.shape}; got {residual.dtype} {residual.shape}")
+    if pool is not None:
+        if not (channels_last and x.ndim == 4 and relu and residual is None):
+            raise ValueError("batch_norm: pool needs channels-last 4-D input, relu and no "
+                             "residual")
+        pool = (x.shape, *_pool_args(x, *pool, "batch_norm").values())
+    shape = x.shape
+    if channels_last and x.ndim > 2:  # (..., C) is a batch of rows: the (rows, C) case
+        x, residual = (None if t is None else reshape(t, -1, shape[-1]) for t in (x, residual))
+    inputs = (x, weight, bias) + (() if residual is None else (residual,))
     arrays = None if running is None else tuple(t.data for t in running)
-    return ops.BatchNorm.apply(*inputs, running=arrays, training=training,
-                               momentum=momentum, eps=eps, comm=comm, relu=relu,
-                               stats=batch_stats)
+    y = ops.BatchNorm.apply(*inputs, running=arrays, training=training, momentum=momentum,
+                            eps=eps, comm=comm, relu=relu, stats=batch_stats, pool=pool)
+    return y if pool is not None or y.shape == shape else reshape(y, shape)
 
 
 def adaptive_avg_pool2d(x: Tensor, output_size=1, *, channels_last=False) -> Tensor:

@@ -469,12 +469,16 @@ class BatchNorm(Function):
     (mean, var, num_batches_tracked arrays) is then updated in place on the device. Eval:
     normalise with ``running``'s estimates. The weight and bias gradients are this rank's own
     sums (the reducer averages them like every gradient); the input gradient is that of the
-    sum of all ranks' losses, which the reducer's mean turns into the global batch's."""
+    sum of all ranks' losses, which the reducer's mean turns into the global batch's.
+
+    ``pool`` ((N, H, W, C), kernel, stride, padding; channels-last x as rows, relu, no
+    residual): the output is the max-pool of relu(bn(x)) instead (ImageNet's stem), the
+    batch norm's output never stored; its backward first spreads gy back through the pool."""
 
     takes_grad_sum = True  # a block's output often feeds two paths: their add joins the ReLU's
 
     def forward(self, x, weight, bias, *residual, running=None, training=True, momentum=0.1,
-                eps=1e-5, comm=None, relu=False, stats=None):
+                eps=1e-5, comm=None, relu=False, stats=None, pool=None):
         be = self.be
         self.comm = comm if comm is not None and comm.size > 1 else None
         self.count = (x.size // x.shape[1]) * (self.comm.size if self.comm else 1)
@@ -493,7 +497,13 @@ class BatchNorm(Function):
         # the running estimates are updated by the forward's launch
         update = (*running, momentum, self.count) if training and running is not None else None
         self.x, self.weight, self.bias, self.mean, self.var = x, weight, bias, mean, var
-        self.residual = bool(residual)
+        self.residual, self.pool = bool(residual), pool
+        if pool is not None:
+            if update is not None:
+                be.batch_norm_update_(*update[:3], mean, var, *update[3:])
+            y, self.idx = be.batch_norm_relu_max_pool2d(x.reshape(pool[0]), mean, var, weight,
+                                                        bias, eps, *pool[1:])
+            return y
         y = be.batch_norm_forward(x, mean, var, weight, bias, eps,
                                   residual=residual[0] if residual else None, relu=relu,
                                   update=update)
@@ -502,6 +512,10 @@ class BatchNorm(Function):
 
     def backward(self, gy):
         be = self.be
+        if self.pool is not None:  # to the batch norm's output first (the mask comes below)
+            gy = gy.total(be) if isinstance(gy, GradSum) else gy
+            gy = be.max_pool2d_backward(gy, self.idx, self.pool[0], window=self.pool[1:],
+                                        channels_last=True).reshape(self.x.shape)
         relu = relu_out = None
         if self.relu and self.residual:  # through the ReLU once: the residual's gradient too
             relu_out = self.y

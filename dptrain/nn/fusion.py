@@ -12,7 +12,9 @@ between the two).
 Outside a Sequential a model asks for a fused call itself: ResNet's blocks call
 ``bn(x, residual=..., relu=True)`` (BatchNorm2d runs relu(bn(x) + residual) in one pass), and
 ``conv_batch_norm(conv, bn, x)``, where the convolution hands the batch norm its output's
-batch statistics (the GPU sums them in the convolution's epilogue).
+batch statistics (the GPU sums them in the convolution's epilogue); ImageNet's stem passes
+its max-pool too, which a channels-last batch norm runs in its own pass (the max-pool of
+relu(bn(x)), the batch norm's output never stored).
 
 ``DPTRAIN_FUSE=0`` in the environment turns all of it off (to measure what it gives).
 """
@@ -51,13 +53,14 @@ def _after_hooks(layer, call):
     return run
 
 
-def conv_batch_norm(conv, bn, x, residual=None, relu=False):
-    """bn(conv(x), residual=residual, relu=relu), both modules called (their hooks run). In
-    training with per-rank statistics and a bias-free convolution, the convolution also
+def conv_batch_norm(conv, bn, x, residual=None, relu=False, pool=None):
+    """bn(conv(x), residual=residual, relu=relu), both modules called (their hooks run), then
+    `pool` (a MaxPool2d, which the batch norm may run in its own pass: BatchNorm2d.forward).
+    In training with per-rank statistics and a bias-free convolution, the convolution also
     returns its output's batch statistics, which the batch norm then uses instead of a pass
     of its own over the activations (the same values to rounding: the GPU sums each tile in
     the convolution's epilogue)."""
     if enabled() and bn.training and bn.comm is None and conv.bias is None:
         y, stats = conv(x, batch_stats=True)
-        return bn(y, residual=residual, relu=relu, batch_stats=stats)
-    return bn(conv(x), residual=residual, relu=relu)
+        return bn(y, residual=residual, relu=relu, batch_stats=stats, pool=pool)
+    return bn(conv(x), residual=residual, relu=relu, pool=pool)

@@ -33,23 +33,27 @@ class BatchNorm2d(Module):
         self.comm = None
         self.channels_last = False
 
-    def forward(self, x, residual=None, relu=False, batch_stats=None):
+    def forward(self, x, residual=None, relu=False, batch_stats=None, pool=None):
         """bn(x); with ``residual`` and ``relu``, relu(bn(x) + residual): the layers that
         follow a batch norm in a residual block, in the same pass (nn.fusion; separate ops
         when ``DPTRAIN_FUSE=0``). ``batch_stats``: x's batch statistics from the convolution
-        that made it (nn.fusion.conv_batch_norm)."""
+        that made it (nn.fusion.conv_batch_norm). ``pool``: a MaxPool2d after relu(bn(x)),
+        run in the same pass where it may (channels-last, no residual, no pre-hooks of its
+        own), else called after."""
         if x.ndim != 4:
             raise ValueError(f"BatchNorm2d expects 4-D input, got shape {x.shape}")
         running = (self.running_mean, self.running_var, self.num_batches_tracked)
         fused = fusion.enabled()
+        joined = (fused and pool is not None and relu and residual is None
+                  and self.channels_last and pool.channels_last and not pool._pre_hooks)
         y = F.batch_norm(x, self.weight, self.bias, running, self.training, self.momentum,
                          self.eps, comm=self.comm, residual=residual if fused else None,
                          relu=relu and fused, channels_last=self.channels_last,
-                         batch_stats=batch_stats)
+                         batch_stats=batch_stats, pool=pool.args if joined else None)
         if not fused:
             y = y if residual is None else y + residual
             y = F.relu(y) if relu else y
-        return y
+        return y if pool is None or joined else pool(y)
 
 
 class BatchNorm1d(BatchNorm2d):

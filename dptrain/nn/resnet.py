@@ -158,9 +158,7 @@ class ResNet(Module):
         for m in self.modules():  # the spatial layers (fc sees the pooled (N, C) alike)
             if isinstance(m, (Conv2d, BatchNorm2d, MaxPool2d, AdaptiveAvgPool2d)):
                 m.channels_last = cl
-        x = conv_batch_norm(self.conv1, self.bn1, x, relu=True)
-        if self.maxpool is not None:
-            x = self.maxpool(x)
+        x = conv_batch_norm(self.conv1, self.bn1, x, relu=True, pool=self.maxpool)
         for stage in range(len(self.blocks)):
             x = getattr(self, f"layer{stage + 1}")(x)
         return self.fc(F.flatten(self.avgpool(x), 1))

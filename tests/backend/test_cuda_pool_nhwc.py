@@ -80,3 +80,28 @@ def test_channels_last_backward_needs_the_window(cu, rng):
     y, idx = cu.max_pool2d_forward(x, (2, 2), (2, 2), (0, 0), channels_last=True)
     with pytest.raises(ValueError, match="needs window"):
         cu.max_pool2d_backward(y, idx, x.shape, channels_last=True)
+
+
+@gpu
+@pytest.mark.parametrize("window", WINDOWS[:2], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("channels", [13, 16, 64])
+def test_batch_norm_relu_max_pool_is_the_two_passes(cu, rng, window, dtype, channels):
+    """batch_norm_relu_max_pool2d gives the bits of the GPU's own two passes, batch_norm_forward
+    with relu (stored) then max_pool2d_forward, y and idx; and the CPU reference's values."""
+    x = nhwc(rng, (3, 11, 9, channels), dtype)
+    stat = np.float64 if np.dtype(dtype) == np.float64 else np.float32
+    mean, var, weight, bias = (rng.standard_normal(channels).astype(stat) * 0.3 for _ in "abcd")
+    var, eps = np.abs(var) + stat(0.5), 1e-5
+    stats = [cu.asarray(a) for a in (mean, var, weight, bias)]
+    dx = cu.asarray(x)
+    z = cu.batch_norm_forward(dx.reshape(-1, channels), *stats, eps, relu=True)
+    y, idx = cu.max_pool2d_forward(z.reshape(x.shape), *window, channels_last=True)
+    fy, fidx = cu.batch_norm_relu_max_pool2d(dx, *stats, eps, *window)
+    assert np.array_equal(cu.to_numpy(fy).view(np.uint8), cu.to_numpy(y).view(np.uint8))
+    assert np.array_equal(cu.to_numpy(fidx), cu.to_numpy(idx))
+    ref, _ = cpu.batch_norm_relu_max_pool2d(as_f64(x), mean.astype(np.float64),
+                                            var.astype(np.float64), weight.astype(np.float64),
+                                            bias.astype(np.float64), eps, *window)
+    tol = {np.dtype(np.float64): 1e-12, np.dtype(np.float32): 1e-5}.get(np.dtype(dtype), 1e-2)
+    assert np.abs(as_f64(cu.to_numpy(fy)) - ref).max() <= tol * max(1.0, np.abs(ref).max())

@@ -161,3 +161,32 @@ def backend_precision(precision):
 
     matrix = "fp32" if precision == "fp32" else "auto"
     return backend.get("cuda").runtime.precision_scope(matrix)
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_batch_norm_with_its_max_pool_is_the_two_ops(training):
+    """F.batch_norm(..., pool=) (ImageNet's stem: relu(bn(x)) max-pooled in one pass) gives
+    the output, the input and parameter gradients and the running estimates of batch_norm
+    then max_pool2d, in float64."""
+    F = dp.functional
+    rng = np.random.default_rng(6)
+    xs = rng.standard_normal((2, 9, 7, 5))
+    results = []
+    for fused in (True, False):
+        x = dp.tensor(xs, requires_grad=True)
+        w = dp.tensor(np.full(5, 1.5), requires_grad=True)
+        b = dp.tensor(np.full(5, 0.2), requires_grad=True)
+        running = tuple(dp.tensor(a) for a in (np.zeros(5), np.ones(5), np.zeros((), np.int64)))
+        args = dict(running=running, training=training, relu=True, channels_last=True)
+        window = ((3, 3), (2, 2), (1, 1))
+        if fused:
+            y = F.batch_norm(x, w, b, pool=window, **args)
+        else:
+            y = F.max_pool2d(F.batch_norm(x, w, b, **args), *window, channels_last=True)
+        (y * dp.tensor(np.arange(y.size).reshape(y.shape) % 7)).sum().backward()
+        results.append([y.numpy(), x.grad.numpy(), w.grad.numpy(), b.grad.numpy(),
+                        *(t.numpy() for t in running)])
+    for got, ref in zip(*results):
+        np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="pool needs channels-last 4-D input, relu"):
+        F.batch_norm(dp.tensor(xs), w, b, running=running, pool=window, channels_last=True)

@@ -295,6 +295,16 @@ def _max_pool_2x2(x, workspace):
 
 
 @op
+def batch_norm_relu_max_pool2d(x, mean, var, weight, bias, eps, kernel, stride, padding):
+    """max_pool2d_forward(relu(batch_norm_forward(x, ...)), ...) of channels-last x (N, H,
+    W, C): (y, idx). Here the two ops as they are (the GPU never stores the batch norm)."""
+    from dptrain.backend import cpu  # the ops as the package offers them (16-bit in fp32)
+    c = x.shape[-1]
+    z = cpu.batch_norm_forward(x.reshape(-1, c), mean, var, weight, bias, eps, relu=True)
+    return max_pool2d_forward(z.reshape(x.shape), kernel, stride, padding, channels_last=True)
+
+
+@op
 def relu_max_pool2d_forward(x, kernel, stride, padding, *, workspace=None, channels_last=False):
     """max_pool2d_forward(relu(x)), with idx = -1 where the window's maximum is not > 0:
     relu's gradient is zero there, and max_pool2d_backward skips idx < 0."""

@@ -72,7 +72,7 @@ def _geometry(op, x):
     return n, c, s
 
 
-def _per_channel(op, c, x, **arrays):
+def per_channel(op, c, x, **arrays):
     stat = stat_dtype(x)
     for name, a in arrays.items():
         launch.check_arrays(op, a)
@@ -185,7 +185,7 @@ def batch_norm_mean(x):
 def batch_norm_var(x, mean):
     """Per-channel mean of (x - mean)^2 over every axis but 1 (the biased variance)."""
     n, c, s = _geometry("batch_norm_var", x)
-    _per_channel("batch_norm_var", c, x, mean=mean)
+    per_channel("batch_norm_var", c, x, mean=mean)
     var = launch.new((c,), stat_dtype(x))
     if c:
         if n * s == 0:
@@ -249,7 +249,7 @@ def batch_norm_forward(x, mean, var, weight, bias, eps, residual=None, relu=Fals
     batch_norm_update_ with mean and var would, by the same launch."""
     op = "batch_norm_forward"
     n, c, s, g = _groups(op, x)
-    _per_channel(op, c, x, mean=mean, var=var, weight=weight, bias=bias)
+    per_channel(op, c, x, mean=mean, var=var, weight=weight, bias=bias)
     run = _running(op, c, x, mean, var, *update) if update is not None else _no_running(x)
     grouped = (x,)
     if residual is not None:
@@ -294,7 +294,7 @@ def _running(op, c, x, mean, var, running_mean, running_var, num_batches_tracked
     checked (batch_norm_update_'s contract)."""
     if running_mean.ndim != 1 or running_mean.shape[0] != c:
         raise ValueError(f"cuda.{op}: running_mean must be ({c},), got {running_mean.shape}")
-    _per_channel(op, c, x, running_mean=running_mean, running_var=running_var, mean=mean,
+    per_channel(op, c, x, running_mean=running_mean, running_var=running_var, mean=mean,
                  var=var)
     launch.check_arrays(op, num_batches_tracked)
     if num_batches_tracked.dtype != np.int64 or num_batches_tracked.size != 1:
@@ -329,7 +329,7 @@ def _relu_affine(op, c, x, relu):
     if relu is None:
         return launch.NULL, launch.NULL
     weight, bias = relu
-    _per_channel(op, c, x, relu_weight=weight, relu_bias=bias)
+    per_channel(op, c, x, relu_weight=weight, relu_bias=bias)
     return weight, bias
 
 
@@ -387,9 +387,9 @@ def _backward_sums(op, gy, x, mean, var, eps, relu, add_to, join=None):
     """batch_norm_backward_reduce's sums (gy checked by the caller); `join`: a Join<T>
     struct for the channels-last kernel to join gy from (gy then its first part)."""
     n, c, s = _geometry(op, x)
-    _per_channel(op, c, x, mean=mean, var=var)
+    per_channel(op, c, x, mean=mean, var=var)
     if add_to is not None:
-        _per_channel(op, c, x, bias_grad=add_to[0], weight_grad=add_to[1])
+        per_channel(op, c, x, bias_grad=add_to[0], weight_grad=add_to[1])
     masks = _relu_affine(op, c, x, relu)
     sums = launch.new((2, c), stat_dtype(x))
     if c:
@@ -417,7 +417,7 @@ def batch_norm_backward_data(gy, x, mean, var, weight, sums, eps, count, relu=No
     launch.check_contiguous(op, gy, sums)
     launch.check_shape(op, gy, x.shape, "gy")
     launch.check_shape(op, sums, (2, c), "sums")
-    _per_channel(op, c, x, mean=mean, var=var, weight=weight)
+    per_channel(op, c, x, mean=mean, var=var, weight=weight)
     if sums.dtype != stat_dtype(x):
         raise TypeError(f"cuda.{op}: sums must be {stat_dtype(x)} for {x.dtype} x, got "
                         f"{sums.dtype}")

@@ -8,7 +8,8 @@ Conventions (the .cu file's header has the kernel side):
     window's first maximum (NaN counting as the maximum), padding never chosen.
     relu_max_pool2d_forward is max_pool2d_forward(relu(x)) in one pass, with idx = -1 where
     the window's maximum is not > 0 (relu's gradient is zero there); max_pool2d_backward
-    gives windows with idx < 0 no gradient.
+    gives windows with idx < 0 no gradient. batch_norm_relu_max_pool2d (channels-last) is
+    max_pool2d_forward of relu(batch norm(x)), the batch norm's output never stored.
   * avg pooling counts the padding in the divisor (PyTorch's default).
   * Backward ops return dx written with `=`, deterministic (no atomics): max backward needs
     only idx (one warp per plane), or, given the forward's `window` and windows that tile the
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dptrain.backend.cuda import launch
+from dptrain.backend.cuda import launch, norm
 from dptrain.backend.registry import op
 
 POOL = "pool.cu"
@@ -106,6 +107,27 @@ def relu_max_pool2d_forward(x, kernel, stride, padding, *, workspace=None, chann
     """max_pool2d_forward(relu(x)) in one pass; idx = -1 where the maximum is not > 0."""
     return _max_pool("relu_max_pool2d_forward", True, x, kernel, stride, padding,
                      channels_last)
+
+
+@op
+def batch_norm_relu_max_pool2d(x, mean, var, weight, bias, eps, kernel, stride, padding):
+    """max_pool2d_forward(relu(batch_norm_forward(x, ...)), ...) of channels-last x (N, H, W,
+    C) in one pass: (y, idx) with the bits of the two ops, the batch norm's output computed
+    and rounded tap by tap, never stored (ImageNet's stem: a 205 MB write and read fewer)."""
+    op = "batch_norm_relu_max_pool2d"
+    launch.check_arrays(op, x)
+    launch.check_contiguous(op, x)
+    geom, c, y_shape = _nhwc_geom(op, x.shape, (kernel, stride, padding))
+    norm.per_channel(op, c, x, mean=mean, var=var, weight=weight, bias=bias)
+    y, idx = launch.new(y_shape, x.dtype), launch.new(y_shape, np.int32)
+    if y.size:
+        lanes = _lanes(x.dtype, c, FORWARD_LANE_BYTES)
+        fn = launch.kernel(POOL, "bn_relu_max_pool_fwd_nhwc_kernel", launch.ctype(x.dtype),
+                           lanes)
+        launch.grid_stride(fn, y.size // int(lanes),
+                           (y, idx, x, geom, np.int32(c), mean, var, weight, bias,
+                            mean.dtype.type(eps)))
+    return y, idx
 
 
 def _tiles(window, x_shape, y_shape) -> tuple[int, int] | None:
