@@ -69,7 +69,7 @@ SWITCHES = _declare(
     ("RENDEZVOUS_TIMEOUT", "300", "user", "seconds srun's ranks wait for each other to meet"),
     ("FUSE", "on", "A/B",
      "`0`: no fused layers (ReLU + max-pool and Linear + ReLU in `Sequential`; batch norm's "
-     "residual add and ReLU in ResNet's blocks)"),
+     "residual add and ReLU in ResNet's blocks, and its stem's max-pool)"),
     ("SHADOW", "on", "A/B",
      "`0`: no 16-bit parameter shadow in bf16/fp16; fp32 all-gather and a cast in every layer "
      "(same bits)"),
