@@ -101,21 +101,18 @@ def native_layout(x, weight, stride, padding, nchw):
     runs with 8), which change no result; x may already carry them. A stride-2 convolution
     of an NCHW input so padded runs over pairs of columns (column_pairs): ResNet-18's step at
     3x224x224, batch 128, fp16, 6.72 -> 6.31 ms on an H200."""
-    c, kh, kw = weight.shape[1:]
     be, dtype = x.be, x.dtype
-    if not nchw:
-        pad = be.conv2d_channels_last_pad(c, kh, kw, dtype)
-        if pad and x.shape[-1] == c:
-            x = F.pad_zeros(x, -1, pad)
-        return x, F.pad_zeros(weight, 1, pad) if pad else weight, stride, padding
     columns, group = (0, 0), 1
-    if be.conv2d_channels_last_pad(c, kh, kw, dtype):
+    if nchw and be.conv2d_channels_last_pad(*weight.shape[1:], dtype):
         pairs = column_pairs(x.shape[-1], weight, stride, padding)
         if pairs is not None:
             (columns, weight, stride, padding), group = pairs, 2
     c, kh, kw = weight.shape[1:]
     pad = be.conv2d_channels_last_pad(c, kh, kw, dtype)
-    x = F.to_channels_last(x, columns, group, c + pad)
+    if nchw:
+        x = F.to_channels_last(x, columns, group, c + pad)
+    elif pad and x.shape[-1] == c:
+        x = F.pad_zeros(x, -1, pad)
     return x, F.pad_zeros(weight, 1, pad) if pad else weight, stride, padding
 
 
