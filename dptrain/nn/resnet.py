@@ -16,9 +16,9 @@ The state_dict names are torchvision's (``conv1.weight``, ``bn1.running_mean``,
 Activations are channels-last inside where the backend's convolutions read and write that
 layout as it lies (``channels_last="auto"``, the default: the GPU's wgmma kernels, 16-bit,
 TF32 or fp32 as 3xTF32, as PyTorch's ``memory_format=torch.channels_last``): the stem's
-convolution lays the NCHW input out (N, H, W, C) in one pass, every convolution, batch norm and pooling works on that layout,
-and the global pooling hands (N, C) features to ``fc``. Elsewhere (the CPU, GPUs without
-wgmma) a channels-last convolution would copy its
+convolution lays the NCHW input out (N, H, W, C) in one pass, every convolution, batch norm
+and pooling works on that layout, and the global pooling hands (N, C) features to ``fc``.
+Elsewhere (the CPU, GPUs without wgmma) a channels-last convolution would copy its
 activations to NCHW and back, so "auto" keeps NCHW, decided at each forward from the input's
 dtype and the backend (``conv2d_channels_last_native``). ``True`` or ``False`` fixes the
 layout. Weights, state_dict and results (to rounding) are those of the NCHW network either

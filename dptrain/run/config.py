@@ -92,7 +92,8 @@ class TrainConfig:
         "auto", "where the training images live: device (resident, gathered inside the step; an "
         "error if they do not fit), host (streamed: batches gathered ahead by --data-workers "
         "threads into pinned buffers and copied while the previous step runs), auto (device "
-        "when they take at most half the free device memory, else host)", DATA, choices=("auto", "device", "host"))
+        "when they take at most half the free device memory, else host)", DATA,
+        choices=("auto", "device", "host"))
     prefetch_depth: int = option(
         3, "--data-on host: batches in flight (gathered, copied, read by the step); at least 2",
         DATA, bound="positive", metavar="N")
