@@ -34,6 +34,16 @@ __device__ __forceinline__ void tma_load_2d(u32 dst, const TmaMap& m, int x, int
       : "memory");
 }
 
+// Box of the 4-D tiled map at element coordinates (x innermost, y, z, w) into dst.
+__device__ __forceinline__ void tma_load_4d(u32 dst, const TmaMap& m, int x, int y, int z, int w,
+                                            u32 bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(dst), "l"(map_address(m)), "r"(x), "r"(y),
+      "r"(z), "r"(w), "r"(bar)
+      : "memory");
+}
+
 // A column of the 4-D (NHWC) im2col map: its pixels from base position (w, h) of image n
 // on, channels c.., each read at the base plus the filter offset (ow, oh).
 __device__ __forceinline__ void tma_load_im2col_4d(u32 dst, const TmaMap& m, int c, int w,

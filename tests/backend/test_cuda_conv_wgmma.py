@@ -116,6 +116,63 @@ def test_tma_fed_kernel_is_bitwise_the_same(cu, dt, xs, ws, stride, pad, monkeyp
     passes_match_reference(cu, dt, x, w, gy, stride, pad)
 
 
+STRIP = "conv2d_strip_kernel"
+STRIP_CASES = [  # x shape, w shape, stride, padding: 16-bit pixels of one 16-byte chunk
+    ((2, 8, 20, 12), (64, 8, 7, 4), (2, 1), (3, 2)),  # the stem over column pairs: K = 224
+    ((64, 8, 40, 24), (64, 8, 7, 4), (2, 1), (3, 2)),  # 1,280 rows: each block walks several
+    ((2, 8, 9, 11), (40, 8, 7, 4), (1, 1), (0, 0)),  # 40 channels; no padding, stride 1
+    ((3, 8, 7, 125), (96, 8, 7, 4), (3, 1), (2, 1)),  # rows of 124 pixels; two channel tiles
+]
+
+
+@pytest.mark.parametrize("dt", HALVES)
+@pytest.mark.parametrize("xs, ws, stride, pad", STRIP_CASES)
+def test_strip_forward_is_bitwise_the_gathering_kernel(cu, dt, xs, ws, stride, pad,
+                                                       monkeypatch):
+    """conv2d_strip.cu reads each output row's im2col matrix in place from a strip of input
+    rows: the channels-last forward (with a bias) equals conv2d_wgmma_kernel's to the bit,
+    and its per-row statistics agree with the statistics pass as
+    test_turned_tiles_equal_the_gathering_kernel says."""
+    x, w, gy = inputs(dt, xs, ws, stride, pad)
+    b = to_dt(np.linspace(-1, 1, ws[0], dtype=np.float32), dt)
+    dw, db, xl = cu.asarray(w), cu.asarray(b), cu.asarray(_channels_last(x))
+
+    def run(kernel, *off):
+        routes_off(monkeypatch, *off)
+        assert conv.passes._forward(xl, dw, db, stride, pad, True).kernel == kernel
+        out = [cu.conv2d_forward(xl, dw, db, stride, pad, channels_last=True),
+               *cu.conv2d_forward_stats(xl, dw, stride, pad, channels_last=True)]
+        return [cu.to_numpy(a) for a in out]
+
+    strip = run(STRIP, "direct")
+    plain = run(WGMMA, "direct", "strip", "wgmma_tma")
+    for got, want in zip(strip[:2], plain[:2]):
+        assert got.tobytes() == want.tobytes()
+    spread = np.sqrt(plain[3].astype(np.float64)) + 1e-30
+    assert np.all(np.abs(strip[2] - plain[2]) <= 2e-5 * spread)
+    assert np.all(np.abs(strip[3] - plain[3]) <= 4e-5 * plain[3] + 1e-30)
+    y = to_f32(strip[0], dt).transpose(0, 3, 1, 2)
+    close(y, reference(dt, x, w, gy, stride, pad)[0] + to_f32(b, dt)[:, None, None], dt)
+
+
+def test_strip_refusals_say_why(cu, monkeypatch):
+    """The strip kernel takes only what its descriptor reads right: each refusal names why."""
+    routes_off(monkeypatch)
+    f16 = np.float16
+
+    def why(xs, ws, stride, pad, cl=True):
+        x = cu.asarray(np.zeros(xs, f16))
+        g = conv.geometry.forward(x, cu.asarray(np.zeros(ws, f16)), None, stride, pad, cl=cl)
+        return dict(conv.explain(conv.FORWARD, g)).get("strip", "not reached")
+
+    assert why((2, 20, 12, 8), (64, 8, 7, 4), (2, 1), (3, 2)) is None
+    assert "a 7x3 filter" in why((2, 20, 12, 8), (64, 8, 7, 3), (2, 1), (3, 1))
+    assert "stride along the rows" in why((2, 20, 12, 8), (64, 8, 7, 4), (2, 2), (3, 2))
+    assert "16-byte chunk" in why((2, 20, 12, 16), (64, 16, 7, 4), (1, 1), (1, 2))
+    assert "over 128 pixels" in why((1, 8, 140, 8), (64, 8, 7, 4), (1, 1), (1, 2))
+    assert "channels-last" in why((2, 8, 20, 12), (64, 8, 7, 4), (2, 1), (3, 2), cl=False)
+
+
 STORE_CASES = [  # x shape, w shape, stride, padding: channels-last outputs of the TMA kernel
     ((2, 64, 6, 6), (128, 64, 3, 3), (1, 1), (1, 1)),  # 72 pixels: one partial tile, two boxes
     ((3, 64, 9, 11), (96, 64, 3, 3), (1, 1), (1, 1)),  # 96 of 128 channels: the second box clipped
@@ -642,7 +699,8 @@ def test_explain_lists_the_routes_a_shape_passed_over(cu, monkeypatch):
     gy = cu.asarray(np.zeros((2, 64, 16, 16), f16))
     stem = conv.geometry.forward(x, w, None, (2, 2), (3, 3))  # 3 channels, 7x7 / 2
     rows = conv.explain(conv.FORWARD, stem)
-    assert [name for name, _ in rows] == ["empty", "direct", "x3", "wgmma_tma", "wgmma", "mma"]
+    assert [name for name, _ in rows] == ["empty", "direct", "x3", "strip", "wgmma_tma", "wgmma",
+                                          "mma"]
     assert all(why for _, why in rows[:-1]) and rows[-1][1] is None
     assert "147" in dict(rows)["direct"]  # C_in*KH*KW
     assert conv.conv2d_kernels(x, w, gy, (2, 2), (3, 3))["forward"] == "conv2d_b16_kernel"

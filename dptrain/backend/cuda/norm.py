@@ -218,9 +218,9 @@ def batch_norm_stats(x):
     return mean, var
 
 
-def batch_norm_tile_stats(ts, count):
+def batch_norm_tile_stats(ts, count, rows=TILE_PIXELS):
     """(mean, var) (float32) from a convolution's per-tile statistics ts (tiles, 3, C) of
-    `count` pixels (conv2d_wgmma.cu's `stats`; tiles of 128 pixels but the last): what
+    `count` pixels (conv2d_wgmma.cu's `stats`; tiles of `rows` pixels but the last): what
     batch_norm_stats of its output gives, to rounding. The tiles are split over enough
     blocks to fill the GPU, then finalized as batch_norm_stats' partials are."""
     tiles, _, c = ts.shape
@@ -233,7 +233,7 @@ def batch_norm_tile_stats(ts, count):
     ws = launch.new((splits, 2, c), np.dtype(np.float64))
     fn = launch.kernel(NORM, "bn_tile_stats_partial_kernel", "float")
     fn((groups, splits), FOLD_BLOCK, (ws, ts, np.int32(tiles), np.int32(c),
-                                      np.int32(TILE_PIXELS), np.float64(count), np.int32(chunk)))
+                                      np.int32(rows), np.float64(count), np.int32(chunk)))
     fn = launch.kernel(NORM, "bn_stats_finalize_kernel", "float")
     fn((groups,), FOLD_BLOCK, (mean, var, ws, ts, np.int32(splits), np.int32(c), np.int32(1),
                                np.float64(count)))

@@ -23,7 +23,7 @@ TENSOR_MAP = np.dtype([("bits", np.uint64, (16,))])
 
 # CUtensorMapDataType for each storage dtype (float is copied as its bits, TF32 included).
 _DATA_TYPE = {np.dtype(np.float16): 6, np.dtype(np.float32): 7, np.dtype(BFLOAT16): 9}
-_SWIZZLE_128B, _L2_256B, _NO_INTERLEAVE, _ZERO_FILL = 3, 3, 0, 0
+_NO_SWIZZLE, _SWIZZLE_128B, _L2_256B, _NO_INTERLEAVE, _ZERO_FILL = 0, 3, 3, 0, 0
 
 # cuTensorMapEncodeIm2col's corner offsets are signed 8-bit for a 4-D (NHWC) tensor; its
 # per-load filter offsets unsigned 8-bit.
@@ -74,6 +74,14 @@ def tiled(a, rows: int, cols: int, box_rows: int, box_cols: int):
     return _tiled(a.data.ptr, a.dtype, rows, cols, box_rows, box_cols)
 
 
+def strips(a, shape, width: int, rows: int):
+    """The map of the NHWC array `a` of `shape` (n, h, w, c), c * itemsize a multiple of 16,
+    loaded as boxes of `rows` rows x `width` pixels x all c channels of one image, unswizzled
+    (a box lands as its rows of pixels of c values, dense); what falls outside the image
+    (negative coordinates too) reads as zeros."""
+    return _strips(a.data.ptr, a.dtype, tuple(shape), width, rows)
+
+
 def im2col(a, shape, lower, upper, strides, channels: int, pixels: int):
     """The im2col map of the NHWC array `a` of `shape` (n, h, w, c): a load fetches
     `pixels` output pixels' `channels` channels from one filter tap. The pixels walk the
@@ -94,6 +102,19 @@ def _tiled(ptr, dtype, rows, cols, box_rows, box_cols):
                    _array(ctypes.c_uint64, (cols * item,)),
                    _array(ctypes.c_uint32, (box_cols, box_rows)),
                    _array(ctypes.c_uint32, (1, 1)), _NO_INTERLEAVE, _SWIZZLE_128B, _L2_256B,
+                   _ZERO_FILL)
+
+
+@functools.lru_cache(maxsize=1024)
+def _strips(ptr, dtype, shape, width, rows):
+    n, h, w, c = shape
+    item = dtype.itemsize
+    return _encode(f"an NHWC {shape} {dtype} array (strips of {rows} x {width})",
+                   _driver()[0], _DATA_TYPE[dtype], 4, ctypes.c_void_p(ptr),
+                   _array(ctypes.c_uint64, (c, w, h, n)),
+                   _array(ctypes.c_uint64, (c * item, w * c * item, h * w * c * item)),
+                   _array(ctypes.c_uint32, (c, width, rows, 1)),
+                   _array(ctypes.c_uint32, (1, 1, 1, 1)), _NO_INTERLEAVE, _NO_SWIZZLE, _L2_256B,
                    _ZERO_FILL)
 
 

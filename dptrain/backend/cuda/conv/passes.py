@@ -1,7 +1,7 @@
 """The convolution ops and the route table of each pass (routes.py): forward,
 backward-data, backward-weight, each planned once per signature (gemm.plan's cache).
 
-Forward:         empty, direct, x3, wgmma_tma, wgmma, mma
+Forward:         empty, direct, x3, strip, wgmma_tma, wgmma, mma
 Backward-data:   empty, spread, x3, wgmma_tma, wgmma, mma
 Backward-weight: empty, direct, x3, bwdw_tma, bwdw_wgmma, nchw, nhwc, gemm
 
@@ -10,6 +10,7 @@ backward-data) or the batch (backward-weight) tripled, for fp32 channels-last pa
 Hopper, and for backward-weight where C_out and C_in*KH*KW fill the TF32 kernel's 128-wide
 tiles (X3_BWDW_MIN). ResNet-18's fp32 step: 75.43 ms on FFMA, 42.18 this way (one H200).
 nchw plans a channels-last backward-weight no channels-last kernel takes on NCHW copies.
+strip (strip.py) is the ImageNet stem's forward over column pairs (8 channels a pixel).
 """
 from __future__ import annotations
 
@@ -17,11 +18,11 @@ import numpy as np
 
 from dptrain.backend.cuda import launch, tf32x3
 from dptrain.backend.cuda.conv import (bwdw_wgmma, direct, geometry, implicit, layout, nhwc,
-                                       routes, wgmma)
+                                       routes, strip, wgmma)
 from dptrain.backend.cuda.conv.geometry import ConvGeom, nhwc_shape
 from dptrain.backend.cuda.conv.routes import Route
 from dptrain.backend.cuda.gemm import output, plan, sig, wgmma_available
-from dptrain.backend.cuda.norm import batch_norm_stats, batch_norm_tile_stats
+from dptrain.backend.cuda.norm import TILE_PIXELS, batch_norm_stats, batch_norm_tile_stats
 from dptrain.backend.cuda.runtime import runtime
 from dptrain.backend.cuda.transpose import spreader
 from dptrain.backend.registry import op
@@ -150,6 +151,7 @@ FORWARD_ROUTES = (
     _x3_route(FORWARD, lambda g: g.replace(c=3 * g.c), lambda: _implicit_routes(0),
               lambda g: {0: tf32x3.splitter(g.w_shape, 1, tf32x3.SECOND),
                          1: tf32x3.splitter(nhwc_shape(g.x_shape), 3, tf32x3.FIRST)}),
+    Route("strip", strip.refuses, strip.plan),
     *_implicit_routes(0),
     Route("mma", lambda g: None, lambda g: implicit.plan(g, 0)),
 )
@@ -240,7 +242,8 @@ def conv2d_forward_stats(x, w, stride, padding, *, channels_last=False, out=None
         return (y, *batch_norm_stats(y.reshape(-1, y.shape[-1]) if channels_last else y))
     ws = launch.new((tiles, 3, w.shape[0]), np.dtype(np.float32))
     y = run(w, x, None, out, workspace, stats=ws)
-    return (y, *batch_norm_tile_stats(ws, y.size // w.shape[0]))
+    rows = getattr(run, "stat_rows", TILE_PIXELS)  # a tile's pixels (the last may have fewer)
+    return (y, *batch_norm_tile_stats(ws, y.size // w.shape[0], rows))
 
 
 @op
