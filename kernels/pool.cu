@@ -261,7 +261,9 @@ __global__ void max_pool_fwd_nhwc_kernel(T* y, int* idx, const T* x, PoolGeom g,
 // max_pool_fwd_nhwc_kernel of relu(batch norm(x)), the batch norm's output never stored: each
 // tap computed and rounded to T as bn_forward_cl_kernel computes and stores it (scale =
 // inv_std(var, eps) * weight, bn_affine, ReLU), so y and idx are the bits of the two passes.
-// The batch norm's statistics are per channel (C = compute_t<T>, as norm.cu's P).
+// The batch norm's statistics are per channel (C = compute_t<T>, as norm.cu's P). Each block
+// first works out every channel's mean, scale and shift into its dynamic shared memory (3 *
+// c values: the launcher's), so a thread's taps pay no square root or division.
 template <typename T, int kV>
 __global__ void bn_relu_max_pool_fwd_nhwc_kernel(T* y, int* idx, const T* x, PoolGeom g, int c,
                                                  const compute_t<T>* mean,
@@ -269,6 +271,16 @@ __global__ void bn_relu_max_pool_fwd_nhwc_kernel(T* y, int* idx, const T* x, Poo
                                                  const compute_t<T>* weight,
                                                  const compute_t<T>* bias, compute_t<T> eps) {
   using C = compute_t<T>;
+  extern __shared__ __align__(16) unsigned char affine_raw[];
+  C* const mu_s = reinterpret_cast<C*>(affine_raw);
+  C* const scale_s = mu_s + c;
+  C* const shift_s = scale_s + c;
+  for (int k = threadIdx.x; k < c; k += blockDim.x) {
+    mu_s[k] = mean[k];
+    scale_s[k] = inv_std(var[k], eps) * weight[k];
+    shift_s[k] = bias[k];
+  }
+  __syncthreads();
   const int groups = c / kV, out_pixels = g.ho * g.wo;
   GRID_STRIDE_32(i, g.n_c / kV * out_pixels) {
     const int pix = i / groups, ch = (i - pix * groups) * kV;
@@ -279,9 +291,9 @@ __global__ void bn_relu_max_pool_fwd_nhwc_kernel(T* y, int* idx, const T* x, Poo
     C mu[kV], scale[kV], shift[kV];
 #pragma unroll
     for (int v = 0; v < kV; ++v) {
-      mu[v] = mean[ch + v];
-      scale[v] = inv_std(var[ch + v], eps) * weight[ch + v];
-      shift[v] = bias[ch + v];
+      mu[v] = mu_s[ch + v];
+      scale[v] = scale_s[ch + v];
+      shift[v] = shift_s[ch + v];
     }
     MaxScan<C, false> scan[kV];
     for_each_tap(g, win, [&](int pos) {

@@ -969,8 +969,8 @@ def _launch_modules(monkeypatch, sms=4):
 
 def _shape_of(launch, per_block, items, **kw):
     seen = []
-    launch.grid_stride(lambda grid, block, args: seen.append((grid[0], block[0])), items, (),
-                       per_block, **kw)
+    launch.grid_stride(lambda grid, block, args, shared_mem=0: seen.append((grid[0], block[0])),
+                       items, (), per_block, **kw)
     return seen[0]
 
 
@@ -992,7 +992,7 @@ def test_launch_shape_override(monkeypatch):
         assert _shape_of(launch, 8, 10**6) == (1, 32)  # a warp per item: one warp
         assert _shape_of(launch, 256, 10**6, warps=True) == (1, 32)
         seen = []
-        reduce.run_reduce(lambda g, b, a: seen.append((g[0], b[0], int(a[-1]))), None, None,
+        reduce.run_reduce(lambda g, b, a, **_: seen.append((g[0], b[0], int(a[-1]))), None, None,
                           5000, 1, 8, 8, None, None, 1)
         assert seen == [(1, 32, 1)]  # G = 1 still gets a warp
     with launch.launch_shape(threads_per_block=100):
@@ -1005,7 +1005,7 @@ def test_launch_shape_override(monkeypatch):
         # Reductions: a whole block per output has G == the block's size, any size.
         assert reduce.group_size(10, 4096, True) == 1024
         seen = []
-        reduce.run_reduce(lambda g, b, a: seen.append((g[0], b[0], int(a[-1]))), None, None,
+        reduce.run_reduce(lambda g, b, a, **_: seen.append((g[0], b[0], int(a[-1]))), None, None,
                           10, 1, 4096, 4096, None, None, reduce.group_size(10, 4096, True))
         assert seen == [(10, 1024, 1024)]
     assert launch.current_launch_shape() == (None, None)

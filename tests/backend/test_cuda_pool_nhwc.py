@@ -105,3 +105,14 @@ def test_batch_norm_relu_max_pool_is_the_two_passes(cu, rng, window, dtype, chan
                                             bias.astype(np.float64), eps, *window)
     tol = {np.dtype(np.float64): 1e-12, np.dtype(np.float32): 1e-5}.get(np.dtype(dtype), 1e-2)
     assert np.abs(as_f64(cu.to_numpy(fy)) - ref).max() <= tol * max(1.0, np.abs(ref).max())
+
+
+@gpu
+def test_batch_norm_relu_max_pool_refuses_channels_past_shared_memory(cu):
+    """Each block holds every channel's mean, scale and shift in shared memory: a channel
+    count whose three vectors would not fit is refused, naming the op and the count."""
+    c = 4104  # 3 x 4104 floats: past 48 KB
+    x = cu.asarray(np.zeros((1, 3, 3, c), np.float32))
+    stats = [cu.asarray(np.ones(c, np.float32)) for _ in range(4)]
+    with pytest.raises(ValueError, match="batch_norm_relu_max_pool2d: 4104 channels"):
+        cu.batch_norm_relu_max_pool2d(x, *stats, 1e-5, *WINDOWS[0])

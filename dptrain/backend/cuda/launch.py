@@ -221,18 +221,19 @@ def block_threads(warps=False):
     return max(32, threads - threads % 32) if warps else threads
 
 
-def grid_stride(fn, items, args, per_block=BLOCK, warps=False):
+def grid_stride(fn, items, args, per_block=BLOCK, warps=False, smem=0):
     """Launch `fn` on the current stream with enough blocks for `items` work items of which
     one block takes `per_block`; capped, since every such kernel loops grid-stride.
     `per_block` counts items per block of BLOCK threads, so BLOCK // per_block threads share
     an item (1, a group of lanes, a warp, or the whole block); launch_shape may change the
-    block. `warps`: the kernel needs whole warps even with a thread per item."""
+    block. `warps`: the kernel needs whole warps even with a thread per item. `smem`: bytes
+    of dynamic shared memory a block gets."""
     per_item = BLOCK // per_block
     threads = block_threads(warps=warps or per_item > 1)
     per_block = 1 if per_item == BLOCK else max(1, threads // per_item)
     cap = _max_blocks or sm_count() * BLOCKS_PER_SM
     grid = max(1, min(cap, -(-items // per_block)))
-    fn((grid,), (threads,), args)
+    fn((grid,), (threads,), args, shared_mem=smem)
 
 
 # ----------------------------------------------------------------------------- checks

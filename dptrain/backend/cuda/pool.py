@@ -75,6 +75,7 @@ def _nhwc_geom(op, x_shape, window):
 # 3x3/2 pool at batch 128 (fp16, H200): backward 382 -> 226 us with 16 bytes against 8,
 # forward 205 -> 252 us (so it keeps 8)
 FORWARD_LANE_BYTES, BACKWARD_LANE_BYTES = 8, 16
+AFFINE_MAX = 48 * 1024  # batch_norm_relu_max_pool2d's per-channel affine, a block's share
 
 
 def _lanes(dtype, c: int, most: int) -> str:
@@ -119,14 +120,18 @@ def batch_norm_relu_max_pool2d(x, mean, var, weight, bias, eps, kernel, stride, 
     launch.check_contiguous(op, x)
     geom, c, y_shape = _nhwc_geom(op, x.shape, (kernel, stride, padding))
     norm.per_channel(op, c, x, mean=mean, var=var, weight=weight, bias=bias)
+    affine = 3 * c * mean.dtype.itemsize  # a block's per-channel mean, scale and shift
+    if affine > AFFINE_MAX:
+        raise ValueError(f"cuda.{op}: {c} channels' batch norm ({affine} bytes) does not fit "
+                         f"a block's shared memory ({AFFINE_MAX}); use the two ops")
     y, idx = launch.new(y_shape, x.dtype), launch.new(y_shape, np.int32)
     if y.size:
         lanes = _lanes(x.dtype, c, FORWARD_LANE_BYTES)
         fn = launch.kernel(POOL, "bn_relu_max_pool_fwd_nhwc_kernel", launch.ctype(x.dtype),
-                           lanes)
+                           lanes, smem=affine)
         launch.grid_stride(fn, y.size // int(lanes),
                            (y, idx, x, geom, np.int32(c), mean, var, weight, bias,
-                            mean.dtype.type(eps)))
+                            mean.dtype.type(eps)), smem=affine)
     return y, idx
 
 
