@@ -34,6 +34,16 @@ __device__ __forceinline__ void tma_load_2d(u32 dst, const TmaMap& m, int x, int
       : "memory");
 }
 
+// Box of the 3-D tiled map at element coordinates (x innermost, y, z) into dst.
+__device__ __forceinline__ void tma_load_3d(u32 dst, const TmaMap& m, int x, int y, int z,
+                                            u32 bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst), "l"(map_address(m)), "r"(x), "r"(y),
+      "r"(z), "r"(bar)
+      : "memory");
+}
+
 // Box of the 4-D tiled map at element coordinates (x innermost, y, z, w) into dst.
 __device__ __forceinline__ void tma_load_4d(u32 dst, const TmaMap& m, int x, int y, int z, int w,
                                             u32 bar) {

@@ -155,6 +155,28 @@ def test_strip_forward_is_bitwise_the_gathering_kernel(cu, dt, xs, ws, stride, p
     close(y, reference(dt, x, w, gy, stride, pad)[0] + to_f32(b, dt)[:, None, None], dt)
 
 
+@pytest.mark.parametrize("dt", HALVES)
+@pytest.mark.parametrize("xs, ws, stride, pad", STRIP_CASES)
+def test_strip_backward_weight_matches_reference(cu, dt, xs, ws, stride, pad, monkeypatch):
+    """conv2d_strip_bwdw_kernel (up to 64 output channels) reads the same strips as wgmma's
+    MN-major B and gy's rows as its A: the weight gradient agrees with the float64
+    reference within twice dt's tolerance, as the other backward-weight kernels', and
+    repeats to the bit."""
+    routes_off(monkeypatch, "direct")
+    x, w, gy = inputs(dt, xs, ws, stride, pad)
+    xl, gyl = cu.asarray(_channels_last(x)), cu.asarray(_channels_last(gy))
+    run = conv.passes._backward_weight(xl, gyl, ws, stride, pad, True)
+    assert (run.kernel == "conv2d_strip_bwdw_kernel") == (ws[0] <= 64)
+
+    def gw():
+        return cu.to_numpy(cu.conv2d_backward_weight(xl, gyl, ws, stride, pad,
+                                                     channels_last=True))
+
+    first = gw()
+    assert first.tobytes() == gw().tobytes()
+    close(to_f32(first, dt), reference(dt, x, w, gy, stride, pad)[2], dt, 2)
+
+
 def test_strip_refusals_say_why(cu, monkeypatch):
     """The strip kernel takes only what its descriptor reads right: each refusal names why."""
     routes_off(monkeypatch)

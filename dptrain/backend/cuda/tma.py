@@ -82,6 +82,14 @@ def strips(a, shape, width: int, rows: int):
     return _strips(a.data.ptr, a.dtype, tuple(shape), width, rows)
 
 
+def pixel_rows(a, rows: int, width: int, channels: int):
+    """The map of the channels-last 16-bit array `a` as `rows` rows of `width` pixels of
+    `channels` channels (channels a multiple of 8), loaded as boxes of 64 pixels x 64
+    channels of one row, with the 128-byte swizzle; pixels past a row's width and channels
+    past `channels` read as zeros."""
+    return _pixel_rows(a.data.ptr, a.dtype, rows, width, channels)
+
+
 def im2col(a, shape, lower, upper, strides, channels: int, pixels: int):
     """The im2col map of the NHWC array `a` of `shape` (n, h, w, c): a load fetches
     `pixels` output pixels' `channels` channels from one filter tap. The pixels walk the
@@ -116,6 +124,17 @@ def _strips(ptr, dtype, shape, width, rows):
                    _array(ctypes.c_uint32, (c, width, rows, 1)),
                    _array(ctypes.c_uint32, (1, 1, 1, 1)), _NO_INTERLEAVE, _NO_SWIZZLE, _L2_256B,
                    _ZERO_FILL)
+
+
+@functools.lru_cache(maxsize=1024)
+def _pixel_rows(ptr, dtype, rows, width, channels):
+    item = dtype.itemsize
+    return _encode(f"{rows} rows of {width} x {channels} {dtype}", _driver()[0],
+                   _DATA_TYPE[dtype], 3, ctypes.c_void_p(ptr),
+                   _array(ctypes.c_uint64, (channels, width, rows)),
+                   _array(ctypes.c_uint64, (channels * item, width * channels * item)),
+                   _array(ctypes.c_uint32, (64, 64, 1)), _array(ctypes.c_uint32, (1, 1, 1)),
+                   _NO_INTERLEAVE, _SWIZZLE_128B, _L2_256B, _ZERO_FILL)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -3,14 +3,15 @@ backward-data, backward-weight, each planned once per signature (gemm.plan's cac
 
 Forward:         empty, direct, x3, strip, wgmma_tma, wgmma, mma
 Backward-data:   empty, spread, x3, wgmma_tma, wgmma, mma
-Backward-weight: empty, direct, x3, bwdw_tma, bwdw_wgmma, nchw, nhwc, gemm
+Backward-weight: empty, direct, x3, strip, bwdw_tma, bwdw_wgmma, nchw, nhwc, gemm
 
 x3 is 3xTF32 (tf32x3.py) on a wgmma route of the pass with the summed channels (forward,
 backward-data) or the batch (backward-weight) tripled, for fp32 channels-last passes on
 Hopper, and for backward-weight where C_out and C_in*KH*KW fill the TF32 kernel's 128-wide
 tiles (X3_BWDW_MIN). ResNet-18's fp32 step: 75.43 ms on FFMA, 42.18 this way (one H200).
 nchw plans a channels-last backward-weight no channels-last kernel takes on NCHW copies.
-strip (strip.py) is the ImageNet stem's forward over column pairs (8 channels a pixel).
+strip (strip.py) is the ImageNet stem's forward and backward-weight over column pairs (8
+channels a pixel).
 """
 from __future__ import annotations
 
@@ -165,7 +166,8 @@ BACKWARD_DATA_ROUTES = (
     *_implicit_routes(1),
     Route("mma", lambda g: None, lambda g: implicit.plan(g, 1)),
 )
-_BWDW_WGMMA = (Route("bwdw_tma", bwdw_wgmma.refuses_tma, bwdw_wgmma.plan_tma),
+_BWDW_WGMMA = (Route("strip", strip.refuses_backward_weight, strip.plan_backward_weight),
+               Route("bwdw_tma", bwdw_wgmma.refuses_tma, bwdw_wgmma.plan_tma),
                Route("bwdw_wgmma", bwdw_wgmma.refuses, bwdw_wgmma.plan))
 BACKWARD_WEIGHT_ROUTES = (
     _empty_route("conv2d_backward_weight", 2, lambda g: (g.cout, g.rows), lambda g: g.w_shape),
