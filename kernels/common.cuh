@@ -89,6 +89,13 @@ __device__ __forceinline__ double dp_log(double x) { return log(x); }
 __device__ __forceinline__ float dp_sqrt(float x) { return sqrtf(x); }
 __device__ __forceinline__ double dp_sqrt(double x) { return sqrt(x); }
 
+__device__ __forceinline__ float dp_tanh(float x) { return tanhf(x); }
+__device__ __forceinline__ double dp_tanh(double x) { return tanh(x); }
+__device__ __forceinline__ float dp_pow(float x, float p) { return powf(x, p); }
+__device__ __forceinline__ double dp_pow(double x, double p) { return pow(x, p); }
+__device__ __forceinline__ float dp_erf(float x) { return erff(x); }
+__device__ __forceinline__ double dp_erf(double x) { return erf(x); }
+
 // Batch norm's per-channel arithmetic (norm.cu; pool.cu's batch norm + ReLU + max-pool): one
 // over the standard deviation, and the normalised, scaled and shifted value (x - mean) *
 // scale + bias as one fused multiply-add (so every kernel that computes it rounds alike).
@@ -98,12 +105,6 @@ template <typename T> __device__ __forceinline__ T inv_std(T var, T eps) {
 template <typename P> __device__ __forceinline__ P bn_affine(P x, P mu, P scale, P bias) {
   return fma(x - mu, scale, bias);
 }
-__device__ __forceinline__ float dp_tanh(float x) { return tanhf(x); }
-__device__ __forceinline__ double dp_tanh(double x) { return tanh(x); }
-__device__ __forceinline__ float dp_pow(float x, float p) { return powf(x, p); }
-__device__ __forceinline__ double dp_pow(double x, double p) { return pow(x, p); }
-__device__ __forceinline__ float dp_erf(float x) { return erff(x); }
-__device__ __forceinline__ double dp_erf(double x) { return erf(x); }
 
 template <typename T> __device__ __forceinline__ T neg_inf();
 template <> __device__ __forceinline__ float neg_inf<float>() { return __int_as_float((int)0xff800000u); }
@@ -192,6 +193,14 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
 // never stored).
 template <typename T> struct Group { static constexpr int size = 16 / sizeof(T); };
 template <typename T, int V> struct alignas(16) Pack { T v[V]; };
+
+// kV neighbouring elements as one aligned access of kV * sizeof(T) bytes (a thread's lanes of
+// channels or values, where fewer than a 16-byte group divide the row).
+template <typename T, int kV> struct alignas(sizeof(T) * kV) Lanes { T v[kV]; };
+template <typename T, int kV>
+__device__ __forceinline__ Lanes<T, kV> load_lanes(const T* p) {
+  return *reinterpret_cast<const Lanes<T, kV>*>(p);
+}
 
 // Group j of a flat kernel over n elements (a grid-stride loop over (n + V - 1) / V groups):
 // its first element o, its element count m, and whether one vector access serves it (`vec`:

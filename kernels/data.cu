@@ -51,7 +51,6 @@ struct ChannelAffine {
 // V values per thread (4 where the launcher found rows and planes in whole 4-byte words: a
 // word loaded, 4 values stored as one vector; a plane never splits one), each computed as one
 // value is.
-template <typename T> struct alignas(4 * sizeof(T)) Four { T v[4]; };
 
 template <typename L, int V, typename T>
 __global__ void gather_normalize_kernel(T* out, const unsigned char* images, const L* idx,
@@ -76,7 +75,8 @@ __global__ void gather_normalize_kernel(T* out, const unsigned char* images, con
       };
       if constexpr (V == 4) {
         const uchar4 q = *reinterpret_cast<const uchar4*>(src + r);
-        *reinterpret_cast<Four<T>*>(dst + r) = {{value(q.x), value(q.y), value(q.z), value(q.w)}};
+        *reinterpret_cast<Lanes<T, 4>*>(dst + r) = {
+            {value(q.x), value(q.y), value(q.z), value(q.w)}};
       } else {
         dst[r] = value(src[r]);
       }

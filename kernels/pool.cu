@@ -227,18 +227,14 @@ __global__ void avg_pool_bwd_kernel(T* dx, const T* gy, PoolGeom g) {
 // copies. A thread takes kV neighbouring channels of one pixel (one load of up to 8 bytes
 // a tap forward, 16 backward; the launcher picks kV dividing C) and neighbouring threads the
 // next channels, with 32-bit index arithmetic (the launcher checks the sizes fit).
-template <typename T, int kV>
-struct alignas(sizeof(T) * kV) Lanes {
-  T v[kV];
-};
-
-template <typename T, int kV>
-__device__ __forceinline__ Lanes<T, kV> load_lanes(const T* p) {
-  return *reinterpret_cast<const Lanes<T, kV>*>(p);
-}
-
-template <typename T, bool kRelu, int kV>
-__global__ void max_pool_fwd_nhwc_kernel(T* y, int* idx, const T* x, PoolGeom g, int c) {
+//
+// The forward's loop: thread i takes kV channels ch.. of output pixel pix, scans its window's
+// taps with lane v's value as value(t, v) (t the stored element; value = lanes(ch), made once
+// a pixel, so it may hold its channels' constants; the value in compute_t<T>), and stores the
+// maxima and their positions.
+template <typename T, bool kRelu, int kV, class MakeValue>
+__device__ __forceinline__ void max_pool_nhwc(T* y, int* idx, const T* x, const PoolGeom& g,
+                                              int c, MakeValue lanes) {
   using C = compute_t<T>;
   const int groups = c / kV, out_pixels = g.ho * g.wo;
   GRID_STRIDE_32(i, g.n_c / kV * out_pixels) {
@@ -247,15 +243,23 @@ __global__ void max_pool_fwd_nhwc_kernel(T* y, int* idx, const T* x, PoolGeom g,
     const int oh = r / g.wo, ow = r - oh * g.wo;
     const PoolWindow win{n, oh * g.sh - g.ph, ow * g.sw - g.pw};
     const T* xp = x + n * g.h * g.w * c + ch;
+    const auto value = lanes(ch);
     MaxScan<C, kRelu> scan[kV];
     for_each_tap(g, win, [&](int pos) {
       const Lanes<T, kV> t = load_lanes<T, kV>(xp + pos * c);
 #pragma unroll
-      for (int v = 0; v < kV; ++v) scan[v].take(as<C>(t.v[v]), pos);
+      for (int v = 0; v < kV; ++v) scan[v].take(value(t.v[v], v), pos);
     });
 #pragma unroll
     for (int v = 0; v < kV; ++v) scan[v].store(y, idx, pix * c + ch + v);
   }
+}
+
+template <typename T, bool kRelu, int kV>
+__global__ void max_pool_fwd_nhwc_kernel(T* y, int* idx, const T* x, PoolGeom g, int c) {
+  max_pool_nhwc<T, kRelu, kV>(y, idx, x, g, c, [](int) {
+    return [](T t, int) { return as<compute_t<T>>(t); };
+  });
 }
 
 // max_pool_fwd_nhwc_kernel of relu(batch norm(x)), the batch norm's output never stored: each
@@ -272,42 +276,28 @@ __global__ void bn_relu_max_pool_fwd_nhwc_kernel(T* y, int* idx, const T* x, Poo
                                                  const compute_t<T>* bias, compute_t<T> eps) {
   using C = compute_t<T>;
   extern __shared__ __align__(16) unsigned char affine_raw[];
-  C* const mu_s = reinterpret_cast<C*>(affine_raw);
-  C* const scale_s = mu_s + c;
-  C* const shift_s = scale_s + c;
+  C* const mu = reinterpret_cast<C*>(affine_raw);
+  C* const scale = mu + c;
+  C* const shift = scale + c;
   for (int k = threadIdx.x; k < c; k += blockDim.x) {
-    mu_s[k] = mean[k];
-    scale_s[k] = inv_std(var[k], eps) * weight[k];
-    shift_s[k] = bias[k];
+    mu[k] = mean[k];
+    scale[k] = inv_std(var[k], eps) * weight[k];
+    shift[k] = bias[k];
   }
   __syncthreads();
-  const int groups = c / kV, out_pixels = g.ho * g.wo;
-  GRID_STRIDE_32(i, g.n_c / kV * out_pixels) {
-    const int pix = i / groups, ch = (i - pix * groups) * kV;
-    const int n = pix / out_pixels, r = pix - n * out_pixels;
-    const int oh = r / g.wo, ow = r - oh * g.wo;
-    const PoolWindow win{n, oh * g.sh - g.ph, ow * g.sw - g.pw};
-    const T* xp = x + n * g.h * g.w * c + ch;
-    C mu[kV], scale[kV], shift[kV];
+  max_pool_nhwc<T, false, kV>(y, idx, x, g, c, [&](int ch) {
+    Lanes<C, kV> m, a, b;  // the pixel's channels' mean, scale and shift
 #pragma unroll
     for (int v = 0; v < kV; ++v) {
-      mu[v] = mu_s[ch + v];
-      scale[v] = scale_s[ch + v];
-      shift[v] = shift_s[ch + v];
+      m.v[v] = mu[ch + v];
+      a.v[v] = scale[ch + v];
+      b.v[v] = shift[ch + v];
     }
-    MaxScan<C, false> scan[kV];
-    for_each_tap(g, win, [&](int pos) {
-      const Lanes<T, kV> t = load_lanes<T, kV>(xp + pos * c);
-#pragma unroll
-      for (int v = 0; v < kV; ++v) {
-        C b = bn_affine(as<C>(t.v[v]), mu[v], scale[v], shift[v]);
-        b = b < C(0) ? C(0) : b;
-        scan[v].take(as<C>(as<T>(b)), pos);
-      }
-    });
-#pragma unroll
-    for (int v = 0; v < kV; ++v) scan[v].store(y, idx, pix * c + ch + v);
-  }
+    return [=](T t, int v) {
+      const C z = bn_affine(as<C>(t), m.v[v], a.v[v], b.v[v]);
+      return as<C>(as<T>(z < C(0) ? C(0) : z));
+    };
+  });
 }
 
 // Its backward: a thread per kV channels of an input pixel gathers gy from every window that

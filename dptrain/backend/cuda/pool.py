@@ -50,7 +50,8 @@ def _max_pool(op, relu, x, kernel, stride, padding, channels_last=False):
     launch.check_float(op, x, half=True)
     launch.check_contiguous(op, x)
     if channels_last:
-        return _max_pool_nhwc(op, relu, x, kernel, stride, padding)
+        return _max_pool_nhwc(op, x, (kernel, stride, padding),
+                              flags=("true" if relu else "false",))
     geom, y_shape = _pool_geom(op, x.shape, kernel, stride, padding)
     y, idx = launch.new(y_shape, x.dtype), launch.new(y_shape, np.int32)
     two = (_pair(kernel), _pair(stride), _pair(padding)) == ((2, 2), (2, 2), (0, 0))
@@ -85,14 +86,18 @@ def _lanes(dtype, c: int, most: int) -> str:
     return str(next(v for v in (8, 4, 2, 1) if v * size <= most and c % v == 0))
 
 
-def _max_pool_nhwc(op, relu, x, kernel, stride, padding):
-    geom, c, y_shape = _nhwc_geom(op, x.shape, (kernel, stride, padding))
+def _max_pool_nhwc(op, x, window, name="max_pool_fwd_nhwc_kernel", flags=(), extra=(),
+                   smem=0):
+    """(y, idx) of channels-last x pooled over window (kernel, stride, padding) by kernel
+    `name`<T, *flags, lanes> (args y, idx, x, geom, C, *extra; `smem` bytes of dynamic
+    shared memory a block)."""
+    geom, c, y_shape = _nhwc_geom(op, x.shape, window)
     y, idx = launch.new(y_shape, x.dtype), launch.new(y_shape, np.int32)
     if y.size:
         lanes = _lanes(x.dtype, c, FORWARD_LANE_BYTES)
-        fn = launch.kernel(POOL, "max_pool_fwd_nhwc_kernel", launch.ctype(x.dtype),
-                           "true" if relu else "false", lanes)
-        launch.grid_stride(fn, y.size // int(lanes), (y, idx, x, geom, np.int32(c)))
+        fn = launch.kernel(POOL, name, launch.ctype(x.dtype), *flags, lanes, smem=smem)
+        launch.grid_stride(fn, y.size // int(lanes), (y, idx, x, geom, np.int32(c)) + extra,
+                           smem=smem)
     return y, idx
 
 
@@ -115,24 +120,17 @@ def batch_norm_relu_max_pool2d(x, mean, var, weight, bias, eps, kernel, stride, 
     """max_pool2d_forward(relu(batch_norm_forward(x, ...)), ...) of channels-last x (N, H, W,
     C) in one pass: (y, idx) with the bits of the two ops, the batch norm's output computed
     and rounded tap by tap, never stored (ImageNet's stem: a 205 MB write and read fewer)."""
-    op = "batch_norm_relu_max_pool2d"
+    op, window = "batch_norm_relu_max_pool2d", (kernel, stride, padding)
     launch.check_arrays(op, x)
     launch.check_contiguous(op, x)
-    geom, c, y_shape = _nhwc_geom(op, x.shape, (kernel, stride, padding))
+    c = _nhwc_geom(op, x.shape, window)[1]
     norm.per_channel(op, c, x, mean=mean, var=var, weight=weight, bias=bias)
     affine = 3 * c * mean.dtype.itemsize  # a block's per-channel mean, scale and shift
     if affine > AFFINE_MAX:
         raise ValueError(f"cuda.{op}: {c} channels' batch norm ({affine} bytes) does not fit "
                          f"a block's shared memory ({AFFINE_MAX}); use the two ops")
-    y, idx = launch.new(y_shape, x.dtype), launch.new(y_shape, np.int32)
-    if y.size:
-        lanes = _lanes(x.dtype, c, FORWARD_LANE_BYTES)
-        fn = launch.kernel(POOL, "bn_relu_max_pool_fwd_nhwc_kernel", launch.ctype(x.dtype),
-                           lanes, smem=affine)
-        launch.grid_stride(fn, y.size // int(lanes),
-                           (y, idx, x, geom, np.int32(c), mean, var, weight, bias,
-                            mean.dtype.type(eps)), smem=affine)
-    return y, idx
+    return _max_pool_nhwc(op, x, window, "bn_relu_max_pool_fwd_nhwc_kernel",
+                          extra=(mean, var, weight, bias, mean.dtype.type(eps)), smem=affine)
 
 
 def _tiles(window, x_shape, y_shape) -> tuple[int, int] | None:
