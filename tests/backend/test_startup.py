@@ -201,7 +201,7 @@ def test_arch_specific_files_are_built_only_for_their_gpu(monkeypatch):
     every = sorted(p.name for p in loader.kernel_dir().glob("*.cu"))
     hopper, ampere = loader.kernel_files("90"), loader.kernel_files("80")
     assert hopper == every
-    hopper_only = {"gemm_wgmma.cu", "conv2d_wgmma.cu", "conv2d_bwdw_wgmma.cu"}
+    hopper_only = {"gemm_wgmma.cu", "conv2d_wgmma.cu", "conv2d_bwdw_wgmma.cu", "conv2d_strip.cu"}
     assert set(ampere) == set(every) - hopper_only
 
 
