@@ -25,6 +25,7 @@ The modules:
     nhwc.py        conv2d_nhwc.cu   (backward-weight gathering x's channels-last copy)
     wgmma.py       conv2d_wgmma.cu  (forward / backward-data on Hopper, cp.async or TMA)
     bwdw_wgmma.py  conv2d_bwdw_wgmma.cu (backward-weight on Hopper, gathering or TMA)
+    strip.py       conv2d_strip.cu  (the ImageNet stem's forward and backward-weight on Hopper)
 
 `explain(pass, geometry)` lists the routes a shape passed over and why, ending with the one
 that takes it; `describe` prints it on one line, e.g.
