@@ -122,6 +122,8 @@ STRIP_CASES = [  # x shape, w shape, stride, padding: 16-bit pixels of one 16-by
     ((64, 8, 40, 24), (64, 8, 7, 4), (2, 1), (3, 2)),  # 1,280 rows: each block walks several
     ((2, 8, 9, 11), (40, 8, 7, 4), (1, 1), (0, 0)),  # 40 channels; no padding, stride 1
     ((3, 8, 7, 125), (96, 8, 7, 4), (3, 1), (2, 1)),  # rows of 124 pixels; two channel tiles
+    ((2, 8, 9, 127), (64, 8, 7, 4), (1, 1), (0, 2)),  # rows of exactly 128 pixels: none idle
+    ((2, 8, 9, 20), (8, 8, 7, 4), (2, 1), (3, 2)),  # 8 output channels: gy's boxes mostly zeros
 ]
 
 
