@@ -94,7 +94,8 @@ struct StripRing {
     mbar_expect_tx(b, bytes);
     tma_load_4d(st, strips, 0, -pw, oy * sh - ph, n, b);
     if (gy)
-      for (int h = 0; h < 2; ++h) tma_load_3d(st + strip + h * (GY_BYTES / 2), *gy, 0, 64 * h, tile, b);
+      for (int h = 0; h < 2; ++h)
+        tma_load_3d(st + strip + h * (GY_BYTES / 2), *gy, 0, 64 * h, tile, b);
   }
   __device__ __forceinline__ void wait(int i) const { mbar_wait(bar(i % S), (i / S) & 1); }
 };
