@@ -39,8 +39,8 @@ def refuses(g: ConvGeom):
                 f"{', '.join(f'{h}x{w}' for h, w in FILTERS)})")
     if g.wo > BM or BM + g.kw - 1 > BOX_MAX or g.kh > BOX_MAX:
         return f"output rows over {BM} pixels or a strip past a TMA box"
-    if -(-g.cout // BN) > launch.GRID_YZ_MAX:
-        return "past the grid's limits"
+    if -(-g.cout // BN) > launch.GRID_YZ_MAX or g.npix > launch.INT32_MAX:
+        return "past the grid's limits or 32-bit pixel indices"
     return None
 
 
