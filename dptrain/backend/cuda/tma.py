@@ -3,7 +3,8 @@ takes by value (a ``const __grid_constant__ TmaMap`` parameter, kernels/tma.cuh)
 box of a global tensor into shared memory with one instruction, zero-filling what lies
 outside the tensor. Encoded on the host by the driver (cuTensorMapEncodeTiled /
 cuTensorMapEncodeIm2col through ctypes: CuPy does not wrap them), with the 128-byte swizzle
-that kernels/wgmma.cuh's tiles use.
+that kernels/wgmma.cuh's tiles use; `strips` alone land unswizzled (conv2d_strip.cu reads
+them through unswizzled descriptors).
 
 A map holds its tensor's address: a launch encodes the maps of its own arrays on the host
 (cached by their arguments), and a captured CUDA graph keeps the values it was captured
