@@ -88,7 +88,6 @@ __device__ __forceinline__ float dp_log(float x) { return logf(x); }
 __device__ __forceinline__ double dp_log(double x) { return log(x); }
 __device__ __forceinline__ float dp_sqrt(float x) { return sqrtf(x); }
 __device__ __forceinline__ double dp_sqrt(double x) { return sqrt(x); }
-
 __device__ __forceinline__ float dp_tanh(float x) { return tanhf(x); }
 __device__ __forceinline__ double dp_tanh(double x) { return tanh(x); }
 __device__ __forceinline__ float dp_pow(float x, float p) { return powf(x, p); }

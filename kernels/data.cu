@@ -51,7 +51,6 @@ struct ChannelAffine {
 // V values per thread (4 where the launcher found rows and planes in whole 4-byte words: a
 // word loaded, 4 values stored as one vector; a plane never splits one), each computed as one
 // value is.
-
 template <typename L, int V, typename T>
 __global__ void gather_normalize_kernel(T* out, const unsigned char* images, const L* idx,
                                         int B, long long M, int chw, int hw, ChannelAffine a) {
