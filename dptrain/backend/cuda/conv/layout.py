@@ -10,7 +10,7 @@ import numpy as np
 from dptrain.backend.cuda import launch
 from dptrain.backend.cuda.gemm import output
 from dptrain.backend.cuda.runtime import runtime
-from dptrain.backend.cuda.transpose import strided_copy, transposer
+from dptrain.backend.cuda.transpose import copy, strided_copy, transposer
 from dptrain.backend.cuda.workspace import Workspace
 
 
@@ -48,13 +48,18 @@ def cols_tile(n: int) -> int:
 
 
 def weight_reorder(mode, m, c, khw, dt):
-    """run(w) -> a new (m, khw * c) array wr[m][t * c + ci] of the weight w (C_out, C_in, KH,
+    """run(w) -> the (m, khw * c) array wr[m][t * c + ci] of the weight w (C_out, C_in, KH,
     KW): the implicit GEMM's dense, K-major operand (K in (kh, kw, c) order), as one tiled
     transpose. Forward (m = C_out, c = C_in): each output channel's (C_in, KH*KW) matrix
     turned; backward-data (m = C_in, c = C_out): w as one (C_out, C_in*KH*KW) matrix turned.
-    Both read and write whole tile rows, where a per-element gather read the weight strided."""
+    Both read and write whole tile rows, where a per-element gather read the weight strided.
+    A 1x1 filter's forward operand is the weight as it lies: w itself, where contiguous and
+    16-byte aligned (ResNet-50 fp16 at 224 px copied 36 a step: 0.10 ms of kernels, H200)."""
     if m * c * khw == 0:
         return lambda w: launch.new((m, khw * c), dt)
+    if mode == 0 and khw == 1:
+        return lambda w: (w if w.flags.c_contiguous and w.data.ptr % 16 == 0
+                          else copy(w)).reshape(m, c)
     turn = transposer(m, c, khw, dt) if mode == 0 else transposer(1, c, m * khw, dt)
     return lambda w: turn(w).reshape(m, khw * c)
 
