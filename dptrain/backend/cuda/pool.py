@@ -96,7 +96,8 @@ def _max_pool_nhwc(op, x, window, name="max_pool_fwd_nhwc_kernel", flags=(), ext
     y, idx = launch.new(y_shape, x.dtype), launch.new(y_shape, np.int32)
     if y.size:
         lanes = _lanes(x.dtype, c, FORWARD_LANE_BYTES)
-        fn = launch.kernel(POOL, name, launch.ctype(x.dtype), *flags, lanes, smem=smem)
+        square = "3" if _pair(window[0]) == (3, 3) else "0"  # the 3x3 window unrolled
+        fn = launch.kernel(POOL, name, launch.ctype(x.dtype), *flags, lanes, square, smem=smem)
         launch.grid_stride(fn, y.size // int(lanes), (y, idx, x, geom, np.int32(c)) + extra,
                            smem=smem)
     return y, idx
@@ -194,7 +195,10 @@ def _max_pool_backward_nhwc(gy, idx, x_shape, window):
     dx = launch.new(tuple(int(v) for v in x_shape), gy.dtype)
     if dx.size:
         lanes = _lanes(gy.dtype, c, BACKWARD_LANE_BYTES)
-        fn = launch.kernel(POOL, "max_pool_bwd_nhwc_kernel", launch.ctype(gy.dtype), lanes)
+        (kh, kw), (sh, sw), _ = (_pair(v) for v in window)
+        most = max(-(-kh // sh), -(-kw // sw))  # windows a pixel lies in along an axis, at most
+        fn = launch.kernel(POOL, "max_pool_bwd_nhwc_kernel", launch.ctype(gy.dtype), lanes,
+                           "2" if most == 2 else "0")
         launch.grid_stride(fn, dx.size // int(lanes), (dx, gy, idx, geom, np.int32(c)))
     return dx
 
