@@ -24,8 +24,8 @@
 //    [s*chunk, (s+1)*chunk). One split writes gw directly; several write float partials
 //    ws[s][j][m], which conv2d_bwdw_wgmma_reduce_kernel (a thread per output) or
 //    conv2d_bwdw_reduce_tiled_kernel (a tile through shared memory) sums in split order
-//    (bitwise repeatable, the same bits) into gw. gw is PyTorch's (M, C, KH, KW): column j
-//    lands at c*KH*KW + tap.
+//    (bitwise repeatable, the same bits) into gw, or adds into a float .grad (put_sum). gw is
+//    PyTorch's (M, C, KH, KW): column j lands at c*KH*KW + tap.
 //  * conv2d_bwdw_tma_kernel: the same GEMM turned around and fed by TMA, warp-specialized as
 //    conv2d_wgmma.cu's forward (a ring of stages, one producer thread, two multiplying
 //    warpgroups taking whole tiles in turn). Rows are the output channels m (wgmma's M: R
@@ -450,18 +450,34 @@ __global__ void __launch_bounds__(384, 1)
   }
 }
 
+// Where a reducer's sum of output o goes: gw[o] = T(sum), or, given `add` (a mixed-precision
+// weight's float .grad, gw then unused), add[o] = prior + T(sum), prior being add[o] as the
+// caller loaded it before summing the splits (its latency hidden behind theirs: loaded after
+// them it cost the tiled kernel 5 us a launch, H200): the bits of storing gw and then add_
+// (elementwise.cu's accumulate_kernel), without that pass.
+template <typename T>
+__device__ __forceinline__ void put_sum(T* gw, float* add, long long o, float prior, float sum) {
+  if (add)
+    add[o] = prior + as<float>(as<T>(sum));
+  else
+    gw[o] = as<T>(sum);
+}
+
 // gw[m][c*taps + t] = sum over s in order of ws[s][t*C + c][m]: a thread per output, reading
 // along m (coalesced), its stores strided (J apart). For outputs too few to tile.
 template <typename T>
 __global__ void conv2d_bwdw_wgmma_reduce_kernel(const float* __restrict__ ws, T* __restrict__ gw,
-                                                int splits, int M, int C, int taps) {
+                                                int splits, int M, int C, int taps,
+                                                float* __restrict__ add) {
   const long long total = (long long)taps * C * M, J = (long long)taps * C;
   for (long long o = blockIdx.x * (long long)blockDim.x + threadIdx.x; o < total;
        o += (long long)gridDim.x * blockDim.x) {
+    const long long j = o / M, m = o - j * M;  // j < J: an int
+    const long long at = m * J + gw_column((int)j, C, taps);
+    const float prior = add ? add[at] : 0.f;
     float s = 0.f;
     for (int k = 0; k < splits; ++k) s += ws[k * total + o];
-    const long long j = o / M, m = o - j * M;  // j < J: an int
-    gw[m * J + gw_column((int)j, C, taps)] = as<T>(s);
+    put_sum(gw, add, at, prior, s);
   }
 }
 
@@ -472,12 +488,27 @@ __global__ void conv2d_bwdw_wgmma_reduce_kernel(const float* __restrict__ ws, T*
 // order as the thread-per-output kernel: the same bits. Grid (M / 32, C / CT); 256 threads.
 template <typename T>
 __global__ void __launch_bounds__(256) conv2d_bwdw_reduce_tiled_kernel(
-    const float* __restrict__ ws, T* __restrict__ gw, int splits, int M, int C, int taps, int CT) {
+    const float* __restrict__ ws, T* __restrict__ gw, int splits, int M, int C, int taps, int CT,
+    float* __restrict__ add) {
   constexpr int RPW = 8;                  // rows a warp: row r = warp + 8i
+  constexpr int OUTS = 8;                 // outputs a thread stores: 32 x 64 / 256
   __shared__ float sums[8 * RPW][33];     // [t * CT + i]: channel c0 + i of tap t, by m
   const long long total = (long long)taps * C * M, J = (long long)taps * C;
   const int m0 = blockIdx.x * 32, c0 = blockIdx.y * CT, lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5, rows = CT * taps, m = m0 + lane;
+  // the block's output e = mm * rows + i * taps + t (channel m0 + mm, c0 + i, tap t): its
+  // place in gw, or -1 past the outputs
+  const auto out_at = [&](int e) -> long long {
+    const int mm = e / rows, q = e - mm * rows, i = q / taps, t = q - i * taps;
+    return e < 32 * rows && m0 + mm < M && c0 + i < C
+               ? (long long)(m0 + mm) * J + (long long)(c0 + i) * taps + t : -1;
+  };
+  float prior[OUTS];
+#pragma unroll
+  for (int u = 0; u < OUTS; ++u) {
+    const long long o = out_at(threadIdx.x + 256 * u);
+    prior[u] = add && o >= 0 ? add[o] : 0.f;
+  }
   const float* p[RPW];
   bool ok[RPW];
   float s[RPW];
@@ -496,9 +527,11 @@ __global__ void __launch_bounds__(256) conv2d_bwdw_reduce_tiled_kernel(
   for (int i = 0; i < RPW; ++i)
     if (warp + 8 * i < rows) sums[warp + 8 * i][lane] = s[i];
   __syncthreads();
-  for (int e = threadIdx.x; e < 32 * rows; e += 256) {  // e = mm * rows + i * taps + t
+#pragma unroll
+  for (int u = 0; u < OUTS; ++u) {
+    const int e = threadIdx.x + 256 * u;
+    const long long o = out_at(e);
     const int mm = e / rows, q = e - mm * rows, i = q / taps, t = q - i * taps;
-    if (m0 + mm < M && c0 + i < C)
-      gw[(long long)(m0 + mm) * J + (long long)(c0 + i) * taps + t] = as<T>(sums[t * CT + i][mm]);
+    if (o >= 0) put_sum(gw, add, o, prior[u], sums[t * CT + i][mm]);
   }
 }

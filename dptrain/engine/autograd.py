@@ -95,7 +95,9 @@ class Function:
     needs_grad: tuple = ()
     inputs: tuple = ()
     into: tuple = ()  # per input: the .grad backward may add into (set by Tensor.backward)
+    widened: tuple = ()  # per input: a 16-bit cast's leaf's fp32 .grad (set likewise)
     takes_grad_sum = False  # backward accepts a GradSum as gy (and adds it itself)
+    hands_grad_to_leaf = False  # backward returns gy as it is, for one input, a leaf
 
     @classmethod
     def apply(cls, *tensors: "Tensor", **params) -> "Tensor":
@@ -125,6 +127,14 @@ class Function:
         into = self.into[i] if i < len(self.into) else None
         ok = into is not None and into.dtype == dtype and into.dtype.itemsize >= 4
         return into if ok else None
+
+    def grad_into_widened(self, i: int):
+        """The fp32 ``.grad`` of the leaf whose 16-bit cast (ops.CastParameter) is input i,
+        where this op alone uses the cast and the cast alone the leaf: backward may add input
+        i's 16-bit gradient into it in place, rounded to 16 bits first (add_'s bits of that
+        gradient), returning that very array, which saves the leaf's accumulating pass; None
+        where it returns the gradient."""
+        return self.widened[i] if i < len(self.widened) else None
 
     def grad_is_zero(self, i: int) -> bool:
         """Whether the .grad that grad_into(i, ...) offers holds zeros, so backward may write
@@ -235,12 +245,16 @@ class Tensor:
             fn.into = tuple(i.grad.data if DIRECT_GRADS and i._ctx is None and i.requires_grad
                             and i.grad is not None and uses[id(i)] == 1 else None
                             for i in fn.inputs)
-            for inp, gi, need, into in zip(fn.inputs, fn.backward(g), fn.needs_grad, fn.into):
+            fn.widened = tuple(_widened_grad(i, uses) if DIRECT_GRADS else None
+                               for i in fn.inputs)
+            for inp, gi, need, into, wide in zip(fn.inputs, fn.backward(g), fn.needs_grad,
+                                                 fn.into, fn.widened):
                 if gi is None or not need:
                     continue
-                if into is not None and gi is into:
-                    added.add(id(inp))
-                    _zeroed.discard(inp)
+                if gi is into or gi is wide:  # the op added it into a leaf's .grad itself
+                    leaf = inp if gi is into else inp._ctx.inputs[0]  # (the cast's: no pass)
+                    added.add(id(leaf))
+                    _zeroed.discard(leaf)
                     continue
                 prev = grads.get(id(inp))
                 if prev is None:  # (a GradSum passed on by a view stays parts)
@@ -271,6 +285,18 @@ class Tensor:
     def _run_grad_hooks(self):
         for hook in self._grad_hooks:
             hook(self)
+
+
+def _widened_grad(t: Tensor, uses):
+    """The fp32 .grad of the leaf that t is the 16-bit cast of, where t's consumer alone uses
+    t and the cast alone the leaf (Function.grad_into_widened); else None."""
+    cast = t._ctx
+    if cast is None or not cast.hands_grad_to_leaf or uses[id(t)] != 1:
+        return None
+    leaf = cast.inputs[0]
+    ok = (leaf._ctx is None and leaf.requires_grad and leaf.grad is not None
+          and uses[id(leaf)] == 1 and leaf.grad.dtype == np.float32 and t.dtype.itemsize == 2)
+    return leaf.grad.data if ok else None
 
 
 def _parameter_like(t: Tensor) -> bool:

@@ -207,6 +207,8 @@ class CastParameter(Cast):
     ``shadow``: the parameter's 16-bit copy that training keeps current (dptrain.distributed.flat),
     returned as it is: no kernel."""
 
+    hands_grad_to_leaf = True  # its consumer may add into the leaf's .grad (grad_into_widened)
+
     def forward(self, a, dtype, shadow=None):
         if shadow is None:
             return super().forward(a, dtype)
@@ -360,8 +362,11 @@ class Conv2d(Function):
         gx = gw = gb = None
         if self.needs_grad[0]:
             gx = be.conv2d_backward_data(gy, w, x.shape, self.stride, self.padding, **passes)
-        if self.needs_grad[1]:
-            gw = be.conv2d_backward_weight(x, gy, w.shape, self.stride, self.padding, **passes)
+        if self.needs_grad[1]:  # into the weight's .grad where it may: no pass to add it
+            into = self.grad_into(1, w.dtype)
+            into = self.grad_into_widened(1) if into is None else into
+            gw = be.conv2d_backward_weight(x, gy, w.shape, self.stride, self.padding,
+                                           add_to=into, **passes)
         if len(self.needs_grad) > 2 and self.needs_grad[2]:  # a sum over all axes but C's
             gb = be.bias_grad(gy.reshape(-1, gy.shape[-1]) if self.channels_last else gy)
         self.workspace = None  # not needed any more (a second backward works without it)

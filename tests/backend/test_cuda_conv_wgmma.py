@@ -177,6 +177,10 @@ def test_strip_backward_weight_matches_reference(cu, dt, xs, ws, stride, pad, mo
     first = gw()
     assert first.tobytes() == gw().tobytes()
     close(to_f32(first, dt), reference(dt, x, w, gy, stride, pad)[2], dt, 2)
+    grad = np.random.default_rng(4).standard_normal(ws).astype(np.float32)
+    into = cu.asarray(grad)  # added into a float .grad by the reducer, as add_ would
+    cu.conv2d_backward_weight(xl, gyl, ws, stride, pad, channels_last=True, add_to=into)
+    assert cu.to_numpy(into).tobytes() == (grad + to_f32(first, dt)).tobytes()
 
 
 def test_strip_refusals_say_why(cu, monkeypatch):
@@ -350,7 +354,8 @@ def test_forward_statistics_from_the_epilogue(cu, dt, xs, ws, stride, pad, offse
     mean and variance (each tile's float sums about its first pixel, merged in double) are
     the float64 statistics of y as stored within 1e-5 of its spread (the variance within
     2e-5 of itself), as close as batch_norm_stats' (one read of y) are; tiles of every
-    width sum them. Where the gathering kernel runs, they are batch_norm_stats' bits."""
+    width sum them, and the launch's last blocks finalize them to the same bits each time.
+    Where the gathering kernel runs, they are batch_norm_stats' bits."""
     routes_off(monkeypatch, "direct")
     x, w, _ = inputs(dt, xs, ws, stride, pad)
     x = to_dt(to_f32(x, dt) + offset, dt)
@@ -370,6 +375,10 @@ def test_forward_statistics_from_the_epilogue(cu, dt, xs, ws, stride, pad, offse
         assert got_mean.dtype == got_var.dtype == np.float32
         assert np.all(np.abs(got_mean - ref_mean) <= 1e-5 * spread)
         assert np.all(np.abs(got_var - ref_var) <= 2e-5 * ref_var + 1e-30)
+    again = cu.conv2d_forward_stats(dx, dw, stride, pad, channels_last=cl)[1:]
+    for got, want in zip(again, (mean, var)):  # finalized by whichever block ends last
+        assert cu.to_numpy(got).tobytes() == cu.to_numpy(want).tobytes()
+    assert not cu.to_numpy(launch.counters(1)).any()  # each launch left its counters zero
     routes_off(monkeypatch, "direct", "wgmma_tma")
     assert conv.passes._forward(dx, dw, None, stride, pad, cl).stat_tiles is None
     _, mean0, var0 = cu.conv2d_forward_stats(dx, dw, stride, pad, channels_last=cl)
@@ -481,21 +490,27 @@ REDUCE_CASES = [  # dtype, x shape, w shape, stride, padding: backward-weight sp
 def test_tiled_reduce_equals_a_thread_per_output(cu, dt, xs, ws, stride, pad, monkeypatch):
     """The split-K partials summed a tile at a time through shared memory (where the tiles
     fill the SMs) and a thread per output (route "bwdw_reduce_tiled" turned off): the same
-    additions in the same order, so the same bits."""
+    additions in the same order, so the same bits. Both add into a float .grad (add_to=) in
+    their own pass as add_ of the gradient would."""
     dt = dt.values[0]
     x, w, gy = inputs(dt, xs, ws, stride, pad)
     dx, dgy = cu.asarray(_channels_last(x)), cu.asarray(_channels_last(gy))
+    grad = np.random.default_rng(4).standard_normal(ws).astype(np.float32)
 
     def run(tiled):
         routes_off(monkeypatch, *(("direct",) if tiled else ("direct", "bwdw_reduce_tiled")))
         assert conv.passes._backward_weight(dx, dgy, ws, stride, pad, True).splits > 1
         seen = _instantiations(lambda: conv.passes._backward_weight(dx, dgy, ws, stride, pad, True))
         assert any(name.startswith("conv2d_bwdw_reduce_tiled_kernel") for name in seen) == tiled
-        return cu.to_numpy(cu.conv2d_backward_weight(dx, dgy, ws, stride, pad,
-                                                     channels_last=True))
+        into = cu.asarray(grad)
+        assert cu.conv2d_backward_weight(dx, dgy, ws, stride, pad, channels_last=True,
+                                         add_to=into) is into
+        return (cu.to_numpy(cu.conv2d_backward_weight(dx, dgy, ws, stride, pad,
+                                                      channels_last=True)), cu.to_numpy(into))
 
-    got = run(True)
-    assert got.tobytes() == run(False).tobytes()
+    got, added = run(True)
+    assert added.tobytes() == (grad + to_f32(got, dt)).tobytes()
+    assert [a.tobytes() for a in run(False)] == [got.tobytes(), added.tobytes()]
     close(to_f32(got, dt), reference(dt, x, w, gy, stride, pad)[2], dt, 2)
 
 

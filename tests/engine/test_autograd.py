@@ -305,6 +305,66 @@ def test_fused_gradients_on_the_gpu_equal_added_after(monkeypatch, x_dtype, case
     _assert_same_bits(fused, after)
 
 
+def _conv_weight_grads(monkeypatch, direct, device="cpu", dtype=np.float16, geometry=None):
+    """Two backward passes of a convolution whose weight, an fp32 leaf, reaches it as a 16-bit
+    cast (mixed precision); direct adds on or off: the weight's .grad after each pass, its
+    hook's calls, and how often the backward-weight pass was handed the .grad to add into.
+    `geometry`: (x's shape (N, H, W, C), C_out, kernel, stride, padding), channels-last."""
+    from dptrain.backend import get
+    from dptrain.engine import autograd
+
+    monkeypatch.setattr(autograd, "DIRECT_GRADS", direct)
+    be, added, calls = get(device), [], []
+    real = be.conv2d_backward_weight
+    monkeypatch.setattr(be, "conv2d_backward_weight", lambda *a, add_to=None, **k: (
+        added.append(add_to is not None) or real(*a, add_to=add_to, **k)))
+    shape, cout, k, stride, pad = geometry or ((2, 6, 6, 8), 8, 3, 1, 1)
+    rng = np.random.default_rng(7)
+    kh, kw = k if isinstance(k, tuple) else (k, k)
+    w = dp.tensor(rng.standard_normal((cout, shape[3], kh, kw)).astype(np.float32) * 0.1,
+                  requires_grad=True, device=device)
+    w.register_grad_hook(lambda t: calls.append(1))
+    x = dp.tensor(rng.standard_normal(shape).astype(np.float32), device=device)
+    grads = []
+    for _ in range(2):
+        y = F.conv2d(F.cast(x, dtype), F.cast_parameter(w, dtype), stride=stride, padding=pad,
+                     channels_last=True)
+        (F.cast(y, np.float32) * F.cast(y, np.float32)).sum().backward()
+        grads.append(w.grad.numpy().copy())
+    return grads, len(calls), sum(added)
+
+
+def test_conv_weight_grad_added_through_its_cast(monkeypatch):
+    """A 16-bit convolution adds its weight gradient into the fp32 leaf's .grad itself where
+    autograd offers it (the second pass): the bits of adding it after, the hook called once a
+    pass."""
+    direct, hooks, added = _conv_weight_grads(monkeypatch, True)
+    after, hooks_after, added_after = _conv_weight_grads(monkeypatch, False)
+    assert (hooks, added, hooks_after, added_after) == (2, 1, 2, 0)
+    _assert_same_bits(direct, after)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("x_dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("geometry", [
+    ((8, 28, 28, 64), 64, 3, 1, 1),     # the TMA kernel, its splits summed by the reducer
+    ((4, 14, 14, 256), 512, 1, 2, 0),   # a strided 1x1 (ResNet-50's downsample)
+    ((2, 40, 20, 8), 64, (7, 4), 1, (3, 0)),  # a stem over column pairs: the strip kernel
+], ids=["3x3", "1x1s2", "strip"])
+def test_conv_weight_grad_added_on_the_gpu(monkeypatch, x_dtype, geometry):
+    """The same on the GPU, where the reducer adds into the fp32 .grad in its own pass (or,
+    where a plan's kernel writes the gradient itself, add_ after it): the bits of adding it
+    after. float32 offers the leaf's .grad itself (no cast)."""
+    pytest.importorskip("cupy")
+    from dptrain.backend.bfloat16 import BFLOAT16
+
+    dt = {"bfloat16": BFLOAT16, "float16": np.float16, "float32": np.float32}[x_dtype]
+    direct, hooks, added = _conv_weight_grads(monkeypatch, True, "cuda", dt, geometry)
+    after, _, added_after = _conv_weight_grads(monkeypatch, False, "cuda", dt, geometry)
+    assert (hooks, added, added_after) == (2, 1, 0)
+    _assert_same_bits(direct, after)
+
+
 def test_gradient_parts_of_other_ops_arrive_added():
     """An op that does not take parts gets one array: their sum in arrival order."""
     from dptrain.engine.autograd import Function, GradSum

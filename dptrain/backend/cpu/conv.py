@@ -202,15 +202,30 @@ def _backward_data(gy, w, x_shape, stride, padding, workspace, source):
     return dxp[:, :, ph : ph + h, pw : pw + wd].transpose(1, 0, 2, 3)
 
 
-@op(fp32_math=True)
+@op
 def conv2d_backward_weight(x, gy, w_shape, stride, padding, *, channels_last=False,
-                           workspace=None):
+                           workspace=None, add_to=None):
     """Gradient of conv2d_forward with respect to w, of shape w_shape (x and gy (N, H, W, C)
-    where `channels_last`).
+    where `channels_last`); where `add_to` is given (w_shape, gy's dtype or float32), added
+    into it as add_ would add it, and add_to returned. float16 operands are multiplied in
+    float32 and the gradient rounded once (what fp32_math does for the other products).
 
     Reuses the im2col matrix that conv2d_forward left in the workspace only if it is that of
     this very x (and kernel, stride, padding); otherwise builds it again.
     """
+    if gy.dtype == np.float16:
+        with np.errstate(over="ignore", invalid="ignore"):  # fp16 overflow steps are expected
+            gw = _weight_gradient(x.astype(np.float32), gy.astype(np.float32), w_shape, stride,
+                                  padding, channels_last, workspace).astype(np.float16)
+    else:
+        gw = _weight_gradient(x, gy, w_shape, stride, padding, channels_last, workspace)
+    if add_to is None:
+        return gw
+    np.add(add_to, gw, out=add_to)
+    return add_to
+
+
+def _weight_gradient(x, gy, w_shape, stride, padding, channels_last, workspace):
     workspace = checked(workspace)
     x_source, gy_source = x, gy
     x, gy = _nchw(x, channels_last), _nchw(gy, channels_last)

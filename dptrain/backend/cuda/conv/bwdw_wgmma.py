@@ -141,10 +141,12 @@ def tma_smem(rows: int, cols: int) -> int:
 
 
 def reducer(splits: int, cout: int, c: int, taps: int, dt):
-    """reduce(ws, gw): the (splits, taps * c, cout) float partials ws summed in split order
-    into gw (cout, c, taps). conv2d_bwdw_reduce_tiled_kernel where its tiles (32 output
-    channels by up to 64 (tap, c) rows) fill the SMs at least once, both sides coalesced;
-    else a thread per output, whose stores are strided. The same bits either way."""
+    """reduce(ws, gw, add_to=None): the (splits, taps * c, cout) float partials ws summed in
+    split order into gw (cout, c, taps), or, given add_to (float32, gw's shape; gw then
+    unused), rounded to gw's dtype and added into add_to, as add_ of gw would.
+    conv2d_bwdw_reduce_tiled_kernel where its tiles (32 output channels by up to 64 (tap, c)
+    rows) fill the SMs at least once, both sides coalesced; else a thread per output, whose
+    stores are strided. The same bits either way."""
     from dptrain.backend.cuda.conv.routes import refused
     ctile = max(1, 64 // taps)  # the kernel's 64 rows
     grid = (-(-cout // 32), -(-c // ctile))
@@ -152,11 +154,17 @@ def reducer(splits: int, cout: int, c: int, taps: int, dt):
             and grid[0] * grid[1] >= launch.sm_count()):
         fn = launch.kernel(FILE, "conv2d_bwdw_reduce_tiled_kernel", launch.ctype(dt))
         tail = (i32(splits), i32(cout), i32(c), i32(taps), i32(ctile))
-        return lambda ws, gw: fn(grid, (256,), (ws, gw) + tail)
-    fn = launch.kernel(FILE, "conv2d_bwdw_wgmma_reduce_kernel", launch.ctype(dt))
-    grid = (max(1, min(-(-taps * c * cout // 256), launch.sm_count() * 8)),)
-    tail = (i32(splits), i32(cout), i32(c), i32(taps))
-    return lambda ws, gw: fn(grid, (256,), (ws, gw) + tail)
+    else:
+        fn = launch.kernel(FILE, "conv2d_bwdw_wgmma_reduce_kernel", launch.ctype(dt))
+        grid = (max(1, min(-(-taps * c * cout // 256), launch.sm_count() * 8)),)
+        tail = (i32(splits), i32(cout), i32(c), i32(taps))
+
+    def reduce(ws, gw, add_to=None):
+        fn(grid, (256,), (ws, gw if add_to is None else add_to) + tail
+           + (launch.NULL if add_to is None else add_to,))
+        return gw if add_to is None else add_to
+
+    return reduce
 
 
 def _copies(g: ConvGeom):
@@ -188,18 +196,18 @@ def plan_tma(g: ConvGeom):
     reduce = reducer(splits, cout, c, g.taps, dt)
     w_shape = g.w_shape
 
-    def run(x, gy, out, workspace=None):
-        gw = output(f, out, w_shape, dt)
+    def run(x, gy, out, workspace=None, add_to=None):
+        # (given add_to, splits > 1: the kernel writes ws alone, gw is a placeholder)
+        gw = output(f, out, w_shape, dt) if add_to is None else add_to
         ws = launch.new((splits, ncol, cout), np.float32) if splits > 1 else gw
         xn, gyn = copies(x, gy, workspace)
         maps = (tma.im2col(xn, (n, h, wd, c), *box, channels=64, pixels=64),
                 tma.tiled(gyn, npix, cout, 64, 64))
         fn(grid, (384,), maps + (gw, ws) + tail, shared_mem=smem)
-        if splits > 1:
-            reduce(ws, gw)
-        return gw
+        return reduce(ws, gw, add_to) if splits > 1 else gw
 
     run.kernel, run.splits, run.tile = "conv2d_bwdw_tma_kernel", splits, (rows, cols)
+    run.adds = splits > 1  # takes add_to= (the reducer adds)
     return run
 
 
@@ -232,14 +240,14 @@ def plan(g: ConvGeom):
         reduce = reducer(splits, cout, g.c, g.taps, dt)
     w_shape = g.w_shape
 
-    def run(x, gy, out, workspace=None):
-        gw = output(f, out, w_shape, dt)
+    def run(x, gy, out, workspace=None, add_to=None):
+        # (given add_to, splits > 1: the kernel writes ws alone, gw is a placeholder)
+        gw = output(f, out, w_shape, dt) if add_to is None else add_to
         ws = launch.new((splits, ncol, cout), np.float32) if splits > 1 else gw
         xn, gyn = copies(x, gy, workspace)
         fn(grid, (256,), (xn, gyn, gw, ws) + tail, shared_mem=smem)
-        if splits > 1:
-            reduce(ws, gw)
-        return gw
+        return reduce(ws, gw, add_to) if splits > 1 else gw
 
     run.kernel, run.splits = name, splits
+    run.adds = splits > 1  # takes add_to= (the reducer adds)
     return run

@@ -22,6 +22,7 @@ from dptrain.backend.cuda.conv import (bwdw_wgmma, direct, geometry, implicit, l
                                        routes, strip, wgmma)
 from dptrain.backend.cuda.conv.geometry import ConvGeom, nhwc_shape
 from dptrain.backend.cuda.conv.routes import Route
+from dptrain.backend.cuda.elementwise import add_
 from dptrain.backend.cuda.gemm import output, plan, sig, wgmma_available
 from dptrain.backend.cuda.norm import TILE_PIXELS, batch_norm_stats, batch_norm_tile_stats
 from dptrain.backend.cuda.runtime import runtime
@@ -267,11 +268,25 @@ def _backward_data(gy, w, x_shape, stride, padding, cl=False):
 
 @op
 def conv2d_backward_weight(x, gy, w_shape, stride, padding, *, channels_last=False, out=None,
-                           workspace=None):
+                           workspace=None, add_to=None):
     """Gradient of conv2d_forward with respect to w, of shape w_shape; bitwise repeatable.
-    x and gy are (N, H, W, C) where `channels_last`."""
-    return _backward_weight(x, gy, w_shape, stride, padding, channels_last)(x, gy, out,
-                                                                            workspace)
+    x and gy are (N, H, W, C) where `channels_last`. `add_to`: an array of w_shape, gy's
+    dtype or float32 (a 16-bit weight's fp32 .grad), that the gradient is added into, as
+    add_ would add it, and returned; a plan whose reducer can add into float32 does so in
+    its own pass (`.adds`)."""
+    run = _backward_weight(x, gy, w_shape, stride, padding, channels_last)
+    if add_to is None:
+        return run(x, gy, out, workspace)
+    f = "conv2d_backward_weight"
+    launch.check_arrays(f, add_to)
+    launch.check_contiguous(f, add_to)
+    launch.check_shape(f, add_to, tuple(w_shape), "add_to")
+    if add_to.dtype not in (gy.dtype, np.float32):
+        raise TypeError(f"cuda.{f}: add_to must be float32 or {gy.dtype} like gy, got "
+                        f"{add_to.dtype}")
+    if getattr(run, "adds", False) and add_to.dtype == np.float32:
+        return run(x, gy, None, workspace, add_to=add_to)
+    return add_(add_to, run(x, gy, out, workspace))
 
 
 def _backward_weight(x, gy, w_shape, stride, padding, cl=False):

@@ -110,14 +110,15 @@ def plan_backward_weight(g: ConvGeom):
     reduce = reducer(splits, m, g.c, g.taps, dt)
     x_shape, w_shape = nhwc_shape(g.x_shape), g.w_shape
 
-    def run(x, gy, out, workspace=None):
-        gw = output(f, out, w_shape, dt)
+    def run(x, gy, out, workspace=None, add_to=None):
         ws = launch.new((splits, g.rows, m), np.float32)
         strips = tma.strips(x, x_shape, BM + g.kw - 1, g.kh)
         grads = tma.pixel_rows(gy, tiles, g.wo, m)
         fn((splits,), (128,), (strips,) + g.gemm(0) + (grads, ws), shared_mem=shared)
-        reduce(ws, gw)
-        return gw
+        if add_to is not None:
+            return reduce(ws, None, add_to)
+        return reduce(ws, output(f, out, w_shape, dt))
 
     run.kernel, run.splits = "conv2d_strip_bwdw_kernel", splits
+    run.adds = True  # takes add_to= (the reducer adds)
     return run
