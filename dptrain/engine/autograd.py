@@ -19,7 +19,9 @@ and batch norm's sums kernel do the add, no separate pass); the sum is the same,
 grad + g, so the result is too. Where that ``.grad`` holds zeros (``grads_zeroed``: the
 optimizer's zero_grad says so, and nothing has added into it since), the op may write its
 gradient instead (``Function.grad_is_zero``; Linear's weight product stores into the .grad,
-no add pass): 0 + g is g.
+no add pass): 0 + g is g. Mixed precision's 16-bit cast of a parameter hands the gradient
+back unchanged, so its consumer may add the 16-bit gradient into the fp32 leaf's .grad
+through it (``Function.grad_into_widened``; the convolution's backward-weight reducers do).
 """
 from __future__ import annotations
 
