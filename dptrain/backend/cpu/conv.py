@@ -11,6 +11,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from dptrain.backend.cpu.ops import _gemm
+from dptrain.backend.cpu.precision import fp32_math
 from dptrain.backend.cpu.workspace import checked, scratch
 from dptrain.backend.registry import op
 
@@ -207,18 +208,14 @@ def conv2d_backward_weight(x, gy, w_shape, stride, padding, *, channels_last=Fal
                            workspace=None, add_to=None):
     """Gradient of conv2d_forward with respect to w, of shape w_shape (x and gy (N, H, W, C)
     where `channels_last`); where `add_to` is given (w_shape, gy's dtype or float32), added
-    into it as add_ would add it, and add_to returned. float16 operands are multiplied in
-    float32 and the gradient rounded once (what fp32_math does for the other products).
+    into it as add_ would add it, and add_to returned. The gradient itself is fp32_math's
+    (float16 operands multiplied in float32, rounded once), before any add.
 
     Reuses the im2col matrix that conv2d_forward left in the workspace only if it is that of
     this very x (and kernel, stride, padding); otherwise builds it again.
     """
-    if gy.dtype == np.float16:
-        with np.errstate(over="ignore", invalid="ignore"):  # fp16 overflow steps are expected
-            gw = _weight_gradient(x.astype(np.float32), gy.astype(np.float32), w_shape, stride,
-                                  padding, channels_last, workspace).astype(np.float16)
-    else:
-        gw = _weight_gradient(x, gy, w_shape, stride, padding, channels_last, workspace)
+    gw = fp32_math(_weight_gradient)(x, gy, w_shape, stride, padding, channels_last,
+                                     workspace)
     if add_to is None:
         return gw
     np.add(add_to, gw, out=add_to)
