@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dptrain.engine.autograd import Function, GradSum, is_grad_enabled
+from dptrain.engine.autograd import Function, GradSum, is_grad_enabled, total
 from dptrain.engine.rng import data_shard
 
 # ----------------------------------------------------------------------------- elementwise
@@ -518,7 +518,7 @@ class BatchNorm(Function):
     def backward(self, gy):
         be = self.be
         if self.pool is not None:  # to the batch norm's output first (the mask comes below)
-            gy = gy.total(be) if isinstance(gy, GradSum) else gy
+            gy = total(gy, be)
             gy = be.max_pool2d_backward(gy, self.idx, self.pool[0], window=self.pool[1:],
                                         channels_last=True).reshape(self.x.shape)
         relu = relu_out = None
