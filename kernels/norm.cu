@@ -350,16 +350,23 @@ __device__ __forceinline__ int cl_channel(int C, int V) { return threadIdx.x % (
 // it computed).
 constexpr int CL_RING = 8;
 
+// Which row of each array a row of x reads: the same one (SameRows), or, where kZeros, -1
+// for a zero-filled group (Join's SpreadRows).
+struct SameRows {
+  static constexpr bool kZeros = false;
+  __device__ __forceinline__ long long operator()(int, long long row) const { return row; }
+};
+
 // The row loop of every channels-last kernel: block y takes rows [y * chunk, min(rows,
 // (y + 1) * chunk)) and thread t the channel group c0 = (t % (C / V)) * V of rows t / (C / V)
 // + RPI * i (so c0, and every per-channel constant, is the thread's own for the whole loop),
 // in that order; f(o, packs) runs on each (o its group's element offset, packs the groups of
 // the A arrays src[a], null: not read). Each thread copies its own groups with cp.async
 // into its slots of the ring, CL_RING / A - 1 rows ahead of the row f works on, and reads
-// back only what it copied: no barrier.
-template <int A, typename T, typename F>
+// back only what it copied: no barrier. `rows_of` maps a row to the row each array reads.
+template <int A, typename T, typename F, typename Rows = SameRows>
 __device__ __forceinline__ void cl_rows(const T* const (&src)[A], int rows, int C, int chunk,
-                                        F f) {
+                                        F f, Rows rows_of = Rows{}) {
   constexpr int V = Group<T>::size, STAGES = CL_RING / A;
   static_assert(STAGES >= 2, "a ring of two rows at least");
   extern __shared__ uint4 ring[];  // [stage][array][thread]
@@ -376,7 +383,13 @@ __device__ __forceinline__ void cl_rows(const T* const (&src)[A], int rows, int 
     if (i < n)
 #pragma unroll
       for (int a = 0; a < A; ++a)
-        if (src[a]) cp_async16(slot(i, a), src[a] + at(i), 16);
+        if (!src[a]) {
+        } else if constexpr (Rows::kZeros) {
+          const long long r = rows_of(a, r0 + lr + (long long)i * rpi);
+          cp_async16(slot(i, a), r < 0 ? src[a] : src[a] + r * C + c0, r < 0 ? 0 : 16);
+        } else {
+          cp_async16(slot(i, a), src[a] + at(i), 16);
+        }
     cp_async_commit();
   };
 #pragma unroll
@@ -398,9 +411,9 @@ __device__ __forceinline__ void cl_rows(const T* const (&src)[A], int rows, int 
 // most: 3 * SMs splits of rows / RPI; float keeps the registers of a 16-bit group); the RPI
 // threads of each channel group are then added in double, in row order, through shared
 // memory, and ws[(y * R + r) * C + c] written.
-template <int R, int A, typename Acc, typename T, typename Add>
+template <int R, int A, typename Acc, typename T, typename Add, typename Rows = SameRows>
 __device__ __forceinline__ void cl_partials(double* ws, const T* const (&src)[A], int rows,
-                                            int C, int chunk, Add add) {
+                                            int C, int chunk, Add add, Rows rows_of = Rows{}) {
   constexpr int V = Group<T>::size;
   __shared__ double sums[R * CL_THREADS * V];  // [r][row of the block][channel]
   const int groups = C / V, rpi = CL_THREADS / groups;
@@ -417,7 +430,7 @@ __device__ __forceinline__ void cl_partials(double* ws, const T* const (&src)[A]
 #pragma unroll
       for (int k = 0; k < V; ++k) v[a][k] = as<Acc>(raw[a].v[k]);
     add(acc, v, o);
-  });
+  }, rows_of);
   if (lr < rpi)
 #pragma unroll
     for (int r = 0; r < R; ++r)
@@ -497,16 +510,36 @@ __global__ void __launch_bounds__(CL_THREADS) bn_var_partial_cl_kernel(
 // The gradient a channels-last backward reduction joins as it reads (bn_backward_partial_cl
 // with JOIN): gy = a + b (b null: a alone) in the compute type, zero where the forward's
 // output y (null: no such mask) was not positive, rounded once to T and stored at out:
-// add's, relu_backward's or relu_backward_sum's bits, without their pass.
+// add's, relu_backward's or relu_backward_sum's bits, without their pass. With SPREAD, b is
+// a Spread's product (dptrain/backend/spread.py): (N, bh, bw, C) at the pixels (sh * i - ph,
+// sw * j - pw) of x's (N, h, w) grid, 0 at every other pixel (a zero-filled load: a + 0 as
+// the stored spread gave), so the zeros are never written nor read.
 template <typename T> struct Join {
   const T *b, *y;
   T* out;
+  int h, w, bh, bw, sh, sw, ph, pw;
+};
+
+// The rows a join with a Spread's b reads: b's row of grid pixel `row` (-1: a zero), the
+// row itself for the other arrays. 32-bit divisions: the launcher checks the rows fit.
+template <typename T> struct SpreadRows {
+  static constexpr bool kZeros = true;
+  const Join<T>& j;
+  __device__ __forceinline__ long long operator()(int a, long long row) const {
+    if (a != 2) return row;
+    const unsigned r = (unsigned)row, hw = (unsigned)(j.h * j.w), img = r / hw;
+    const unsigned p = r - img * hw, py = p / (unsigned)j.w, y = py + j.ph;
+    const unsigned x = p - py * j.w + j.pw, i = y / j.sh, k = x / j.sw;
+    if (y - i * j.sh || x - k * j.sw || i >= (unsigned)j.bh || k >= (unsigned)j.bw) return -1;
+    return ((long long)img * j.bh + i) * j.bw + k;
+  }
 };
 
 // bn_backward_partial_kernel, channels-last: the constants of each channel staged once. Two
 // blocks an SM (the launcher's BACKWARD_PER_SM; three ran 25% slower on ResNet-50's shapes).
-// JOIN: gy is the Join's a (read as gy), joined with b and masked by y first and stored.
-template <typename T, typename P = compute_t<T>, bool JOIN = false>
+// JOIN: gy is the Join's a (read as gy), joined with b and masked by y first and stored;
+// SPREAD: b is a Spread's product (SpreadRows; other launches keep cl_rows' plain loads).
+template <typename T, typename P = compute_t<T>, bool JOIN = false, bool SPREAD = false>
 __global__ void __launch_bounds__(CL_THREADS) bn_backward_partial_cl_kernel(
     double* ws, Join<T> join, const T* gy, const T* x, const P* mean, const P* var,
     const P* relu_weight, const P* relu_bias, P eps, int rows, int C, int chunk) {
@@ -543,7 +576,10 @@ __global__ void __launch_bounds__(CL_THREADS) bn_backward_partial_cl_kernel(
   };
   if constexpr (JOIN) {
     const T* const src[4] = {gy, x, join.b, join.y};
-    cl_partials<2, 4, P, T>(ws, src, rows, C, chunk, add);
+    if constexpr (SPREAD)
+      cl_partials<2, 4, P, T>(ws, src, rows, C, chunk, add, SpreadRows<T>{join});
+    else
+      cl_partials<2, 4, P, T>(ws, src, rows, C, chunk, add);
   } else {
     const T* const src[2] = {gy, x};
     cl_partials<2, 2, P, T>(ws, src, rows, C, chunk, add);
@@ -628,6 +664,6 @@ __global__ void __launch_bounds__(CL_THREADS) bn_backward_data_cl_kernel(
 // instantiate: bn_stats_partial_cl_kernel<{float, double, __half, __nv_bfloat16}>
 // instantiate: bn_mean_partial_cl_kernel<{float, double, __half, __nv_bfloat16}>
 // instantiate: bn_var_partial_cl_kernel<{float, double, __half, __nv_bfloat16}>
-// instantiate: bn_backward_partial_cl_kernel<{float, double, __half, __nv_bfloat16}>; bn_backward_partial_cl_kernel<{float, __half, __nv_bfloat16}, float, true>; bn_backward_partial_cl_kernel<double, double, true>
+// instantiate: bn_backward_partial_cl_kernel<{float, double, __half, __nv_bfloat16}>; bn_backward_partial_cl_kernel<{float, __half, __nv_bfloat16}, float, true, {false, true}>; bn_backward_partial_cl_kernel<double, double, true, {false, true}>
 // instantiate: bn_forward_cl_kernel<{float, double, __half, __nv_bfloat16}>
 // instantiate: bn_backward_data_cl_kernel<{float, double, __half, __nv_bfloat16}>

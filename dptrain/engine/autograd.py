@@ -8,7 +8,9 @@ summed, so a value used twice needs no special case.
 
 A tensor's gradient parts are kept apart until its own op's backward runs: an op that can
 add them in its own pass (``Function.takes_grad_sum``: batch norm's residual ReLU) gets them
-as a GradSum; any other gets their sum, added in the order they arrived, as before.
+as a GradSum; any other gets their sum, added in the order they arrived, as before. A part
+may be a ``Spread`` (a strided shortcut's backward-data whose zeros are not written,
+dptrain.backend.spread); alone, or for any other op, it is written out first (``total``).
 
 Leaves that already hold a ``.grad`` (parameters, whose gradients are views of
 one flat buffer) accumulate into it in place; this keeps the step free of
@@ -33,6 +35,7 @@ import numpy as np
 
 from dptrain import backend
 from dptrain.backend.bfloat16 import BFLOAT16, from_bfloat16
+from dptrain.backend.spread import Spread
 
 _grad_enabled = True
 DIRECT_GRADS = True  # ops may add a leaf's gradient into its .grad (False: to compare)
@@ -72,15 +75,15 @@ class GradSum(tuple):
 
     def total(self, be):
         """The parts added in order: ((g0 + g1) + g2) ..., the bits of adding as they came."""
-        acc = self[0]
+        acc = total(self[0], be)
         for g in self[1:]:
-            acc = be.add(acc, g)
+            acc = be.add(acc, total(g, be))
         return acc
 
 
 def total(g, be):
-    """g itself, or the sum of a GradSum's parts."""
-    return g.total(be) if isinstance(g, GradSum) else g
+    """g itself, the sum of a GradSum's parts, or a Spread's array."""
+    return g.total(be) if isinstance(g, (GradSum, Spread)) else g
 
 
 class Function:
@@ -242,7 +245,7 @@ class Tensor:
             if fn is None:
                 node._accumulate(total(g, be))
                 continue
-            if not fn.takes_grad_sum:
+            if not fn.takes_grad_sum or isinstance(g, Spread):  # a Spread only as a part
                 g = total(g, be)
             fn.into = tuple(i.grad.data if DIRECT_GRADS and i._ctx is None and i.requires_grad
                             and i.grad is not None and uses[id(i)] == 1 else None
@@ -262,13 +265,14 @@ class Tensor:
                 if prev is None:  # (a GradSum passed on by a view stays parts)
                     grads[id(inp)] = gi
                     continue
-                gi = total(gi, be)  # parts arriving second are added first, as ever
+                if isinstance(gi, GradSum):  # parts arriving second are added first, as ever
+                    gi = gi.total(be)
                 if inp._ctx is not None and inp.dtype == prev.dtype == gi.dtype:
                     # parts, for the op that made inp
                     grads[id(inp)] = GradSum((*(prev if isinstance(prev, GradSum) else (prev,)),
                                               gi))
                     continue
-                prev = total(prev, be)  # a leaf's, or of mixed dtypes: added now
+                prev, gi = total(prev, be), total(gi, be)  # a leaf's, or mixed dtypes: added now
                 if inp.dtype not in (prev.dtype, gi.dtype):
                     # two 16-bit gradients of an fp32 leaf (ops.CastParameter): sum in fp32
                     prev, gi = (be.astype(v, inp.dtype) for v in (prev, gi))

@@ -7,8 +7,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from dptrain.backend.spread import Spread
 from dptrain.engine.autograd import Function, GradSum, is_grad_enabled, total
 from dptrain.engine.rng import data_shard
+
+# A strided 1x1 convolution's backward-data may come as a Spread, its zeros never written
+# where a channels-last batch norm's joined sums read it (False: always the array, to compare)
+SPREAD_LATER = True
 
 # ----------------------------------------------------------------------------- elementwise
 
@@ -360,8 +365,9 @@ class Conv2d(Function):
         if ws is not None:  # backward-data's copy of gy serves the weight gradient
             ws.expect_backward(self.needs_grad[1])
         gx = gw = gb = None
-        if self.needs_grad[0]:
-            gx = be.conv2d_backward_data(gy, w, x.shape, self.stride, self.padding, **passes)
+        if self.needs_grad[0]:  # a strided 1x1's may come as a Spread (see SPREAD_LATER)
+            gx = be.conv2d_backward_data(gy, w, x.shape, self.stride, self.padding,
+                                         spread_later=SPREAD_LATER, **passes)
         if self.needs_grad[1]:  # into the weight's .grad where it may: no pass to add it
             into = self.grad_into(1, w.dtype)
             into = self.grad_into_widened(1) if into is None else into
@@ -534,6 +540,8 @@ class BatchNorm(Function):
             # the parts' last add and the mask join the sums' pass, which stores the gradient
             # (the residual's too): ((g0 + g1) + ...) + g_last, as adding them in order
             parts = tuple(gy) if isinstance(gy, GradSum) else (gy,)
+            if len(parts) == 2 and isinstance(parts[0], Spread):  # the kernel reads the last
+                parts = parts[::-1]  # a + b and b + a: the same bits
             first = GradSum(parts[:-1]).total(be) if len(parts) > 1 else parts[0]
             last = parts[-1] if len(parts) > 1 else None
             gy, sums = be.batch_norm_backward_reduce_joined(

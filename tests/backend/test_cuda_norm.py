@@ -382,3 +382,39 @@ def test_joined_backward_sums_equal_the_ops_in_turn(cu, rng, shape, dtype, join)
     for name, got, ref in (("gy", gy, want), ("sums", sums, want_sums),
                            (".grad", grads[1], grads[0])):
         assert cu.to_numpy(got).tobytes() == cu.to_numpy(ref).tobytes(), name
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("grid, stride, pad, flat", [
+    ((2, 12, 12, 64), (2, 2), (0, 0), True),    # a ResNet shortcut's grid, as (rows, C)
+    ((2, 9, 9, 128), (2, 2), (0, 0), True),     # odd: the last row and column reached
+    ((2, 10, 11, 64), (2, 3), (1, 1), True),    # uneven stride, padding: edges dropped
+    ((3, 6, 6, 24), (2, 2), (0, 0), False),     # 4-D x: the ops in turn, the Spread written
+])
+def test_joined_sums_read_a_spread_where_it_lies(cu, rng, grid, stride, pad, flat, dtype):
+    """batch_norm_backward_reduce_joined with gb a Spread (a strided 1x1's backward-data,
+    its zeros not written): gy and the sums to the bit of gb given as the spread array."""
+    from dptrain.backend.spread import Spread
+
+    n, h, w, c = grid
+    bh, bw = ((h + 2 * pad[0] - 1) // stride[0] + 1, (w + 2 * pad[1] - 1) // stride[1] + 1)
+    dense = rng.standard_normal((n, bh, bw, c)).astype(F32)
+    full = np.zeros(grid, F32)
+    for i in range(bh):
+        for j in range(bw):
+            y, x = stride[0] * i - pad[0], stride[1] * j - pad[1]
+            if 0 <= y < h and 0 <= x < w:
+                full[:, y, x] = dense[:, i, j]
+    shape = (n * h * w, c) if flat else grid
+    x, ga = (rng.standard_normal(shape).astype(F32) for _ in range(2))
+    y = rng.standard_normal(shape).astype(F32)
+    dx, dga, dy = (cu.asarray(_as(dtype, a)) for a in (x, ga, y))
+    dfull = cu.asarray(_as(dtype, full))
+    spread = Spread(cu.asarray(_as(dtype, dense)), grid, stride, pad, lambda: dfull.copy())
+    mean, var = cu.batch_norm_stats(dx)
+    want = cu.batch_norm_backward_reduce_joined(dga, dfull.reshape(shape), dx, mean, var, 1e-5,
+                                                relu_out=dy)
+    got = cu.batch_norm_backward_reduce_joined(dga, spread.reshape(shape), dx, mean, var, 1e-5,
+                                               relu_out=dy)
+    for name, a, b in zip(("gy", "sums"), got, want):
+        assert cu.to_numpy(a).tobytes() == cu.to_numpy(b).tobytes(), name

@@ -365,6 +365,76 @@ def test_conv_weight_grad_added_on_the_gpu(monkeypatch, x_dtype, geometry):
     _assert_same_bits(direct, after)
 
 
+def _shortcut_block_grads(monkeypatch, spread_later, dtype):
+    """Gradients of a channels-last batch norm (residual, ReLU) whose output feeds a strided
+    1x1 convolution (a ResNet shortcut) and a stride-1 one, on the GPU; spread_later on or
+    off; and how often its joined sums read a Spread part where it lies."""
+    from dptrain.backend import get
+    from dptrain.backend.spread import Spread
+    from dptrain.engine import ops
+
+    monkeypatch.setattr(ops, "SPREAD_LATER", spread_later)
+    be = get("cuda")
+    spreads, real = [], be.batch_norm_backward_reduce_joined
+    monkeypatch.setattr(be, "batch_norm_backward_reduce_joined", lambda ga, gb, *a, **k: (
+        spreads.extend([1] if isinstance(gb, Spread) else []) or real(ga, gb, *a, **k)))
+    rng = np.random.default_rng(5)
+    c, shape = 64, (2, 9, 9, 64)
+    w, b = (dp.tensor(rng.standard_normal(c).astype(np.float32), requires_grad=True,
+                      device="cuda") for _ in range(2))
+    x, r = (dp.tensor(rng.standard_normal(shape).astype(np.float32), requires_grad=True,
+                      device="cuda") for _ in range(2))
+    ws, wm = (dp.tensor(rng.standard_normal((co, c, 1, 1)).astype(np.float32) * 0.1,
+                        requires_grad=True, device="cuda") for co in (128, 64))
+    xs, rs = (F.cast(t, dtype) for t in (x, r))
+    out = F.batch_norm(xs, w, b, residual=rs, relu=True, channels_last=True)
+    short = F.conv2d(out, F.cast(ws, dtype), stride=2, channels_last=True)
+    main = F.conv2d(out, F.cast(wm, dtype), channels_last=True)
+    loss = (F.cast(short, np.float32) * F.cast(short, np.float32)).sum() + \
+        (F.cast(main, np.float32) * F.cast(main, np.float32)).sum()
+    loss.backward()
+    return [t.grad.numpy() for t in (w, b, x, r, ws, wm)], len(spreads)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("x_dtype", ["float16", "bfloat16", "float32"])
+def test_strided_shortcut_gradient_read_where_it_lies(monkeypatch, x_dtype):
+    """A strided 1x1 shortcut's backward-data reaches the batch norm before it as a Spread,
+    whose product its joined sums read where it lies: the bits of spreading it first."""
+    pytest.importorskip("cupy")
+    from dptrain.backend.bfloat16 import BFLOAT16
+
+    dt = {"bfloat16": BFLOAT16, "float16": np.float16, "float32": np.float32}[x_dtype]
+    later, count = _shortcut_block_grads(monkeypatch, True, dt)
+    first, count_first = _shortcut_block_grads(monkeypatch, False, dt)
+    assert (count, count_first) == (1, 0)
+    _assert_same_bits(later, first)
+
+
+def test_a_spread_part_is_added_as_its_array():
+    """A Spread (dptrain.backend.spread) stays lazy through a reshape and is added as the
+    array it stands for, written once."""
+    from dptrain.backend import get
+    from dptrain.backend.spread import Spread
+    from dptrain.engine.autograd import GradSum, total
+
+    be, rng = get("cpu"), np.random.default_rng(2)
+    dense = rng.standard_normal((2, 3, 3, 4)).astype(np.float32)
+    full = np.zeros((2, 5, 5, 4), np.float32)
+    full[:, ::2, ::2] = dense
+    stores = []
+    spread = Spread(dense, full.shape, (2, 2), (0, 0),
+                    lambda: stores.append(1) or full.copy())
+    flat = spread.reshape(50, 4)
+    assert isinstance(flat, Spread) and flat.shape == (50, 4) and not stores
+    a = rng.standard_normal((50, 4)).astype(np.float32)
+    got = GradSum((a, flat)).total(be)
+    assert got.tobytes() == (a + full.reshape(50, 4)).tobytes()
+    assert total(flat, be).shape == (50, 4) and len(stores) == 1  # written once
+    with pytest.raises(ValueError, match="elements"):
+        spread.reshape(3, 4)
+
+
 def test_gradient_parts_of_other_ops_arrive_added():
     """An op that does not take parts gets one array: their sum in arrival order."""
     from dptrain.engine.autograd import Function, GradSum

@@ -177,9 +177,10 @@ def _channels_first(gy, workspace, source):
 
 @op(fp32_math=True)
 def conv2d_backward_data(gy, w, x_shape, stride, padding, *, channels_last=False,
-                         workspace=None):
+                         workspace=None, spread_later=False):
     """Gradient of conv2d_forward with respect to x, of shape x_shape (gy and x (N, H, W, C)
-    where `channels_last`)."""
+    where `channels_last`). `spread_later` is the GPU's (a Spread where it would spread a
+    smaller product); the CPU always returns the array."""
     workspace = checked(workspace)
     n, c, h, wd = (x_shape[0], x_shape[3], x_shape[1], x_shape[2]) if channels_last else x_shape
     gx = _backward_data(_nchw(gy, channels_last), w, (n, c, h, wd), stride, padding, workspace,

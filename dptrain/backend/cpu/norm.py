@@ -24,6 +24,7 @@ import numpy as np
 
 from dptrain.backend.cpu.ops import add, relu_backward, relu_backward_sum
 from dptrain.backend.registry import op
+from dptrain.backend.spread import Spread
 
 
 def _axes(x):
@@ -146,7 +147,10 @@ def batch_norm_backward_reduce_joined(ga, gb, x, mean, var, eps, relu=None, relu
     """(gy, sums) for a gradient that arrives in parts or through the ReLU after a residual
     add: gy = ga + gb (gb None: ga alone), zero where relu_out (that ReLU's output) is not
     positive (add's, relu_backward's or relu_backward_sum's result), and
-    batch_norm_backward_reduce(gy, x, mean, var, eps, relu, add_to)."""
+    batch_norm_backward_reduce(gy, x, mean, var, eps, relu, add_to). gb may be a Spread
+    (dptrain.backend.spread), added as its array."""
+    if isinstance(gb, Spread):
+        gb = gb.total()
     if relu_out is None:
         gy = ga if gb is None else add(ga, gb)
     else:

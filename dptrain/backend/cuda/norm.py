@@ -33,6 +33,7 @@ import numpy as np
 
 from dptrain.backend.cuda import elementwise, launch
 from dptrain.backend.registry import op
+from dptrain.backend.spread import Spread
 
 NORM = "norm.cu"
 # norm.cu's: a block's threads cover at least one row, so C is at most CL_THREADS groups
@@ -347,8 +348,10 @@ def batch_norm_backward_reduce(gy, x, mean, var, eps, relu=None, add_to=None):
     return _backward_sums(op, gy, x, mean, var, eps, relu, add_to)
 
 
-# struct Join<T> (norm.cu): the second part, the ReLU output that masks, where gy goes
-_JOIN = np.dtype([("b", np.uint64), ("y", np.uint64), ("out", np.uint64)])
+# struct Join<T> (norm.cu): the second part, the ReLU output that masks, where gy goes; a
+# Spread second part's grid (h, w), its product's (bh, bw), stride and padding (sh 0: dense)
+_JOIN = np.dtype([("b", np.uint64), ("y", np.uint64), ("out", np.uint64),
+                  *((name, np.int32) for name in ("h", "w", "bh", "bw", "sh", "sw", "ph", "pw"))])
 
 
 @op
@@ -357,23 +360,34 @@ def batch_norm_backward_reduce_joined(ga, gb, x, mean, var, eps, relu=None, relu
     """(gy, sums) for a gradient that arrives in parts or through the ReLU after a residual
     add: gy = ga + gb (gb None: ga alone), zero where relu_out (that ReLU's output) is not
     positive, with add's, relu_backward's or relu_backward_sum's bits, and sums =
-    batch_norm_backward_reduce(gy, x, mean, var, eps, relu, add_to). Where the channels-last
-    kernel takes x, gy is joined and stored by the sums' pass itself (no pass of its own);
+    batch_norm_backward_reduce(gy, x, mean, var, eps, relu, add_to). gb may be a Spread
+    (dptrain.backend.spread). Where the channels-last kernel takes x, gy is joined and stored
+    by the sums' pass itself (no pass of its own), a Spread's product read where it lies;
     elsewhere by those ops first."""
     op = "batch_norm_backward_reduce_joined"
-    given = [a for a in (ga, gb, relu_out) if a is not None]
+    spread = gb if isinstance(gb, Spread) else None
+    b = spread.dense if spread is not None else gb
+    given = [a for a in (ga, b, relu_out) if a is not None]
     launch.check_float(op, x, *given, half=True)
     launch.check_contiguous(op, *given)
     for name, a in (("ga", ga), ("gb", gb), ("relu_out", relu_out)):
         if a is not None:
             launch.check_shape(op, a, x.shape, name)
+    if spread is not None and spread.dtype != x.dtype:
+        raise TypeError(f"cuda.{op}: gb's dtype {spread.dtype} is not x's {x.dtype}")
     if gb is None and relu_out is None:
         return ga, _backward_sums(op, ga, x, mean, var, eps, relu, add_to)
     gy = launch.new(x.shape, x.dtype)
-    if x.size and _cl(x, gy, *given):
+    if x.size and _cl(x, gy, *given) and (spread is None or x.shape[0] < 2**31):
         ptr = (lambda a: 0 if a is None else a.data.ptr)
-        join = launch.struct(_JOIN, b=ptr(gb), y=ptr(relu_out), out=gy.data.ptr)
+        grid = {}
+        if spread is not None:
+            (_, h, w, _), (_, bh, bw, _) = spread.grid, spread.dense.shape
+            grid = dict(h=h, w=w, bh=bh, bw=bw, sh=spread.stride[0], sw=spread.stride[1],
+                        ph=spread.padding[0], pw=spread.padding[1])
+        join = launch.struct(_JOIN, b=ptr(b), y=ptr(relu_out), out=gy.data.ptr, **grid)
         return gy, _backward_sums(op, ga, x, mean, var, eps, relu, add_to, join)
+    gb = spread.total() if spread is not None else gb
     if relu_out is None:
         gy = elementwise.add(ga, gb)
     elif gb is None:
@@ -396,7 +410,8 @@ def _backward_sums(op, gy, x, mean, var, eps, relu, add_to, join=None):
         args = (gy, x, mean, var, *masks, stat_dtype(x).type(eps))
         if join is not None or _cl(x, gy):
             targs = None if join is None else (launch.ctype(x.dtype),
-                                               launch.ctype(stat_dtype(x)), "true")
+                                               launch.ctype(stat_dtype(x)), "true",
+                                               "true" if join["sh"][0] else "false")
             join = launch.struct(_JOIN) if join is None else join
             ws, splits = _cl_sums("bn_backward_partial_cl_kernel", x, 2, (join, *args),
                                   BACKWARD_PER_SM, targs)

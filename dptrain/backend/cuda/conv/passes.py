@@ -28,6 +28,7 @@ from dptrain.backend.cuda.norm import TILE_PIXELS, batch_norm_stats, batch_norm_
 from dptrain.backend.cuda.runtime import runtime
 from dptrain.backend.cuda.transpose import spreader
 from dptrain.backend.registry import op
+from dptrain.backend.spread import Spread
 
 FORWARD, BACKWARD_DATA, BACKWARD_WEIGHT = "forward", "backward_data", "backward_weight"
 # fp32 backward-weight as 3xTF32 where C_out and C_in*KH*KW both fill the TF32 kernel's
@@ -133,7 +134,13 @@ def _spread(g: ConvGeom):
         dx = output(f, out, x_shape, dt)
         return spread(inner(w, gy, None, None, workspace), dx)
 
-    run.kernel = inner.kernel
+    def later(w, gy, workspace=None):
+        """The product alone, as a Spread (dptrain.backend.spread): its zeros not written."""
+        dense = inner(w, gy, None, None, workspace)
+        return Spread(dense, x_shape, g.stride, g.padding,
+                      lambda: spread(dense, output(f, None, x_shape, dt)))
+
+    run.kernel, run.later = inner.kernel, later
     return run
 
 
@@ -251,11 +258,15 @@ def conv2d_forward_stats(x, w, stride, padding, *, channels_last=False, out=None
 
 @op
 def conv2d_backward_data(gy, w, x_shape, stride, padding, *, channels_last=False, out=None,
-                         workspace=None):
+                         workspace=None, spread_later=False):
     """Gradient of conv2d_forward with respect to x, of shape x_shape (both gy and x
-    (N, H, W, C) where `channels_last`)."""
-    return _backward_data(gy, w, x_shape, stride, padding, channels_last)(w, gy, None, out,
-                                                                          workspace)
+    (N, H, W, C) where `channels_last`). `spread_later` (and no `out`): where the pass
+    would spread a smaller product onto x's grid (the spread route), it returns that
+    product as a Spread (dptrain.backend.spread) instead."""
+    run = _backward_data(gy, w, x_shape, stride, padding, channels_last)
+    if spread_later and out is None and hasattr(run, "later"):
+        return run.later(w, gy, workspace)
+    return run(w, gy, None, out, workspace)
 
 
 def _backward_data(gy, w, x_shape, stride, padding, cl=False):
