@@ -901,6 +901,24 @@ def test_capture_replays_a_step_that_reads_uploaded_inputs(cuda, rng):
 
 
 @gpu
+def test_capture_gives_the_warm_ups_free_blocks_back(cuda, rng):
+    """The eager warm-up's freed blocks go back to the device before the capture, whose own
+    pool allocates the step's memory again."""
+    import cupy
+
+    pool = cupy.get_default_memory_pool()
+    x, y = cuda.asarray(randn(rng, (256, 1024))), cuda.zeros((256, 1024), F32)
+    run = cuda.runtime.capture(lambda: cuda.copy_(y, cuda.relu(cuda.relu(x))))
+    run()
+    run()  # two eager calls: relu's temporaries freed into the pool's cache
+    assert pool.free_bytes() > 0
+    run()  # the capture
+    assert pool.free_bytes() == 0
+    run()
+    np.testing.assert_array_equal(cuda.to_numpy(y), np.maximum(cuda.to_numpy(x), 0))
+
+
+@gpu
 def test_comm_timer_reads_the_exposed_wait(cuda):
     rt = cuda.runtime
     timer = rt.comm_timer()

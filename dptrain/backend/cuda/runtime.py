@@ -62,6 +62,9 @@ class CapturedStep:
 
     def _capture(self):
         self.stream.synchronize()
+        # the eager warm-up's freed blocks back to the device: the graph's own pool allocates
+        # the step's memory again, so holding both would need twice the step's memory
+        cupy.get_default_memory_pool().free_all_blocks()
         with cupy.cuda.using_allocator(self.pool.malloc):
             self.stream.begin_capture()
             try:
