@@ -36,6 +36,10 @@ Conventions shared by all backends:
     alone defines the result.
   * ``add_(dst, src)`` accumulates a 16-bit src of dst's shape into a float32 dst, the cast
     folded into the add (a mixed-precision parameter's gradient, ``ops.CastParameter``).
+  * ``conv2d_backward_data(..., spread_later=True)`` may return a ``Spread``
+    (dptrain.backend.spread: a strided shortcut's product, its zeros not written) instead of
+    an array; ``batch_norm_backward_reduce_joined`` takes one as ``gb``, ``.total()`` gives
+    the array.
 
 The runtime (``be.runtime``), with the CPU's trivial meaning in brackets:
   ``current_stream()``, ``comm_stream()``   the stream ops launch on now; the one collectives
