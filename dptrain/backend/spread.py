@@ -11,17 +11,21 @@ gradient that arrives in parts (``dptrain.engine.autograd.GradSum``).
 """
 from __future__ import annotations
 
+import functools
+import math
+
 
 class Spread:
     """`dense` (N, Hi, Wi, C) at the pixels (s*i - p, t*j - q) of the channels-last grid
-    `grid` (N, H, W, C), zeros elsewhere; `store()` writes that array (grid-shaped). It reads
-    as an array of `shape` (the grid's, or a reshape of it with the same elements)."""
+    `grid` (N, H, W, C), zeros elsewhere; `store()` writes that array (grid-shaped), once for
+    a Spread and all its reshapes. It reads as an array of `shape` (the grid's, or a reshape
+    of it with the same elements)."""
 
     def __init__(self, dense, grid, stride, padding, store, shape=None):
         self.dense, self.grid = dense, tuple(grid)
         self.stride, self.padding = tuple(stride), tuple(padding)
         self.shape = self.grid if shape is None else tuple(shape)
-        self._store, self._array = store, None
+        self._store = functools.cache(store)  # (a reshape's: cached already, called once)
 
     @property
     def dtype(self):
@@ -29,27 +33,15 @@ class Spread:
 
     @property
     def size(self):
-        n, h, w, c = self.grid
-        return n * h * w * c
-
-    @property
-    def ndim(self):
-        return len(self.shape)
+        return math.prod(self.grid)
 
     def reshape(self, *shape):
         shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], tuple) else shape
-        total = 1
-        for d in shape:
-            total *= d
-        if total != self.size:
+        if math.prod(shape) != self.size:
             raise ValueError(f"Spread.reshape: {self.shape} has {self.size} elements, "
-                             f"{shape} {total}")
-        spread = Spread(self.dense, self.grid, self.stride, self.padding, self._store, shape)
-        spread._array = self._array
-        return spread
+                             f"{shape} {math.prod(shape)}")
+        return Spread(self.dense, self.grid, self.stride, self.padding, self._store, shape)
 
     def total(self, be=None):
-        """The array itself (written once, on first use)."""
-        if self._array is None:
-            self._array = self._store()
-        return self._array.reshape(self.shape)
+        """The array itself (`be`: GradSum.total's signature; the store knows its device)."""
+        return self._store().reshape(self.shape)
