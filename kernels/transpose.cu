@@ -9,7 +9,8 @@
 //    launcher points `out` and `in` at the first element of each view (offsets already applied),
 //    with element strides (0 = broadcast, negative = reversed slice). Results are exact.
 //  * The copy works on raw bits: U is an unsigned type of the element's size, so one
-//    instantiation serves float32, int32 and uint32 alike.
+//    instantiation serves float32, int32 and uint32 alike; uint4 moves 16-byte vectors of
+//    any element type where the launcher found the innermost axis contiguous in whole ones.
 //  * take_rows (getitem with one index array on axis 0, e.g. a batch of labels) gathers whole
 //    rows; like CuPy's indexing it wraps indices modulo the row count instead of raising.
 //  * stride_spread puts a channels-last grid of pixels on every s-th pixel of a larger one and
@@ -173,7 +174,7 @@ __global__ void channels_last_input_kernel(U* __restrict__ out, const U* __restr
   }
 }
 
-// instantiate: strided_copy_kernel<{unsigned char, unsigned short, unsigned int, unsigned long long}>
+// instantiate: strided_copy_kernel<{unsigned char, unsigned short, unsigned int, unsigned long long, uint4}>
 // instantiate: take_rows_kernel<{unsigned char, unsigned short, unsigned int, unsigned long long}, {int, long long}>
 // instantiate: index_add_kernel<{float, double}>
 // instantiate: tile_transpose_kernel<{unsigned short, unsigned int}>

@@ -228,6 +228,26 @@ def test_broadcast_to(cu, rng, shape, target):
 
 
 @gpu
+@pytest.mark.parametrize("dtype", FLOATS + [np.float16, np.int8])
+def test_copies_move_whole_16_byte_vectors_where_they_can(cu, rng, dtype):
+    """strided_copy's uint4 path (innermost axis contiguous in whole 16-byte vectors): a
+    broadcast of per-channel values over pixels, a slice of a row, and views whose start or
+    stride breaks the vectors (the element path)."""
+    from dptrain.backend.cuda.transpose import _vector
+
+    v = 16 // np.dtype(dtype).itemsize
+    a = (randn(rng, (6, 1, 1, 4 * v)) * 50).astype(dtype)
+    assert_exact(cu, cu.broadcast_to(cu.asarray(a), (6, 5, 3, 4 * v)),
+                 cpu.broadcast_to(a, (6, 5, 3, 4 * v)))
+    b = (randn(rng, (5, 6 * v)) * 50).astype(dtype)
+    d = cu.asarray(b)
+    assert _vector([5, 2 * v], ([2 * v, 1], [6 * v, 1]), b.itemsize, (0, d.data.ptr)) == v
+    for view in ((slice(None), slice(v, 3 * v)), (slice(None), slice(1, 2 * v + 1)),
+                 (slice(None), slice(0, 2 * v, 2)), (slice(1, None, 2), slice(None))):
+        assert_exact(cu, cu.copy(d[view]), cpu.copy(b[view]))
+
+
+@gpu
 @pytest.mark.parametrize("shape,target", [((2, 3, 4, 5), (3, 1, 5)), ((2, 3, 4, 5), (5,)),
                                           ((2, 3, 4, 5), (1, 1)), ((2, 3, 4, 5), (2, 3, 4, 5)),
                                           ((3, 7, 5), (7, 1)), ((3, 33, 7, 5), (33, 1, 1)),

@@ -319,7 +319,7 @@ STEP_KERNELS = {
     "softmax.cu": ("ce_rows_kernel<float, long long>", "ce_mean_kernel<float>",
                    "ce_bwd_kernel<float, long long>", "ce_rows_kernel<float, long long, {t}>",
                    "ce_bwd_kernel<float, long long, {t}>"),
-    "transpose.cu": ("strided_copy_kernel<unsigned int>",
+    "transpose.cu": ("strided_copy_kernel<unsigned int>", "strided_copy_kernel<uint4>",
                      "take_rows_kernel<unsigned long long, long long>"),
 }
 

@@ -41,10 +41,27 @@ def strided_copy(dst, src, src_strides):
         raise TypeError(f"cuda.copy: copy between {src.dtype} and {dst.dtype} needs astype first")
     launch.check_int32("copy", n)
     dims, (so, si) = launch.collapse(dst.shape, launch.estrides(dst), src_strides)
-    ctype = launch.bits(dst.itemsize)[0]
-    launch.grid_stride(launch.kernel(TR, "strided_copy_kernel", ctype), n,
-                       (dst, src, np.int32(n), launch.layout(dims, so, si)))
+    v = _vector(dims, (so, si), dst.itemsize, (dst.data.ptr, src.data.ptr))
+    ctype = "uint4" if v > 1 else launch.bits(dst.itemsize)[0]
+    if v > 1:
+        dims = dims[:-1] + [dims[-1] // v]
+        so, si = ([s // v for s in st[:-1]] + [1] for st in (so, si))
+    launch.grid_stride(launch.kernel(TR, "strided_copy_kernel", ctype), n // v,
+                       (dst, src, np.int32(n // v), launch.layout(dims, so, si)))
     return dst
+
+
+def _vector(dims, strides, itemsize, pointers) -> int:
+    """Elements a thread of strided_copy moves as one 16-byte vector: where the innermost
+    axis runs contiguous in both operands and every stride, that axis's length and both
+    starts come in whole vectors (a broadcast of (N, 1, 1, C) to (N, H, W, C) copies C
+    channels a pixel: ResNet-50's pooling gradient at batch 256, 88 us as 2-byte moves);
+    else 1."""
+    v = 16 // itemsize
+    if (v == 1 or not dims or any(st[-1] != 1 for st in strides) or dims[-1] % v
+            or any(s % v for st in strides for s in st[:-1]) or any(p % 16 for p in pointers)):
+        return 1
+    return v
 
 
 def transposer(nb: int, rows: int, cols: int, dtype):
