@@ -410,6 +410,28 @@ def test_column_sums_in_one_launch_equal_two(cu, rng, monkeypatch, shape, dtype)
 
 
 @gpu
+@pytest.mark.parametrize("shape,axes", [((64, 7, 7, 96), (1, 2)), ((9, 5, 600), (1,)),
+                                        ((3, 4, 5, 2, 700), (1, 2, 3))], ids=str)
+@pytest.mark.parametrize("dtype", FLOATS + [np.float16, "bfloat16"])
+def test_middle_axes_sum_has_the_generic_kernels_bits(cu, rng, monkeypatch, shape, axes, dtype):
+    """middle_sum_kernel (a contiguous (A, K, B) summed over K, one thread per output) gives
+    reduce_kernel's bits, kept dims or not, and float32 out of 16-bit."""
+    from dptrain.backend.bfloat16 import to_bfloat16
+    from dptrain.backend.cuda import reduce
+
+    x = uniform(rng, shape, -0.5, 1.5)
+    x = cu.asarray(to_bfloat16(x) if dtype == "bfloat16" else x.astype(dtype))
+    assert reduce._middle(x, axes) is not None
+    runs = (lambda: cu.sum(x, axes, keepdims=True), lambda: reduce.sum_float32(x, axes))
+    fast = [cu.to_numpy(run()) for run in runs]
+    monkeypatch.setattr(reduce, "_middle", lambda a, axes: None)
+    for got, run in zip(fast, runs):
+        assert got.tobytes() == cu.to_numpy(run()).tobytes()
+    if dtype in FLOATS:
+        assert_close(cu, cu.asarray(fast[0]), sum64(cpu.sum, cu.to_numpy(x), axes, True))
+
+
+@gpu
 def test_sum_of_a_strided_view(cu, rng):
     x = uniform(rng, (7, 5, 33), -0.5, 1.5)
     t = cu.asarray(x).transpose(2, 0, 1)

@@ -7,6 +7,8 @@ Conventions (the .cu file's header has the kernel side):
   * Deterministic: the group size G (lanes per output), the split S and the chunk come from
     the shapes alone (and the launch shape), so the summation order is fixed; no atomics.
     Long reductions over few outputs run in two passes: (M, S) partials, then one fold.
+  * Sums over middle axes of a contiguous array, (A, K, B) -> (A, B), one thread per output
+    (where the generic kernel would take one too) run middle_sum_kernel: the same order.
   * Sums over the leading axes of a contiguous array with few columns (bias and layer-norm
     gradients of (tokens, features)) run column_sum_kernel instead: lanes along the columns,
     (split, column) partials, then each column folded in split order.
@@ -112,8 +114,14 @@ def _reduce(op, a, axes, out_shape, out_dtype=None):
         return _column_sum(out, a, K, M)
     acc = "double" if op == "SumOp" else "float" if a.dtype in launch.HALVES else t
     if K < SPLIT_MIN_K or M >= 1024:
+        G = group_size(M, K, inner)
+        middle = _middle(a, axes) if op == "SumOp" and G == 1 else None
+        if middle:  # the same order as G = 1's, a division fewer an element
+            fn = launch.kernel(RED, "middle_sum_kernel", t, o)
+            launch.grid_stride(fn, M, (out, a) + tuple(np.int32(v) for v in middle))
+            return out
         fn = launch.kernel(RED, "reduce_kernel", t, acc, o, op)
-        run_reduce(fn, out, a, M, 1, K, K, lk, lr, group_size(M, K, inner))
+        run_reduce(fn, out, a, M, 1, K, K, lk, lr, G)
         return out
     # Two passes: S partials per output (in the accumulator type), then one fold over them.
     S = -(-K // SPLIT_CHUNK)
@@ -125,6 +133,17 @@ def _reduce(op, a, axes, out_shape, out_dtype=None):
     run_reduce(fn, out, partial, M, 1, S, S, launch.layout([M], [S]), launch.layout([S], [1]),
                group_size(M, S, True))
     return out
+
+
+def _middle(a, axes):
+    """(A, K, B) where the contiguous array a is (A, K, B) reduced over K: `axes` a run of
+    neighbouring axes, neither the first nor the last (middle_sum_kernel); else None."""
+    first, last = axes[0], axes[-1]
+    if (not a.flags.c_contiguous or first == 0 or last == a.ndim - 1
+            or last - first + 1 != len(axes)):
+        return None
+    return (math.prod(a.shape[:first]), math.prod(a.shape[first:last + 1]),
+            math.prod(a.shape[last + 1:]))
 
 
 def _leading_rows(a, axes) -> bool:
