@@ -321,6 +321,118 @@ __global__ void bn_relu_max_pool_fwd_nhwc_kernel(T* y, int* idx, const T* x, Poo
   });
 }
 
+// ---------------------------------------------------------------- the stem's 3 x 3 / 2 window
+// ImageNet's stem pools 3 x 3 windows at stride 2 with padding 1: window (oh, ow) covers input
+// rows 2oh - 1 .. 2oh + 1 and columns 2ow - 1 .. 2ow + 1, so the input pixels (2oh + a,
+// 2ow + b), a, b in {0, 1}, lie in windows (oh, ow), (oh, ow + 1), (oh + 1, ow) and
+// (oh + 1, ow + 1) alone (those that exist). The walking backward gives a thread kV channels
+// ch.. of output column ow and a run of kRun output rows: it loads the run's kRun + 1 rows of
+// windows at once, each once, takes column ow + 1's from that column's thread in the warp (a
+// shuffle), and writes those four pixels a row. The warp's lanes take C / kV channel groups
+// of 32 / (C / kV) neighbouring columns (the launcher checks C / kV divides 32); the columns
+// are padded to whole warps, so every lane of a warp runs each iteration (the shuffles need
+// them all) and the padding's columns store nothing. (A forward that walked the same way,
+// each input row valued once and column 2ow - 1 shuffled from the left: 468 us at kRun 1,
+// 613 at 2, against the window scans' 380; ResNet-50's stem, fp16, batch 256, H200.)
+struct Walk {
+  int ch, ow, oh0, oh1, n;
+  bool last;  // the warp's last column: no right neighbour in the warp
+};
+
+__device__ __forceinline__ int walk_items(const PoolGeom& g, int c, int kV, int run) {
+  const int groups = c / kV, per_warp = 32 / groups;
+  return g.n_c / c * ((g.ho + run - 1) / run) * ((g.wo + per_warp - 1) / per_warp * per_warp) *
+         groups;
+}
+
+__device__ __forceinline__ Walk walk_at(int i, const PoolGeom& g, int c, int kV, int run) {
+  const int groups = c / kV, per_warp = 32 / groups;
+  const int cols = (g.wo + per_warp - 1) / per_warp * per_warp, runs = (g.ho + run - 1) / run;
+  const int lane = threadIdx.x & 31, ch = i % groups * kV, t = i / groups;
+  const int ow = t % cols, r = t / cols % runs, n = t / cols / runs;
+  return {ch, ow, r * run, min(g.ho, r * run + run), n, lane >= 32 - groups};
+}
+
+// The backward's walk: thread i writes the input pixels (2oh + a, 2ow + b), a, b in {0, 1},
+// of its run's rows, each the sum of gy over the windows that chose it, in window order
+// (rows, then columns: the gather's order, so its bits). The run's kRun + 1 rows of windows
+// (oh, ow) are loaded at once; (oh, ow + 1) comes from the right neighbour's lane. `gb` (may
+// be null): a second part of gy, added first as add(gy, gb) rounds it (a gradient that
+// arrives in two parts costs no pass of its own).
+template <typename T, int kV, int kRun>
+__global__ void max_pool_bwd_walk_kernel(T* dx, const T* gy, const T* gb, const int* idx,
+                                         PoolGeom g, int c) {
+  using C = compute_t<T>;
+  constexpr int WORDS = kV * sizeof(T) / 4;  // gy's lanes as 32-bit words (shuffled)
+  struct Part {
+    Lanes<T, kV> g;
+    Lanes<int, kV> at;
+  };
+  const int groups = c / kV;
+  GRID_STRIDE_32(i, walk_items(g, c, kV, kRun)) {
+    const Walk at = walk_at(i, g, c, kV, kRun);
+    // window (oh, ow + dw)'s part, or none (idx -1 chooses no pixel) past the windows
+    const auto load = [&](int oh, int dw) {
+      Part p;
+      const int o = ((at.n * g.ho + min(oh, g.ho - 1)) * g.wo + min(at.ow + dw, g.wo - 1)) * c +
+                    at.ch;
+      p.g = load_lanes<T, kV>(gy + o);
+      p.at = load_lanes<int, kV>(idx + o);
+      if (gb) {
+        const Lanes<T, kV> b = load_lanes<T, kV>(gb + o);
+#pragma unroll
+        for (int k = 0; k < kV; ++k) p.g.v[k] = as<T>(as<C>(p.g.v[k]) + as<C>(b.v[k]));
+      }
+      if (oh >= g.ho || at.ow + dw >= g.wo)
+#pragma unroll
+        for (int k = 0; k < kV; ++k) p.at.v[k] = -1;
+      return p;
+    };
+    Part own[kRun + 1], right[kRun + 1];
+#pragma unroll
+    for (int j = 0; j <= kRun; ++j) own[j] = load(at.oh0 + j, 0);
+#pragma unroll
+    for (int j = 0; j <= kRun; ++j) {
+      const unsigned* w = reinterpret_cast<const unsigned*>(&own[j].g);
+      unsigned* r = reinterpret_cast<unsigned*>(&right[j].g);
+#pragma unroll
+      for (int k = 0; k < WORDS; ++k) r[k] = __shfl_down_sync(0xffffffffu, w[k], groups);
+#pragma unroll
+      for (int k = 0; k < kV; ++k)
+        right[j].at.v[k] = __shfl_down_sync(0xffffffffu, own[j].at.v[k], groups);
+      if (at.last) right[j] = load(at.oh0 + j, 1);
+      if (at.ow + 1 >= g.wo)
+#pragma unroll
+        for (int k = 0; k < kV; ++k) right[j].at.v[k] = -1;
+    }
+#pragma unroll
+    for (int j = 0; j < kRun; ++j) {
+      const int oh = at.oh0 + j;
+      if (oh >= at.oh1) break;
+      const Part* parts[4] = {&own[j], &right[j], &own[j + 1], &right[j + 1]};
+#pragma unroll
+      for (int a = 0; a < 2; ++a)
+#pragma unroll
+        for (int b = 0; b < 2; ++b) {
+          const int hh = 2 * oh + a, ww = 2 * at.ow + b, r = hh * g.w + ww;
+          Lanes<T, kV> out;
+#pragma unroll
+          for (int k = 0; k < kV; ++k) {
+            C acc = C(0);
+#pragma unroll
+            for (int p = 0; p < 4; ++p)  // (oh, ow), (oh, ow + 1), (oh + 1, ow), (oh + 1, ow + 1)
+              if ((p & 1) <= b && (p >> 1) <= a && parts[p]->at.v[k] == r)
+                acc += as<C>(parts[p]->g.v[k]);
+            out.v[k] = as<T>(acc);
+          }
+          if (hh < g.h && ww < g.w)
+            *reinterpret_cast<Lanes<T, kV>*>(dx + ((at.n * g.h + hh) * g.w + ww) * c + at.ch) =
+                out;
+        }
+    }
+  }
+}
+
 // Its backward: a thread per kV channels of an input pixel gathers gy from every window that
 // contains the pixel and chose it (idx), in window order (rows, then columns), summed in
 // float and rounded once; writes dx with `=`, no atomics. Needs the forward's window. kWin > 0
@@ -398,3 +510,4 @@ __global__ void max_pool_bwd_nhwc_kernel(T* dx, const T* gy, const int* idx, Poo
 // instantiate: max_pool_bwd_nhwc_kernel<{__half, __nv_bfloat16}, 4, {0, 2}>
 // instantiate: max_pool_bwd_nhwc_kernel<{__half, __nv_bfloat16}, 8, {0, 2}>
 // instantiate: max_pool_bwd_nhwc_kernel<float, 4, {0, 2}>
+// instantiate: max_pool_bwd_walk_kernel<{__half, __nv_bfloat16}, {2, 4, 8}, 2>; max_pool_bwd_walk_kernel<float, {2, 4}, 2>

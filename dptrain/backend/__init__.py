@@ -33,7 +33,8 @@ Conventions shared by all backends:
     relu_backward take it; a backend with nothing to reuse ignores it); any call order gives
     the same results. Likewise ``max_pool2d_backward(..., window=(kernel, stride, padding))``
     may use the forward's window (the GPU's kernel for windows that tile the input); idx
-    alone defines the result.
+    alone defines the result. Its ``gb=`` is a second part of the gradient: gy + gb pooled
+    back, the add's bits (the GPU reads both parts in its pass).
   * ``add_(dst, src)`` accumulates a 16-bit src of dst's shape into a float32 dst, the cast
     folded into the add (a mixed-precision parameter's gradient, ``ops.CastParameter``).
   * ``conv2d_backward_data(..., spread_later=True)`` may return a ``Spread``

@@ -524,9 +524,13 @@ class BatchNorm(Function):
     def backward(self, gy):
         be = self.be
         if self.pool is not None:  # to the batch norm's output first (the mask comes below)
-            gy = total(gy, be)
-            gy = be.max_pool2d_backward(gy, self.idx, self.pool[0], window=self.pool[1:],
-                                        channels_last=True).reshape(self.x.shape)
+            gb = None  # two parts (a stage's first block reads the pool twice): added there
+            if isinstance(gy, GradSum) and len(gy) == 2 and not any(
+                    isinstance(g, (GradSum, Spread)) for g in gy):
+                gy, gb = gy
+            gy = be.max_pool2d_backward(total(gy, be), self.idx, self.pool[0],
+                                        window=self.pool[1:], channels_last=True,
+                                        gb=gb).reshape(self.x.shape)
         relu = relu_out = None
         if self.relu and self.residual:  # through the ReLU once: the residual's gradient too
             relu_out = self.y

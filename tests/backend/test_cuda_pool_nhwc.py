@@ -116,3 +116,45 @@ def test_batch_norm_relu_max_pool_refuses_channels_past_shared_memory(cu):
     stats = [cu.asarray(np.ones(c, np.float32)) for _ in range(4)]
     with pytest.raises(ValueError, match="batch_norm_relu_max_pool2d: 4104 channels"):
         cu.batch_norm_relu_max_pool2d(x, *stats, 1e-5, *WINDOWS[0])
+
+
+def test_cpu_backward_adds_a_second_part_first(rng=np.random.default_rng(5)):
+    x = nhwc(rng, (2, 9, 7, 5), np.float16)
+    y, idx = cpu.max_pool2d_forward(x, *WINDOWS[0], channels_last=True)
+    ga, gb = nhwc(rng, y.shape, np.float16), nhwc(rng, y.shape, np.float16)
+    both = cpu.max_pool2d_backward(ga, idx, x.shape, window=WINDOWS[0], channels_last=True,
+                                   gb=gb)
+    summed = cpu.max_pool2d_backward(cpu.add(ga, gb), idx, x.shape, window=WINDOWS[0],
+                                     channels_last=True)
+    assert both.tobytes() == summed.tobytes()
+
+
+@gpu
+@pytest.mark.parametrize("shape", [(3, 11, 9), (2, 8, 14), (1, 1, 5), (2, 17, 33)], ids=str)
+@pytest.mark.parametrize("dtype,channels", [(np.float16, 8), (np.float16, 64),
+                                            (np.float16, 256), (BFLOAT16, 64),
+                                            (np.float32, 8), (np.float32, 128)],
+                         ids=lambda v: v if isinstance(v, int) else np.dtype(v).name)
+def test_the_stems_walking_backward_has_the_gathers_bits(cu, rng, monkeypatch, shape, dtype,
+                                                         channels):
+    """The 3x3/2 window's walking backward (a thread walks a column of windows down the rows,
+    its right neighbour's windows shuffled over) gives the per-pixel gather's bits, with a
+    second part of gy or without, after a plain and a ReLU forward. Odd and even sizes, runs
+    and warps cut short, 1 to 32 channel groups a warp."""
+    from dptrain.backend.cuda import pool
+
+    window = WINDOWS[0]
+    x = nhwc(rng, (shape[0], shape[1], shape[2], channels), dtype)
+    x[0, :2, :3, :] = x[0, 0, 0, 0]  # ties
+    assert pool._walk(x.dtype, channels, window) is not None
+    dx = cu.asarray(x)
+    runs = []
+    for forward in (cu.max_pool2d_forward, cu.relu_max_pool2d_forward):
+        y, idx = forward(dx, *window, channels_last=True)
+        ga, gb = (cu.asarray(nhwc(rng, y.shape, dtype)) for _ in range(2))
+        for part in (None, gb):
+            runs.append(lambda idx=idx, ga=ga, part=part: cu.to_numpy(cu.max_pool2d_backward(
+                ga, idx, x.shape, window=window, channels_last=True, gb=part)).tobytes())
+    walked = [run() for run in runs]
+    monkeypatch.setattr(pool, "_walk", lambda *a: None)
+    assert walked == [run() for run in runs]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from dptrain.backend.cpu.ops import _gemm
+from dptrain.backend.cpu.ops import _gemm, add
 from dptrain.backend.cpu.precision import fp32_math
 from dptrain.backend.cpu.workspace import checked, scratch
 from dptrain.backend.registry import op
@@ -328,11 +328,18 @@ def relu_max_pool2d_forward(x, kernel, stride, padding, *, workspace=None, chann
 
 
 @op
-def max_pool2d_backward(gy, idx, x_shape, *, window=None, workspace=None, channels_last=False):
+def max_pool2d_backward(gy, idx, x_shape, *, window=None, workspace=None, channels_last=False,
+                        gb=None):
     """Gradient of max_pool2d_forward: gy added at each window's argmax idx (none where
     idx < 0, as relu_max_pool2d_forward marks windows whose gradient is zero). `window`
     (the forward's kernel, stride, padding) is not needed here: idx says it all.
-    `channels_last`: gy, idx and x_shape are (N, H, W, C)."""
+    `channels_last`: gy, idx and x_shape are (N, H, W, C). `gb`: a second part of the
+    gradient, gy + gb (add's rounding) pooled back."""
+    if gb is not None:
+        if gb.shape != gy.shape or gb.dtype != gy.dtype:
+            raise ValueError(f"cpu.max_pool2d_backward: gb {gb.shape} {gb.dtype} must be gy's "
+                             f"shape and dtype, {gy.shape} {gy.dtype}")
+        gy = add(gy, gb)
     if channels_last:
         n, h, w, c = x_shape
         dx = max_pool2d_backward(_nchw(gy, True), _nchw(idx, True), (n, c, h, w),
