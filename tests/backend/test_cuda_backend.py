@@ -701,13 +701,14 @@ def test_optimizer_steps_write_the_shadow(cu, rng, dtype):
 
 
 @gpu
-@pytest.mark.parametrize("shape", [(50, 3, 7, 5), (50, 3, 4, 5), (50, 1, 48, 48)], ids=str)
+@pytest.mark.parametrize("shape", [(50, 3, 7, 5), (50, 3, 4, 5), (50, 3, 8, 6), (50, 1, 48, 48)],
+                         ids=str)
 @pytest.mark.parametrize("itype", [np.int64, np.int32])
 @pytest.mark.parametrize("dtype", [F32, np.dtype(np.float16), BFLOAT16],
                          ids=["fp32", "fp16", "bf16"])
 def test_gather_normalize(cu, rng, itype, shape, dtype):
-    """A value per thread (odd planes), four (planes of whole words), per-channel affine; in
-    float32 or rounded once to 16 bits."""
+    """A value per thread (odd planes), four or eight (planes of whole 4- or 8-byte words),
+    per-channel affine; in float32 or rounded once to 16 bits."""
     images = rng.integers(0, 256, shape).astype(np.uint8)
     idx = rng.integers(0, 50, 9).astype(itype)
     idx[3] = idx[5]  # a repeated row

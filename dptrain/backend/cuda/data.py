@@ -93,8 +93,8 @@ def gather_normalize(images, idx, mean, std, dtype=np.float32):
     channels, affine = _channel_affine(images, mean, std)
     hw = chw // channels if channels > 1 else max(chw, 1)
     if out.size:
-        # four values a thread where rows and planes are whole 4-byte words (a 16-byte store)
-        v = 4 if chw % 4 == 0 and hw % 4 == 0 and images.data.ptr % 4 == 0 else 1
+        # eight or four values a thread where rows and planes are whole 8- or 4-byte words
+        v = next(k for k in (8, 4, 1) if chw % k == 0 and hw % k == 0 and images.data.ptr % k == 0)
         # grid y: images (striding over the batch past the grid's limit); x: one image's values
         grid = (min(-(-chw // (launch.BLOCK * v)), 1024), min(idx.size, launch.GRID_YZ_MAX))
         launch.kernel(DATA, "gather_normalize_kernel", launch.ctype(idx.dtype), str(v),
