@@ -954,9 +954,10 @@ def test_capture_gives_the_warm_ups_free_blocks_back(cuda, rng):
     run = cuda.runtime.capture(lambda: cuda.copy_(y, cuda.relu(cuda.relu(x))))
     run()
     run()  # two eager calls: relu's temporaries freed into the pool's cache
-    assert pool.free_bytes() > 0
+    assert pool.free_bytes() >= x.nbytes
     run()  # the capture
-    assert pool.free_bytes() == 0
+    # (an earlier test's array collected meanwhile may leave a small block: not the 1 MB ones)
+    assert pool.free_bytes() < x.nbytes
     run()
     np.testing.assert_array_equal(cuda.to_numpy(y), np.maximum(cuda.to_numpy(x), 0))
 
