@@ -350,11 +350,11 @@ __device__ __forceinline__ int cl_channel(int C, int V) { return threadIdx.x % (
 // it computed).
 constexpr int CL_RING = 8;
 
-// Which row of each array a row of x reads: the same one (SameRows), or, where kZeros, -1
-// for a zero-filled group (Join's SpreadRows).
+// Which row of each array a row of x reads: the same one (SameRows: plain loads, no call),
+// or, where kZeros, the row its operator() gives, -1 for a zero-filled group (Join's
+// SpreadRows).
 struct SameRows {
   static constexpr bool kZeros = false;
-  __device__ __forceinline__ long long operator()(int, long long row) const { return row; }
 };
 
 // The row loop of every channels-last kernel: block y takes rows [y * chunk, min(rows,

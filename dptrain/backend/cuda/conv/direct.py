@@ -93,6 +93,7 @@ def _plan_forward(g: ConvGeom, cl_out: bool):
     run.kernel = "conv2d_direct_fwd_kernel"
     run.stat_tiles = (-(-npix // TILE_PIXELS) if cl_out and npix and wgmma.epilogue_stats(dt)
                       else None)
+    run.stat_rows = TILE_PIXELS
     return run
 
 

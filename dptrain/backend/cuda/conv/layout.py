@@ -101,6 +101,7 @@ def via_nchw(run, fn_name, acts, out_shape, dt):
 
     run_cl.kernel = run.kernel
     run_cl.stat_tiles = getattr(run, "stat_tiles", None) if to_nhwc_ is None else None
+    run_cl.stat_rows = getattr(run, "stat_rows", None)
     return run_cl
 
 

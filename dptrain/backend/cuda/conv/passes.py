@@ -24,7 +24,7 @@ from dptrain.backend.cuda.conv.geometry import ConvGeom, nhwc_shape
 from dptrain.backend.cuda.conv.routes import Route
 from dptrain.backend.cuda.elementwise import add_
 from dptrain.backend.cuda.gemm import output, plan, sig, wgmma_available
-from dptrain.backend.cuda.norm import TILE_PIXELS, batch_norm_stats, batch_norm_tile_stats
+from dptrain.backend.cuda.norm import batch_norm_stats, batch_norm_tile_stats
 from dptrain.backend.cuda.runtime import runtime
 from dptrain.backend.cuda.transpose import spreader
 from dptrain.backend.registry import op
@@ -252,8 +252,7 @@ def conv2d_forward_stats(x, w, stride, padding, *, channels_last=False, out=None
         return (y, *batch_norm_stats(y.reshape(-1, y.shape[-1]) if channels_last else y))
     ws = launch.new((tiles, 3, w.shape[0]), np.dtype(np.float32))
     y = run(w, x, None, out, workspace, stats=ws)
-    rows = getattr(run, "stat_rows", TILE_PIXELS)  # a tile's pixels (the last may have fewer)
-    return (y, *batch_norm_tile_stats(ws, y.size // w.shape[0], rows))
+    return (y, *batch_norm_tile_stats(ws, y.size // w.shape[0], run.stat_rows))
 
 
 @op

@@ -26,6 +26,7 @@ from dptrain.backend.cuda.conv.layout import (channels_last, rows_tile, to_nhwc,
                                               weight_reorder)
 from dptrain.backend.cuda.gemm import output, wgmma_available, wgmma_smem
 from dptrain.backend.cuda.launch import i32
+from dptrain.backend.cuda.norm import TILE_PIXELS
 from dptrain.backend.cuda.workspace import keep
 
 FILE = "conv2d_wgmma.cu"
@@ -172,5 +173,6 @@ def plan(g: ConvGeom, mode: int, tma_fed: bool):
     run.kernel = name
     run.phases = phases  # grid z: strided backward-data by phases, else 1
     run.stat_tiles = stat_tiles  # the pixel tiles whose statistics `stats=` takes, or None
+    run.stat_rows = TILE_PIXELS  # each tile's pixels (the last may have fewer)
     run.tma_store = tma_store  # its tiles leave by TMA stores (where y is 16-byte aligned)
     return run
