@@ -333,7 +333,8 @@ __global__ void bn_relu_max_pool_fwd_nhwc_kernel(T* y, int* idx, const T* x, Poo
 // are padded to whole warps, so every lane of a warp runs each iteration (the shuffles need
 // them all) and the padding's columns store nothing. (A forward that walked the same way,
 // each input row valued once and column 2ow - 1 shuffled from the left: 468 us at kRun 1,
-// 613 at 2, against the window scans' 380; ResNet-50's stem, fp16, batch 256, H200.)
+// 613 at 2, against the window scans' 380; ResNet-50's stem, fp16, batch 256, H200:
+// NOTES-gemm.md row 67.)
 struct Walk {
   int ch, ow, oh0, oh1, n;
   bool last;  // the warp's last column: no right neighbour in the warp

@@ -109,7 +109,7 @@ def _max_pool_nhwc(op, x, window, name="max_pool_fwd_nhwc_kernel", flags=(), ext
 # The stem's window (3 x 3, stride 2, padding 1), which pool.cu's walking backward takes, and
 # the output rows a thread of it walks down (its kRun). ResNet-50's stem, fp16, batch 256,
 # H200: 291 us at 1, 243 at 2, against the per-pixel gather's 375 (and 71 of the add of a
-# gradient in two parts, now read in the walk).
+# gradient in two parts, now read in the walk; NOTES-gemm.md row 66).
 WALK_WINDOW, WALK_RUN = ((3, 3), (2, 2), (1, 1)), 2
 
 
