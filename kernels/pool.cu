@@ -436,12 +436,9 @@ __global__ void max_pool_bwd_walk_kernel(T* dx, const T* gy, const T* gb, const 
 
 // Its backward: a thread per kV channels of an input pixel gathers gy from every window that
 // contains the pixel and chose it (idx), in window order (rows, then columns), summed in
-// float and rounded once; writes dx with `=`, no atomics. Needs the forward's window. kWin > 0
-// (windows a pixel may lie in along each axis at most, the launcher's): the kWin x kWin
-// windows' loads issue at once, those past the pixel's last window reading that one again
-// and adding nothing (the stem's 3x3/2 pool, fp16, b128: 226 -> 191 us, H200); kWin = 0
-// loops.
-template <typename T, int kV, int kWin>
+// float and rounded once; writes dx with `=`, no atomics. Needs the forward's window. (The
+// stem's window walks instead: max_pool_bwd_walk_kernel.)
+template <typename T, int kV>
 __global__ void max_pool_bwd_nhwc_kernel(T* dx, const T* gy, const int* idx, PoolGeom g, int c) {
   using C = compute_t<T>;
   const int groups = c / kV, in_pixels = g.h * g.w;
@@ -464,28 +461,13 @@ __global__ void max_pool_bwd_nhwc_kernel(T* dx, const T* gy, const int* idx, Poo
       for (int v = 0; v < kV; ++v)
         if (k.v[v] == r) acc[v] += as<C>(t.v[v]);
     };
-    if constexpr (kWin > 0) {
-      Lanes<T, kV> t[kWin][kWin];
-      Lanes<int, kV> k[kWin][kWin];
-#pragma unroll
-      for (int a = 0; a < kWin; ++a)
-#pragma unroll
-        for (int b = 0; b < kWin; ++b)
-          load(min(oh0 + a, oh1), min(ow0 + b, ow1), t[a][b], k[a][b]);
-#pragma unroll
-      for (int a = 0; a < kWin; ++a)
-#pragma unroll
-        for (int b = 0; b < kWin; ++b)
-          if (oh0 + a <= oh1 && ow0 + b <= ow1) take(t[a][b], k[a][b]);
-    } else {
-      for (int oh = oh0; oh <= oh1; ++oh)
-        for (int ow = ow0; ow <= ow1; ++ow) {
-          Lanes<T, kV> t;
-          Lanes<int, kV> k;
-          load(oh, ow, t, k);
-          take(t, k);
-        }
-    }
+    for (int oh = oh0; oh <= oh1; ++oh)
+      for (int ow = ow0; ow <= ow1; ++ow) {
+        Lanes<T, kV> t;
+        Lanes<int, kV> k;
+        load(oh, ow, t, k);
+        take(t, k);
+      }
     Lanes<T, kV> out;
 #pragma unroll
     for (int v = 0; v < kV; ++v) out.v[v] = as<T>(acc[v]);
@@ -506,9 +488,8 @@ __global__ void max_pool_bwd_nhwc_kernel(T* dx, const T* gy, const int* idx, Poo
 // instantiate: bn_relu_max_pool_fwd_nhwc_kernel<{float, double, __half, __nv_bfloat16}, 1, {0, 3}>
 // instantiate: bn_relu_max_pool_fwd_nhwc_kernel<{float, __half, __nv_bfloat16}, 2, {0, 3}>
 // instantiate: bn_relu_max_pool_fwd_nhwc_kernel<{__half, __nv_bfloat16}, 4, {0, 3}>
-// instantiate: max_pool_bwd_nhwc_kernel<{float, double, __half, __nv_bfloat16}, 1, {0, 2}>
-// instantiate: max_pool_bwd_nhwc_kernel<{float, double, __half, __nv_bfloat16}, 2, {0, 2}>
-// instantiate: max_pool_bwd_nhwc_kernel<{__half, __nv_bfloat16}, 4, {0, 2}>
-// instantiate: max_pool_bwd_nhwc_kernel<{__half, __nv_bfloat16}, 8, {0, 2}>
-// instantiate: max_pool_bwd_nhwc_kernel<float, 4, {0, 2}>
+// instantiate: max_pool_bwd_nhwc_kernel<{float, double, __half, __nv_bfloat16}, 1>
+// instantiate: max_pool_bwd_nhwc_kernel<{float, double, __half, __nv_bfloat16}, 2>
+// instantiate: max_pool_bwd_nhwc_kernel<{__half, __nv_bfloat16}, {4, 8}>
+// instantiate: max_pool_bwd_nhwc_kernel<float, 4>
 // instantiate: max_pool_bwd_walk_kernel<{__half, __nv_bfloat16}, {2, 4, 8}, 2>; max_pool_bwd_walk_kernel<float, {2, 4}, 2>

@@ -526,7 +526,7 @@ class BatchNorm(Function):
         if self.pool is not None:  # to the batch norm's output first (the mask comes below)
             gb = None  # two parts (a stage's first block reads the pool twice): added there
             if isinstance(gy, GradSum) and len(gy) == 2 and not any(
-                    isinstance(g, (GradSum, Spread)) for g in gy):
+                    isinstance(g, Spread) for g in gy):  # parts are never GradSums
                 gy, gb = gy
             gy = be.max_pool2d_backward(total(gy, be), self.idx, self.pool[0],
                                         window=self.pool[1:], channels_last=True,

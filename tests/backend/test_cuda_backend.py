@@ -229,16 +229,21 @@ def test_broadcast_to(cu, rng, shape, target):
 
 @gpu
 @pytest.mark.parametrize("dtype", FLOATS + [np.float16, np.int8])
-def test_copies_move_whole_16_byte_vectors_where_they_can(cu, rng, dtype):
+def test_copies_move_whole_16_byte_vectors_where_they_can(cu, rng, dtype, monkeypatch):
     """strided_copy's uint4 path (innermost axis contiguous in whole 16-byte vectors): a
     broadcast of per-channel values over pixels, a slice of a row, and views whose start or
     stride breaks the vectors (the element path)."""
+    from dptrain.backend.cuda import launch
     from dptrain.backend.cuda.transpose import _vector
 
     v = 16 // np.dtype(dtype).itemsize
     a = (randn(rng, (6, 1, 1, 4 * v)) * 50).astype(dtype)
+    kernels, kernel = [], launch.kernel
+    monkeypatch.setattr(launch, "kernel",
+                        lambda *key, **kw: kernels.append(key) or kernel(*key, **kw))
     assert_exact(cu, cu.broadcast_to(cu.asarray(a), (6, 5, 3, 4 * v)),
                  cpu.broadcast_to(a, (6, 5, 3, 4 * v)))
+    assert ("transpose.cu", "strided_copy_kernel", "uint4") in kernels
     b = (randn(rng, (5, 6 * v)) * 50).astype(dtype)
     d = cu.asarray(b)
     assert _vector([5, 2 * v], ([2 * v, 1], [6 * v, 1]), b.itemsize, (0, d.data.ptr)) == v

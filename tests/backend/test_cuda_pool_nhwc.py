@@ -129,6 +129,19 @@ def test_cpu_backward_adds_a_second_part_first(rng=np.random.default_rng(5)):
     assert both.tobytes() == summed.tobytes()
 
 
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("cuda", marks=gpu)])
+def test_backward_refuses_a_second_part_unlike_gy(request, backend,
+                                                  rng=np.random.default_rng(6)):
+    """`gb` of another dtype is a TypeError, of another shape a ValueError, on both backends."""
+    be = cpu if backend == "cpu" else request.getfixturevalue("cu")
+    x = be.asarray(nhwc(rng, (2, 9, 7, 8), np.float16))
+    y, idx = be.max_pool2d_forward(x, *WINDOWS[0], channels_last=True)
+    for gb, error in ((be.astype(y, np.float32), TypeError), (y[:1], ValueError)):
+        with pytest.raises(error, match="max_pool2d_backward: gb"):
+            be.max_pool2d_backward(y, idx, x.shape, window=WINDOWS[0], channels_last=True,
+                                   gb=be.asarray(np.ascontiguousarray(be.to_numpy(gb))))
+
+
 @gpu
 @pytest.mark.parametrize("shape", [(3, 11, 9), (2, 8, 14), (1, 1, 5), (2, 17, 33)], ids=str)
 @pytest.mark.parametrize("dtype,channels", [(np.float16, 8), (np.float16, 64),

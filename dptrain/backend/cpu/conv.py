@@ -336,9 +336,12 @@ def max_pool2d_backward(gy, idx, x_shape, *, window=None, workspace=None, channe
     `channels_last`: gy, idx and x_shape are (N, H, W, C). `gb`: a second part of the
     gradient, gy + gb (add's rounding) pooled back."""
     if gb is not None:
-        if gb.shape != gy.shape or gb.dtype != gy.dtype:
-            raise ValueError(f"cpu.max_pool2d_backward: gb {gb.shape} {gb.dtype} must be gy's "
-                             f"shape and dtype, {gy.shape} {gy.dtype}")
+        if gb.shape != gy.shape:
+            raise ValueError(f"cpu.max_pool2d_backward: gb {gb.shape} is not gy's shape "
+                             f"{gy.shape}")
+        if gb.dtype != gy.dtype:
+            raise TypeError(f"cpu.max_pool2d_backward: gb's dtype {gb.dtype} is not gy's "
+                            f"{gy.dtype}")
         gy = add(gy, gb)
     if channels_last:
         n, h, w, c = x_shape

@@ -198,8 +198,22 @@ def max_pool2d_backward(gy, idx, x_shape, *, window=None, workspace=None, channe
         if gb.dtype != gy.dtype:
             raise TypeError(f"cuda.{op}: gb's dtype {gb.dtype} is not gy's {gy.dtype}")
     if channels_last:
-        return _max_pool_backward_nhwc(gy, idx, x_shape, window, gb)
+        geom, c, dx = _nhwc_dx(op, gy, x_shape, window)
+        walk = _walk(gy.dtype, c, window)
+        if dx.size and walk:  # reads gb beside gy
+            fn = launch.kernel(POOL, "max_pool_bwd_walk_kernel", launch.ctype(gy.dtype),
+                               str(walk[0]), str(WALK_RUN))
+            launch.grid_stride(fn, _walk_items(geom, c, walk[1]),
+                               (dx, gy, launch.NULL if gb is None else gb, idx, geom,
+                                np.int32(c)), warps=True)
+            return dx
     gy = gy if gb is None else elementwise.add(gy, gb)
+    if channels_last:  # a thread per input element gathers from the windows that chose it
+        if dx.size:
+            lanes = _lanes(gy.dtype, c, BACKWARD_LANE_BYTES)
+            fn = launch.kernel(POOL, "max_pool_bwd_nhwc_kernel", launch.ctype(gy.dtype), lanes)
+            launch.grid_stride(fn, dx.size // int(lanes), (dx, gy, idx, geom, np.int32(c)))
+        return dx
     n, c, h, w = (int(v) for v in x_shape)
     if gy.shape[:2] != (n, c):
         raise ValueError(f"cuda.max_pool2d_backward: gy {gy.shape} does not match x {tuple(x_shape)}")
@@ -223,11 +237,8 @@ def max_pool2d_backward(gy, idx, x_shape, *, window=None, workspace=None, channe
     return dx
 
 
-def _max_pool_backward_nhwc(gy, idx, x_shape, window, gb):
-    """The stem's window: a thread per channel group and column walks down the rows, reading
-    each window once (max_pool_bwd_walk_kernel); else one thread per input element gathers
-    from the windows that chose it (pool.cu)."""
-    op = "max_pool2d_backward"
+def _nhwc_dx(op, gy, x_shape, window):
+    """(geom, C, dx) of a channels-last max-pool backward, gy checked against x pooled."""
     if window is None:
         raise ValueError(f"cuda.{op}: a channels-last backward needs window=(kernel, stride, "
                          f"padding)")
@@ -235,24 +246,7 @@ def _max_pool_backward_nhwc(gy, idx, x_shape, window, gb):
     if tuple(gy.shape) != y_shape:
         raise ValueError(f"cuda.{op}: gy {gy.shape} does not match x {tuple(x_shape)} pooled "
                          f"to {y_shape}")
-    dx = launch.new(tuple(int(v) for v in x_shape), gy.dtype)
-    walk = _walk(gy.dtype, c, window)
-    if dx.size and walk:
-        fn = launch.kernel(POOL, "max_pool_bwd_walk_kernel", launch.ctype(gy.dtype),
-                           str(walk[0]), str(WALK_RUN))
-        launch.grid_stride(fn, _walk_items(geom, c, walk[1]),
-                           (dx, gy, launch.NULL if gb is None else gb, idx, geom, np.int32(c)),
-                           warps=True)
-        return dx
-    gy = gy if gb is None else elementwise.add(gy, gb)
-    if dx.size:
-        lanes = _lanes(gy.dtype, c, BACKWARD_LANE_BYTES)
-        (kh, kw), (sh, sw), _ = (_pair(v) for v in window)
-        most = max(-(-kh // sh), -(-kw // sw))  # windows a pixel lies in along an axis, at most
-        fn = launch.kernel(POOL, "max_pool_bwd_nhwc_kernel", launch.ctype(gy.dtype), lanes,
-                           "2" if most == 2 else "0")
-        launch.grid_stride(fn, dx.size // int(lanes), (dx, gy, idx, geom, np.int32(c)))
-    return dx
+    return geom, c, launch.new(tuple(int(v) for v in x_shape), gy.dtype)
 
 
 @op
