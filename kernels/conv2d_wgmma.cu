@@ -48,11 +48,14 @@
 //    accumulator's rows are then channels and its columns pixels; the staging
 //    (stage_tile_turned) and the statistics (tile_stats_turned) read it so, and every store
 //    after the staging is the same.
+//  * RES (16-bit tiles of 64 or 128 channels, one phase, the weights within RES_BYTES): the
+//    weights are loaded once a block and stay in shared memory; the ring carries pixel
+//    slabs alone. The same slabs in the same order: the same bits.
 //
 // nvrtc-options: -arch=sm_90a
 // instantiations-per-module: 1  (a run builds only those it uses: a shorter cold start)
 // instantiate: conv2d_wgmma_kernel<{float, __nv_bfloat16, __half}, {32, 64, 128}>
-// instantiate: conv2d_wgmma_tma_kernel<float, {32, 64, 128}>; conv2d_wgmma_tma_kernel<{__nv_bfloat16, __half}, {32, 128}>; conv2d_wgmma_tma_kernel<{__nv_bfloat16, __half}, 64, true>
+// instantiate: conv2d_wgmma_tma_kernel<float, {32, 64, 128}>; conv2d_wgmma_tma_kernel<{__nv_bfloat16, __half}, {32, 128}>; conv2d_wgmma_tma_kernel<{__nv_bfloat16, __half}, 64, true>; conv2d_wgmma_tma_kernel<{__nv_bfloat16, __half}, 64, true, true>; conv2d_wgmma_tma_kernel<{__nv_bfloat16, __half}, 128, false, true>
 
 #include "common.cuh"
 #include "conv_epilogue.cuh"
@@ -153,20 +156,27 @@ struct Tile {
 
 // The TMA kernel's shared memory: its ring of stages, then, for 16-bit tiles of 64 or 128
 // channels (`staged`), each multiplying warpgroup's output tile as BN / 64 boxes of 128
-// rows x 128 bytes, swizzled as the loads (stage_tile), which TMA stores. The ring takes as
-// many stages as fit in 192 KB beside them, at most 8 (launcher: conv/wgmma.py's tma_smem).
+// rows x 128 bytes, swizzled as the loads (stage_tile), which TMA stores, then, where the
+// weights stay resident (RES), every weight slab of the pass (at most RES_BYTES), loaded
+// once a block, so a stage holds only a tile's pixel slab. The ring takes as many stages as
+// fit in 192 KB beside them, at most 8 (launcher: conv/wgmma.py's tma_smem).
+constexpr int RES_BYTES = 72 * 1024;  // 9 slabs of 64 channels: a 3x3 filter over 64
 template <typename T, int BN>
 __host__ __device__ constexpr bool staged() { return sizeof(T) == 2 && BN >= 64; }
 template <typename T, int BN>
 __host__ __device__ constexpr int staging_bytes() { return staged<T, BN>() ? BM * BN * 2 : 0; }
-template <typename T, int BN>
+template <int BN, bool RES>
+__host__ __device__ constexpr int stage_bytes() { return (RES ? BM : BM + BN) * ROW_BYTES; }
+template <typename T, int BN, bool RES>
 __host__ __device__ constexpr int tma_stages() {
-  constexpr int fit = (192 * 1024 - 2 * staging_bytes<T, BN>()) / ((BM + BN) * ROW_BYTES);
+  constexpr int fit = (192 * 1024 - 2 * staging_bytes<T, BN>() - (RES ? RES_BYTES : 0)) /
+                      stage_bytes<BN, RES>();
   return fit < 8 ? fit : 8;
 }
-template <typename T, int BN>
+template <typename T, int BN, bool RES>
 __host__ __device__ constexpr int tma_smem_bytes() {
-  return tma_stages<T, BN>() * (BM + BN) * ROW_BYTES + 2 * staging_bytes<T, BN>() + 1024;
+  return tma_stages<T, BN, RES>() * stage_bytes<BN, RES>() + 2 * staging_bytes<T, BN>() +
+         (RES ? RES_BYTES : 0) + 1024;
 }
 
 // A warpgroup's 128 x BN tile acc (+ bias[m]) rounded to T into its staging at `sout`
@@ -314,16 +324,19 @@ __device__ __forceinline__ void store_staged(const unsigned char* sout, long lon
 // only once the other has seen every slab of the tile before land. Without that, it could
 // wait on a slot two uses ahead of the barrier, whose parity the use before it shares: a
 // parity wait cannot tell them apart.
-template <typename T, int BN, bool TURN>
+// RES: the weight slabs come from `resident` (slab kt of channel tile y at (y * KT + kt) *
+// BN rows), landed once `loaded` completes; a stage holds only the pixel slab.
+template <typename T, int BN, bool TURN, bool RES>
 __device__ __forceinline__ void multiply_tiles(const ConvGeom& g, int tiles_x, int tiles_y,
                                                int tiles, u32 sbase, u32 full, u32 empty,
                                                u32 order, const T* bias, int has_bias,
                                                int nhwc, T* out, float* stats,
                                                StatsSmem<BN>& sm, const TmaMap& outputs,
                                                int tma_store, unsigned char* sout,
-                                               long long* rowbase) {
-  constexpr int S = tma_stages<T, BN>(), A_BYTES = BM * ROW_BYTES;
-  constexpr int STAGE_BYTES = (BM + BN) * ROW_BYTES, BK = ROW_BYTES / sizeof(T);
+                                               long long* rowbase, u32 resident, u32 loaded) {
+  constexpr int S = tma_stages<T, BN, RES>(), A_BYTES = BM * ROW_BYTES;
+  constexpr int STAGE_BYTES = stage_bytes<BN, RES>(), BK = ROW_BYTES / sizeof(T);
+  if constexpr (RES) mbar_wait(loaded, 0);
   Turns turns;
   const int wg = turns.wg;
   const bool leader = turns.leader;
@@ -349,10 +362,11 @@ __device__ __forceinline__ void multiply_tiles(const ConvGeom& g, int tiles_x, i
       mbar_wait(full + 8 * slot, (pos / S) & 1);
       turns.landed(order, kt, KT);
       const u32 st = sbase + slot * STAGE_BYTES;
+      const u32 sw = RES ? resident + (at.m0 / BN * KT + kt) * (BN * ROW_BYTES) : st + A_BYTES;
       if constexpr (TURN)
-        wgmma_slab<T, BM>(flat, st + A_BYTES, st);  // A: the weights; B: the pixel rows
+        wgmma_slab<T, BM>(flat, sw, st);  // A: the weights; B: the pixel rows
       else
-        wgmma_slab_pair<T, BN>(acc[0], acc[1], st, st + 64 * ROW_BYTES, st + A_BYTES);
+        wgmma_slab_pair<T, BN>(acc[0], acc[1], st, st + 64 * ROW_BYTES, sw);
       wgmma_wait<1>();  // the slab before has retired: its slot may be refilled
       fence_regs(acc[0]);
       fence_regs(acc[1]);
@@ -438,7 +452,10 @@ __global__ void __launch_bounds__(256, BN <= 64 ? 2 : 1) conv2d_wgmma_kernel(DP_
 // thread of those holds two 64 x BN accumulators). Where `tma_store` (the launcher:
 // channels-last, consecutive pixels, M a multiple of 8), the 16-bit tiles go out through
 // the tiled map `outputs` of out as (pixels, M), boxes of 128 pixels x 64 channels.
-template <typename T, int BN, bool TURN = false>
+// RES (the launcher: one phase, every weight slab within RES_BYTES): the producer loads the
+// weights once, before the first tile's pixels; the stages then carry pixel slabs alone
+// (a 3x3 filter over 64 channels re-read 9 KB of weights for every 16 KB of pixels).
+template <typename T, int BN, bool TURN = false, bool RES = false>
 __global__ void __launch_bounds__(384, 1)
     conv2d_wgmma_tma_kernel(const __grid_constant__ wgmma_tiles::TmaMap pixels,
                             const __grid_constant__ wgmma_tiles::TmaMap weights,
@@ -446,16 +463,18 @@ __global__ void __launch_bounds__(384, 1)
                             DP_CONV_PARAMS, int tiles_x, int tiles_y, int tiles,
                             int tma_store, float* stats) {
   using namespace wgmma_conv;
-  constexpr int S = tma_stages<T, BN>();
-  constexpr int A_BYTES = BM * ROW_BYTES, STAGE_BYTES = (BM + BN) * ROW_BYTES;
+  constexpr int S = tma_stages<T, BN, RES>();
+  constexpr int A_BYTES = BM * ROW_BYTES, STAGE_BYTES = stage_bytes<BN, RES>();
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  __shared__ __align__(8) unsigned long long bars[2 * S + 2];  // the Ring's
+  __shared__ __align__(8) unsigned long long bars[2 * S + 3];  // the Ring's, then `loaded`
   __shared__ StatsSmem<BN> stats_smem[2];                       // a multiplying warpgroup's each
   __shared__ long long rowbase[2][BM];                          // store_staged's, likewise
-  require_smem(tma_smem_bytes<T, BN>());  // the launcher must pass it
+  require_smem(tma_smem_bytes<T, BN, RES>());  // the launcher must pass it
   const u32 sbase = smem_base(smem_raw);
   const Ring<S> ring(bars);
-  const u32 full = ring.full, empty = ring.empty, order = ring.order;
+  const u32 full = ring.full, empty = ring.empty, order = ring.order, loaded = order + 16;
+  const u32 resident = sbase + S * STAGE_BYTES + 2 * staging_bytes<T, BN>();
+  if (RES && threadIdx.x == 0) mbar_init(loaded, 1);
   __syncthreads();
   const ConvGeom g{Nb, M, C, Hs, Ws, Ho, Wo, KH, KW, sh, sw, ph, pw, mode};
   // registers moved to the multiplying warpgroups (2 x 64 x BN accumulators a thread)
@@ -464,9 +483,10 @@ __global__ void __launch_bounds__(384, 1)
     unsigned char* sout = smem_raw + (sbase - (u32)__cvta_generic_to_shared(smem_raw)) +
                           S * STAGE_BYTES + (threadIdx.x >> 7) * staging_bytes<T, BN>();
     static_assert(!TURN || (BN == 64 && staged<T, BN>()), "turned: 16-bit tiles of 64");
-    multiply_tiles<T, BN, TURN>(g, tiles_x, tiles_y, tiles, sbase, full, empty, order, bias,
-                          has_bias, nhwc, out, stats, stats_smem[threadIdx.x >> 7], outputs,
-                          tma_store, sout, rowbase[threadIdx.x >> 7]);
+    multiply_tiles<T, BN, TURN, RES>(g, tiles_x, tiles_y, tiles, sbase, full, empty, order,
+                                     bias, has_bias, nhwc, out, stats,
+                                     stats_smem[threadIdx.x >> 7], outputs, tma_store, sout,
+                                     rowbase[threadIdx.x >> 7], resident, loaded);
     return;
   }
   setmaxnreg_dec<40>();
@@ -475,6 +495,28 @@ __global__ void __launch_bounds__(384, 1)
   if (stats && (mode != 0 || has_bias)) __trap();     // statistics of a bias-free forward
   if (tma_store && (!nhwc || mode == 2)) __trap();    // boxes of consecutive pixels' channels
   constexpr int BK = ROW_BYTES / sizeof(T);
+  // the tap and channels of slab kt's weights, in the walk's order
+  const auto weight_k = [&](const Phase& f, int th, int tw, int c) {
+    return ((f.rkh + f.ps_h * th) * KW + f.rkw + f.ps_w * tw) * C + c;
+  };
+  const auto next_slab = [&](const Phase& f, int& th, int& tw, int& c) {
+    if ((c += BK) == C) {
+      c = 0;
+      if (++tw == f.nkw) tw = 0, ++th;
+    }
+  };
+  if constexpr (RES) {  // one phase: every tile's slabs are phase 0's
+    const Phase f(g, 0);
+    const int KT = (f.K + BK - 1) / BK;
+    if (tiles_y * KT * BN * ROW_BYTES > RES_BYTES || f.K != KH * KW * C) __trap();
+    mbar_expect_tx(loaded, tiles_y * KT * BN * ROW_BYTES);
+    for (int y = 0; y < tiles_y; ++y) {
+      int th = 0, tw = 0, c = 0;
+      for (int kt = 0; kt < KT; ++kt, next_slab(f, th, tw, c))
+        tma_load_2d(resident + (y * KT + kt) * (BN * ROW_BYTES), weights, weight_k(f, th, tw, c),
+                    y * BN, loaded);
+    }
+  }
   int slot = 0;
   u32 parity = 0;
   for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
@@ -495,12 +537,8 @@ __global__ void __launch_bounds__(384, 1)
       mbar_expect_tx(bar, STAGE_BYTES);
       tma_load_im2col_4d(st, pixels, c, bw, bh, n, fwd ? tw : f.nkw - 1 - tw,
                          fwd ? th : f.nkh - 1 - th, bar);
-      const int k = ((f.rkh + f.ps_h * th) * KW + f.rkw + f.ps_w * tw) * C + c;
-      tma_load_2d(st + A_BYTES, weights, k, at.m0, bar);
-      if ((c += BK) == C) {
-        c = 0;
-        if (++tw == f.nkw) tw = 0, ++th;
-      }
+      if constexpr (!RES) tma_load_2d(st + A_BYTES, weights, weight_k(f, th, tw, c), at.m0, bar);
+      next_slab(f, th, tw, c);
       if (++slot == S) slot = 0, parity ^= 1;
     }
   }

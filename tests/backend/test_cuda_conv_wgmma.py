@@ -276,13 +276,64 @@ def test_turned_tiles_equal_the_gathering_kernel(cu, dt, xs, ws, stride, pad, mo
     plain = run(False)
     turned = run(True)
     ctype = "__half" if np.dtype(dt) == np.float16 else "__nv_bfloat16"
-    assert f"{WGMMA_TMA}<{ctype}, 64, true>" in _instantiations(
-        lambda: conv.passes._forward(dx, dw, db, stride, pad))
+    assert any(name.startswith(f"{WGMMA_TMA}<{ctype}, 64, true") for name in _instantiations(
+        lambda: conv.passes._forward(dx, dw, db, stride, pad)))
     for got, want in zip(turned[:4], plain[:4]):
         assert got.tobytes() == want.tobytes()
     spread = np.sqrt(plain[5].astype(np.float64)) + 1e-30
     assert np.all(np.abs(turned[4] - plain[4]) <= 2e-5 * spread)
     assert np.all(np.abs(turned[5] - plain[5]) <= 4e-5 * plain[5] + 1e-30)
+
+
+RESIDENT_CASES = [  # x shape, w shape, stride, padding: 16-bit passes whose weights stay
+    ((3, 64, 9, 11), (64, 64, 3, 3), (1, 1), (1, 1)),  # turned, 9 slabs: RES_BYTES exactly
+    ((64, 64, 24, 24), (64, 64, 3, 3), (1, 1), (1, 1)),  # 288 tiles: both warpgroups, turns
+    ((2, 64, 6, 6), (40, 64, 3, 3), (1, 1), (1, 1)),  # 40 of 64 channels: rows zero-filled
+    ((4, 64, 12, 12), (256, 64, 1, 1), (1, 1), (0, 0)),  # 128 tiles, two of them; one slab
+    ((4, 256, 8, 8), (64, 256, 1, 1), (1, 1), (0, 0)),  # 4 slabs; backward-data: 2 tiles
+    ((2, 128, 12, 12), (64, 128, 1, 1), (2, 2), (0, 0)),  # a strided shortcut's forward
+]
+
+
+@pytest.mark.parametrize("dt", HALVES)
+@pytest.mark.parametrize("xs, ws, stride, pad", RESIDENT_CASES)
+def test_resident_weights_give_the_streamed_bits(cu, dt, xs, ws, stride, pad, monkeypatch):
+    """Where every weight slab of a one-phase pass fits RES_BYTES, the TMA kernel loads them
+    once a block and its stages carry the pixels alone; the wgmmas read the same slabs in
+    the same order, so the forward (NCHW and channels-last, a bias, the epilogue's
+    statistics) and backward-data equal the kernel that streams the weights, to the bit."""
+    x, w, gy = inputs(dt, xs, ws, stride, pad)
+    b = to_dt(np.linspace(-1, 1, ws[0], dtype=np.float32), dt)
+    dx, dw, db, dgy = cu.asarray(x), cu.asarray(w), cu.asarray(b), cu.asarray(gy)
+    xl = cu.asarray(_channels_last(x))
+    nhwc = (xs[0], xs[2], xs[3], xs[1])
+    gyl = cu.asarray(_channels_last(gy))
+
+    def run(res):
+        routes_off(monkeypatch, *(("direct",) if res else ("direct", "wgmma_resident")))
+        forward = _instantiations(lambda: conv.passes._forward(xl, dw, None, stride, pad, True))
+        assert any(n.startswith(WGMMA_TMA) and n.endswith(("true, true>", "false, true>")) == res
+                   for n in forward)
+        y, mean, var = cu.conv2d_forward_stats(xl, dw, stride, pad, channels_last=True)
+        outs = [cu.conv2d_forward(dx, dw, db, stride, pad),
+                cu.conv2d_forward(xl, dw, db, stride, pad, channels_last=True), y, mean, var]
+        if stride == (1, 1):  # one phase (a strided 1x1 spreads the stride-1 product)
+            outs += [cu.conv2d_backward_data(dgy, dw, xs, stride, pad),
+                     cu.conv2d_backward_data(gyl, dw, nhwc, stride, pad, channels_last=True)]
+        return [cu.to_numpy(a).tobytes() for a in outs]
+
+    assert run(True) == run(False)
+
+
+def test_resident_weights_only_where_they_fit():
+    """RES takes 16-bit tiles of 64 or 128 channels of one phase whose slabs fit 72 KB."""
+    resident = conv.wgmma.resident
+    assert resident(64, 576, np.float16, 1)  # 3x3 over 64: 9 slabs of 64 rows
+    assert resident(256, 64, np.float16, 1)  # two 128-channel tiles of one slab
+    assert not resident(128, 1152, np.float16, 1)  # 3x3 over 128: 288 KB
+    assert not resident(64, 576, np.float16, 4)  # backward-data by phases
+    assert not resident(32, 64, np.float16, 1)  # 32-channel tiles stream
+    assert not resident(64, 256, np.float32, 1)  # TF32 streams
 
 
 def _instantiations(plan):

@@ -18,9 +18,11 @@ from typing import Callable
 
 from dptrain import switches
 
-# Names the injector may refuse outside the route tables: gemm.py's routes, and the tiled
-# reduce of backward-weight on wgmma (bwdw_wgmma.reducer).
-OTHER_NAMES = ("gemm_wgmma", "gemm_wgmma_splitk", "gemm_thin", "bwdw_reduce_tiled")
+# Names the injector may refuse outside the route tables: gemm.py's routes, the tiled
+# reduce of backward-weight on wgmma (bwdw_wgmma.reducer) and the TMA kernel's resident
+# weights (conv/wgmma.py's resident).
+OTHER_NAMES = ("gemm_wgmma", "gemm_wgmma_splitk", "gemm_thin", "bwdw_reduce_tiled",
+               "wgmma_resident")
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from dptrain.backend.cuda import launch, tma
-from dptrain.backend.cuda.conv import bwdw_wgmma
+from dptrain.backend.cuda.conv import bwdw_wgmma, routes
 from dptrain.backend.cuda.conv.geometry import ConvGeom, nhwc_shape, tma_box, tma_slower
 from dptrain.backend.cuda.conv.layout import (channels_last, rows_tile, to_nhwc,
                                               weight_reorder)
@@ -72,16 +72,32 @@ def epilogue_stats(dt) -> bool:
     return dt in launch.HALVES
 
 
-def kernel(m, npix, dt, tma_fed=False):
+# Bytes of weight slabs the TMA kernel keeps resident a block (its RES_BYTES): a 3x3 filter
+# over 64 channels in 16 bits.
+RESIDENT_BYTES = 72 * 1024
+
+
+def resident(m, k, dt, phases) -> bool:
+    """Whether the TMA kernel keeps every weight slab of an m x k pass in shared memory (its
+    RES): 16-bit tiles of 64 or 128 channels, one phase, within RESIDENT_BYTES."""
+    bn, slab = rows_tile(m), 128 // np.dtype(dt).itemsize
+    return (not routes.refused("wgmma_resident") and dt in launch.HALVES and bn >= 64 and phases == 1
+            and -(-m // bn) * -(-k // slab) * bn * 128 <= RESIDENT_BYTES)
+
+
+def kernel(m, npix, dt, tma_fed=False, res=False):
     """conv2d_wgmma_kernel for m output channels: 32 / 64 / 128 of them per block (the
     smallest covering m), 128 pixels per block; the warp-specialized TMA-fed kernel instead
-    where `tma_fed`. (name, kernel, grid, block, shared memory)"""
+    where `tma_fed`, its weights resident where `res`. (name, kernel, grid, block, shared
+    memory)"""
     bn, turn = rows_tile(m), ()
     if tma_fed:
         name, threads = "conv2d_wgmma_tma_kernel", 384
-        smem = tma_smem(dt, bn)
+        smem = tma_smem(dt, bn, res)
         if bn == 64 and dt in launch.HALVES:
             turn = ("true",)  # the tile turned around (conv2d_wgmma.cu's TURN)
+        if res:
+            turn = (turn[0] if turn else "false", "true")
     else:
         name, threads = "conv2d_wgmma_kernel", 256
         smem = wgmma_smem(128, bn)
@@ -95,11 +111,13 @@ def tma_staging(dt, bn: int) -> int:
     return 128 * bn * 2 if dt in launch.HALVES and bn >= 64 else 0
 
 
-def tma_smem(dt, bn: int) -> int:
-    """conv2d_wgmma_tma_kernel's dynamic shared memory (its tma_smem_bytes<T, BN>): as many
-    stages as fit in 192 KB beside the two staging tiles, at most 8, + slack to align."""
-    stage, staging = (128 + bn) * 128, 2 * tma_staging(dt, bn)
-    return min(8, (192 * 1024 - staging) // stage) * stage + staging + 1024
+def tma_smem(dt, bn: int, res: bool = False) -> int:
+    """conv2d_wgmma_tma_kernel's dynamic shared memory (its tma_smem_bytes<T, BN, RES>): as
+    many stages as fit in 192 KB beside the two staging tiles and the resident weights, at
+    most 8, + slack to align. A stage holds a pixel slab, and the weights' slab unless `res`."""
+    stage, staging = (128 if res else 128 + bn) * 128, 2 * tma_staging(dt, bn)
+    weights = RESIDENT_BYTES if res else 0
+    return min(8, (192 * 1024 - staging - weights) // stage) * stage + staging + weights + 1024
 
 
 def plan(g: ConvGeom, mode: int, tma_fed: bool):
@@ -124,7 +142,8 @@ def plan(g: ConvGeom, mode: int, tma_fed: bool):
     phased = mode == 1 and stride != (1, 1) and g.taps > 1
     phases = g.sh * g.sw if phased else 1
     first = nb * -(-ho // g.sh) * -(-wo // g.sw) if phased else npix
-    name, fn, grid, block, smem = kernel(m, first, dt, box is not None)
+    res = box is not None and resident(m, k, dt, phases)
+    name, fn, grid, block, smem = kernel(m, first, dt, box is not None, res)
     tail = g.gemm(mode) + (i32(2 if phased else mode), i32(cl))
     # its tiles stored by TMA: boxes of consecutive pixels, rows of 16-byte multiples
     tma_store = (box is not None and cl and not phased and m % 8 == 0
