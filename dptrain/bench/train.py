@@ -129,7 +129,9 @@ def our_step(be, model_name, state, data, optimizer, graph, precision="fp32"):
            else AdamW(flat, lr=1e-3, weight_decay=0.01))
     reducer = Reducer(flat, dist.World(comm=dist.LocalComm(be)))
     dtype, guard = amp.compute_dtype(precision), None
-    loader = DeviceLoader(data, be, len(data.labels), dtype=dtype)
+    # as train: batches laid out for the stem in the pass that normalises them
+    loader = DeviceLoader(data, be, len(data.labels), dtype=dtype,
+                          layout=model.input_layout(data.image_shape, dtype, be))
     if precision in amp.LOSS_SCALED:
         from dptrain.run.nonfinite import NonFiniteGuard
 

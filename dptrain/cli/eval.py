@@ -130,7 +130,9 @@ def evaluate_weights(args) -> dict:
         names = [str(name) for name in meta["class_names"]]
     view = _Normalised(dataset, _stat(meta.get("mean", dataset.mean)),
                        _stat(meta.get("std", dataset.std)))
-    loader = DeviceLoader(view, be, args.batch_size, resample=view_of)
+    # float32 batches, laid out for the stem where the model lays its input out (predict marks)
+    loader = DeviceLoader(view, be, args.batch_size, resample=view_of,
+                          layout=model.input_layout(shape, np.float32, be))
     labels = np.asarray(dataset.labels, dtype=np.int64)
     total = len(labels)
     predictions, loss_sum = predict(model, loader, labels, args.batch_size)

@@ -50,6 +50,14 @@ its ``view`` (resize + centre crop), in its dtype; ``input_shape`` is then its o
 ``gather(indices)`` serves evaluation: any number of indices, eagerly; in streaming mode
 in chunks of at most ``batch_size`` rows through a staging buffer of its own, so it never
 disturbs the training batch.
+
+With ``layout`` (an InputLayout, dptrain.backend.input_layout: the one the model's
+``input_layout`` names), ``batch()`` and ``gather()`` return their images laid out
+channels-last as the model's stem convolution reads them, (B, H, (left + W + right) / group,
+channels), the bits of ``be.to_channels_last`` of the NCHW batch; the step marks them so
+(``F.laid_out``) and the stem skips its own pass. Plain batches are written so by
+``be.gather_normalize(..., layout=)``, in the one pass that normalises them; the
+augmentations write NCHW, and their result is laid out in a pass of its own.
 """
 from __future__ import annotations
 
@@ -57,6 +65,7 @@ import math
 
 import numpy as np
 
+from dptrain.backend import input_layout
 from dptrain.data.stream import DEFAULT_DEPTH, DEFAULT_WORKERS, BatchStream, check_depth
 
 DATA_ON = ("auto", "device", "host")
@@ -96,14 +105,16 @@ class DeviceLoader:
     world size) set up ``batch()``'s augmentation; ``data_on``, ``prefetch_depth`` and
     ``data_workers`` where the images live and how they stream (see the module's notes).
     ``dtype``: the batches' (float32, or the model's 16 bits: written so by the normalising
-    pass, no cast after); a ``resample`` writes its own.
+    pass, no cast after); a ``resample`` writes its own. ``layout``: the batches laid out for
+    the model's stem (see the module's notes; the model's ``input_layout`` for the images
+    ``input_shape`` in the dtype the batches come in), or None: NCHW.
     """
 
     def __init__(self, dataset, be, batch_size: int, max_device_bytes: int | None = None,
                  augment: bool = False, augment_pad: int = 4, augment_seed: int = 0,
                  shard: tuple = (0, 1), resample=None, data_on: str = "auto",
                  prefetch_depth: int = DEFAULT_DEPTH, data_workers: int = DEFAULT_WORKERS,
-                 dtype=np.float32):
+                 dtype=np.float32, layout=None):
         if data_on not in DATA_ON:
             raise ValueError(f"DeviceLoader: data_on must be one of {', '.join(DATA_ON)}, got "
                              f"{data_on!r}")
@@ -140,6 +151,8 @@ class DeviceLoader:
             if self._augment:
                 raise ValueError("DeviceLoader: augment and resample exclude each other")
             self._augment, self._augment_state = resample.random, resample.state
+        self._layout = None if layout is None else input_layout.checked(
+            "DeviceLoader", layout, self.input_shape)
         self.nbytes = self._num_images * math.prod(self._image_shape)  # the images, uint8
         self._resident = self._choose(data_on, max_device_bytes)
 
@@ -188,10 +201,24 @@ class DeviceLoader:
 
     @property
     def input_shape(self) -> tuple:
-        """The shape of one image of ``batch()``: the stored one, or the resampled one."""
+        """The shape (C, H, W) of one image of ``batch()``: the stored one, or the resampled
+        one; before ``layout`` lays it out (``batch_shape`` is after)."""
         if self._resample is None:
             return self._image_shape
         return self._resample.output_shape(self._image_shape)
+
+    @property
+    def layout(self):
+        """The InputLayout the batches come in, or None (NCHW)."""
+        return self._layout
+
+    def batch_shape(self, n: int) -> tuple:
+        """The shape of ``batch()``'s images (n = batch_size) or of ``gather()``'s of n."""
+        c, h, w = self.input_shape
+        if self._layout is None:
+            return (n, c, h, w)
+        left, right, group, channels = self._layout
+        return (n, h, (left + w + right) // group, channels)
 
     @property
     def num_classes(self) -> int:
@@ -295,25 +322,34 @@ class DeviceLoader:
     # -- device side
     def batch(self):
         """``(x, y)`` of the batch the last ``set_batch`` chose: x (B, C, H, W) normalised, in
-        the loader's dtype, y int64 (B,). Device work only, on buffers that never move: safe to
-        record in a CUDA graph and replay after later ``set_batch`` calls."""
+        the loader's dtype (laid out where the loader has a layout: ``batch_shape``), y int64
+        (B,). Device work only, on buffers that never move: safe to record in a CUDA graph
+        and replay after later ``set_batch`` calls."""
         if not self._has_batch:
             raise RuntimeError(f"{self!r}.batch: no batch chosen yet; call set_batch first")
-        be = self.be
         x = self._normalise(self._images, self._rows, train=True)
-        if self._augment and self._resample is None:
-            x = be.augment_crop_flip(x, self._augment_state, self._augment_pad,
-                                     self._shard[0], self._shard[1])
-        y = be.getitem(self._labels, self._indices)
+        y = self.be.getitem(self._labels, self._indices)
         return x, y
 
     def _normalise(self, images, rows, train: bool):
-        """Rows of uint8 images: normalised in the loader's dtype, or resampled by
-        ``resample``."""
-        if self._resample is None:
-            return self.be.gather_normalize(images, rows, self._mean, self._std, self.dtype)
-        view = self._resample.train if train else self._resample.view
-        return view(images, rows, self._mean, self._std)
+        """Rows of uint8 images as the model reads them: normalised in the loader's dtype,
+        resampled by ``resample`` or (training) augmented, in the loader's layout."""
+        if self._resample is not None:
+            view = self._resample.train if train else self._resample.view
+            return self._lay_out(view(images, rows, self._mean, self._std))
+        if train and self._augment:
+            x = self.be.gather_normalize(images, rows, self._mean, self._std, self.dtype)
+            return self._lay_out(self.be.augment_crop_flip(x, self._augment_state,
+                                                           self._augment_pad, *self._shard))
+        return self.be.gather_normalize(images, rows, self._mean, self._std, self.dtype,
+                                        layout=self._layout)
+
+    def _lay_out(self, x):
+        """An augmentation's NCHW batch in the loader's layout: a pass of its own."""
+        if self._layout is None:
+            return x
+        left, right, group, channels = self._layout
+        return self.be.to_channels_last(x, group, left, right, channels)
 
     def gather(self, host_indices):
         """``(x, y)`` for any number of dataset indices (evaluation), eagerly."""
@@ -341,4 +377,4 @@ class DeviceLoader:
             ys.append(be.getitem(self._labels, be.asarray(part)))
         if len(xs) == 1:
             return xs[0], ys[0]
-        return be.concatenate(xs, 0), be.concatenate(ys, 0)
+        return be.concatenate(xs, 0), be.concatenate(ys, 0)  # the batch axis, laid out or not

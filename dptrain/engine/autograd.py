@@ -24,6 +24,10 @@ gradient instead (``Function.grad_is_zero``; Linear's weight product stores into
 no add pass): 0 + g is g. Mixed precision's 16-bit cast of a parameter hands the gradient
 back unchanged, so its consumer may add the 16-bit gradient into the fp32 leaf's .grad
 through it (``Function.grad_into_widened``; the convolution's backward-weight reducers do).
+
+A ``LaidOut`` tensor is a network's input already laid out channels-last for its stem
+convolution (``F.laid_out``): that convolution alone reads it, and ``Function.apply``
+refuses it as any op's input, so a model that does not expect one fails rather than computes.
 """
 from __future__ import annotations
 
@@ -106,6 +110,8 @@ class Function:
 
     @classmethod
     def apply(cls, *tensors: "Tensor", **params) -> "Tensor":
+        if LaidOut in map(type, tensors):
+            _refuse_laid_out(cls.__name__, tensors)
         fn = cls()
         fn.be = tensors[0].be
         fn.needs_grad = tuple(t.requires_grad for t in tensors)  # forward may read it too
@@ -145,6 +151,14 @@ class Function:
         """Whether the .grad that grad_into(i, ...) offers holds zeros, so backward may write
         input i's gradient into it rather than add it (the same result)."""
         return i < len(self.into) and self.into[i] is not None and self.inputs[i] in _zeroed
+
+
+def _refuse_laid_out(op: str, tensors):
+    """A ValueError: no op reads a laid-out input as the array it seems to be."""
+    layout = next(tuple(t.layout) for t in tensors if type(t) is LaidOut)
+    raise ValueError(f"{op}: an input laid out {layout} for a stem convolution (F.laid_out) "
+                     f"reached it; only the first convolution of a model whose input_layout "
+                     f"names that layout reads one (nn.Conv2d with nchw_input, channels-last)")
 
 
 def _default_dtype(data):
@@ -291,6 +305,19 @@ class Tensor:
     def _run_grad_hooks(self):
         for hook in self._grad_hooks:
             hook(self)
+
+
+class LaidOut(Tensor):
+    """A network's input batch that arrives already laid out channels-last as its stem
+    convolution reads it (``F.laid_out``), ``layout`` a dptrain.backend.input_layout
+    InputLayout: only that convolution takes it (as it is, skipping its own layout pass);
+    every op refuses it (Function.apply), so it is never computed on as the array it seems."""
+
+    __slots__ = ("layout",)
+
+    def __init__(self, data, layout):
+        super().__init__(data)
+        self.layout = layout
 
 
 def _widened_grad(t: Tensor, uses):

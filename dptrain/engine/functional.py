@@ -10,8 +10,9 @@ import contextlib
 import numpy as np
 
 from dptrain.engine import losses, ops, transformer_ops
-from dptrain.engine.autograd import Tensor, as_tensor
+from dptrain.engine.autograd import LaidOut, Tensor, as_tensor
 from dptrain.backend.bfloat16 import BFLOAT16
+from dptrain.backend.input_layout import InputLayout, as_layout as _as_layout  # noqa: F401 (F.)
 from dptrain.errors import BadArgument
 
 
@@ -273,6 +274,9 @@ def cast(x: Tensor, dtype) -> Tensor:
         return x
     if not (_is_float(dtype) and _is_float(x.dtype)):
         raise TypeError(f"cast: float to float only, got {x.dtype} to {dtype}")
+    if type(x) is LaidOut:  # its layout was chosen for its dtype: write it in the other
+        raise TypeError(f"cast: x is laid out for a stem in {x.dtype} (laid_out), the model "
+                        f"reads {dtype}: lay the batch out in {dtype} instead")
     return ops.Cast.apply(x, dtype=dtype)
 
 
@@ -495,6 +499,29 @@ def to_channels_first(x: Tensor) -> Tensor:
     """Channels-last x (N, H, W, C) as NCHW (a copy)."""
     _check_nchw(x, "to_channels_first")
     return transpose(x, (0, 3, 1, 2))
+
+
+def laid_out(x: Tensor, layout) -> Tensor:
+    """x, a network's input batch already laid out as to_channels_last(images, layout.columns,
+    layout.group, layout.channels) would lay its NCHW images out (a loader's
+    ``gather_normalize(..., layout=)``), marked so: the model's first convolution then reads it
+    as it is, after checking it reads that layout, and any other op refuses it (LaidOut). The
+    layout: an InputLayout or (left, right, group, channels); None gives x itself (NCHW)."""
+    if layout is None:
+        return x
+    layout = _as_layout("laid_out", layout)
+    if x.ndim != 4 or x.shape[3] != layout.channels:
+        raise ValueError(f"laid_out: x {x.shape} is not (N, H, W', channels) with the "
+                         f"{layout.channels} channels of layout {tuple(layout)}")
+    if x.requires_grad or x._ctx is not None:
+        raise ValueError("laid_out: marks a network's input batch; x requires grad or was "
+                         "computed by an op")
+    return LaidOut(x.data, layout)
+
+
+def layout_of(x: Tensor):
+    """The InputLayout x is marked laid out in (laid_out), or None for any other tensor."""
+    return x.layout if type(x) is LaidOut else None
 
 
 # ----------------------------------------------------------------------------- Tensor methods

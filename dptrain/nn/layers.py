@@ -69,7 +69,9 @@ class Conv2d(Module):
     does): the input and output are (N, H, W, C), the weight is (C_out, C_in, kH, kW) all
     the same. ``nchw_input`` (with it; False by default): the input still arrives NCHW and
     is laid out here, in the one pass that also adds what the backend's native kernels ask
-    (a channels-last model's first convolution: ResNet's stem)."""
+    (a channels-last model's first convolution: ResNet's stem), unless it arrives laid out
+    already, marked so (F.laid_out; ``input_layout`` says which layout). Any other
+    convolution refuses a marked input."""
 
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, bias=True):
         super().__init__()
@@ -84,6 +86,11 @@ class Conv2d(Module):
     def forward(self, x, batch_stats=False):
         """conv(x); with `batch_stats` (no bias), (conv(x), its batch statistics): see
         F.conv2d and nn.fusion.conv_batch_norm."""
+        marked = F.layout_of(x)
+        if marked is not None and not self._lays_out_input():
+            raise ValueError(f"Conv2d: its input is laid out {tuple(marked)} (F.laid_out), but "
+                             f"this convolution reads its input as it comes (only a "
+                             f"channels-last one with nchw_input reads a laid-out one)")
         weight, bias = in_dtype_of(x, self.weight, self.bias)
         stride, padding = self.stride, self.padding
         if self.channels_last:
@@ -92,28 +99,74 @@ class Conv2d(Module):
         return F.conv2d(x, weight, bias, stride, padding, workspace=self.workspace(x),
                         channels_last=self.channels_last, batch_stats=batch_stats)
 
+    def input_layout(self, image_shape, dtype, be):
+        """The layout (nn.layers.input_layout) this convolution lays its NCHW input of images
+        (C, H, W) `image_shape` out in, as `dtype` activations on backend `be`, where it lays
+        its input out (channels_last and nchw_input); None where it reads it as it comes."""
+        if not self._lays_out_input():
+            return None
+        if image_shape[0] != self.weight.shape[1]:
+            raise ValueError(f"Conv2d.input_layout: images {tuple(image_shape)} for a "
+                             f"convolution of {self.weight.shape[1]} input channels")
+        return input_layout(be, image_shape[-1], self.weight.shape, self.stride, self.padding,
+                            np.dtype(dtype))
+
+    def _lays_out_input(self) -> bool:
+        return self.channels_last and self.nchw_input
+
 
 def native_layout(x, weight, stride, padding, nchw):
     """(x, weight, stride, padding) of the same convolution as the backend's native
     channels-last kernels take it. x is (N, H, W, C), or NCHW where `nchw`, then laid out
-    channels-last here in one pass (F.to_channels_last). The input and the weight gain the
-    zero channels the backend asks (``conv2d_channels_last_pad``: ImageNet's 3-channel stem
-    runs with 8), which change no result; x may already carry them. A stride-2 convolution
-    of an NCHW input so padded runs over pairs of columns (column_pairs): ResNet-18's step at
-    3x224x224, batch 128, fp16, 6.72 -> 6.31 ms on an H200."""
+    channels-last here in one pass (F.to_channels_last) in the layout input_layout gives,
+    or already so laid out and marked (F.laid_out; a ValueError naming both layouts where the
+    mark names another). The input and the weight gain the zero channels the backend asks
+    (``conv2d_channels_last_pad``: ImageNet's 3-channel stem runs with 8), which change no
+    result; x may already carry them. A stride-2 convolution of an NCHW input so padded runs
+    over pairs of columns (column_pairs): ResNet-18's step at 3x224x224, batch 128, fp16, 6.72
+    -> 6.31 ms on an H200."""
     be, dtype = x.be, x.dtype
-    columns, group = (0, 0), 1
-    if nchw and be.conv2d_channels_last_pad(*weight.shape[1:], dtype):
-        pairs = column_pairs(x.shape[-1], weight, stride, padding)
-        if pairs is not None:
-            (columns, weight, stride, padding), group = pairs, 2
+    if nchw:
+        x, layout = _input_laid_out(x, weight.shape, stride, padding)
+        if layout.group == 2:
+            weight, stride, padding = paired_weight(weight, stride, padding)
     c, kh, kw = weight.shape[1:]
     pad = be.conv2d_channels_last_pad(c, kh, kw, dtype)
-    if nchw:
-        x = F.to_channels_last(x, columns, group, c + pad)
-    elif pad and x.shape[-1] == c:
+    if not nchw and pad and x.shape[-1] == c:
         x = F.pad_zeros(x, -1, pad)
     return x, F.pad_zeros(weight, 1, pad) if pad else weight, stride, padding
+
+
+def _input_laid_out(x, weight_shape, stride, padding):
+    """(x channels-last, its InputLayout) for a convolution's NCHW input x: laid out here in
+    one pass, or as it comes where marked laid out in the layout this convolution reads."""
+    marked = F.layout_of(x)
+    if marked is None:
+        layout = input_layout(x.be, x.shape[-1], weight_shape, stride, padding, x.dtype)
+        return F.to_channels_last(x, layout.columns, layout.group, layout.channels), layout
+    width = marked.group * x.shape[2] - marked.left - marked.right  # the images' columns
+    layout = input_layout(x.be, width, weight_shape, stride, padding, x.dtype)
+    if marked != layout:
+        raise ValueError(f"Conv2d: its input is laid out {tuple(marked)} (left, right, group, "
+                         f"channels; F.laid_out), but this convolution reads {x.dtype} "
+                         f"images {width} columns wide laid out {tuple(layout)}")
+    return Tensor(x.data), layout  # the mark read: the ops take the array as it is
+
+
+def input_layout(be, width, weight_shape, stride, padding, dtype) -> F.InputLayout:
+    """The layout native_layout lays an NCHW input `width` columns wide out in for a
+    convolution of weight_shape (C_out, C, kH, kW), stride and padding, run channels-last in
+    `dtype` on backend `be`: zero channels up to what the backend asks
+    (``conv2d_channels_last_pad``), and pairs of columns where it pads and the stride is 2 wide
+    (column_pairs). A loader that writes its batches so saves the model that pass."""
+    c, kh, kw = weight_shape[1:]
+    if be.conv2d_channels_last_pad(c, kh, kw, dtype):
+        columns = paired_columns(width, kw, stride, padding)
+        if columns is not None:
+            taps = -(-kw // 2)
+            return F.InputLayout(*columns, 2,
+                                 2 * c + be.conv2d_channels_last_pad(2 * c, kh, taps, dtype))
+    return F.InputLayout(0, 0, 1, c + be.conv2d_channels_last_pad(c, kh, kw, dtype))
 
 
 def column_pairs(width, weight, stride, padding):
@@ -125,8 +178,16 @@ def column_pairs(width, weight, stride, padding):
     (ph, (pw - L) / 2). ImageNet's stem (7x7/2 over 3 channels, padded to 8 on the GPU) then
     sums K = 7 * 4 * 8 = 224 products an output where it summed 7 * 7 * 8 = 392. None where
     it would give more output columns."""
-    (sh, sw), (ph, pw) = F._pair(stride, "stride"), F._pair(padding, "padding")
-    m, c, kh, kw = weight.shape
+    columns = paired_columns(width, weight.shape[3], stride, padding)
+    if columns is None:
+        return None
+    return (columns, *paired_weight(weight, stride, padding))
+
+
+def paired_columns(width, kw, stride, padding):
+    """column_pairs' zero columns (L, R) for an input `width` columns wide and a filter kw
+    wide, or None where it runs no pairs (a stride not 2 wide, or more output columns)."""
+    (_, sw), (_, pw) = F._pair(stride, "stride"), F._pair(padding, "padding")
     if sw != 2:
         return None
     left = pw % 2  # so that column pairs start on an even padded column
@@ -134,11 +195,19 @@ def column_pairs(width, weight, stride, padding):
     short = (width + 2 * pw - kw) // 2 - ((width + left + 1) // 2 + 2 * half - taps)  # outputs
     if short < 0:
         return None
-    right = (width + left) % 2 + 2 * short  # zero columns to even pairs, and the last outputs
+    return left, (width + left) % 2 + 2 * short  # zero columns to even pairs, the last outputs
+
+
+def paired_weight(weight, stride, padding):
+    """column_pairs' (weight, stride, padding): the taps paired, the stride and padding of
+    the pairs."""
+    (sh, _), (ph, pw) = F._pair(stride, "stride"), F._pair(padding, "padding")
+    m, c, kh, kw = weight.shape
+    taps, half = -(-kw // 2), (pw - pw % 2) // 2
     if 2 * taps > kw:
         weight = F.pad_zeros(weight, 3, 2 * taps - kw)
     weight = F.transpose(F.reshape(weight, m, c, kh, taps, 2), 0, 4, 1, 2, 3)
-    return (left, right), F.reshape(weight, m, 2 * c, kh, taps), (sh, 1), (ph, half)
+    return F.reshape(weight, m, 2 * c, kh, taps), (sh, 1), (ph, half)
 
 
 class MaxPool2d(Module):

@@ -66,6 +66,14 @@ class Module:
     def forward(self, *args):
         raise NotImplementedError
 
+    def input_layout(self, image_shape, dtype, be):
+        """The layout (an InputLayout, dptrain.backend.input_layout) in which this model reads
+        its input of images (C, H, W) `image_shape` as `dtype` activations on backend `be`,
+        where its first layer lays its NCHW input out channels-last itself: a loader may then
+        write its batches so in one pass and mark them (F.laid_out), and only a model whose
+        input_layout names that layout may be given them. None (the default): NCHW."""
+        return None
+
     def __call__(self, *args, **kwargs):
         for hook in self._pre_hooks:
             hook(self)

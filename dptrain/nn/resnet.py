@@ -22,7 +22,9 @@ Elsewhere (the CPU, GPUs without wgmma) a channels-last convolution would copy i
 activations to NCHW and back, so "auto" keeps NCHW, decided at each forward from the input's
 dtype and the backend (``conv2d_channels_last_native``). ``True`` or ``False`` fixes the
 layout. Weights, state_dict and results (to rounding) are those of the NCHW network either
-way.
+way. Where it runs channels-last, ``input_layout(image_shape, dtype, be)`` names the stem's
+layout of its input, so a loader may write its batches so in the pass that normalises them
+and mark them (``F.laid_out``); the stem then skips its own pass (the same bits).
 """
 from __future__ import annotations
 
@@ -149,19 +151,32 @@ class ResNet(Module):
 
     def layout(self, x) -> bool:
         """Whether this forward of x runs channels-last (see the module docstring)."""
+        return self.runs_channels_last(x.be, x.dtype)
+
+    def runs_channels_last(self, be, dtype) -> bool:
+        """Whether a forward of `dtype` activations on backend `be` runs channels-last."""
         if self.channels_last == "auto":
-            return bool(x.be.conv2d_channels_last_native(x.dtype))
+            return bool(be.conv2d_channels_last_native(np.dtype(dtype)))
         return self.channels_last
 
+    def input_layout(self, image_shape, dtype, be):
+        """The stem's layout of its NCHW input (Conv2d.input_layout) where a forward of
+        `dtype` activations on `be` runs channels-last, else None. Sets the layers' layout as
+        that forward does."""
+        self._set_channels_last(self.runs_channels_last(be, dtype))
+        return self.conv1.input_layout(image_shape, dtype, be)
+
     def forward(self, x):
-        cl = self.layout(x)
-        for m in self.modules():  # the spatial layers (fc sees the pooled (N, C) alike)
-            if isinstance(m, (Conv2d, BatchNorm2d, MaxPool2d, AdaptiveAvgPool2d)):
-                m.channels_last = cl
+        self._set_channels_last(self.layout(x))
         x = conv_batch_norm(self.conv1, self.bn1, x, relu=True, pool=self.maxpool)
         for stage in range(len(self.blocks)):
             x = getattr(self, f"layer{stage + 1}")(x)
         return self.fc(F.flatten(self.avgpool(x), 1))
+
+    def _set_channels_last(self, cl: bool):
+        for m in self.modules():  # the spatial layers (fc sees the pooled (N, C) alike)
+            if isinstance(m, (Conv2d, BatchNorm2d, MaxPool2d, AdaptiveAvgPool2d)):
+                m.channels_last = cl
 
 
 def _build(name, block, blocks, image_shape, num_classes, widths, channels_last):

@@ -22,8 +22,9 @@ def eval_batch_sizes(num_images, world=None, batch_size=EVAL_BATCH) -> list[int]
 
 
 def evaluate(model, loader, world=None, batch_size=EVAL_BATCH, dtype=np.float32) -> dict:
-    """Mean loss and accuracy over a loader's whole set, the model fed `dtype` activations.
-    Each rank takes every N-th image and the sums are all-reduced; one host read at the end."""
+    """Mean loss and accuracy over a loader's whole set, the model fed `dtype` activations
+    (marked laid out where the loader has a layout). Each rank takes every N-th image and the
+    sums are all-reduced; one host read at the end."""
     be = loader.be
     rank, size = (world.rank, world.size) if world else (0, 1)
     comm = world.comm if world else LocalComm(be)
@@ -36,7 +37,8 @@ def evaluate(model, loader, world=None, batch_size=EVAL_BATCH, dtype=np.float32)
         for start in range(0, len(mine), batch_size):
             idx = mine[start : start + batch_size]
             x, y = loader.gather(idx)
-            logits = F.cast(model(F.cast(Tensor(x), dtype)), np.float32)
+            x = F.laid_out(Tensor(x), loader.layout)  # marked where the loader laid it out
+            logits = F.cast(model(F.cast(x, dtype)), np.float32)
             loss = F.cross_entropy(logits, Tensor(y)).data
             be.add_(loss_sum, be.scale(loss, float(len(idx))))
             be.add_(correct, be.count_correct(logits.data, y))
@@ -66,7 +68,8 @@ def predict(model, loader, labels: np.ndarray, batch_size: int):
         for start in range(0, total, batch_size):
             idx = np.arange(start, min(total, start + batch_size))
             x, _ = loader.gather(idx)
-            logits = be.to_numpy(model(Tensor(x)).data).astype(np.float64)
+            logits = be.to_numpy(model(F.laid_out(Tensor(x), loader.layout)).data)
+            logits = logits.astype(np.float64)
             peak = logits.max(axis=1, keepdims=True)
             log_norm = peak[:, 0] + np.log(np.exp(logits - peak).sum(axis=1))
             loss_sum += float((log_norm - logits[np.arange(len(idx)), labels[idx]]).sum())

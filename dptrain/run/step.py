@@ -141,7 +141,7 @@ def _check_loss(loss):
 
 class TrainStep(Step):
     """`train`'s step: cross-entropy on the loader's current batch, correct predictions summed
-    as a metric."""
+    as a metric. A loader with a layout gives the model its batch marked laid out."""
 
     def __init__(self, model, optimizer, reducer, loader, guard=None, dtype=np.float32):
         super().__init__(optimizer, reducer, self._classify, guard, reduce={"correct": "sum"})
@@ -150,8 +150,9 @@ class TrainStep(Step):
 
     def _classify(self):
         x, y = self.loader.batch()
-        logits = self.model(F.cast(Tensor(x), self.dtype))  # 16-bit ones: the loss reads
-        loss = F.cross_entropy(logits, Tensor(y))            # them as float32 (no cast pass)
+        x = F.laid_out(Tensor(x), self.loader.layout)  # marked where the loader laid it out
+        logits = self.model(F.cast(x, self.dtype))  # 16-bit ones: the loss reads
+        loss = F.cross_entropy(logits, Tensor(y))   # them as float32 (no cast pass)
         return loss, {"correct": self.be.count_correct(logits.data, y)}
 
     # -- the logging window, for checkpoints: a resumed run logs the uninterrupted run's values

@@ -187,17 +187,20 @@ class _Run:
         rrc, view = augment.resamplers(self.be, cfg.augment, train_set.image_shape,
                                        cfg.image_size, cfg.rrc_scale, cfg.rrc_ratio, cfg.seed,
                                        (world.rank, world.size), dtype=ddp.dtype)
+        # batches laid out as the model's stem reads them, where it lays its input out itself
+        layout = self.model.input_layout(shape, ddp.dtype, self.be)
         try:  # --data-on device with images larger than the device: one line
             self.loader = DeviceLoader(train_set, self.be, cfg.batch_size,
                                        augment=augment.kind(cfg.augment) == augment.CROP_FLIP,
                                        augment_pad=cfg.augment_pad, augment_seed=cfg.seed,
                                        shard=(world.rank, world.size), resample=rrc,
                                        data_on=cfg.data_on, prefetch_depth=cfg.prefetch_depth,
-                                       data_workers=cfg.data_workers, dtype=ddp.dtype)
+                                       data_workers=cfg.data_workers, dtype=ddp.dtype,
+                                       layout=layout)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         self.val_loader = DeviceLoader(val_set, self.be, cfg.batch_size, resample=view,
-                                       dtype=ddp.dtype)
+                                       dtype=ddp.dtype, layout=layout)
 
     def resume(self) -> int:
         """Exact resume: parameters, optimizer shards, step, RNG and augmentation states are

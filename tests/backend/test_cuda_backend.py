@@ -726,6 +726,49 @@ def test_gather_normalize(cu, rng, itype, shape, dtype):
     assert np.isnan(cu.to_numpy(cu.gather_normalize(cu.asarray(images), bad, mean, std))[1:]).all()
 
 
+def assert_bits(cu, got, ref):
+    """The same shape, dtype and bits (NaN payloads and the sign of zeros included)."""
+    got, ref = cu.to_numpy(got), np.asarray(ref)
+    assert got.shape == ref.shape, (got.shape, ref.shape)
+    assert got.dtype == ref.dtype, (got.dtype, ref.dtype)
+    assert got.tobytes() == ref.tobytes()
+
+
+@gpu
+@pytest.mark.parametrize("shape,layout", [
+    ((20, 3, 9, 72), (1, 1, 2, 8)),  # ImageNet's stem over column pairs: one 16-byte store
+    ((20, 3, 9, 72), (0, 0, 1, 3)),  # plain NHWC: a slot a thread
+    ((20, 3, 7, 13), (1, 0, 2, 8)),  # an odd width, its last pair half zeros
+    ((20, 3, 5, 11), (2, 1, 1, 4)),  # 16 bytes a pixel in fp32, a slot a thread in 16 bits
+    ((20, 1, 6, 10), (3, 1, 2, 8)),
+    ((20, 1, 6, 10), (0, 0, 1, 1)),  # one channel as it lies: the NCHW kernel's bytes
+    ((20, 5, 4, 6), (2, 1, 3, 16))])  # two 16-byte vectors a pixel in 16 bits, four in fp32
+@pytest.mark.parametrize("itype", [np.int64, np.int32])
+@pytest.mark.parametrize("dtype", [F32, np.dtype(np.float16), BFLOAT16],
+                         ids=["fp32", "fp16", "bf16"])
+def test_gather_normalize_laid_out(cu, rng, shape, layout, itype, dtype):
+    """With a layout, one pass writes the stem's layout of the rows: the CPU reference's bits
+    (the two ops composed), and the two CUDA ops' bits, NaN rows included, whether a thread
+    stores a 16-byte vector (channels * itemsize % 16 == 0) or a slot."""
+    images = rng.integers(0, 256, shape).astype(np.uint8)
+    idx = rng.integers(0, shape[0], 9).astype(itype)
+    mean, std = ((0.4914, 0.48, 0.45), (0.247, 0.24, 0.26)) if shape[1] == 3 else (0.5, 0.25)
+    left, right, group, channels = layout
+    ref = cpu.gather_normalize(images, idx, mean, std, dtype, layout=layout)
+    dev = cu.asarray(images)
+    assert_bits(cu, cu.gather_normalize(dev, cu.asarray(idx), mean, std, dtype, layout=layout),
+                ref)
+    bad = cu.asarray(np.array([0, shape[0], -1, 7], dtype=itype))  # rows outside [0, M)
+    one = cu.gather_normalize(dev, bad, mean, std, dtype, layout=layout)
+    two = cu.to_channels_last(cu.gather_normalize(dev, bad, mean, std, dtype), group, left,
+                              right, channels)
+    assert_bits(cu, one, cu.to_numpy(two))
+    values = cpu.astype(cu.to_numpy(one), F32)
+    assert np.isnan(values[1:3]).any() and not np.isnan(values[[0, 3]]).any()
+    with pytest.raises(ValueError, match="cuda.gather_normalize: layout .* does not lay out"):
+        cu.gather_normalize(dev, bad, mean, std, dtype, layout=(0, 0, 1, shape[1] - 1))
+
+
 @gpu
 @pytest.mark.parametrize("p,dtype", [(0.1, F32), (0.5, F32), (0.3, F64), (0.0, F32)])
 def test_dropout_mask_statistics(cu, p, dtype):

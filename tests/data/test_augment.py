@@ -118,6 +118,39 @@ def test_per_channel_gather_normalize():
         cpu.gather_normalize(images, idx, (0.1, 0.2), 0.3)
 
 
+@pytest.mark.parametrize("layout", [(0, 0, 1, 3), (0, 0, 1, 8), (1, 0, 2, 8), (1, 2, 2, 6),
+                                    (2, 1, 1, 4), (2, 0, 3, 11)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_gather_normalize_laid_out_is_to_channels_last_of_it(layout, dtype):
+    """With a layout the rows come laid out as the stem reads them, bit for bit the NCHW
+    rows laid out by to_channels_last (zero columns, column groups, zero channels)."""
+    rng = np.random.default_rng(5)
+    images = rng.integers(0, 256, (20, 3, 5, 7), dtype=np.uint8)
+    idx = np.array([4, 0, 19, 4])
+    mean, std = (0.49, 0.48, 0.45), (0.25, 0.24, 0.26)
+    left, right, group, channels = layout
+    got = cpu.gather_normalize(images, idx, mean, std, dtype, layout=layout)
+    want = cpu.to_channels_last(cpu.gather_normalize(images, idx, mean, std, dtype), group,
+                                left, right, channels)
+    assert got.shape == want.shape == (4, 5, (left + 7 + right) // group, channels)
+    assert got.dtype == want.dtype and got.tobytes() == want.tobytes()
+    # a row outside the images: the NCHW op's error, as the composition gives it
+    with pytest.raises(IndexError):
+        cpu.gather_normalize(images, np.array([0, 20]), mean, std, dtype, layout=layout)
+
+
+@pytest.mark.parametrize("layout, why", [
+    ((0, 0, 1, 2), "channels >= group"), ((-1, 0, 1, 3), "columns >= 0"),
+    ((0, 0, 2, 6), "whole groups"), ((1, 0, 0, 3), "does not lay out 3x5x7"),
+    ((0, 0, 1), "4 integers"), ((0, 0, 1.0, 3), "4 integers"), ("0013", "4 integers")])
+def test_gather_normalize_refuses_a_layout_that_does_not_fit(layout, why):
+    images = np.zeros((4, 3, 5, 7), np.uint8)
+    with pytest.raises(ValueError, match=f"gather_normalize: layout .*{why}"):
+        cpu.gather_normalize(images, np.array([0]), 0.5, 0.25, layout=layout)
+    with pytest.raises(ValueError, match="gather_normalize: layout .* needs images"):
+        cpu.gather_normalize(images[:, 0], np.array([0]), 0.5, 0.25, layout=(0, 0, 1, 3))
+
+
 def channel_toy():
     data = toy(n=40, shape=(3, 6, 5))
     data.mean, data.std = np.array([0.3, 0.5, 0.6]), np.array([0.2, 0.25, 0.3])

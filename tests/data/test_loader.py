@@ -272,6 +272,79 @@ def test_streams_from_a_memory_mapped_cache(tmp_path):
     assert (resident.image_shape, resident.num_classes) == ((1, 48, 48), 7)
 
 
+def _laid_out(x, layout):
+    left, right, group, channels = layout
+    return cpu.to_channels_last(x, group, left, right, channels)
+
+
+@pytest.mark.parametrize("layout", [(0, 0, 1, 3), (1, 2, 2, 8)])
+@pytest.mark.parametrize("data_on", ["auto", "host"])
+def test_laid_out_batches_are_the_nchw_ones_laid_out(layout, data_on):
+    """With a layout, batch() and gather() (streaming: in chunks, concatenated) give the bits
+    of to_channels_last of the loader's NCHW batches, from the one op a captured step runs."""
+    data = toy()
+    plain = DeviceLoader(data, cpu, 6, data_on=data_on)
+    laid = DeviceLoader(data, cpu, 6, data_on=data_on, layout=layout)
+    assert laid.layout == layout and plain.layout is None and laid.input_shape == (3, 5, 7)
+    idx = np.array([3, 1, 4, 1, 5, 9])
+    for loader in (plain, laid):
+        loader.set_batch(idx)
+    (x, y), (x0, y0) = laid.batch(), plain.batch()
+    assert x.shape == laid.batch_shape(6) == (6, 5, (layout[0] + 7 + layout[1]) // layout[2],
+                                              layout[3])
+    assert x.tobytes() == _laid_out(x0, layout).tobytes() and (y == y0).all()
+    picks = np.arange(50)[::-3]  # 17: streaming gathers 6 + 6 + 5
+    (xg, yg), (xg0, _) = laid.gather(picks), plain.gather(picks)
+    assert xg.shape == laid.batch_shape(17) and (yg == data.labels[picks]).all()
+    assert xg.tobytes() == _laid_out(xg0, layout).tobytes()
+    be = GraphBackend()
+    captured = DeviceLoader(data, be, 6, data_on=data_on, layout=layout)
+    captured.set_batch(idx)
+    replay = be.capture(captured.batch)
+    assert replay.ops == ["gather_normalize", "getitem"]  # the layout in the same pass
+    captured.set_batch(idx[::-1])
+    assert replay()[0].tobytes() == _laid_out(x0[::-1], layout).tobytes()
+
+
+@pytest.mark.parametrize("kind", ["crop-flip", "resized-crop"])
+@pytest.mark.parametrize("data_on", ["auto", "host"])
+def test_augmented_batches_are_laid_out_after_the_augmentation(kind, data_on):
+    """An augmentation writes NCHW; with a layout its batch is laid out after it, in a pass
+    of its own: to_channels_last of the layout-less loader's batch, and so of gather()."""
+    from dptrain.data.augment import ResizedCrop
+
+    data = toy()  # 3x5x7, resampled to 3x6x6: one zero column either side or before
+    layout = (1, 1, 2, 8) if kind == "resized-crop" else (1, 0, 2, 8)
+
+    def loader(be, layout=None):
+        if kind == "crop-flip":
+            options = dict(augment=True, augment_pad=2, augment_seed=5)
+        else:
+            options = dict(resample=ResizedCrop(be, 6, seed=3))
+        return DeviceLoader(data, be, 6, data_on=data_on, layout=layout, **options)
+
+    plain, laid = loader(cpu), loader(cpu, layout)
+    assert laid.batch_shape(6) == ((6, 6, 4, 8) if kind == "resized-crop" else (6, 5, 4, 8))
+    idx = np.array([7, 3, 3, 0, 39, 12])
+    for one in (plain, laid):
+        one.set_batch(idx)
+    for _ in range(2):  # a new draw each batch
+        assert laid.batch()[0].tobytes() == _laid_out(plain.batch()[0], layout).tobytes()
+    assert laid.gather(idx)[0].tobytes() == _laid_out(plain.gather(idx)[0], layout).tobytes()
+    be = GraphBackend()
+    captured = loader(be, layout)
+    captured.set_batch(idx)
+    ops = {"crop-flip": ["gather_normalize", "augment_crop_flip"],
+           "resized-crop": ["augment_resized_crop"]}[kind]
+    assert be.capture(captured.batch).ops == ops + ["to_channels_last", "getitem"]
+
+
+def test_a_layout_that_does_not_fit_the_images_is_refused():
+    with pytest.raises(ValueError, match=r"DeviceLoader: layout \(0, 0, 2, 8\) .* does not "
+                                         r"lay out 3x5x7 images"):
+        DeviceLoader(toy(), cpu, 4, layout=(0, 0, 2, 8))
+
+
 @pytest.mark.gpu
 def test_cuda_loader_matches_cpu_and_replays():
     cu = backend.get("cuda")
@@ -304,3 +377,31 @@ def test_cuda_loader_matches_cpu_and_replays():
         xg, yg = loader.gather(np.arange(301))
         assert cu.to_numpy(xg).tobytes() == ref.gather(np.arange(301))[0].tobytes()
         np.testing.assert_array_equal(cu.to_numpy(yg), data.labels)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("data_on", ["auto", "host"])
+def test_cuda_laid_out_loader_matches_cpu_and_replays(data_on):
+    """A 16-bit loader laid out for ImageNet's stem on the GPU (one pass, 16-byte stores)
+    captured and replayed gives the CPU loader's bits, and so does its gather()."""
+    cu = backend.get("cuda")
+    data, layout = toy(n=301, shape=(3, 9, 11)), (1, 0, 2, 8)
+    ref = DeviceLoader(data, cpu, 37, dtype=np.float16, layout=layout)
+    loader = DeviceLoader(data, cu, 37, data_on=data_on, dtype=np.float16, layout=layout)
+    out_x = cu.zeros(loader.batch_shape(37), np.float16)
+
+    def step():
+        cu.copy_(out_x, loader.batch()[0])
+
+    loader.set_batch(np.arange(37))
+    run = cu.runtime.capture(step, warmup=1)
+    rng = np.random.default_rng(3)
+    for _ in range(4):  # warm-up, capture, then replays
+        idx = rng.integers(0, 301, 37)
+        loader.set_batch(idx)
+        ref.set_batch(idx)
+        run()
+        cu.runtime.synchronize()
+        assert cu.to_numpy(out_x).tobytes() == ref.batch()[0].tobytes()
+    picks = np.arange(301)[::-1]
+    assert cu.to_numpy(loader.gather(picks)[0]).tobytes() == ref.gather(picks)[0].tobytes()

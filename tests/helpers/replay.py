@@ -18,12 +18,14 @@ from dptrain.run.step import CAPTURE_WARMUP, TrainStep
 
 
 def train_steps(device, build, image_shape, classes, graph, steps, seed, images=96, batch=32,
-                optimizer=lambda flat: AdamW(flat, lr=1e-2), precision="fp32"):
+                optimizer=lambda flat: AdamW(flat, lr=1e-2), precision="fp32", laid_out=False):
     """(model, snapshots): `build()`'s model after `steps` steps of `optimizer` on batches of
     `batch` of `images` random images (the same for the same seed), with a host copy of the
     flat parameters after every step; precision "fp16" trains in mixed precision, with the
     loss scaler and the non-finite guard of a real run, and "fp16"/"bf16" with the
-    parameters' 16-bit shadow unless DPTRAIN_SHADOW=0 (dptrain.run.amp.shadow_dtype)."""
+    parameters' 16-bit shadow unless DPTRAIN_SHADOW=0 (dptrain.run.amp.shadow_dtype).
+    `laid_out`: the loader writes the batches as `train` does, in the activation dtype and
+    laid out as the model's input_layout says (NCHW where it says None)."""
     be = backend.get(device)
     dp.manual_seed(seed)
     model = build().to(device)
@@ -34,8 +36,12 @@ def train_steps(device, build, image_shape, classes, graph, steps, seed, images=
     data = SimpleNamespace(images=rng.integers(0, 256, (images, *image_shape), dtype=np.uint8),
                            labels=rng.integers(0, classes, images), mean=0.5, std=0.25,
                            num_classes=classes, image_shape=tuple(image_shape))
-    loader = DeviceLoader(data, be, batch)
     dtype, guard = amp.compute_dtype(precision), None
+    if laid_out:
+        loader = DeviceLoader(data, be, batch, dtype=dtype,
+                              layout=model.input_layout(image_shape, dtype, be))
+    else:
+        loader = DeviceLoader(data, be, batch)
     if precision in amp.LOSS_SCALED:
         guard = NonFiniteGuard(opt, dist.LocalComm(be), 0, amp.LossScaler(be))
     step_fn = TrainStep(model, opt, reducer, loader, guard, dtype)

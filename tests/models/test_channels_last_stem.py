@@ -1,12 +1,16 @@
 """ImageNet's stem channels-last: the 7x7/2 convolution with its input and weight padded with
 zero channels where the backend asks (``conv2d_channels_last_pad``), and the channels-last
-3x3/2 max-pool. On the CPU nothing is padded unless a test asks, so these tests ask."""
+3x3/2 max-pool; and its input laid out by the loader's op in the layout the model names
+(``input_layout``, ``gather_normalize(..., layout=)``, marked by ``F.laid_out``) in place of
+the stem's own pass. On the CPU nothing is padded unless a test asks, so these tests ask."""
 import numpy as np
 import pytest
+from replay import train_steps
 
 import dptrain as dp
-from dptrain import nn
+from dptrain import backend, nn
 from dptrain.backend import cpu
+from dptrain.engine.autograd import Tensor
 
 
 def _loss_and_grads(model, x):
@@ -190,3 +194,147 @@ def test_batch_norm_with_its_max_pool_is_the_two_ops(training):
         np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-12)
     with pytest.raises(ValueError, match="pool needs channels-last 4-D input, relu"):
         F.batch_norm(dp.tensor(xs), w, b, running=running, pool=window, channels_last=True)
+
+
+# ----------------------------------------------------------------------------- the input laid out
+
+F = dp.functional
+IMAGE = (3, 72, 72)  # above 64 px: ImageNet's stem
+WIDTHS = (8, 8, 16, 16)
+
+
+def _stem_pad(pad):
+    """conv2d_channels_last_pad as the GPU's in 16 bits where `pad`: the stem's 3 channels, and
+    its 6 over pairs of columns, padded to 8; nothing else."""
+    def stem_pad(c, kh, kw, dtype):
+        return -c % 8 if pad and (c, kh, kw) in ((3, 7, 7), (6, 7, 4)) else 0
+    return stem_pad
+
+
+def _batch(be, layout, dtype=np.float32):
+    """4 fixed uint8 images normalised in `dtype` by the loader's op, laid out in `layout` and
+    marked so (NCHW where None)."""
+    images = np.random.default_rng(7).integers(0, 256, (6, *IMAGE), dtype=np.uint8)
+    x = be.gather_normalize(be.asarray(images), be.asarray(np.arange(4)), 0.45, 0.23, dtype,
+                            layout=layout)
+    return F.laid_out(Tensor(x), layout)
+
+
+def _results(model, x):
+    """Logits, loss and every parameter's gradient of one training forward and backward."""
+    for p in model.parameters():
+        p.grad = None
+    logits = model(x)
+    loss = F.cross_entropy(logits, np.array([0, 2, 4, 1]))
+    loss.backward()
+    return [logits.numpy(), loss.numpy()] + [p.grad.numpy() for p in model.parameters()]
+
+
+def _assert_bits(got, ref):
+    for a, b in zip(got, ref, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize("pad", [0, 5])
+def test_laid_out_input_gives_the_nchw_results(monkeypatch, pad):
+    """ResNet-18 at 3x72x72 channels-last, fed its batch laid out by the loader's op in the
+    layout its input_layout names, gives the NCHW batch's logits, loss and gradients bit for
+    bit: plain NHWC, or (`pad`) 8 channels over pairs of columns as on the GPU. The stem's
+    own layout pass does not run."""
+    monkeypatch.setattr(cpu, "conv2d_channels_last_pad", _stem_pad(pad))
+    model = nn.resnet18(IMAGE, 5, widths=WIDTHS, channels_last=True)
+    layout = model.input_layout(IMAGE, np.float32, cpu)
+    assert layout == ((1, 1, 2, 8) if pad else (0, 0, 1, 3))
+    nchw = _results(model, _batch(cpu, None))
+    passes, real = [], cpu.to_channels_last
+    monkeypatch.setattr(cpu, "to_channels_last", lambda *a, **k: passes.append(a) or real(*a, **k))
+    laid = _results(model, _batch(cpu, layout))
+    assert not passes
+    _assert_bits(laid, nchw)
+
+
+def test_a_laid_out_input_the_model_does_not_read_is_refused(monkeypatch):
+    """A mark naming another layout, a model that reads NCHW, a model that reshapes its input
+    and a cast to another dtype all refuse a laid-out batch, naming it; F.laid_out refuses
+    what cannot be one."""
+    monkeypatch.setattr(cpu, "conv2d_channels_last_pad", _stem_pad(True))
+    model = nn.resnet18(IMAGE, 5, widths=WIDTHS, channels_last=True)
+    assert model.input_layout(IMAGE, np.float32, cpu) == (1, 1, 2, 8)
+    with pytest.raises(ValueError, match=r"laid out \(0, 0, 1, 3\) .* reads float32 images 72 "
+                                         r"columns wide laid out \(1, 1, 2, 8\)"):
+        model(_batch(cpu, (0, 0, 1, 3)))
+    x = _batch(cpu, (1, 1, 2, 8))
+    nchw = nn.resnet18(IMAGE, 5, widths=WIDTHS)  # "auto": NCHW on the CPU
+    assert nchw.input_layout(IMAGE, np.float32, cpu) is None
+    with pytest.raises(ValueError, match=r"Conv2d: its input is laid out \(1, 1, 2, 8\)"):
+        nchw(x)
+    flat = nn.Sequential(nn.Flatten(), nn.Linear(72 * 37 * 8, 5))
+    assert flat.input_layout(IMAGE, np.float32, cpu) is None
+    with pytest.raises(ValueError, match=r"Reshape: an input laid out \(1, 1, 2, 8\)"):
+        flat(x)
+    with pytest.raises(TypeError, match="cast: x is laid out for a stem in float32"):
+        F.cast(x, np.float16)
+    plain = Tensor(x.data)
+    assert F.cast(x, np.float32) is x and F.laid_out(plain, None) is plain
+    with pytest.raises(ValueError, match=r"laid_out: x \(4, 72, 37, 8\) is not"):
+        F.laid_out(Tensor(x.data), (1, 1, 2, 6))
+    with pytest.raises(ValueError, match="laid_out: marks a network's input batch"):
+        F.laid_out(dp.tensor(x.numpy(), requires_grad=True), (1, 1, 2, 8))
+
+
+def _laid_out_steps(device, build, laid_out, precision="fp32"):
+    return train_steps(device, build, IMAGE, 5, graph=True, steps=5, seed=3, images=24,
+                       batch=8, precision=precision, laid_out=laid_out)
+
+
+def test_steps_on_laid_out_batches_train_as_on_nchw_ones(monkeypatch):
+    """Training steps (TrainStep, DeviceLoader) of a channels-last ResNet-18 at 3x72x72 on
+    batches the loader lays out for its stem (8 channels over pairs of columns) give the
+    weights after every step and the batch-norm estimates of the steps on NCHW batches, bit
+    for bit."""
+    monkeypatch.setattr(cpu, "conv2d_channels_last_pad", _stem_pad(True))
+
+    def build():
+        return nn.resnet18(IMAGE, 5, widths=WIDTHS, channels_last=True)
+
+    (model, laid), (ref, nchw) = (_laid_out_steps("cpu", build, flag) for flag in (True, False))
+    _assert_bits(laid, nchw)
+    _assert_bits(model.state_dict().values(), ref.state_dict().values())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_gpu_laid_out_input_gives_the_nchw_results(precision):
+    """On the GPU (the stem padded to 8 channels over pairs of columns) a batch laid out by
+    the one-pass kernel gives the NCHW batch's logits, loss and gradients bit for bit."""
+    from dptrain.run import amp
+
+    be, dtype = backend.get("cuda"), amp.compute_dtype(precision)
+    with backend_precision(precision):
+        dp.manual_seed(4)
+        model = nn.resnet18(IMAGE, 5, widths=WIDTHS).to("cuda")
+        layout = model.input_layout(IMAGE, dtype, be)
+        assert layout is not None and layout.group == 2 and layout.channels == 8
+        nchw = _results(model, _batch(be, None, dtype))
+        laid = _results(model, _batch(be, layout, dtype))
+    _assert_bits(laid, nchw)
+
+
+@pytest.mark.gpu
+def test_gpu_captured_fp16_steps_on_laid_out_batches_train_as_on_nchw_ones():
+    """Captured fp16 steps (loss scaler and guard as a run has them) of ResNet-18 at 3x72x72
+    on batches laid out by the loader's one-pass kernel give the weights after every step and
+    the batch-norm estimates of the steps on NCHW batches (the stem's own pass), bit for
+    bit."""
+    from dptrain.run import amp
+
+    def build():
+        return nn.resnet18(IMAGE, 5, widths=WIDTHS)
+
+    layout = build().to("cuda").input_layout(IMAGE, amp.compute_dtype("fp16"),
+                                             backend.get("cuda"))
+    assert layout is not None and layout.group == 2
+    (model, laid), (ref, nchw) = (_laid_out_steps("cuda", build, flag, "fp16")
+                                  for flag in (True, False))
+    _assert_bits(laid, nchw)
+    _assert_bits(model.state_dict().values(), ref.state_dict().values())

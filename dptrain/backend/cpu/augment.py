@@ -1,5 +1,7 @@
-"""Random-resized-crop + flip + normalise, and resize + centre crop: the NumPy reference of
-kernels/data.cu's resized_crop_kernel (the definition both backends compute bit for bit).
+"""The batch's images from uint8 rows: gather + normalise (laid out for the stem where asked),
+random-resized-crop + flip + normalise, and resize + centre crop: the NumPy reference of
+kernels/data.cu's gather_normalize and resized_crop kernels (the definition both backends
+compute bit for bit).
 
 Boxes (torchvision's ``RandomResizedCrop.get_params``, its logic with our draws): image b's
 key is k = splitmix64(index + splitmix64(splitmix64(seed) + counter)), index = first + b *
@@ -25,14 +27,35 @@ import math
 
 import numpy as np
 
+from dptrain.backend import input_layout
 from dptrain.backend.bfloat16 import BFLOAT16, to_bfloat16
-from dptrain.backend.cpu.ops import _channel_affine
+from dptrain.backend.cpu.conv import to_channels_last
+from dptrain.backend.cpu.ops import _channel_affine, astype
 from dptrain.backend.registry import op
 
 M64 = (1 << 64) - 1
 ATTEMPTS = 10  # torchvision's
 EVAL_RESIZE = 256 / 224  # eval: shorter side to round(size * 256/224), then the centre square
 OUT_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), BFLOAT16)
+
+
+@op
+def gather_normalize(images, idx, mean, std, dtype=np.float32, layout=None):
+    """Rows idx of a uint8 (M, C, H, W) image array scaled to [0,1] then (x-mean)/std in
+    float32, rounded once to `dtype`; mean and std: scalars or C per-channel values.
+    `layout` (left, right, group, channels; dptrain.backend.input_layout): the rows laid out
+    channels-last as a stem convolution reads them, to_channels_last(rows, group, left, right,
+    channels) (B, H, (left + W + right) / group, channels); None: NCHW."""
+    if layout is not None:
+        layout = input_layout.checked("gather_normalize", layout, images.shape[1:])
+    scale, shift = _channel_affine(images, mean, std)
+    x = images[idx].astype(np.float32)
+    x *= scale
+    x -= shift
+    x = astype(x, dtype)
+    if layout is None:
+        return x
+    return to_channels_last(x, layout.group, layout.left, layout.right, layout.channels)
 
 
 def splitmix64(z: int) -> int:

@@ -534,17 +534,6 @@ def _channel_affine(images, mean, std):
             (mean / std).astype(np.float32).reshape(where))
 
 
-@op
-def gather_normalize(images, idx, mean, std, dtype=np.float32):
-    """Rows idx of a uint8 (M, C, H, W) image array scaled to [0,1] then (x-mean)/std in
-    float32, rounded once to `dtype`; mean and std: scalars or C per-channel values."""
-    scale, shift = _channel_affine(images, mean, std)
-    x = images[idx].astype(np.float32)
-    x *= scale
-    x -= shift
-    return astype(x, dtype)
-
-
 # splitmix64 (Steele, Lea, Flood, OOPSLA'14): the augmentation's counter-based hash.
 _GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 

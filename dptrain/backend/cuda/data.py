@@ -7,7 +7,11 @@ Conventions (the .cu file's header has the kernel side):
     mean and std are scalars, or per-channel sequences of length C for images (M, C, ...)
     (at most MAX_CHANNELS); they reach the kernel by value, so a captured step holds them.
     Host indices are uploaded (outside a captured step); a device index outside [0, M) gives
-    a NaN row.
+    a NaN row. With layout=(left, right, group, channels) (dptrain.backend.input_layout) the
+    rows come laid out channels-last as the stem convolution reads them, (B, H, (left + W +
+    right) / group, channels): to_channels_last of the NCHW result bit for bit (zero columns
+    and channels, NaN where the image's values are in an invalid row), in one pass of
+    gather_normalize_cl_kernel, 16-byte stores where channels * itemsize allows.
   * augment_crop_flip(x (B, C, H, W) of any float dtype, state uint64 [seed, counter] on the
     device, pad, first=0, stride=1) -> random crop with zero padding and horizontal flip, out
     of place (the elements moved as raw bits), the same draws as the CPU backend (a
@@ -35,6 +39,7 @@ import math
 import cupy
 import numpy as np
 
+from dptrain.backend import input_layout
 from dptrain.backend.bfloat16 import HALVES
 from dptrain.backend.cpu import augment as reference
 from dptrain.backend.cuda import launch
@@ -71,9 +76,11 @@ def _channel_affine(images, mean, std):
 
 
 @op
-def gather_normalize(images, idx, mean, std, dtype=np.float32):
+def gather_normalize(images, idx, mean, std, dtype=np.float32, layout=None):
     """Rows idx of a uint8 (M, C, H, W) image array scaled to [0,1] then (x-mean)/std, in
-    float32 or rounded once to 16 bits (`dtype`: the model's input, no cast pass after)."""
+    float32 or rounded once to 16 bits (`dtype`: the model's input, no cast pass after);
+    laid out channels-last where `layout` (left, right, group, channels) says (the module's
+    notes)."""
     launch.check_arrays("gather_normalize", images)
     if images.dtype != np.uint8 or images.ndim < 1:
         raise TypeError(f"cuda.gather_normalize: images must be uint8 (M, ...), got {images.dtype}")
@@ -88,6 +95,8 @@ def gather_normalize(images, idx, mean, std, dtype=np.float32):
     if np.dtype(dtype) not in (np.dtype(np.float32),) + HALVES:
         raise TypeError(f"cuda.gather_normalize: dtype must be float32, float16 or bfloat16, "
                         f"got {np.dtype(dtype)}")
+    if layout is not None:
+        return _gather_laid_out(images, idx, mean, std, np.dtype(dtype), layout)
     out = launch.new((idx.size,) + tuple(images.shape[1:]), dtype)
     launch.check_int32("gather_normalize", idx.size, chw)
     channels, affine = _channel_affine(images, mean, std)
@@ -101,6 +110,32 @@ def gather_normalize(images, idx, mean, std, dtype=np.float32):
                       launch.ctype(dtype))(
             grid, (launch.BLOCK,), (out, images, idx, np.int32(idx.size), np.int64(m),
                                     np.int32(chw), np.int32(hw), affine))
+    return out
+
+
+def _gather_laid_out(images, idx, mean, std, dtype, layout):
+    """gather_normalize's rows laid out in `layout`: one pass of gather_normalize_cl_kernel,
+    a thread a 16-byte vector of a pixel's slots where they fill whole vectors, else a slot."""
+    left, right, group, channels = input_layout.checked("cuda.gather_normalize", layout,
+                                                        images.shape[1:])
+    C, H, W = images.shape[1:]
+    if (left, right, group, channels) == (0, 0, 1, 1):  # NCHW's bytes: its wider stores
+        return gather_normalize(images, idx, mean, std, dtype).reshape(idx.size, H, W, 1)
+    wo = (left + W + right) // group
+    out = launch.new((idx.size, H, wo, channels), dtype)
+    vec = 16 // out.itemsize if channels * out.itemsize % 16 == 0 else 1
+    items = out.size // vec
+    if items:
+        launch.check_int32("gather_normalize", out.size, C * H * W)
+        _channel_affine(images, mean, std)  # scalars or C values, else a ValueError naming them
+        # per-channel pairs even for scalars: the kernel reads scale[c] for every channel c
+        _, affine = _channel_affine(images, np.broadcast_to(np.asarray(mean, np.float64), (C,)),
+                                    np.broadcast_to(np.asarray(std, np.float64), (C,)))
+        fn = launch.kernel(DATA, "gather_normalize_cl_kernel", launch.ctype(idx.dtype), str(vec),
+                           launch.ctype(dtype))
+        launch.grid_stride(fn, items, (out, images, idx, np.int64(images.shape[0]),
+                                       *map(np.int32, (items, C, H, W, wo, channels, group,
+                                                       left)), affine))
     return out
 
 
