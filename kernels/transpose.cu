@@ -15,6 +15,8 @@
 //    rows; like CuPy's indexing it wraps indices modulo the row count instead of raising.
 //  * stride_spread puts a channels-last grid of pixels on every s-th pixel of a larger one and
 //    zeros between, rows moved whole (16-byte vectors where they allow).
+//  * transpose_many turns a table of 16-bit matrices in one launch (a step's convolution
+//    weights into the implicit GEMMs' operands).
 //  * index_add (getitem_backward with index arrays) is a gather, not a scatter: each output
 //    element sums, in increasing i, the gy[i] whose flat index is its own. No atomics, so the
 //    result is deterministic and repeated indices accumulate as np.add.at does.
@@ -105,6 +107,60 @@ __global__ void narrow_transpose_kernel(const U* __restrict__ in, U* __restrict_
   }
 }
 
+// Many 16-bit transposes in one launch (a step's convolution weights reordered ahead,
+// conv/ahead.py): job j turns nb matrices of R x C at src into (C, R) at dst, exact bits.
+// The jobs' pieces lie end to end along the grid, job j's from first[j] on: a narrow job's
+// piece is a whole matrix through shared memory (narrow_transpose_kernel's way, R * C
+// elements within the dynamic shared memory), a wide job's a 64 x 64 tile of its one matrix
+// moved as pairs (tile_transpose_pairs_kernel's way; R and C even). 256 threads a block.
+struct TransposeJob {
+  const unsigned short* src;
+  unsigned short* dst;
+  long long first;  // the job's first piece
+  int nb, R, C, tiles_c, wide;
+};
+
+__global__ void transpose_many_kernel(const TransposeJob* __restrict__ jobs, int njobs) {
+  extern __shared__ __align__(16) unsigned char many_raw[];
+  const long long piece = blockIdx.x;
+  int lo = 0, hi = njobs - 1;  // the last job whose first piece is at most this one
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (jobs[mid].first <= piece) lo = mid; else hi = mid - 1;
+  }
+  const TransposeJob job = jobs[lo];
+  const int R = job.R, C = job.C, t = threadIdx.x;
+  const long long p = piece - job.first;
+  if (!job.wide) {
+    unsigned short* m = reinterpret_cast<unsigned short*>(many_raw);
+    const long long base = p * R * C;
+    for (int i = t; i < R * C; i += 256) m[i] = job.src[base + i];
+    __syncthreads();
+    for (int o = t; o < R * C; o += 256) {  // o = c * R + r
+      const int c = o / R, r = o - c * R;
+      job.dst[base + o] = m[r * C + c];
+    }
+    return;
+  }
+  unsigned short(*tile)[66] = reinterpret_cast<unsigned short(*)[66]>(many_raw);
+  const int c0 = (int)(p % job.tiles_c) * 64, r0 = (int)(p / job.tiles_c) * 64;
+  const int tx = t & 31, ty = t >> 5;
+  for (int j = ty; j < 64; j += 8) {
+    const int r = r0 + j, c = c0 + 2 * tx;
+    if (r < R && c < C)
+      *reinterpret_cast<unsigned*>(&tile[j][2 * tx]) =
+          *reinterpret_cast<const unsigned*>(job.src + (long long)r * C + c);
+  }
+  __syncthreads();
+  const int r = r0 + 2 * tx;  // this thread's pair of input rows, output columns
+  for (int j = ty; j < 64; j += 8) {
+    const int c = c0 + j;
+    if (r < R && c < C)
+      *reinterpret_cast<unsigned*>(job.dst + (long long)c * R + r) =
+          tile[2 * tx][j] | (unsigned)tile[2 * tx + 1][j] << 16;
+  }
+}
+
 // out[b, :] = in[idx[b] mod M, :], rows of `row` elements.
 template <typename U, typename L>
 __global__ void take_rows_kernel(U* out, const U* in, const L* idx, int B, long long M, long long row) {
@@ -184,6 +240,7 @@ __global__ void channels_last_input_kernel(U* __restrict__ out, const U* __restr
 // instantiate: tile_transpose_kernel<{unsigned short, unsigned int}>
 // instantiate: tile_transpose_pairs_kernel
 // instantiate: narrow_transpose_kernel<{unsigned short, unsigned int}>
+// instantiate: transpose_many_kernel
 // instantiate: stride_spread_kernel<{uint4, unsigned short, unsigned int}>
 // instantiate: channels_last_input_kernel<unsigned short, {1, 8}>
 // instantiate: channels_last_input_kernel<unsigned int, {1, 4}>

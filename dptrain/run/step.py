@@ -21,6 +21,8 @@ it. Two options, off by default (the step then runs exactly the launches it alwa
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 import dptrain.engine.functional as F
@@ -54,20 +56,23 @@ class Step:
                 raise ValueError(f"metric {name!r}: reduce over ranks by one of "
                                  f"{REDUCTIONS}, got {how!r}")
         self.sums = None  # name -> device array, made by the first (eager) call
+        self._operands = False  # the weights' operands reordered ahead: made by the first call
         self._window = None  # sums to start from (a resumed run's, TrainStep)
 
     def __call__(self):
         self.reducer.mark("step_begin")  # timeline marks: nothing without a timeline
         self.reducer.gather_parameters()  # last step's updated shards; overlaps the forward
         self.opt.zero_grad()
-        if self.accumulate == 1:
-            loss, metrics = self.loss_fn()
-            _check_loss(loss)
-            # buckets start their reduce-scatter as their gradients complete
-            loss.backward(self.scaler.seed() if self.scaler is not None else None)
-            loss = loss.data
-        else:
-            loss, metrics = self._micro_batches()
+        operands = self._weight_operands()
+        with operands.ready() if operands is not None else contextlib.nullcontext():
+            if self.accumulate == 1:
+                loss, metrics = self.loss_fn()
+                _check_loss(loss)
+                # buckets start their reduce-scatter as their gradients complete
+                loss.backward(self.scaler.seed() if self.scaler is not None else None)
+                loss = loss.data
+            else:
+                loss, metrics = self._micro_batches()
         self.reducer.finish_backward()
         if self.guard is not None:
             self.guard(loss)
@@ -76,6 +81,20 @@ class Step:
         self.opt.update()  # this rank's shard only; gathered at the start of the next step
         self._accumulate({"loss": loss, **metrics})
         self.reducer.mark("step_end")
+
+    def _weight_operands(self):
+        """The 16-bit convolution weights' operands reordered now, in one launch, for the
+        forward and backward to take (be.conv2d_weight_operands), or None: on one process
+        only, where no gather of the weights overlaps the forward (N ranks reorder each
+        weight as its layer runs, after its bucket's gather)."""
+        if self._operands is False:
+            shadows = [getattr(p, "shadow", None) for p in self.reducer.flat.params]
+            self._operands = (self.be.conv2d_weight_operands([w for w in shadows
+                                                               if w is not None])
+                              if self.reducer.size == 1 else None)
+        if self._operands is not None:
+            self._operands.refresh()
+        return self._operands
 
     def _micro_batches(self):
         """``loss_fn(i)`` and its backward for each micro-batch i, the exchange held until

@@ -110,6 +110,15 @@ def to_channels_last(x, group=1, left=0, right=0, channels=None):
     return out
 
 
+@op
+def conv2d_weight_operands(weights):
+    """An object whose refresh() reorders the convolution weights among `weights` into the
+    operands the backend's kernels read, all in one launch, and whose ready() context has
+    the convolutions take them (the weights unchanged inside), or None where the backend
+    reorders nothing ahead: here, where the convolutions read a weight as it lies."""
+    return None
+
+
 @op(fp32_math=True)
 def conv2d_forward(x, w, b, stride, padding, *, channels_last=False, workspace=None):
     """Cross-correlation of NCHW x with w (C_out, C_in, kH, kW), plus b (or None); x and the

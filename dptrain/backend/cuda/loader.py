@@ -320,7 +320,8 @@ STEP_KERNELS = {
                    "ce_bwd_kernel<float, long long>", "ce_rows_kernel<float, long long, {t}>",
                    "ce_bwd_kernel<float, long long, {t}>"),
     "transpose.cu": ("strided_copy_kernel<unsigned int>", "strided_copy_kernel<uint4>",
-                     "take_rows_kernel<unsigned long long, long long>"),
+                     "take_rows_kernel<unsigned long long, long long>",
+                     "transpose_many_kernel"),
 }
 
 

@@ -20,6 +20,7 @@ The modules:
     routes.py      Route, the test-only injector DPTRAIN_TEST_ROUTES_OFF, explain()
     passes.py      the ops and each pass's ordered route table
     layout.py      chunks, tiles, NCHW <-> channels-last around a plan, 3xTF32 around a plan
+    ahead.py       a step's 16-bit weights reordered into the kernels' operands in one launch
     implicit.py    conv2d.cu        (mma.sync / FFMA, NCHW gathers; runs everywhere)
     direct.py      conv2d_direct.cu (small filters)
     nhwc.py        conv2d_nhwc.cu   (backward-weight gathering x's channels-last copy)

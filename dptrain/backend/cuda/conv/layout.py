@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from dptrain.backend.cuda import launch
+from dptrain.backend.cuda.conv import ahead
 from dptrain.backend.cuda.gemm import output
 from dptrain.backend.cuda.runtime import runtime
 from dptrain.backend.cuda.transpose import copy, strided_copy, transposer
@@ -61,7 +62,12 @@ def weight_reorder(mode, m, c, khw, dt):
         return lambda w: (w if w.flags.c_contiguous and w.data.ptr % 16 == 0
                           else copy(w)).reshape(m, c)
     turn = transposer(m, c, khw, dt) if mode == 0 else transposer(1, c, m * khw, dt)
-    return lambda w: turn(w).reshape(m, khw * c)
+
+    def run(w):  # reordered ahead with the step's other weights (conv/ahead.py), or now
+        ready = ahead.ready_operand(w, mode)
+        return ready if ready is not None else turn(w).reshape(m, khw * c)
+
+    return run
 
 
 def to_nhwc(shape, dt):

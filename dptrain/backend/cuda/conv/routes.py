@@ -19,10 +19,10 @@ from typing import Callable
 from dptrain import switches
 
 # Names the injector may refuse outside the route tables: gemm.py's routes, the tiled
-# reduce of backward-weight on wgmma (bwdw_wgmma.reducer) and the TMA kernel's resident
-# weights (conv/wgmma.py's resident).
+# reduce of backward-weight on wgmma (bwdw_wgmma.reducer), the TMA kernel's resident
+# weights (conv/wgmma.py's resident) and the weights reordered ahead (conv/ahead.py).
 OTHER_NAMES = ("gemm_wgmma", "gemm_wgmma_splitk", "gemm_thin", "bwdw_reduce_tiled",
-               "wgmma_resident")
+               "wgmma_resident", "weights_ahead")
 
 
 @dataclass(frozen=True)
