@@ -345,6 +345,23 @@ def test_a_layout_that_does_not_fit_the_images_is_refused():
         DeviceLoader(toy(), cpu, 4, layout=(0, 0, 2, 8))
 
 
+def _replayed(cu, loader, ref, step, out_x, rng, rows=301, batch=37):
+    """`step` (copying loader.batch() out, x into out_x) captured and called 4 times (warm-up,
+    capture, replays), each after both loaders took the same random batch: yields the CPU
+    loader `ref`'s (x, y) of each, whose x out_x holds bit for bit."""
+    loader.set_batch(np.arange(batch))
+    run = cu.runtime.capture(step, warmup=1)
+    for _ in range(4):
+        idx = rng.integers(0, rows, batch)
+        loader.set_batch(idx)
+        ref.set_batch(idx)
+        run()
+        cu.runtime.synchronize()
+        x, y = ref.batch()
+        assert cu.to_numpy(out_x).tobytes() == x.tobytes()
+        yield x, y
+
+
 @pytest.mark.gpu
 def test_cuda_loader_matches_cpu_and_replays():
     cu = backend.get("cuda")
@@ -363,16 +380,7 @@ def test_cuda_loader_matches_cpu_and_replays():
             cu.copy_(out_x, x)
             cu.copy_(out_y, y)
 
-        loader.set_batch(np.arange(37))
-        run = cu.runtime.capture(step, warmup=1)
-        for _ in range(4):  # warm-up, capture, then replays
-            idx = rng.integers(0, 301, 37)
-            loader.set_batch(idx)
-            ref.set_batch(idx)
-            run()
-            cu.runtime.synchronize()
-            x, y = ref.batch()
-            assert cu.to_numpy(out_x).tobytes() == x.tobytes()
+        for _, y in _replayed(cu, loader, ref, step, out_x, rng):
             np.testing.assert_array_equal(cu.to_numpy(out_y), y)
         xg, yg = loader.gather(np.arange(301))
         assert cu.to_numpy(xg).tobytes() == ref.gather(np.arange(301))[0].tobytes()
@@ -393,15 +401,6 @@ def test_cuda_laid_out_loader_matches_cpu_and_replays(data_on):
     def step():
         cu.copy_(out_x, loader.batch()[0])
 
-    loader.set_batch(np.arange(37))
-    run = cu.runtime.capture(step, warmup=1)
-    rng = np.random.default_rng(3)
-    for _ in range(4):  # warm-up, capture, then replays
-        idx = rng.integers(0, 301, 37)
-        loader.set_batch(idx)
-        ref.set_batch(idx)
-        run()
-        cu.runtime.synchronize()
-        assert cu.to_numpy(out_x).tobytes() == ref.batch()[0].tobytes()
+    list(_replayed(cu, loader, ref, step, out_x, np.random.default_rng(3)))
     picks = np.arange(301)[::-1]
     assert cu.to_numpy(loader.gather(picks)[0]).tobytes() == ref.gather(picks)[0].tobytes()
