@@ -454,7 +454,7 @@ __global__ void __launch_bounds__(256, BN <= 64 ? 2 : 1) conv2d_wgmma_kernel(DP_
 // the tiled map `outputs` of out as (pixels, M), boxes of 128 pixels x 64 channels.
 // RES (the launcher: one phase, every weight slab within RES_BYTES): the producer loads the
 // weights once, before the first tile's pixels; the stages then carry pixel slabs alone
-// (a 3x3 filter over 64 channels re-read 9 KB of weights for every 16 KB of pixels).
+// (a 3x3 filter over 64 channels re-read 8 KB of weights for every 16 KB of pixels).
 template <typename T, int BN, bool TURN = false, bool RES = false>
 __global__ void __launch_bounds__(384, 1)
     conv2d_wgmma_tma_kernel(const __grid_constant__ wgmma_tiles::TmaMap pixels,

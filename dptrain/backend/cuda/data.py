@@ -55,11 +55,12 @@ CHANNEL_AFFINE = np.dtype([("scale", np.float32, (MAX_CHANNELS,)),
                            ("shift", np.float32, (MAX_CHANNELS,))])
 
 
-def _channel_affine(images, mean, std):
+def _channel_affine(images, mean, std, every_channel=False):
     """(channels, ChannelAffine struct) of x * scale - shift = (x / 255 - mean) / std, the
-    float32 values the CPU backend uses."""
+    float32 values the CPU backend uses; scalars once, or (`every_channel`: for a kernel
+    that reads each channel's pair) once for each of the images' C channels."""
     mean, std = np.asarray(mean, np.float64), np.asarray(std, np.float64)
-    if mean.ndim == 0 and std.ndim == 0:
+    if mean.ndim == 0 and std.ndim == 0 and not every_channel:
         channels = 1
     else:
         channels = images.shape[1] if images.ndim >= 2 else -1
@@ -127,10 +128,7 @@ def _gather_laid_out(images, idx, mean, std, dtype, layout):
     items = out.size // vec
     if items:
         launch.check_int32("gather_normalize", out.size, C * H * W)
-        _channel_affine(images, mean, std)  # scalars or C values, else a ValueError naming them
-        # per-channel pairs even for scalars: the kernel reads scale[c] for every channel c
-        _, affine = _channel_affine(images, np.broadcast_to(np.asarray(mean, np.float64), (C,)),
-                                    np.broadcast_to(np.asarray(std, np.float64), (C,)))
+        _, affine = _channel_affine(images, mean, std, every_channel=True)
         fn = launch.kernel(DATA, "gather_normalize_cl_kernel", launch.ctype(idx.dtype), str(vec),
                            launch.ctype(dtype))
         launch.grid_stride(fn, items, (out, images, idx, np.int64(images.shape[0]),

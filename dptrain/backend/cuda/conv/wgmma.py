@@ -81,8 +81,8 @@ def resident(m, k, dt, phases) -> bool:
     """Whether the TMA kernel keeps every weight slab of an m x k pass in shared memory (its
     RES): 16-bit tiles of 64 or 128 channels, one phase, within RESIDENT_BYTES."""
     bn, slab = rows_tile(m), 128 // np.dtype(dt).itemsize
-    return (not routes.refused("wgmma_resident") and dt in launch.HALVES and bn >= 64 and phases == 1
-            and -(-m // bn) * -(-k // slab) * bn * 128 <= RESIDENT_BYTES)
+    return (not routes.refused("wgmma_resident") and dt in launch.HALVES and bn >= 64
+            and phases == 1 and -(-m // bn) * -(-k // slab) * bn * 128 <= RESIDENT_BYTES)
 
 
 def kernel(m, npix, dt, tma_fed=False, res=False):
